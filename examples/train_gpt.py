@@ -1,0 +1,84 @@
+"""Train a small GPT on the Python standard library's own source code (byte tokens).
+
+Runs on CPU with gloo (or GPUs with NCCL) on as many ranks as the launcher starts:
+
+    torchrun --nproc_per_node 2 examples/train_gpt.py --deepspeed_config examples/configs/zero0.json
+
+The training loop is a DeepSpeed loop; switching ZeRO stage, precision or batch sizes is
+a change of config file, not of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import shardwise  # noqa: E402
+from gpt_model import GPT, ByteBlocks, GPTConfig, byte_corpus  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps to train")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--corpus_bytes", type=int, default=4_000_000,
+                        help="bytes of standard-library source to train on")
+    parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
+    parser.add_argument("--seed", type=int, default=1234)
+    shardwise.add_config_arguments(parser)
+    args = parser.parse_args()
+    if args.deepspeed_config is None:
+        args.deepspeed_config = os.path.join(os.path.dirname(__file__), "configs", "zero0.json")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
+    model = GPT(GPTConfig(vocab_size=256, width=args.width, num_layers=args.layers,
+                          num_heads=args.heads, seq_len=args.seq_len))
+    dataset = ByteBlocks(byte_corpus(max_bytes=args.corpus_bytes), seq_len=args.seq_len)
+    engine, _, loader, _ = shardwise.initialize(args=args, model=model,
+                                                model_parameters=model.parameters(),
+                                                training_data=dataset)
+    rank0 = engine.global_rank == 0
+    if rank0:
+        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+              f"corpus: {len(dataset)} blocks of {args.seq_len} bytes; "
+              f"{engine.dp_world_size} ranks, global batch {engine.train_batch_size()}", flush=True)
+    first_loss, start = None, time.perf_counter()
+    losses: list[float] = []
+    while engine.global_steps < args.steps:
+        for x, y in loader:
+            x, y = x.to(engine.device), y.to(engine.device)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if first_loss is None:
+                first_loss = losses[-1]
+            if engine.global_steps >= args.steps:
+                break
+    elapsed = time.perf_counter() - start
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir, client_state={"losses_tail": losses[-10:]})
+    if rank0:
+        tail = sum(losses[-10:]) / len(losses[-10:])
+        print(f"done: {engine.global_steps} steps in {elapsed:.1f}s, "
+              f"{engine.global_samples / elapsed:.1f} samples/s; "
+              f"loss {first_loss:.3f} -> {tail:.3f} (mean of last 10 micro-steps)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""``shardwise.initialize``: DeepSpeed's entry point, same signature and return values."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import torch.distributed as dist
+
+from shardwise.comm import Communicator, init_distributed
+from shardwise.config import load_config
+
+logger = logging.getLogger("shardwise")
+
+
+def _config_source(args, config, config_params):
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "shardwise_config", None) or getattr(args, "deepspeed_config", None)
+    given = [c for c in (config, config_params) if c is not None]
+    if len(given) > 1:
+        raise ValueError("both config= and config_params= were given to initialize(); pass one")
+    if given and from_args is not None:
+        raise ValueError(f"a config was passed to initialize() and also on the command line "
+                         f"(--deepspeed_config/--shardwise_config {from_args}); keep only one")
+    source = given[0] if given else from_args
+    if source is None:
+        raise ValueError("no config: pass config= (a dict or a JSON file path) to initialize(), "
+                         "or --deepspeed_config/--shardwise_config on the command line "
+                         "(add the flags with shardwise.add_config_arguments(parser))")
+    return source
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               config_params=None):
+    """Wrap ``model`` for training as the config says; DeepSpeed's ``initialize``.
+
+    Starts torch.distributed if needed (from torchrun/SLURM/MPI variables, or a world of
+    one), reads and validates the config, broadcasts parameters from rank 0 and builds the
+    optimizer, LR scheduler and data loader.
+
+    Args:
+        args: an argparse namespace; ``args.deepspeed_config`` or ``args.shardwise_config``
+            may name the config file.
+        model: the ``torch.nn.Module`` to train (required).
+        optimizer: a ``torch.optim.Optimizer``, or a callable building one from parameters;
+            excludes an ``optimizer`` section in the config.
+        model_parameters: parameters or param-group dicts to optimize (default: all).
+        training_data: a Dataset; a distributed loader over it is returned.
+        lr_scheduler: a scheduler object, or a callable taking the optimizer.
+        mpu: model-parallel unit (not supported yet: tensor/pipeline parallelism).
+        dist_init_required: False when the caller initialises torch.distributed.
+        collate_fn: collate function for the returned loader.
+        config: a dict or a path to a DeepSpeed-style JSON config.
+        config_params: the same as ``config`` (DeepSpeed's older name).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)``; the last three may be None.
+    """
+    from shardwise.runtime.engine import Engine
+
+    if model is None:
+        raise ValueError("initialize() needs model=<torch.nn.Module>")
+    if mpu is not None:
+        raise NotImplementedError("mpu= (Megatron-style model parallelism) is not available in "
+                                  "this version of shardwise yet; train with data parallelism")
+    source = _config_source(args, config, config_params)
+    init_distributed(dist_init_required=dist_init_required)
+    if not dist.is_initialized():
+        raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
+                           "call torch.distributed.init_process_group() first")
+    cfg = load_config(source, world_size=dist.get_world_size())
+    if dist.get_rank() == 0:
+        logger.info("shardwise: %d rank(s), micro-batch %d x accumulation %d = batch %d",
+                    dist.get_world_size(), cfg.batch.train_micro_batch_size_per_gpu,
+                    cfg.batch.gradient_accumulation_steps, cfg.batch.train_batch_size)
+    comm = Communicator(timeout_s=cfg.comm.timeout_s, name="data-parallel")
+    engine = Engine(model=model, config=cfg, comm=comm, optimizer=optimizer,
+                    model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                    training_data=training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--deepspeed``, ``--deepspeed_config`` (and ``--shardwise*`` aliases) to a parser."""
+    group = parser.add_argument_group("shardwise", "shardwise / DeepSpeed configuration")
+    group.add_argument("--deepspeed", "--shardwise", dest="deepspeed", action="store_true",
+                       default=False, help="enable shardwise (accepted for DeepSpeed scripts)")
+    group.add_argument("--deepspeed_config", "--shardwise_config", dest="deepspeed_config",
+                       default=None, type=str, help="path to the DeepSpeed-style JSON config")
+    group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)),
+                       help="local rank (set by launchers that pass it as an argument)")
+    return parser
+
+

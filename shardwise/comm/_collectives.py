@@ -1,0 +1,191 @@
+"""Collectives with a deadline and a diagnosis.
+
+Every collective shardwise issues goes through a :class:`Communicator`: it numbers the
+collectives of its group, counts calls and bytes (tests assert communication behaviour
+from these counts), and turns a collective that fails or exceeds the timeout into a
+:class:`CollectiveError` that names this rank, the collective, its sequence number, its
+size and its tag (the bucket or parameter involved).
+
+[Note: hang diagnosis]
+When a collective fails, the failing rank publishes what it was waiting in to the
+process group's key-value store and then reads what its peers published within a short
+grace period. Peers stuck in a different collective time out at about the same moment
+and publish theirs; a peer that published nothing is dead or busy outside any
+collective. The error lists all of it, so ranks that diverged are named instead of the
+job hanging silently until a 30-minute default timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_DIAG_PREFIX = "shardwise/diag"
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message says where every rank was."""
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """What one collective was, for counting and for error messages."""
+
+    seq: int
+    op: str
+    numel: int
+    dtype: torch.dtype
+    tag: str
+
+    def describe(self) -> str:
+        tag = f" [{self.tag}]" if self.tag else ""
+        return f"{self.op} #{self.seq} ({self.numel} x {str(self.dtype).removeprefix('torch.')}){tag}"
+
+
+class Handle:
+    """An in-flight collective; :meth:`wait` blocks until done or raises CollectiveError."""
+
+    def __init__(self, comm: "Communicator | None", work, record: CollectiveRecord | None):
+        self._comm, self._work, self._record = comm, work, record
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        try:
+            completed = work.wait(timeout=self._comm.timeout)
+        except RuntimeError as exc:
+            raise self._comm.diagnose(self._record, exc) from exc
+        if completed is False:
+            raise self._comm.diagnose(self._record, None)
+
+
+_DONE = Handle(None, None, None)
+
+
+class Communicator:
+    """Collectives over one process group, numbered, counted and bounded in time.
+
+    Args:
+        group: the process group (None = the default group).
+        timeout_s: how long a wait may block before it is diagnosed as a hang.
+        name: a label used in error messages (e.g. ``"data-parallel"``).
+    """
+
+    def __init__(self, group=None, *, timeout_s: float = 1800.0, name: str = "world"):
+        self.group = group
+        self.name = name
+        self.timeout = timedelta(seconds=timeout_s)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.calls: Counter[str] = Counter()
+        """Number of collectives issued, by op name."""
+        self.bytes: Counter[str] = Counter()
+        """Payload bytes of the collectives issued, by op name."""
+        self._seq = 0
+
+    def _record(self, op: str, tensor: torch.Tensor, tag: str) -> CollectiveRecord:
+        self._seq += 1
+        self.calls[op] += 1
+        self.bytes[op] += tensor.numel() * tensor.element_size()
+        return CollectiveRecord(self._seq, op, tensor.numel(), tensor.dtype, tag)
+
+    def all_reduce(self, tensor: torch.Tensor, *, op=dist.ReduceOp.SUM, tag: str = "") -> Handle:
+        """Start an in-place all-reduce of ``tensor``; returns a handle to wait on."""
+        if self.world_size == 1:
+            return _DONE
+        record = self._record("all_reduce", tensor, tag)
+        return Handle(self, dist.all_reduce(tensor, op=op, group=self.group, async_op=True), record)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, tag: str = "") -> Handle:
+        """Start an in-place broadcast from group rank ``src``."""
+        if self.world_size == 1:
+            return _DONE
+        record = self._record("broadcast", tensor, tag)
+        src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+        return Handle(self, dist.broadcast(tensor, src_global, group=self.group, async_op=True), record)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "") -> Handle:
+        """Start gathering every rank's ``input`` into ``output`` (rank-major)."""
+        if self.world_size == 1:
+            output.copy_(input.reshape(output.shape))
+            return _DONE
+        record = self._record("all_gather", output, tag)
+        work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
+        return Handle(self, work, record)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, *,
+                              op=dist.ReduceOp.SUM, tag: str = "") -> Handle:
+        """Start reducing ``input`` across ranks, leaving this rank's slice in ``output``."""
+        if self.world_size == 1:
+            output.copy_(input.reshape(output.shape))
+            return _DONE
+        record = self._record("reduce_scatter", input, tag)
+        work = dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=True)
+        return Handle(self, work, record)
+
+    def barrier(self, *, tag: str = "") -> None:
+        """Block until every rank of the group arrives (implemented as a tiny all-reduce)."""
+        self.all_reduce(torch.zeros(1, device=self._device()), tag=tag or "barrier").wait()
+
+    def all_reduce_scalars(self, values: list[float], *, op=dist.ReduceOp.SUM, tag: str = "",
+                           device=None) -> list[float]:
+        """All-reduce a few Python numbers in one fp64 collective and return them."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=device or self._device())
+        self.all_reduce(tensor, op=op, tag=tag).wait()
+        return tensor.tolist()
+
+    def _device(self) -> torch.device:
+        backend = dist.get_backend(self.group)
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def diagnose(self, record: CollectiveRecord, exc: BaseException | None) -> CollectiveError:
+        """Build the error for a failed collective. See [Note: hang diagnosis]."""
+        global_rank = dist.get_rank()
+        mine = f"{self.name} group rank {self.rank}: {record.describe()}"
+        peers = _exchange_diagnosis(global_rank, dist.get_world_size(), mine,
+                                    grace_s=min(10.0, self.timeout.total_seconds()))
+        reason = str(exc).splitlines()[0][:300] if exc is not None else ""
+        if exc is None or "timed out" in reason.lower():
+            cause = "did not complete within %g s" % self.timeout.total_seconds()
+        else:
+            cause = f"failed: {reason}"
+        lines = [f"rank {global_rank} waited in {mine} which {cause}."]
+        for peer, state in peers.items():
+            lines.append(f"  rank {peer}: " + (state or "published nothing (dead, or busy "
+                                                         "outside any collective)"))
+        lines.append("Ranks that issue different collectives have diverged (e.g. a data-"
+                     "dependent branch or a save called on some ranks only); a rank that "
+                     "published nothing has crashed or is stuck: check its log.")
+        return CollectiveError("\n".join(lines))
+
+
+def _exchange_diagnosis(rank: int, world_size: int, mine: str, *, grace_s: float) -> dict[int, str | None]:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_DIAG_PREFIX}/{rank}", mine)
+    except Exception:  # the store may be gone with the dead peer; diagnose without it
+        return {}
+    found: dict[int, str | None] = {}
+    deadline = time.monotonic() + grace_s
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        key = f"{_DIAG_PREFIX}/{peer}"
+        remaining = max(deadline - time.monotonic(), 0.05)
+        try:
+            store.wait([key], timedelta(seconds=remaining))
+            found[peer] = store.get(key).decode()
+        except Exception:
+            found[peer] = None
+    return found

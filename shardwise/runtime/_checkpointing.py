@@ -1,0 +1,184 @@
+"""What the engine saves and restores; the file format itself lives in shardwise.checkpoint.
+
+Layout of one checkpoint directory (every tensor is stored under a parameter name, never
+a rank or an optimizer index, so any later layout can read it):
+- ``model.safetensors``: the module's state_dict.
+- ``optimizer.safetensors``: optimizer state per parameter name, plus fp32 master
+  weights (``master.<name>``) when the module trains in fp16/bf16.
+- ``engine_state.safetensors``: tensors of the LR scheduler, loss scaler and client state.
+- ``rng_rank<R>.safetensors``: each rank's random number generator states.
+- ``manifest.json``: counters, layout, and the structure (skeleton) of each state above.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from shardwise import checkpoint as ckpt
+
+logger = logging.getLogger("shardwise")
+
+_MODEL, _OPTIMIZER, _ENGINE = "model.safetensors", "optimizer.safetensors", "engine_state.safetensors"
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
+
+
+def _optimizer_state_by_name(engine) -> dict:
+    """The optimizer's state_dict with parameter indices replaced by parameter names."""
+    optimizer = engine.optimizer
+    names = engine.strategy.named_optimizer_params()
+    index_to_name, index = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index_to_name[index] = names.get(p, f"unnamed.{index}")
+            index += 1
+    state = optimizer.state_dict()
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [index_to_name[i] for i in g["params"]]} for g in state["param_groups"]]
+    by_name = {index_to_name[i]: s for i, s in state["state"].items()}
+    masters = {name: p.detach() for p, name in names.items() if p.dtype == torch.float32} \
+        if engine.policy.needs_master_copy else {}
+    return {"state": by_name, "param_groups": groups, "master": masters}
+
+
+def _load_optimizer_state_by_name(engine, saved: dict) -> None:
+    optimizer = engine.optimizer
+    names = engine.strategy.named_optimizer_params()
+    name_to_index, index = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name_to_index[names.get(p, f"unnamed.{index}")] = index
+            index += 1
+    saved_groups = saved["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ckpt.CheckpointError(
+            f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this one has "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same groups, or load with "
+            "load_optimizer_states=False")
+    missing = [n for g in saved_groups for n in g["params"] if n not in name_to_index]
+    if missing:
+        raise ckpt.CheckpointError(
+            f"the checkpoint's optimizer holds state for parameters this model lacks: "
+            f"{missing[:5]}; load with load_optimizer_states=False to take only the weights")
+    state = {name_to_index[n]: s for n, s in saved["state"].items()}
+    groups = [{**g, "params": [name_to_index[n] for n in g["params"]]} for g in saved_groups]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    with torch.no_grad():
+        for p, name in names.items():
+            if name in saved.get("master", {}):
+                p.copy_(saved["master"][name])
+    engine.strategy.sync_params_from_master()
+
+
+def _check_tag_agrees(engine, tag: str) -> None:
+    mode = engine.config.checkpoint.tag_validation
+    if mode == "Ignore" or engine.comm.world_size == 1:
+        return
+    digest = int(hashlib.sha1(tag.encode()).hexdigest()[:12], 16)
+    low, high = engine.comm.all_reduce_scalars([-digest, digest], op=torch.distributed.ReduceOp.MAX,
+                                               tag="checkpoint tag check")
+    if -low != high:
+        message = f"checkpoint tag {tag!r} differs between ranks; pass the same tag on every rank"
+        if mode == "Fail":
+            raise ValueError(message)
+        logger.warning(message)
+
+
+def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> bool:
+    """Write a checkpoint of ``engine`` (collective: every rank calls it)."""
+    comm = engine.comm
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    _check_tag_agrees(engine, tag)
+    staging = ckpt.begin_checkpoint(save_dir, tag, clean=comm.rank == 0)
+    comm.barrier(tag=f"checkpoint {tag}: staging created")
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    skeletons: dict = {}
+    if comm.rank == 0:
+        files[_MODEL], skeletons["module"] = ckpt.flatten_state(engine.module.state_dict())
+        if engine.optimizer is not None:
+            files[_OPTIMIZER], skeletons["optimizer"] = ckpt.flatten_state(_optimizer_state_by_name(engine))
+        engine_state = {
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "client_state": client_state,
+        }
+        files[_ENGINE], skeletons["engine_state"] = ckpt.flatten_state(engine_state)
+    rng_tensors, rng_skeleton = ckpt.flatten_state(ckpt.capture_rng_state())
+    files[_rng_file(comm.rank)] = rng_tensors
+    records = ckpt.write_files(staging, files)
+    all_records = [None] * comm.world_size
+    torch.distributed.all_gather_object(all_records, (records, rng_skeleton), group=comm.group)
+    if comm.rank == 0:
+        merged = {name: rec for recs, _ in all_records for name, rec in recs.items()}
+        skeletons["rng"] = {str(rank): skel for rank, (_, skel) in enumerate(all_records)}
+        manifest = {
+            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+            "layout": {"zero_stage": engine.config.zero.stage, "dp_world_size": comm.world_size,
+                       "param_dtype": str(engine.policy.param_dtype).removeprefix("torch.")},
+            "skeletons": skeletons,
+        }
+        ckpt.finalize_checkpoint(save_dir, tag, staging, manifest=manifest, file_records=merged,
+                                 save_latest=save_latest)
+    comm.barrier(tag=f"checkpoint {tag}: finalized")
+    return True
+
+
+def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_scheduler: bool,
+         module_only: bool):
+    """Restore ``engine`` from a checkpoint; returns ``(path, client_state)``.
+
+    Like DeepSpeed, asking for the latest checkpoint of a directory that has none is not
+    an error: a warning is logged and ``(None, None)`` returned, so "resume if possible"
+    scripts work. Anything wrong with a checkpoint that does exist raises CheckpointError.
+    """
+    if tag is None and not (Path(load_dir) / "latest").is_file():
+        logger.warning("no 'latest' file in %s: nothing to resume from, starting fresh "
+                       "(pass tag= to load a specific checkpoint)", load_dir)
+        return None, None
+    tag = ckpt.resolve_tag(load_dir, tag)
+    path = Path(load_dir) / tag
+    manifest = ckpt.read_manifest(path)
+    skeletons = manifest["skeletons"]
+    module_state = ckpt.unflatten_state(ckpt.read_tensors(path, _MODEL, manifest=manifest),
+                                        skeletons["module"])
+    result = engine.module.load_state_dict(module_state, strict=strict)
+    if not strict and (result.missing_keys or result.unexpected_keys):
+        logger.warning("checkpoint loaded non-strictly: missing %s, unexpected %s",
+                       result.missing_keys, result.unexpected_keys)
+    engine.strategy.reset_master_from_params()
+    engine_state = ckpt.unflatten_state(ckpt.read_tensors(path, _ENGINE, manifest=manifest),
+                                        skeletons["engine_state"])
+    if module_only:
+        return str(path), engine_state["client_state"]
+    if load_optimizer and engine.optimizer is not None:
+        if "optimizer" not in skeletons:
+            raise ckpt.CheckpointError(f"{path} holds no optimizer state (it was saved without an "
+                                       "optimizer); load with load_optimizer_states=False")
+        saved = ckpt.unflatten_state(ckpt.read_tensors(path, _OPTIMIZER, manifest=manifest),
+                                     skeletons["optimizer"])
+        _load_optimizer_state_by_name(engine, saved)
+    if load_scheduler and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+    if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(engine_state["loss_scaler"])
+    engine.global_steps = manifest["global_steps"]
+    engine.global_samples = manifest["global_samples"]
+    engine.micro_steps = manifest["micro_steps"]
+    engine.skipped_steps = manifest["skipped_steps"]
+    rng_name = _rng_file(engine.comm.rank)
+    if rng_name in manifest.get("files", {}):
+        rng = ckpt.unflatten_state(ckpt.read_tensors(path, rng_name, manifest=manifest),
+                                   skeletons["rng"][str(engine.comm.rank)])
+        ckpt.restore_rng_state(rng)
+    else:
+        logger.warning("checkpoint %s has no RNG state for rank %d (saved with %d ranks); "
+                       "random streams start fresh", path, engine.comm.rank,
+                       manifest["layout"]["dp_world_size"])
+    return str(path), engine_state["client_state"]

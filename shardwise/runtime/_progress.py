@@ -1,0 +1,81 @@
+"""Progress lines every ``steps_per_print`` steps and the wall-clock breakdown timers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import defaultdict
+
+import torch
+
+logger = logging.getLogger("shardwise")
+
+
+class ProgressReporter:
+    """Accumulates loss and timings between progress lines; rank 0 prints them.
+
+    The loss reported is rank 0's mean over the micro-steps since the last line (no
+    collective is spent on logging).
+    """
+
+    def __init__(self, engine, *, enabled: bool):
+        self.engine = engine
+        self.enabled = enabled
+        self.every = engine.config.steps_per_print
+        self.breakdown = engine.config.wall_clock_breakdown
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_count = 0
+        self._timings: dict[str, float] = defaultdict(float)
+        self._last_time = time.perf_counter()
+        self._last_samples = 0
+        self.last: dict[str, float] = {}
+        """The figures of the most recent progress line."""
+
+    def timer(self, name: str):
+        if not self.breakdown:
+            return contextlib.nullcontext()
+        return self._timed(name)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self._timings[name] += time.perf_counter() - start
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        self._loss_sum += loss.detach().to("cpu", torch.float64)
+        self._loss_count += 1
+
+    def after_model_step(self) -> None:
+        """Called after each boundary step; prints every ``steps_per_print`` steps."""
+        engine = self.engine
+        if not self.every or engine.global_steps % self.every != 0:
+            return
+        now = time.perf_counter()
+        elapsed = max(now - self._last_time, 1e-9)
+        samples = engine.global_samples - self._last_samples
+        loss = float(self._loss_sum) / max(self._loss_count, 1)
+        lr = engine.get_lr()
+        self.last = {"step": engine.global_steps, "loss": loss, "lr": lr[0] if lr else 0.0,
+                     "loss_scale": engine.get_loss_scale(), "samples_per_s": samples / elapsed}
+        if self.enabled:
+            parts = [f"step {engine.global_steps}", f"loss {loss:.4f}",
+                     f"lr {self.last['lr']:.3e}", f"{self.last['samples_per_s']:.1f} samples/s"]
+            if engine.loss_scaler is not None:
+                parts.insert(3, f"loss scale {engine.get_loss_scale():g}")
+            if engine.skipped_steps:
+                parts.append(f"skipped {engine.skipped_steps}")
+            if self.breakdown:
+                steps = max(self._loss_count, 1)
+                parts.append(" ".join(f"{k} {1000 * v / steps:.1f}ms" for k, v in self._timings.items()))
+            logger.info(" | ".join(parts))
+        self._loss_sum.zero_()
+        self._loss_count = 0
+        self._timings.clear()
+        self._last_time, self._last_samples = now, engine.global_samples

@@ -1,0 +1,275 @@
+"""The training engine: sequences forward, backward and step; owns the step counters.
+
+It holds no ZeRO, precision or checkpoint logic of its own: gradients and the optimizer
+step belong to the ZeRO strategy, loss scaling to the loss scaler, files to
+``shardwise.checkpoint``. The method names and return values follow DeepSpeed's engine
+so existing training scripts run unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from shardwise.comm import Communicator
+from shardwise.precision import LossScaler, PrecisionPolicy
+from shardwise.runtime import _checkpointing
+from shardwise.runtime._progress import ProgressReporter
+from shardwise.runtime.data import deepspeed_io
+from shardwise.zero import ModelStateBytes, StepResult, build_strategy
+
+logger = logging.getLogger(__name__)
+
+
+class Engine(nn.Module):
+    """Wraps a model for data-parallel training as configured by a ``TrainConfig``.
+
+    Built by :func:`shardwise.initialize`; use ``engine(batch)`` for forward,
+    ``engine.backward(loss)`` and ``engine.step()`` every micro-step. The optimizer steps
+    on every ``gradient_accumulation_steps``-th call of ``step()`` (the boundary).
+    """
+
+    def __init__(self, *, model: nn.Module, config, comm: Communicator, optimizer=None,
+                 model_parameters=None, lr_scheduler=None, training_data=None, collate_fn=None):
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.comm = comm
+        self.policy = PrecisionPolicy.from_config(config)
+        self.loss_scaler = LossScaler.from_config(config.fp16) if self.policy.loss_scaling else None
+        self.strategy = build_strategy(model, config=config, comm=comm, policy=self.policy)
+        self.optimizer = self._configure_optimizer(optimizer, model_parameters)
+        self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
+        self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
+                                    if training_data is not None else None)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._no_sync = False
+        self._last_result: StepResult | None = None
+        self._progress = ProgressReporter(self, enabled=comm.rank == 0)
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _configure_optimizer(self, client_optimizer, model_parameters):
+        from shardwise.optim import build_optimizer
+
+        if client_optimizer is not None and self.config.optimizer is not None:
+            raise ValueError("an optimizer was passed to initialize() and the config has an "
+                             "'optimizer' section; keep only one of them")
+        params = model_parameters if model_parameters is not None else self.module.parameters()
+        params = [p for p in params] if not isinstance(params, list) else params
+        if client_optimizer is None and self.config.optimizer is None:
+            return None
+        if isinstance(client_optimizer, torch.optim.Optimizer):
+            self.strategy.adopt_client_optimizer(client_optimizer)
+            return client_optimizer
+        mapped = self.strategy.optimizer_params(params)
+        optimizer = client_optimizer(mapped) if callable(client_optimizer) \
+            else build_optimizer(self.config.optimizer, mapped)
+        self.strategy.adopt_client_optimizer(optimizer)
+        return optimizer
+
+    def _configure_lr_scheduler(self, client_scheduler):
+        from shardwise.runtime.lr_schedules import build_lr_scheduler
+
+        if client_scheduler is not None:
+            if self.config.scheduler is not None:
+                logger.warning("both a client lr_scheduler and a config 'scheduler' section "
+                               "were given; using the client scheduler as DeepSpeed does")
+            if isinstance(client_scheduler, torch.optim.lr_scheduler.LRScheduler) or \
+                    hasattr(client_scheduler, "state_dict") and hasattr(client_scheduler, "step"):
+                return client_scheduler
+            return client_scheduler(self.optimizer)
+        if self.config.scheduler is None:
+            return None
+        if self.optimizer is None:
+            raise ValueError("the config has a 'scheduler' section but no optimizer was given; "
+                             "add an 'optimizer' section or pass optimizer= to initialize()")
+        return build_lr_scheduler(self.config.scheduler, self.optimizer)
+
+    # -- the training step ------------------------------------------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped module (floating inputs cast to fp16 when fp16.auto_cast)."""
+        with self._progress.timer("forward"):
+            return self.module(*self.policy.cast_inputs(inputs), **self.policy.cast_inputs(kwargs))
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate ``loss``; at the accumulation boundary the gradients are reduced
+        across ranks (overlapped with backward) and averaged before this returns."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward() expects a scalar loss tensor, got "
+                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        with self._progress.timer("backward"):
+            self.strategy.pre_backward(boundary=self.is_gradient_accumulation_boundary(),
+                                       sync=not self._no_sync)
+            scaled = loss.float()
+            gas = self.gradient_accumulation_steps()
+            if scale_wrt_gas and gas > 1:
+                scaled = scaled / gas
+            if self.loss_scaler is not None:
+                scaled = scaled * self.loss_scaler.scale
+            scaled.backward(retain_graph=retain_graph)
+            self.strategy.finalize_backward()
+        self._progress.record_loss(loss)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """End a micro-step; at the accumulation boundary update the parameters."""
+        with self._progress.timer("step"):
+            if self.is_gradient_accumulation_boundary():
+                self._take_model_step(lr_kwargs)
+            self.micro_steps += 1
+            self.global_samples += self.train_micro_batch_size_per_gpu() * self.comm.world_size
+            self._boundary_override = None
+        if self._last_result is not None and self.micro_steps % self.gradient_accumulation_steps() == 0:
+            self._progress.after_model_step()
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("engine.step() needs an optimizer: add an 'optimizer' section "
+                               "to the config or pass optimizer= to initialize()")
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        result = self.strategy.step(max_grad_norm=self.config.gradient_clipping, loss_scale=scale)
+        self._last_result = result
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=not result.applied)
+        if result.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+            if self.comm.rank == 0:
+                logger.info("step %d: fp16 gradient overflow (norm %s); skipped the update, "
+                            "loss scale %g -> %g", self.global_steps + 1, result.grad_norm,
+                            scale, self.loss_scaler.scale)
+        self.global_steps += 1
+
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients (the engine also does this after every step)."""
+        self.strategy.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the gradient all-reduce for backward passes inside this context."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # -- DeepSpeed-compatible accessors ---------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step is the last of its accumulation window."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary decision for the current micro-step."""
+        self._boundary_override = bool(is_boundary)
+
+    def train_batch_size(self) -> int:
+        return self.config.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.batch.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.batch.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", (g.get("momentum"),))[0] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Gradient norm (before clipping) of the last optimizer step, None before any."""
+        return None if self._last_result is None else self._last_result.grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped for an fp16 overflow."""
+        return self._last_result is not None and self._last_result.applied
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        """Exact bytes of parameters, gradients, master weights and optimizer state here."""
+        return self.strategy.model_state_bytes()
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    @property
+    def global_rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size()
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        import os
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None):
+        """A DataLoader over ``dataset`` that gives each data-parallel rank its own shard."""
+        del route
+        return deepspeed_io(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                            rank=self.comm.rank, world_size=self.comm.world_size,
+                            pin_memory=pin_memory and self.device.type == "cuda",
+                            data_sampler=data_sampler, collate_fn=collate_fn,
+                            num_workers=num_local_io_workers or 0)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """Save module, optimizer, scheduler, scaler, counters, RNG and ``client_state``
+        under ``save_dir/tag`` (default tag ``global_step<N>``). Collective: call on every rank."""
+        return _checkpointing.save(self, save_dir, tag=tag, client_state=client_state or {},
+                                   save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False):
+        """Load a checkpoint saved by :meth:`save_checkpoint`; returns ``(path, client_state)``."""
+        return _checkpointing.load(self, load_dir, tag=tag, strict=load_module_strict,
+                                   load_optimizer=load_optimizer_states and not load_module_only,
+                                   load_scheduler=load_lr_scheduler_states and not load_module_only,
+                                   module_only=load_module_only)
+
+    def __repr__(self) -> str:  # the module repr is long; keep the engine's short
+        return (f"Engine(zero_stage={self.config.zero.stage}, dtype={self.policy.param_dtype}, "
+                f"dp_world_size={self.comm.world_size}, module={type(self.module).__name__})")
+
+

@@ -1,0 +1,42 @@
+"""Small deterministic models and data for equivalence tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyMLP(nn.Module):
+    """Embedding -> LayerNorm'd MLP -> tied output head; returns the mean cross-entropy.
+
+    Has the features tests need: tied weights, a LayerNorm, biases, and an optionally
+    frozen layer. Input ``(tokens, targets)`` of shape ``(batch, seq)``.
+    """
+
+    def __init__(self, vocab: int = 32, width: int = 16, *, seed: int = 0, freeze_first: bool = False):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+        if freeze_first:
+            self.fc1.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h))))
+        logits = self.head(h).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def token_batches(*, num_steps: int, batch: int, seq: int = 8, vocab: int = 32, seed: int = 0):
+    """``num_steps`` global batches of ``(tokens, targets)``, each ``(batch, seq)``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (batch, seq), generator=generator),
+             torch.randint(0, vocab, (batch, seq), generator=generator)) for _ in range(num_steps)]

@@ -1,0 +1,52 @@
+"""ZeRO: how parameters, gradients and optimizer states are held across data-parallel ranks.
+
+Glossary (used with these meanings throughout the package):
+- *original param*: the ``nn.Parameter`` the user's module was built with.
+- *master param*: the fp32 copy the optimizer updates when the module computes in
+  fp16/bf16.
+- *sharded param* / *unsharded param*: a rank's slice of a parameter / the full tensor
+  gathered from every rank's slice (stage 3).
+- *grad shard*: the slice of a reduced gradient a rank owns (stages 2 and 3).
+- *bucket*: a flat buffer holding several gradients that are reduced by one collective.
+
+Stages are implementations of :class:`ZeroStrategy`; the engine calls only that interface.
+"""
+
+from __future__ import annotations
+
+from shardwise.zero._stage0 import Stage0Strategy
+from shardwise.zero._strategy import ModelStateBytes, StepResult, ZeroStrategy
+
+__all__ = ["ModelStateBytes", "Stage0Strategy", "StepResult", "ZeroStrategy", "build_strategy"]
+
+DEFAULT_DP_BUCKET_BYTES = 25 * 1024 * 1024
+"""Gradient bucket size for stage 0 when the config does not set reduce_bucket_size.
+
+DeepSpeed's default (5e8 elements) puts a whole model in one bucket, which defeats
+overlapping the all-reduce with backward; 25 MiB buckets (PyTorch DDP's choice) overlap."""
+
+
+def _refuse_unbuilt(zero) -> None:
+    if zero.stage != 0:
+        raise NotImplementedError(
+            f"zero_optimization.stage {zero.stage} is not available in this version of "
+            "shardwise yet (ZeRO stages 1-3 are in progress); set \"stage\": 0 to train with "
+            "replicated data parallelism")
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, key)
+        if section and str(section.get("device", "none")).lower() not in ("none", ""):
+            raise NotImplementedError(
+                f"zero_optimization.{key}.device={section['device']!r} is not available in this "
+                f"version of shardwise yet; remove zero_optimization.{key} or set its device to \"none\"")
+
+
+def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
+    """Pick and build the ZeRO strategy ``config.zero`` asks for."""
+    zero = config.zero
+    _refuse_unbuilt(zero)
+    user_set = "reduce_bucket_size" in (config.raw.get("zero_optimization") or {})
+    element_size = policy.param_dtype.itemsize
+    bucket_numel = zero.reduce_bucket_size if user_set else DEFAULT_DP_BUCKET_BYTES // element_size
+    predivide = comm.world_size if config.prescale_gradients else config.gradient_predivide_factor
+    return Stage0Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel,
+                          predivide_factor=predivide)

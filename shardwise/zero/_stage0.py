@@ -1,0 +1,260 @@
+"""ZeRO stage 0: replicated data parallelism with bucketed, overlapped all-reduce.
+
+Every rank holds the full parameters, gradients and optimizer state. Gradients live in
+flat per-bucket buffers; each parameter's ``.grad`` is a view into its bucket, so autograd
+accumulates straight into the buffer that is communicated.
+
+[Note: bucket launch order]
+A bucket's all-reduce is launched from the post-accumulate-grad hook of the last of its
+parameters to receive a gradient on the boundary micro-step, but only after every
+earlier bucket has been launched. Buckets therefore start in one fixed order on every
+rank even when hooks fire in different orders (or a parameter gets no gradient on some
+rank); buckets still pending when backward ends are launched by ``finalize_backward``.
+Collectives issued in different orders on different ranks would deadlock or mix data.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardwise.comm import Communicator, Handle
+from shardwise.precision import PrecisionPolicy
+from shardwise.zero._strategy import ModelStateBytes, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Bucket:
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    ready: set[int] = field(default_factory=set)
+    handle: Handle | None = None
+    launched: bool = False
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class Stage0Strategy:
+    """Replicated parameters; gradients all-reduced in buckets during backward.
+
+    Construction casts the module to ``policy.param_dtype``, broadcasts parameters and
+    buffers from rank 0, builds the gradient buckets and registers the hooks. When the
+    parameters are lower precision, fp32 master copies are what the optimizer updates.
+
+    Args:
+        module: the model; modified in place.
+        comm: the data-parallel communicator.
+        policy: dtypes of parameters and master weights.
+        bucket_numel: elements per gradient bucket (smaller overlaps more, larger
+            issues fewer collectives).
+        predivide_factor: divide gradients by this before the all-reduce and by
+            ``world_size / predivide_factor`` after it (1.0 = average after).
+    """
+
+    def __init__(self, module: nn.Module, *, comm: Communicator, policy: PrecisionPolicy,
+                 bucket_numel: int, predivide_factor: float = 1.0):
+        self.module, self.comm, self.policy = module, comm, policy
+        self.predivide_factor = predivide_factor
+        self.optimizer: torch.optim.Optimizer | None = None
+        module.to(policy.param_dtype)
+        self._broadcast_module_state()
+        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self._master = {p: self._make_master(p) for p in self.trainable} \
+            if policy.needs_master_copy else {}
+        self.buckets = self._build_buckets(bucket_numel)
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._sync = False
+        self._next_launch = 0
+        self._attach_grad_views()
+        for p in self.trainable:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- construction -----------------------------------------------------------------
+
+    def _broadcast_module_state(self) -> None:
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for dtype, group in by_dtype.items():
+                flat = torch.cat([t.reshape(-1) for t in group])
+                self.comm.broadcast(flat, src=0, tag=f"initial {dtype} state").wait()
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    @staticmethod
+    def _make_master(p: nn.Parameter) -> nn.Parameter:
+        master = nn.Parameter(p.detach().to(torch.float32, copy=True))
+        master.grad = torch.zeros_like(master)
+        return master
+
+    def _build_buckets(self, bucket_numel: int) -> list[_Bucket]:
+        # Reverse registration order approximates the order backward produces gradients.
+        buckets: list[_Bucket] = []
+        pending: list[nn.Parameter] = []
+        for p in reversed(self.trainable):
+            if pending and (sum(q.numel() for q in pending) + p.numel() > bucket_numel
+                            or pending[0].dtype != p.dtype):
+                buckets.append(self._new_bucket(len(buckets), pending))
+                pending = []
+            pending.append(p)
+        if pending:
+            buckets.append(self._new_bucket(len(buckets), pending))
+        return buckets
+
+    @staticmethod
+    def _new_bucket(index: int, params: list[nn.Parameter]) -> _Bucket:
+        numel = sum(p.numel() for p in params)
+        buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        return _Bucket(index, params, buffer)
+
+    def _attach_grad_views(self) -> None:
+        """Point every ``.grad`` at its slice of the bucket buffer (re-run after user code
+        replaced or dropped a ``.grad``, e.g. ``model.zero_grad()``)."""
+        for bucket in self.buckets:
+            offset = 0
+            for p in bucket.params:
+                view = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                else:
+                    continue
+                p.grad = view
+
+    # -- optimizer wiring ---------------------------------------------------------------
+
+    def optimizer_params(self, model_parameters):
+        """Map what the user passed as ``model_parameters`` to what the optimizer updates."""
+        if not self._master:
+            return model_parameters
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            return [{**g, "params": [self._master.get(p, p) for p in g["params"]]} for g in items]
+        return [self._master.get(p, p) for p in items]
+
+    def adopt_client_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make a user-built optimizer update the master copies instead of the params."""
+        if self._master:
+            for group in optimizer.param_groups:
+                group["params"] = [self._master.get(p, p) for p in group["params"]]
+        self.optimizer = optimizer
+
+    def named_optimizer_params(self) -> dict[torch.Tensor, str]:
+        """The tensor the optimizer updates for each parameter, keyed to its module name."""
+        return {self._master.get(p, p): name for name, p in self.module.named_parameters()
+                if p.requires_grad}
+
+    # -- backward -----------------------------------------------------------------------
+
+    def pre_backward(self, *, boundary: bool, sync: bool) -> None:
+        """Arm the hooks: reduce during this backward only on a synced boundary step."""
+        self._attach_grad_views()
+        self._sync = boundary and sync
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.launched, bucket.handle = False, None
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        bucket = self._bucket_of[param]
+        bucket.ready.add(id(param))
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self, *, force: bool = False) -> None:
+        # See [Note: bucket launch order].
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if not force and len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.predivide_factor != 1.0:
+            bucket.buffer.div_(self.predivide_factor)
+        bucket.handle = self.comm.all_reduce(bucket.buffer, tag=f"gradient bucket {bucket.index}")
+        bucket.launched = True
+
+    def finalize_backward(self) -> None:
+        """Launch what is left, wait for every bucket and average the gradients."""
+        if not self._sync:
+            return
+        self._launch_ready_buckets(force=True)
+        post = self.comm.world_size / self.predivide_factor
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            if post != 1.0:
+                bucket.buffer.div_(post)
+        self._sync = False
+
+    # -- step ---------------------------------------------------------------------------
+
+    def _grads_for_optimizer(self, inv_scale: float) -> list[torch.Tensor]:
+        if not self._master:
+            grads = [p.grad for p in self.trainable]
+            if inv_scale != 1.0:
+                torch._foreach_mul_(grads, inv_scale)
+            return grads
+        masters = [self._master[p] for p in self.trainable]
+        master_grads = [m.grad for m in masters]
+        torch._foreach_copy_(master_grads, [p.grad for p in self.trainable])
+        if inv_scale != 1.0:
+            torch._foreach_mul_(master_grads, inv_scale)
+        return master_grads
+
+    def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult:
+        """Unscale, check for overflow, clip and apply the optimizer to the reduced grads."""
+        grads = self._grads_for_optimizer(1.0 / loss_scale)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        norm_value = float(norm)
+        if self.policy.loss_scaling and not torch.isfinite(norm):
+            self.zero_grad()
+            return StepResult(False, norm_value)
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(grads, max_grad_norm, norm, foreach=True)
+        self.optimizer.step()
+        self.sync_params_from_master()
+        self.zero_grad()
+        return StepResult(True, norm_value)
+
+    def sync_params_from_master(self) -> None:
+        """Copy the fp32 master weights into the low-precision module parameters."""
+        if self._master:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.trainable],
+                                     [self._master[p] for p in self.trainable])
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        grads = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        master = sum(2 * m.numel() * m.element_size() for m in self._master.values())
+        return ModelStateBytes(params, grads, master, _optimizer_state_bytes(self.optimizer))
+
+    def reset_master_from_params(self) -> None:
+        """Refresh the fp32 master copies from the module (after loading module weights)."""
+        with torch.no_grad():
+            for p, master in self._master.items():
+                master.copy_(p)

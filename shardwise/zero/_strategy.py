@@ -1,0 +1,61 @@
+"""The interface every ZeRO stage implements; the engine talks only to this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    applied: bool
+    """False when the step was skipped (fp16 overflow)."""
+    grad_norm: float
+    """Global gradient norm before clipping (unscaled, fp32); inf/nan on overflow."""
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model state this rank holds, by kind (exact, from the tensors)."""
+
+    params: int
+    grads: int
+    master_params: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master_params + self.optimizer_state
+
+
+class ZeroStrategy(Protocol):
+    """How parameters, gradients and optimizer state are held and reduced across ranks.
+
+    Lifecycle per micro-step: ``pre_backward(boundary=..., sync=...)`` before the loss's
+    backward, gradient hooks fire during it, ``finalize_backward()`` after it; at the
+    accumulation boundary ``step()`` updates the parameters.
+    """
+
+    optimizer: torch.optim.Optimizer
+
+    def optimizer_params(self, model_parameters) -> list: ...
+
+    def pre_backward(self, *, boundary: bool, sync: bool) -> None: ...
+
+    def finalize_backward(self) -> None: ...
+
+    def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult: ...
+
+    def zero_grad(self) -> None: ...
+
+    def model_state_bytes(self) -> ModelStateBytes: ...
+
+    def named_optimizer_params(self) -> dict[torch.Tensor, str]: ...
+
+    def sync_params_from_master(self) -> None: ...
+
+    def reset_master_from_params(self) -> None: ...
