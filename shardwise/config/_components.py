@@ -1,0 +1,245 @@
+"""One frozen dataclass per config section; each validates its own fields.
+
+Field names and defaults are DeepSpeed's, so a DeepSpeed JSON section maps onto its
+dataclass key for key. JSON enters through ``from_dict.py`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lamb")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """The batch-size triangle, fully resolved."""
+
+    train_batch_size: int
+    """Samples per optimizer step across all data-parallel ranks."""
+    train_micro_batch_size_per_gpu: int
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: int
+    """Micro-steps accumulated before each optimizer step."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            as_int(name, getattr(self, name), minimum=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """``optimizer``: which optimizer the engine builds and its parameters."""
+
+    type: str
+    """Canonical lower-case name: adam, adamw, sgd, adagrad or lamb."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Constructor arguments with DeepSpeed's names (lr, betas, eps, weight_decay, ...)."""
+
+    def __post_init__(self) -> None:
+        as_choice("optimizer.type", self.type, OPTIMIZERS)
+        p = self.params
+        if "lr" in p:
+            as_number("optimizer.params.lr", p["lr"], minimum=0)
+        if "eps" in p:
+            as_number("optimizer.params.eps", p["eps"], minimum=0, strict=True)
+        if "weight_decay" in p:
+            as_number("optimizer.params.weight_decay", p["weight_decay"], minimum=0)
+        if "betas" in p:
+            betas = p["betas"]
+            if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                    or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                               for b in betas)):
+                raise ConfigError(f"optimizer.params.betas must be two numbers in [0, 1), got {betas!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """``scheduler``: which DeepSpeed LR schedule to build and its parameters."""
+
+    type: str
+    """One of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """The schedule's parameters with DeepSpeed's names."""
+
+    def __post_init__(self) -> None:
+        as_choice("scheduler.type", self.type, SCHEDULERS, case_insensitive=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    """``fp16``: fp16 compute with fp32 master weights and loss scaling."""
+
+    enabled: bool = False
+    """Train in fp16."""
+    auto_cast: bool = False
+    """Cast floating-point forward inputs to fp16."""
+    loss_scale: float = 0.0
+    """0 selects dynamic loss scaling; a positive value is a static scale."""
+    initial_scale_power: int = 16
+    """The dynamic scale starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Overflow-free steps before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale halves."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every overflow-free step."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never drops below this."""
+
+    def __post_init__(self) -> None:
+        as_bool("fp16.enabled", self.enabled)
+        as_bool("fp16.auto_cast", self.auto_cast)
+        as_bool("fp16.consecutive_hysteresis", self.consecutive_hysteresis)
+        as_number("fp16.loss_scale", self.loss_scale, minimum=0)
+        as_int("fp16.initial_scale_power", self.initial_scale_power, minimum=0, maximum=64)
+        as_int("fp16.loss_scale_window", self.loss_scale_window, minimum=1)
+        as_int("fp16.hysteresis", self.hysteresis, minimum=1)
+        as_number("fp16.min_loss_scale", self.min_loss_scale, minimum=0, strict=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    """``bf16``: bf16 compute with fp32 master weights."""
+
+    enabled: bool = False
+    """Train in bf16."""
+    immediate_grad_update: bool = False
+    """Accepted for compatibility; gradients are always applied at the step."""
+
+    def __post_init__(self) -> None:
+        as_bool("bf16.enabled", self.enabled)
+        as_bool("bf16.immediate_grad_update", self.immediate_grad_update)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """``zero_optimization``: which model states are partitioned across ranks, and how."""
+
+    stage: int = 0
+    """0: replicated; 1: optimizer states; 2: + gradients; 3: + parameters."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient reduction bucket."""
+    allgather_bucket_size: int = 500_000_000
+    """Elements per parameter all-gather bucket (stages 1-2)."""
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with backward (None: the stage's default)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced."""
+    reduce_scatter: bool = True
+    """Reduce gradients with reduce-scatter rather than all-reduce (stage 2)."""
+    allgather_partitions: bool = True
+    """All-gather updated partitions (rather than broadcasting them)."""
+    round_robin_gradients: bool = False
+    """Stage 1/2 gradient copy order across ranks."""
+    offload_optimizer: Mapping[str, Any] | None = None
+    """Optimizer-state offload (device cpu/nvme and its options)."""
+    offload_param: Mapping[str, Any] | None = None
+    """Stage-3 parameter offload (device cpu/nvme and its options)."""
+    sub_group_size: int = 1_000_000_000
+    """Parameters per optimizer sub-group step."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Elements prefetched ahead of use (stage 3)."""
+    stage3_param_persistence_threshold: int = 100_000
+    """Parameters smaller than this stay whole (stage 3)."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Upper bound of gathered parameter elements alive at once (stage 3)."""
+    stage3_max_reuse_distance: int = 1_000_000_000
+    """Keep a gathered parameter if reused within this many elements (stage 3)."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Gather the full 16-bit model on save_16bit_model (stage 3)."""
+    stage3_module_granularity_threshold: int = 0
+    """Treat modules with fewer parameters than this as one leaf (stage 3)."""
+    elastic_checkpoint: bool = False
+    """Accepted for compatibility (shardwise checkpoints are always elastic)."""
+    ignore_unused_parameters: bool = True
+    """Tolerate parameters that receive no gradient."""
+    load_from_fp32_weights: bool = True
+    """Initialise master weights from the checkpoint's fp32 copy."""
+    legacy_stage1: bool = False
+    """Accepted for compatibility; ignored."""
+    memory_efficient_linear: bool = True
+    """Accepted for compatibility (stage 3)."""
+    use_multi_rank_bucket_allreduce: bool = True
+    """Accepted for compatibility."""
+    zero_hpz_partition_size: int = 1
+    """Secondary partition size (ZeRO++ hpZ)."""
+    zero_quantized_weights: bool = False
+    """Quantize weights in all-gathers (ZeRO++ qwZ)."""
+    zero_quantized_nontrainable_weights: bool = False
+    """Quantize frozen weights (ZeRO++)."""
+    zero_quantized_gradients: bool = False
+    """Quantize gradients in reduce-scatter (ZeRO++ qgZ)."""
+    mics_shard_size: int = -1
+    """MiCS shard group size (-1: off)."""
+    mics_hierarchical_params_gather: bool = False
+    """MiCS hierarchical all-gather."""
+    round_robin: bool = False
+    """Accepted for compatibility."""
+    cpu_offload: bool = False
+    """Legacy flag, equal to offload_optimizer.device = cpu."""
+    log_trace_cache_warnings: bool = False
+    """Stage-3 trace cache warnings."""
+
+    def __post_init__(self) -> None:
+        as_int("zero_optimization.stage", self.stage, minimum=0, maximum=3)
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
+                     "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                     "stage3_max_reuse_distance", "zero_hpz_partition_size"):
+            as_int(f"zero_optimization.{name}", getattr(self, name), minimum=1)
+        for name in ("stage3_param_persistence_threshold", "stage3_module_granularity_threshold"):
+            as_int(f"zero_optimization.{name}", getattr(self, name), minimum=0)
+        as_int("zero_optimization.mics_shard_size", self.mics_shard_size, minimum=-1)
+        if self.overlap_comm is not None:
+            as_bool("zero_optimization.overlap_comm", self.overlap_comm)
+        for name in ("offload_optimizer", "offload_param"):
+            section = getattr(self, name)
+            if section is not None and not isinstance(section, Mapping):
+                raise ConfigError(f"zero_optimization.{name} must be a JSON object, got {section!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """``checkpoint``: checkpoint behaviour."""
+
+    tag_validation: str = "Warn"
+    """What to do when ranks pass different tags: Ignore, Warn or Fail."""
+    load_universal: bool = False
+    """Accepted for compatibility: every shardwise checkpoint loads under any layout."""
+    use_node_local_storage: bool = False
+    """Each node writes to its own storage."""
+    parallel_write: Mapping[str, Any] | None = None
+    """Pipeline-stage parallel write options."""
+
+    def __post_init__(self) -> None:
+        as_choice("checkpoint.tag_validation", self.tag_validation, ("Ignore", "Warn", "Fail"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataTypesConfig:
+    """``data_types``: dtypes of intermediate buffers."""
+
+    grad_accum_dtype: str | None = None
+    """dtype gradients accumulate in (None: the parameter dtype)."""
+
+    def __post_init__(self) -> None:
+        if self.grad_accum_dtype is not None:
+            as_choice("data_types.grad_accum_dtype", self.grad_accum_dtype, ("fp32", "fp16", "bf16"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    """``comm`` (shardwise extension): collective deadlines."""
+
+    timeout_s: float = 1800.0
+    """Seconds a collective may wait before it is reported as a hang, naming the ranks."""
+    check_hangs: bool = True
+    """Exchange what each rank waited in when a collective fails."""
+
+    def __post_init__(self) -> None:
+        as_number("comm.timeout_s", self.timeout_s, minimum=0, strict=True)
+        as_bool("comm.check_hangs", self.check_hangs)

@@ -1,0 +1,102 @@
+"""DeepSpeed config sections owned by features not built yet.
+
+Each is recognised (so it is not reported as a misspelling) and type-checked; a section
+that switches on a feature this version lacks is refused with an error naming it,
+never silently ignored. Sections that only tune a feature which is off are accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from shardwise.config._errors import ConfigError, check_keys
+
+logger = logging.getLogger("shardwise")
+
+_MONITOR_KEYS = {"enabled", "output_path", "job_name", "team", "group", "project", "api_key",
+                 "experiment_name", "workspace", "samples_log_interval", "online", "mode",
+                 "experiment_key", "api_key"}
+
+# section -> allowed keys (None: any keys; the section is validated as an object only)
+LATER_SECTIONS: dict[str, set[str] | None] = {
+    "tensorboard": _MONITOR_KEYS, "wandb": _MONITOR_KEYS, "csv_monitor": _MONITOR_KEYS,
+    "comet": _MONITOR_KEYS,
+    "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth",
+                       "top_modules", "detailed", "output_file"},
+    "activation_checkpointing": {"partition_activations", "cpu_checkpointing",
+                                 "contiguous_memory_optimization", "number_checkpoints",
+                                 "synchronize_checkpoint_boundary", "profile"},
+    "comms_logger": {"enabled", "verbose", "prof_all", "debug", "prof_ops"},
+    "amp": None, "aio": {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
+                         "single_submit", "overlap_events", "use_gds"},
+    "pipeline": None, "sparse_attention": None, "compression_training": None,
+    "curriculum_learning": None, "data_efficiency": None, "progressive_layer_drop": None,
+    "elasticity": None, "autotuning": None, "nebula": None, "eigenvalue": None,
+    "quantize_training": None, "hybrid_engine": None, "torch_autocast": None, "compile": None,
+    "timers": None, "tensor_parallel": None, "weight_quantization": None,
+}
+"""Top-level DeepSpeed sections that later shardwise features own."""
+
+LATER_SCALARS = {"sparse_gradients", "graph_harvesting", "sequence_parallel_size",
+                 "seq_parallel_communication_data_type", "use_data_before_expert_parallel_",
+                 "memory_breakpoint_", "zero_quantized_weights"}
+"""Top-level scalar keys of later features."""
+
+_ALWAYS_ON = {"sparse_attention": "block-sparse attention",
+              "compression_training": "compression (quantization-aware training, pruning)"}
+_NAMES = {"tensorboard": "the TensorBoard monitor", "wandb": "the Weights & Biases monitor",
+          "csv_monitor": "the CSV monitor", "comet": "the Comet monitor",
+          "flops_profiler": "the FLOPs profiler", "comms_logger": "the communication logger",
+          "amp": "NVIDIA Apex AMP (use \"fp16\" or \"bf16\" instead)",
+          "curriculum_learning": "curriculum learning", "data_efficiency": "data efficiency",
+          "progressive_layer_drop": "progressive layer drop", "elasticity": "elastic training",
+          "autotuning": "the autotuner", "nebula": "Nebula checkpointing",
+          "eigenvalue": "eigenvalue computation", "quantize_training": "quantized training",
+          "hybrid_engine": "the hybrid engine", "torch_autocast": "torch autocast",
+          "compile": "torch.compile integration", "tensor_parallel": "tensor parallelism",
+          "weight_quantization": "weight quantization"}
+
+
+def _not_available(feature: str, key: str) -> ConfigError:
+    return ConfigError(f"{feature} ('{key}') is not available in this version of shardwise yet; "
+                       f"remove the '{key}' section or set its \"enabled\" to false")
+
+
+def check_later_section(key: str, value: Any) -> None:
+    """Validate one later-feature section and refuse it if it switches the feature on."""
+    allowed = LATER_SECTIONS[key]
+    if not isinstance(value, dict):
+        raise ConfigError(f"'{key}' must be a JSON object, got {value!r}")
+    if allowed is not None:
+        check_keys(key, value, allowed)
+    if key in _ALWAYS_ON and value:
+        raise ConfigError(f"{_ALWAYS_ON[key]} ('{key}') is not available in this version of "
+                          f"shardwise yet; remove the '{key}' section")
+    if key == "activation_checkpointing":
+        for flag in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+            if value.get(flag):
+                raise ConfigError(f"activation_checkpointing.{flag} is not available in this "
+                                  "version of shardwise yet; set it to false (use "
+                                  "torch.utils.checkpoint for plain activation checkpointing)")
+        return
+    if key == "pipeline":
+        if value:
+            logger.warning("the 'pipeline' section only applies to PipelineModule models, which "
+                           "this version of shardwise does not provide yet; it has no effect")
+        return
+    enabled = value.get("enabled", False)
+    if enabled not in (True, False, "auto"):
+        raise ConfigError(f"{key}.enabled must be true or false, got {enabled!r}")
+    if enabled is True:
+        raise _not_available(_NAMES.get(key, key), key)
+
+
+def check_later_scalar(key: str, value: Any) -> None:
+    """Refuse a later-feature scalar that is switched on."""
+    if key == "sparse_gradients" and value:
+        raise ConfigError("sparse_gradients=true is not available in this version of shardwise "
+                          "yet; remove it (embedding gradients are reduced densely)")
+    if key == "sequence_parallel_size" and value not in (None, 1):
+        raise ConfigError(f"sequence_parallel_size={value!r} is not available in this version of "
+                          "shardwise yet; remove it or set it to 1")

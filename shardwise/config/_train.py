@@ -1,0 +1,78 @@
+"""The top-level config: it only nests the component configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from shardwise.config._components import (BatchConfig, BF16Config, CheckpointConfig, CommConfig,
+                                          DataTypesConfig, FP16Config, OptimizerConfig,
+                                          SchedulerConfig, ZeroConfig)
+from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything ``initialize()`` needs, validated; built by :func:`load_config`."""
+
+    batch: BatchConfig
+    """The resolved batch-size triangle."""
+    optimizer: OptimizerConfig | None = None
+    """The optimizer to build (None: the client passes one, or none is needed)."""
+    scheduler: SchedulerConfig | None = None
+    """The LR schedule to build (None: constant, or the client's)."""
+    fp16: FP16Config = field(default_factory=FP16Config)
+    """fp16 mixed precision."""
+    bf16: BF16Config = field(default_factory=BF16Config)
+    """bf16 mixed precision."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """ZeRO partitioning."""
+    gradient_clipping: float = 0.0
+    """Clip gradients to this global norm (0: no clipping)."""
+    steps_per_print: int | None = 10
+    """Print a progress line every this many optimizer steps (None: never)."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step (synchronising the device) and print the split."""
+    prescale_gradients: bool = False
+    """Divide gradients by the rank count before the all-reduce instead of after."""
+    gradient_predivide_factor: float = 1.0
+    """Divide gradients by this before the all-reduce and by ranks/factor after."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint behaviour."""
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    """Buffer dtypes."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Collective deadlines (shardwise extension)."""
+    communication_data_type: str | None = None
+    """dtype of gradient collectives (None: the gradient dtype)."""
+    dump_state: bool = False
+    """Print the resolved config at start-up."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete micro-batch of the loader initialize() returns."""
+    zero_allow_untested_optimizer: bool = False
+    """Allow client optimizers with ZeRO."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """Accepted for compatibility (offload)."""
+    memory_breakpoint: bool = False
+    """Accepted for compatibility."""
+    disable_allgather: bool = False
+    """Accepted for compatibility."""
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    """The config as given (after legacy-name mapping), for components built later."""
+
+    def __post_init__(self) -> None:
+        as_number("gradient_clipping", self.gradient_clipping, minimum=0)
+        if self.steps_per_print is not None:
+            as_int("steps_per_print", self.steps_per_print, minimum=1)
+        as_number("gradient_predivide_factor", self.gradient_predivide_factor, minimum=0, strict=True)
+        for name in ("wall_clock_breakdown", "prescale_gradients", "dump_state",
+                     "dataloader_drop_last", "zero_allow_untested_optimizer",
+                     "zero_force_ds_cpu_optimizer", "memory_breakpoint", "disable_allgather"):
+            as_bool(name, getattr(self, name))
+        if self.communication_data_type is not None:
+            as_choice("communication_data_type", self.communication_data_type, ("fp32", "fp16", "bf16"))
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
+            raise ConfigError("prescale_gradients=true and gradient_predivide_factor != 1 conflict; "
+                              "use one of them")

@@ -1,0 +1,211 @@
+"""The one adapter from DeepSpeed-style JSON (dict or file) to a validated TrainConfig.
+
+Only this module knows DeepSpeed's key names, legacy aliases and "auto" values; the
+rest of shardwise sees typed dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+from shardwise.config._components import (OPTIMIZERS, BatchConfig, BF16Config, CheckpointConfig,
+                                          CommConfig, DataTypesConfig, FP16Config, OptimizerConfig,
+                                          SchedulerConfig, ZeroConfig)
+from shardwise.config._errors import AUTO, ConfigError, as_choice, as_int, check_keys, unknown_key_error
+from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
+from shardwise.config._train import TrainConfig
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_SECTIONS = {"optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "checkpoint",
+             "data_types", "comm"}
+_TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
+    "batch", "optimizer", "scheduler", "fp16", "bf16", "zero", "checkpoint", "data_types", "comm", "raw"}
+_LEGACY_TOP = {"bfloat16": "bf16"}
+_LEGACY_ZERO = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+                "allgather_size": "allgather_bucket_size"}
+_AUTO_FIELDS = {"fp16": {"enabled"}, "bf16": {"enabled"}, "zero_optimization": {
+    "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "sub_group_size", "overlap_comm", "contiguous_gradients"}}
+_UNBUILT_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam",
+                       "onebitlamb": "OneBitLamb", "muadam": "MuAdam", "muadamw": "MuAdamW",
+                       "musgd": "MuSGD", "lion": "Lion", "adafactor": "Adafactor",
+                       "cpuadam": "DeepSpeedCPUAdam", "fusedadam": "FusedAdam"}
+
+
+def _read(config: Any) -> dict:
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass the path of a JSON config "
+                              "file or a dict")
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
+                              f"column {exc.colno}") from None
+    if isinstance(config, dict):
+        return dict(config)
+    raise ConfigError(f"config must be a dict, a JSON file path or a TrainConfig, got {type(config).__name__}")
+
+
+def _coerce(cls, path: str, values: dict) -> dict:
+    """Turn integer-valued floats (5e8) into ints for int fields, ints into floats for floats."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in values.items():
+        kind = types.get(key, "")
+        if kind.startswith("int") and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif kind.startswith("float") and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        out[key] = value
+    return out
+
+
+def _section(cls, path: str, section: Any, *, aliases: dict | None = None):
+    aliases = aliases or {}
+    valid = {f.name for f in dataclasses.fields(cls)} | set(aliases)
+    section = dict(check_keys(path, section, valid))
+    for old, new in aliases.items():
+        if old in section:
+            warnings.warn(f"config key '{path}.{old}' is deprecated; use '{path}.{new}'",
+                          DeprecationWarning, stacklevel=4)
+            section.setdefault(new, section.pop(old))
+    for key, value in list(section.items()):
+        if value == AUTO:
+            if key not in _AUTO_FIELDS.get(path, ()):
+                raise ConfigError(f'{path}.{key} does not accept "auto"; give a value')
+            del section[key]  # "auto" means: take the default
+    return cls(**_coerce(cls, path, section))
+
+
+def _drop_auto(params: Any, path: str) -> dict:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{path} must be a JSON object, got {params!r}")
+    return {k: v for k, v in params.items() if v != AUTO}
+
+
+def _optimizer(section: Any) -> OptimizerConfig:
+    check_keys("optimizer", section, {"type", "params", "legacy_fusion"})
+    name = section.get("type")
+    if not isinstance(name, str):
+        raise ConfigError(f"optimizer.type must be a string such as \"AdamW\", got {name!r}")
+    key = name.lower()
+    if key in _UNBUILT_OPTIMIZERS:
+        raise ConfigError(f"optimizer.type {name!r} is not available in this version of shardwise yet; "
+                          f"available: Adam, AdamW, SGD, Adagrad, Lamb")
+    canonical = as_choice("optimizer.type", name, OPTIMIZERS)
+    return OptimizerConfig(type=canonical, params=_drop_auto(section.get("params"), "optimizer.params"))
+
+
+def _scheduler(section: Any) -> SchedulerConfig:
+    check_keys("scheduler", section, {"type", "params"})
+    return SchedulerConfig(type=section.get("type"),
+                           params=_drop_auto(section.get("params"), "scheduler.params"))
+
+
+def _batch_value(raw: dict, key: str) -> int | None:
+    value = raw.get(key)
+    if value is None or value == AUTO:
+        return None
+    return as_int(key, value, minimum=1)
+
+
+def resolve_batch(raw: dict, world_size: int) -> BatchConfig:
+    """Complete train_batch_size = micro x accumulation x world_size from what is given."""
+    world_size = as_int("world_size", world_size, minimum=1)
+    total, micro, gas = (_batch_value(raw, k) for k in _BATCH_KEYS)
+    if total is not None and micro is not None and gas is not None:
+        if total != micro * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) * "
+                f"gradient_accumulation_steps ({gas}) * data-parallel world size ({world_size}) = "
+                f"{micro * gas * world_size}; fix one of the three or leave one out to derive it")
+    elif total is not None and micro is not None:
+        if total % (micro * world_size):
+            raise ConfigError(f"train_batch_size ({total}) is not divisible by train_micro_batch_size_"
+                              f"per_gpu ({micro}) * data-parallel world size ({world_size})")
+        gas = total // (micro * world_size)
+    elif total is not None and gas is not None:
+        if total % (gas * world_size):
+            raise ConfigError(f"train_batch_size ({total}) is not divisible by gradient_accumulation_"
+                              f"steps ({gas}) * data-parallel world size ({world_size})")
+        micro = total // (gas * world_size)
+    elif total is not None:
+        if total % world_size:
+            raise ConfigError(f"train_batch_size ({total}) is not divisible by the data-parallel "
+                              f"world size ({world_size}); set train_micro_batch_size_per_gpu too")
+        micro, gas = total // world_size, 1
+    elif micro is not None:
+        gas = gas or 1
+    else:
+        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (or both); "
+                          "the config gives neither")
+    return BatchConfig(train_batch_size=micro * gas * world_size,
+                       train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+
+
+def load_config(config: Any, *, world_size: int) -> TrainConfig:
+    """Read a DeepSpeed-style config (dict, JSON path or TrainConfig) into a TrainConfig.
+
+    Args:
+        config: the config; a TrainConfig is returned as is.
+        world_size: the data-parallel size the batch-size triangle is resolved for.
+
+    Raises:
+        ConfigError: an unknown key (with the closest valid one), a bad value (with the key
+            path and what is allowed), inconsistent batch sizes, or a feature not built yet.
+    """
+    if isinstance(config, TrainConfig):
+        return config
+    raw = _read(config)
+    for old, new in _LEGACY_TOP.items():
+        if old in raw:
+            warnings.warn(f"config key '{old}' is deprecated; use '{new}'", DeprecationWarning, stacklevel=2)
+            if new in raw:
+                raise ConfigError(f"config has both '{old}' and '{new}'; keep only '{new}'")
+            raw[new] = raw.pop(old)
+    valid = set(_BATCH_KEYS) | _SECTIONS | _TOP_SCALARS | set(LATER_SECTIONS) | LATER_SCALARS
+    for key, value in raw.items():
+        if key not in valid:
+            raise unknown_key_error("", key, valid)
+        if key in LATER_SECTIONS:
+            check_later_section(key, value)
+        elif key in LATER_SCALARS:
+            check_later_scalar(key, value)
+    scalars = {k: raw[k] for k in _TOP_SCALARS if k in raw}
+    if scalars.get("gradient_clipping") == AUTO:
+        del scalars["gradient_clipping"]
+    for key, value in scalars.items():
+        if value == AUTO:
+            raise ConfigError(f'{key} does not accept "auto"; give a value')
+    return TrainConfig(
+        batch=resolve_batch(raw, world_size),
+        optimizer=_optimizer(raw["optimizer"]) if raw.get("optimizer") is not None else None,
+        scheduler=_scheduler(raw["scheduler"]) if raw.get("scheduler") is not None else None,
+        fp16=_section(FP16Config, "fp16", raw.get("fp16", {})),
+        bf16=_section(BF16Config, "bf16", raw.get("bf16", {})),
+        zero=_section(ZeroConfig, "zero_optimization", raw.get("zero_optimization", {}),
+                      aliases=_LEGACY_ZERO),
+        checkpoint=_checkpoint(raw.get("checkpoint", {})),
+        data_types=_section(DataTypesConfig, "data_types", raw.get("data_types", {})),
+        comm=_section(CommConfig, "comm", raw.get("comm", {})),
+        raw=raw,
+        **_coerce(TrainConfig, "", scalars),
+    )
+
+
+def _checkpoint(section: Any) -> CheckpointConfig:
+    section = dict(check_keys("checkpoint", section,
+                              {f.name for f in dataclasses.fields(CheckpointConfig)}))
+    if "tag_validation" in section:
+        section["tag_validation"] = as_choice("checkpoint.tag_validation", section["tag_validation"],
+                                              ("Ignore", "Warn", "Fail"))
+    return CheckpointConfig(**section)
