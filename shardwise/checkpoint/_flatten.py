@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._format import CheckpointError
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"

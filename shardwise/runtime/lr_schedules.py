@@ -1,9 +1,11 @@
 """DeepSpeed's learning-rate schedules: same class names, parameters, defaults and curves.
 
 A schedule sets every param group's ``lr`` as a function of ``last_batch_iteration``
-(the number of optimizer steps taken minus one). Constructing one sets the lr of
-iteration 0, so the very first optimizer step already follows the schedule; the engine
-calls ``step()`` after every applied optimizer step. ``state_dict()`` is plain JSON data.
+(the number of optimizer steps taken minus one; -1 before the first). Constructing one
+writes the lr of iteration -1 (the schedule's starting lr) into the optimizer, so the
+first optimizer step already follows the schedule; the engine calls ``step()`` after
+every applied optimizer step. As in DeepSpeed, the warm-up schedules give their
+starting lr to both of the first two steps. ``state_dict()`` is plain JSON data.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def _per_group(optimizer, value, name: str) -> list[float]:
 
 def _warmup_gamma(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
     """Fraction of the warm-up done at ``iteration`` (log or linear ramp, 1 after it)."""
+    if iteration < 0:
+        return 0.0
     if iteration >= warmup_num_steps:
         return 1.0
     if warmup_type == WARMUP_LOG_RATE:
@@ -43,7 +47,7 @@ class _Schedule:
     def __init__(self, optimizer, last_batch_iteration: int):
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
-        self._apply(max(last_batch_iteration, 0))
+        self._apply(last_batch_iteration)
 
     def _lr_at(self, iteration: int) -> list[float]:
         raise NotImplementedError
@@ -66,7 +70,7 @@ class _Schedule:
 
     def get_lr(self) -> list[float]:
         """The lrs of the current iteration."""
-        return self._lr_at(max(self.last_batch_iteration, 0))
+        return self._lr_at(self.last_batch_iteration)
 
     def get_last_lr(self) -> list[float]:
         """The lrs most recently written into the optimizer."""
@@ -84,7 +88,7 @@ class _Schedule:
 
     def load_state_dict(self, state: dict) -> None:
         self.last_batch_iteration = int(state["last_batch_iteration"])
-        self._apply(max(self.last_batch_iteration, 0))
+        self._apply(self.last_batch_iteration)
 
 
 class WarmupLR(_Schedule):

@@ -1,6 +1,10 @@
-"""The checkpoint error type and the constants that define the on-disk format."""
+"""The checkpoint error type, the constants of the on-disk format and small file helpers."""
 
 from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
 
 FORMAT_NAME = "shardwise"
 """Value of ``manifest.json["format"]`` in every shardwise checkpoint."""
@@ -62,3 +66,26 @@ def validate_file_name(name: str) -> str:
         raise ValueError(f"invalid checkpoint file name {name!r}: it must be a plain file name "
                          f"ending in {TENSOR_SUFFIX!r}, without path separators or a leading '.'")
     return name
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of the file at ``path``, read in 1 MiB chunks (bounded memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new names, renames) to disk where the OS allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
