@@ -1,0 +1,159 @@
+"""Data-parallel training on 2 and 4 ranks equals one process on the same global batch."""
+
+import copy
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.testing import run_distributed
+from shardwise.testing.models import TinyMLP, token_batches
+
+STEPS = 4
+MICRO = 2
+
+
+def _config(gas, *, clip=0.0, dtype="fp32", extra=None):
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+    }
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    cfg.update(extra or {})
+    return cfg
+
+
+def _reference(model, batches, *, clip):
+    """Plain single-process PyTorch training on the full global batches."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for tokens, targets in batches:
+        loss = model(tokens, targets)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _engine_train(model, batches, config, rank, world_size):
+    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    gas = engine.gradient_accumulation_steps()
+    for tokens, targets in batches:
+        for micro in range(gas):
+            start = (micro * world_size + rank) * MICRO
+            loss = engine(tokens[start:start + MICRO], targets[start:start + MICRO])
+            engine.backward(loss)
+            engine.step()
+    return engine
+
+
+def _check_parity(rank, world_size, cases):
+    report = {}
+    for name, gas, clip, dtype, freeze in cases:
+        torch.manual_seed(0)
+        model = TinyMLP(seed=1, freeze_first=freeze)
+        batches = token_batches(num_steps=STEPS, batch=MICRO * gas * world_size, seed=2)
+        reference, _ = _reference(model, batches, clip=clip)
+        engine = _engine_train(copy.deepcopy(model), batches, _config(gas, clip=clip, dtype=dtype),
+                               rank, world_size)
+        assert engine.global_steps == STEPS
+        assert engine.global_samples == STEPS * MICRO * gas * world_size
+        worst = 0.0
+        for (pname, ref), got in zip(reference.named_parameters(), engine.module.parameters()):
+            diff = (ref.detach() - got.detach().float()).abs().max().item()
+            worst = max(worst, diff)
+        report[name] = worst
+    return report
+
+
+# Tolerances: fp32 differs from one process only by the summation order of the all-reduce;
+# bf16/fp16 keep fp32 master weights but compute in 8/11-bit mantissas.
+TOLERANCE = {"fp32": 2e-5, "bf16": 5e-2, "fp16": 1e-2}
+
+CASES = [
+    ("fp32 gas1", 1, 0.0, "fp32", False),
+    ("fp32 gas2 clip", 2, 0.5, "fp32", False),
+    ("fp32 gas3 frozen", 3, 0.0, "fp32", True),
+    ("bf16 gas2", 2, 0.5, "bf16", False),
+    ("fp16 gas2", 2, 0.5, "fp16", False),
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_data_parallel_matches_single_process(tmp_path, world_size):
+    reports = run_distributed(_check_parity, world_size=world_size, tmp_path=tmp_path, cases=CASES)
+    for rank, report in enumerate(reports):
+        for name, _, _, dtype, _ in CASES:
+            assert report[name] < TOLERANCE[dtype], f"rank {rank} {name}: max |diff| {report[name]}"
+    # every rank holds the same parameters, so every rank saw the same difference
+    assert all(r == reports[0] for r in reports)
+
+
+def _no_comm_off_boundary(rank, world_size):
+    model = TinyMLP(seed=1)
+    config = _config(4, extra={"zero_optimization": {"stage": 0, "reduce_bucket_size": 300}})
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    launched_when_fc1_ready = []
+    model.fc1.weight.register_post_accumulate_grad_hook(
+        lambda p: launched_when_fc1_ready.append(engine.comm.calls["all_reduce"]))
+    tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=rank)[0]
+    calls = []
+    for _ in range(4):
+        engine.backward(engine(tokens, targets))
+        calls.append(engine.comm.calls["all_reduce"])
+        engine.step()
+    with engine.no_sync():
+        for _ in range(4):
+            engine.backward(engine(tokens, targets))
+            engine.step()
+    return calls, engine.comm.calls["all_reduce"], len(engine.strategy.buckets), launched_when_fc1_ready
+
+
+def test_all_reduce_only_on_boundary_and_during_backward(tmp_path):
+    for calls, after_no_sync, buckets, launched in run_distributed(_no_comm_off_boundary, world_size=2,
+                                                                   tmp_path=tmp_path):
+        assert buckets >= 3
+        assert calls == [0, 0, 0, buckets]
+        assert after_no_sync == buckets
+        # on the boundary backward, buckets of later layers were already in flight when the
+        # gradient of a middle layer was produced: communication overlaps backward
+        assert launched[:3] == [0, 0, 0] and 0 < launched[3] < buckets
+
+
+def _overflow(rank, world_size):
+    model = TinyMLP(seed=1)
+    config = _config(1, dtype="fp16", extra={
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}}})
+    engine, _, _, scheduler = shardwise.initialize(model=model, config=config)
+    tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=rank)[0]
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    lr_before = engine.get_lr()
+    loss = engine(tokens, targets)
+    if rank == 0:  # one rank's gradient overflows; all must skip
+        loss = loss * float("inf")
+    engine.backward(loss)
+    engine.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    return (unchanged, engine.was_step_applied(), engine.get_loss_scale(), engine.skipped_steps,
+            engine.get_lr() == lr_before, engine.global_steps)
+
+
+def test_fp16_overflow_skips_step_everywhere(tmp_path):
+    for unchanged, applied, scale, skipped, lr_kept, steps in run_distributed(
+            _overflow, world_size=2, tmp_path=tmp_path):
+        assert unchanged and not applied
+        assert scale == 2 ** 7
+        assert skipped == 1 and steps == 1
+        assert lr_kept
