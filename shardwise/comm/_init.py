@@ -144,6 +144,6 @@ def init_distributed(
         os.environ.setdefault("MASTER_PORT", str(launch.master_port or distributed_port))
         dist.init_process_group(backend, init_method=init_method or "env://", rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
-    if verbose:
-        logger.info("initialised %s process group: rank %d of %d (local rank %d, from %s)",
-                    backend, launch.rank, launch.world_size, launch.local_rank, launch.source)
+    if verbose and launch.rank == 0:
+        logger.info("initialised %s process group of %d ranks (launched by %s)",
+                    backend, launch.world_size, launch.source)

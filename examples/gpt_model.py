@@ -1,0 +1,138 @@
+"""A small GPT-style decoder and a byte-level corpus that needs no download.
+
+Used by the demo (``train_gpt.py``) and the benchmarks (``bench/``), so both train the
+same architecture: token + learned position embeddings, pre-LayerNorm blocks with causal
+scaled-dot-product attention and a 4x GELU MLP, a final LayerNorm, and an output head
+tied to the token embedding (untied in the benchmark presets, whose parameter counts
+BENCHMARKS.md states that way).
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 8192
+    width: int = 512
+    num_layers: int = 6
+    num_heads: int = 8
+    seq_len: int = 256
+    dropout: float = 0.0
+    tie_weights: bool = True
+    """Share the output head's weight with the token embedding."""
+
+
+GPT_PRESETS = {
+    "tiny": GPTConfig(vocab_size=256, width=64, num_layers=2, num_heads=4, seq_len=64),
+    "reference": GPTConfig(tie_weights=False),
+    "memory": GPTConfig(vocab_size=32000, width=1024, num_layers=8, num_heads=16, seq_len=64,
+                        tie_weights=False),
+}
+"""Sizes used by tests ("tiny"), the step-time benchmark ("reference", about 27.4M
+parameters) and the memory benchmark ("memory", about 166M parameters)."""
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.dropout = config.dropout
+        self.ln1 = nn.LayerNorm(config.width)
+        self.qkv = nn.Linear(config.width, 3 * config.width)
+        self.proj = nn.Linear(config.width, config.width)
+        self.ln2 = nn.LayerNorm(config.width)
+        self.fc = nn.Linear(config.width, 4 * config.width)
+        self.out = nn.Linear(4 * config.width, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.num_heads, width // self.num_heads).transpose(1, 2)
+                   for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, width))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """``forward(idx)`` returns logits; ``forward(idx, targets)`` the mean cross-entropy."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.width)
+        self.pos_emb = nn.Embedding(config.seq_len, config.width)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.width)
+        self.head = nn.Linear(config.width, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init)
+        for block in self.blocks:  # scale residual projections by depth (GPT-2)
+            for proj in (block.proj, block.out):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * config.num_layers))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def byte_corpus(*, max_bytes: int = 4_000_000) -> torch.Tensor:
+    """The Python standard library's own ``.py`` sources as byte tokens (vocab 256).
+
+    Files are read in sorted order, so the corpus is the same on every rank and run.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data[: max_bytes - total])
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    if total < 1024:
+        raise RuntimeError(f"found only {total} bytes of Python source under {root}")
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+class ByteBlocks(torch.utils.data.Dataset):
+    """Non-overlapping ``(x, y)`` windows of ``seq_len`` tokens, ``y`` shifted by one."""
+
+    def __init__(self, corpus: torch.Tensor, *, seq_len: int):
+        self.corpus, self.seq_len = corpus, seq_len
+
+    def __len__(self) -> int:
+        return (self.corpus.numel() - 1) // self.seq_len
+
+    def __getitem__(self, index: int):
+        start = index * self.seq_len
+        window = self.corpus[start:start + self.seq_len + 1].long()
+        return window[:-1], window[1:]
