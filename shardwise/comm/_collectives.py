@@ -136,6 +136,18 @@ class Communicator:
         """Block until every rank of the group arrives (implemented as a tiny all-reduce)."""
         self.all_reduce(torch.zeros(1, device=self._device()), tag=tag or "barrier").wait()
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, indexed by group rank (small metadata only).
+
+        Pickle travels between this job's own ranks here; nothing read from disk is
+        unpickled."""
+        if self.world_size == 1:
+            return [obj]
+        self.calls["all_gather_object"] += 1
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def all_reduce_scalars(self, values: list[float], *, op=dist.ReduceOp.SUM, tag: str = "",
                            device=None) -> list[float]:
         """All-reduce a few Python numbers in one fp64 collective and return them."""

@@ -112,8 +112,7 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
     rng_tensors, rng_skeleton = ckpt.flatten_state(ckpt.capture_rng_state())
     files[_rng_file(comm.rank)] = rng_tensors
     records = ckpt.write_files(staging, files)
-    all_records = [None] * comm.world_size
-    torch.distributed.all_gather_object(all_records, (records, rng_skeleton), group=comm.group)
+    all_records = comm.all_gather_object((records, rng_skeleton))
     if comm.rank == 0:
         merged = {name: rec for recs, _ in all_records for name, rec in recs.items()}
         skeletons["rng"] = {str(rank): skel for rank, (_, skel) in enumerate(all_records)}

@@ -14,6 +14,8 @@ Stages are implementations of :class:`ZeroStrategy`; the engine calls only that 
 
 from __future__ import annotations
 
+import torch
+
 from shardwise.zero._stage0 import Stage0Strategy
 from shardwise.zero._strategy import ModelStateBytes, StepResult, ZeroStrategy
 
@@ -26,7 +28,21 @@ DeepSpeed's default (5e8 elements) puts a whole model in one bucket, which defea
 overlapping the all-reduce with backward; 25 MiB buckets (PyTorch DDP's choice) overlap."""
 
 
-def _refuse_unbuilt(zero) -> None:
+def _refuse_unbuilt(config, policy) -> None:
+    """Settings this version reads but cannot honour yet are errors, never ignored."""
+    zero = config.zero
+    names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    for key, value in (("data_types.grad_accum_dtype", config.data_types.grad_accum_dtype),
+                       ("communication_data_type", config.communication_data_type)):
+        if value is not None and names[value] != policy.param_dtype:
+            raise NotImplementedError(
+                f"{key}={value!r} differs from the training dtype ({policy.param_dtype}); "
+                "gradients are accumulated and reduced in the training dtype in this version of "
+                f"shardwise; remove {key}")
+    if config.checkpoint.use_node_local_storage or config.checkpoint.parallel_write:
+        raise NotImplementedError("checkpoint.use_node_local_storage and checkpoint.parallel_write are "
+                                  "not available in this version of shardwise yet; remove them "
+                                  "(checkpoints go to the shared save_dir)")
     if zero.stage != 0:
         raise NotImplementedError(
             f"zero_optimization.stage {zero.stage} is not available in this version of "
@@ -43,7 +59,7 @@ def _refuse_unbuilt(zero) -> None:
 def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
     """Pick and build the ZeRO strategy ``config.zero`` asks for."""
     zero = config.zero
-    _refuse_unbuilt(zero)
+    _refuse_unbuilt(config, policy)
     user_set = "reduce_bucket_size" in (config.raw.get("zero_optimization") or {})
     element_size = policy.param_dtype.itemsize
     bucket_numel = zero.reduce_bucket_size if user_set else DEFAULT_DP_BUCKET_BYTES // element_size

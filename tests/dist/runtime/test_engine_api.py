@@ -27,6 +27,8 @@ def _api(rank, world_size):
         model=TinyMLP(), config={**BASE, "zero_optimization": {"stage": 2}}))
     out["offload"] = _expect_error(NotImplementedError, lambda: shardwise.initialize(
         model=TinyMLP(), config={**BASE, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    out["grad_accum"] = _expect_error(NotImplementedError, lambda: shardwise.initialize(
+        model=TinyMLP(), config={**BASE, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}))
     out["two_optimizers"] = _expect_error(ValueError, lambda: shardwise.initialize(
         model=TinyMLP(), optimizer=torch.optim.SGD(TinyMLP().parameters(), lr=0.1), config=BASE))
     out["no_config"] = _expect_error(ValueError, lambda: shardwise.initialize(model=TinyMLP()))
@@ -76,6 +78,7 @@ def test_engine_api(tmp_path):
     assert 'set "stage": 0' in out["stage2"]
     assert "offload_optimizer.device='cpu' is not available" in out["offload"]
     assert "keep only one of them" in out["two_optimizers"]
+    assert "data_types.grad_accum_dtype='fp32' differs from the training dtype" in out["grad_accum"]
     assert "no config" in out["no_config"]
     assert "train_batch_size (7) is not divisible" in out["bad_batch"]
     assert out["gas"] == 2

@@ -1,0 +1,235 @@
+"""Step time and memory of shardwise against PyTorch DDP, FSDP2 and DeepSpeed, in one run.
+
+Each variant trains the GPT of ``examples/gpt_model.py`` on 2 ranks (gloo, CPU, one
+thread per rank) with AdamW and gradient clipping, one variant after another; the table
+reports medians, spreads and ratios to the first DDP run (see ../shared/BENCHMARKS.md).
+
+    python bench/bench_step.py --variants floor,ddp,shardwise0,ddp,deepspeed0 --out bench/results/x.md
+
+Variants: ``floor`` (each rank trains alone: the compute-only floor), ``ddp``, ``fsdp2``,
+``shardwise<stage>``, ``deepspeed<stage>``. DeepSpeed runs in its own interpreter
+(``--ds-python``) so it is never a dependency of shardwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- worker: one rank of one variant --------------------------------------------------------
+
+def _config(args, stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True}
+
+
+def _state_bytes(model, optimizer) -> int:
+    tensors = list(model.parameters())
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2 DTensors
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _build(args, variant: str, model):
+    """Returns (step_fn, state_bytes_fn) for one variant."""
+    import torch
+    import torch.distributed as dist
+
+    adamw = lambda params: torch.optim.AdamW(params, lr=3e-4, foreach=True)  # noqa: E731
+    if variant in ("floor", "ddp", "fsdp2"):
+        if variant == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        if variant == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        optimizer = adamw(model.parameters())
+
+        def step(x, y):
+            loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        return step, lambda: _state_bytes(model, optimizer)
+    stage = int(variant[-1])
+    if variant.startswith("shardwise"):
+        import shardwise
+        config = {**_config(args, stage), "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}
+        del config["zero_allow_untested_optimizer"]
+        engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                               config=config)
+        return _engine_step(engine), lambda: engine.model_state_bytes().total
+    import deepspeed
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()),
+                                                   config=_config(args, stage))
+    return _engine_step(engine), lambda: float("nan")  # DeepSpeed's buffers are not all visible
+
+
+def _engine_step(engine):
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    return step
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from gpt_model import GPT, GPT_PRESETS
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if args.variant.startswith("deepspeed"):
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+    elif args.variant != "floor":
+        dist.init_process_group("gloo")
+    config = GPT_PRESETS[args.preset]
+    torch.manual_seed(0)
+    model = GPT(config)
+    step, state_bytes = _build(args, args.variant, model)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_len), generator=generator)
+    y = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_len), generator=generator)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    result = {"times": times, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "state_mb": state_bytes() / 2 ** 20}
+    Path(args.result).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: gloo threads sometimes abort it after a clean run
+
+
+# -- driver -----------------------------------------------------------------------------------
+
+def run_variant(args, variant: str) -> dict:
+    python = args.ds_python if variant.startswith("deepspeed") else sys.executable
+    if variant.startswith("deepspeed") and not Path(python).exists():
+        return {"error": f"DeepSpeed interpreter {python} not found (see bench/README.md)"}
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result"
+        procs = []
+        for rank in range(args.world_size):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.world_size),
+                   "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SHARDWISE_ACCELERATOR": "cpu",
+                   "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+            if variant == "floor":
+                env["WORLD_SIZE"] = "1"
+            cmd = [python, __file__, "--worker", "--variant", variant, "--preset", args.preset,
+                   "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--result", str(result)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+        if any(p.returncode for p in procs):
+            failed = next(o for p, o in zip(procs, outputs) if p.returncode)
+            lines = [ln for ln in failed.strip().splitlines() if ln.strip()]
+            return {"error": lines[-1][:160] if lines else "failed"}
+        ranks = [json.loads(result.with_suffix(f".rank{r}.json").read_text()) for r in range(args.world_size)]
+    times = ranks[0]["times"][args.warmup:]
+    return {"median": statistics.median(times), "min": min(times), "max": max(times),
+            "rss_mb": max(r["rss_mb"] for r in ranks), "state_mb": max(r["state_mb"] for r in ranks)}
+
+
+def _versions(ds_python: str) -> str:
+    import torch
+    parts = [f"torch {torch.__version__}"]
+    if Path(ds_python).exists():
+        out = subprocess.run([ds_python, "-c", "import deepspeed; print(deepspeed.__version__)"],
+                             capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        parts.append(f"deepspeed {out.stdout.strip().splitlines()[-1] if out.returncode == 0 else 'unavailable'}")
+    return ", ".join(parts)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def table(args, results: list[tuple[str, dict]]) -> str:
+    base = next((r["median"] for v, r in results if v == "ddp" and "median" in r), None)
+    floor = next((r["median"] for v, r in results if v == "floor" and "median" in r), None)
+    lines = [f"# Step time, preset `{args.preset}`, {args.world_size} ranks, micro-batch {args.micro_batch}",
+             "", f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | "
+             f"median of steps {args.warmup + 1}..{args.steps}", "",
+             "| variant | median s/step | min-max | vs DDP | vs floor | peak RSS MB/rank | model-state MB/rank |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for variant, r in results:
+        if "error" in r:
+            lines.append(f"| {variant} | error: {r['error']} | | | | | |")
+            continue
+        vs_ddp = f"{r['median'] / base:.2f}" if base else "-"
+        vs_floor = f"{r['median'] / floor:.2f}" if floor else "-"
+        lines.append(f"| {variant} | {r['median']:.3f} | {r['min']:.3f}-{r['max']:.3f} | {vs_ddp} | "
+                     f"{vs_floor} | {r['rss_mb']:.0f} | {r['state_mb']:.0f} |".replace("| nan |", "| - |"))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="floor,ddp,shardwise0,ddp,deepspeed0")
+    parser.add_argument("--preset", default="reference", choices=["tiny", "reference", "memory"])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--out", default=None, help="also write the table to this markdown file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    results = []
+    for variant in args.variants.split(","):
+        print(f"running {variant} ...", file=sys.stderr, flush=True)
+        results.append((variant, run_variant(args, variant)))
+        print(f"  {results[-1][1]}", file=sys.stderr, flush=True)
+    text = table(args, results)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
