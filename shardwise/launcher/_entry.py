@@ -1,0 +1,54 @@
+"""What each rank started by ``shardwise run`` executes: the user's script, with its
+error recorded so the launcher can say which rank failed first and why.
+
+Usage (by the launcher, through torchrun): ``python -m shardwise.launcher._entry script.py args``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
+NO_LOCAL_RANK_ENV = "SHARDWISE_NO_LOCAL_RANK"
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m shardwise.launcher._entry SCRIPT [ARGS...]")
+    script, args = sys.argv[1], sys.argv[2:]
+    if os.environ.get(NO_LOCAL_RANK_ENV) != "1":
+        args = [*args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _record(f"SystemExit({exc.code!r})")
+        raise
+    except BaseException:
+        _record(traceback.format_exc())
+        raise
+
+
+def _record(message: str) -> None:
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return
+    rank = os.environ.get("RANK", "?")
+    try:
+        Path(folder, f"rank{rank}.json").write_text(json.dumps({
+            "rank": rank, "local_rank": os.environ.get("LOCAL_RANK"), "host": os.uname().nodename,
+            "time": time.time(), "error": message[-4000:]}))
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Argument handling of ``shardwise run`` (DeepSpeed's launcher flags, same meanings)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from shardwise.launcher.hostfile import HostfileError, parse_hostfile, select_resources
+from shardwise.launcher.runner import JobSpec, multinode_commands, run_multinode, run_single_node
+
+DEFAULT_HOSTFILE = "/job/hostfile"
+LOCAL_NAMES = {"localhost", "127.0.0.1", os.uname().nodename}
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="shardwise run")
+    parser.description = ("Start SCRIPT on every rank: N processes on this machine, or on every "
+                          "host of a hostfile. Without a GPU the ranks are CPU processes (gloo).")
+    add = parser.add_argument
+    add("-H", "--hostfile", default=None,
+        help=f"file of 'hostname slots=N' lines (default {DEFAULT_HOSTFILE} if it exists)")
+    add("-i", "--include", default="", help="only these hosts/slots, e.g. worker-0:0,1@worker-1")
+    add("-e", "--exclude", default="", help="all but these hosts/slots (same syntax as --include)")
+    add("--num_nodes", type=int, default=-1, help="use the first N hosts (or, with --node_rank, the "
+                                                   "number of machines of a manually started job)")
+    add("--node_rank", type=int, default=-1, help="this machine's rank in a manually started "
+                                                   "multi-node job (run the command on every machine)")
+    add("--num_gpus", "--num_accelerators", type=int, default=-1, dest="num_gpus",
+        help="devices (ranks) per node")
+    add("--nproc", type=int, default=-1, help="ranks per node on CPU (default: GPU count, or 1)")
+    add("--master_addr", default="", help="address of rank 0's machine (default: first host)")
+    add("--master_port", type=int, default=29500, help="port of the rendezvous store")
+    add("--launcher", default="ssh", choices=["ssh", "pdsh", "slurm", "mpi", "local"],
+        help="how to start the per-node launchers on other machines")
+    add("--launcher_args", default="", help="extra arguments for pdsh / srun / mpirun")
+    add("--force_multi", action="store_true", help="use the multi-node path even for one host")
+    add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    add("script", help="the training script")
+    add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _hosts(args) -> dict[str, int] | None:
+    if args.hostfile is not None:
+        return parse_hostfile(args.hostfile)
+    if Path(DEFAULT_HOSTFILE).is_file():
+        return parse_hostfile(DEFAULT_HOSTFILE)
+    return None
+
+
+def _local_ranks(args, default: int) -> int:
+    for value, flag in ((args.nproc, "--nproc"), (args.num_gpus, "--num_gpus")):
+        if value == 0 or value < -1:
+            raise HostfileError(f"{flag} must be a positive number of ranks, got {value}")
+    if args.nproc > 0:
+        return args.nproc
+    if args.num_gpus > 0:
+        return args.num_gpus
+    return default
+
+
+def run(args) -> int:
+    """Resolve resources and start the job; returns the exit code."""
+    if not Path(args.script).is_file():
+        raise HostfileError(f"training script {args.script!r} does not exist")
+    cuda = _cuda_count()
+    hosts = _hosts(args) if args.launcher != "local" else None
+    spec = JobSpec(script=args.script, script_args=list(args.script_args), nproc_per_node=1,
+                   master_port=args.master_port, no_local_rank=args.no_local_rank)
+    if args.node_rank >= 0:  # one machine's part of a job started by hand on every machine
+        if args.num_nodes < 1 or args.node_rank >= args.num_nodes:
+            raise HostfileError(f"--node_rank {args.node_rank} needs --num_nodes greater than it")
+        if not args.master_addr:
+            raise HostfileError("--node_rank needs --master_addr (the address of node 0)")
+        spec.num_nodes, spec.node_rank, spec.master_addr = args.num_nodes, args.node_rank, args.master_addr
+        spec.nproc_per_node = _local_ranks(args, cuda or 1)
+        return run_single_node(spec)
+    if hosts is None:
+        if args.include or args.exclude:
+            hosts = {"localhost": _local_ranks(args, cuda or 1)}
+        else:
+            spec.nproc_per_node = _local_ranks(args, cuda or 1)
+            spec.master_addr = args.master_addr or "127.0.0.1"
+            return run_single_node(spec)
+    resources = select_resources(hosts, include=args.include, exclude=args.exclude,
+                                 num_nodes=args.num_nodes, num_slots=args.num_gpus)
+    if len(resources) == 1 and not args.force_multi and next(iter(resources)) in LOCAL_NAMES:
+        slots = next(iter(resources.values()))
+        if cuda:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+        spec.nproc_per_node = args.nproc if args.nproc > 0 else len(slots)
+        spec.master_addr = args.master_addr or "127.0.0.1"
+        return run_single_node(spec)
+    sizes = {len(s) for s in resources.values()}
+    if len(sizes) != 1:
+        raise HostfileError(f"every host must run the same number of ranks; the selection gives "
+                            f"{ {h: len(s) for h, s in resources.items()} }")
+    spec.num_nodes = len(resources)
+    spec.nproc_per_node = args.nproc if args.nproc > 0 else sizes.pop()
+    spec.master_addr = args.master_addr or next(iter(resources))
+    ssh = shlex.split(os.environ.get("SHARDWISE_SSH", "ssh -o StrictHostKeyChecking=no -o BatchMode=yes"))
+    commands = multinode_commands(spec, resources, args.launcher, ssh=ssh, cuda=cuda > 0)
+    extra = shlex.split(args.launcher_args)
+    if extra and args.launcher != "ssh":
+        commands = [[cmd[0], *extra, *cmd[1:]] for cmd in commands]
+    return run_multinode(commands)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except HostfileError as exc:
+        print(f"shardwise run: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,1 @@
+"""Command-line tools: the environment report and the memory estimator."""
