@@ -9,9 +9,11 @@ as a world of one.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -144,6 +146,32 @@ def init_distributed(
         os.environ.setdefault("MASTER_PORT", str(launch.master_port or distributed_port))
         dist.init_process_group(backend, init_method=init_method or "env://", rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
+    atexit.register(_shutdown_at_exit)
     if verbose and launch.rank == 0:
         logger.info("initialised %s process group of %d ranks (launched by %s)",
                     backend, launch.world_size, launch.source)
+
+
+_EXIT_BARRIER_TIMEOUT = timedelta(seconds=60)
+
+
+def _shutdown_at_exit() -> None:
+    """Tear the process group down when the script ends, after the other ranks arrive.
+
+    Scripts written for DeepSpeed rarely call destroy_process_group(). Without it, a rank
+    whose peers already exited can abort in gloo's teardown (SIGABRT) although training
+    succeeded. After an unhandled exception the barrier is skipped, so a failing rank
+    exits at once and the launcher stops the others.
+    """
+    if not dist.is_initialized():
+        return
+    failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+    try:
+        if not failed and dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+            else:
+                dist.barrier()
+        dist.destroy_process_group()
+    except Exception as exc:  # a peer that died already: nothing left to coordinate with
+        logger.debug("process group shutdown at exit: %s", exc)

@@ -14,8 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
-NO_LOCAL_RANK_ENV = "SHARDWISE_NO_LOCAL_RANK"
+from shardwise.launcher.environment import ERROR_DIR_ENV, NO_LOCAL_RANK_ENV
 
 
 def main() -> None:

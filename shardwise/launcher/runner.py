@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardwise.launcher._entry import ERROR_DIR_ENV, NO_LOCAL_RANK_ENV
-from shardwise.launcher.environment import export_prefix, exports
+from shardwise.launcher.environment import ERROR_DIR_ENV, NO_LOCAL_RANK_ENV, export_prefix, exports
 
 _STOP_GRACE_S = 5.0
 NODE_RANK_PLACEHOLDER = {"pdsh": "%n", "slurm": "$SLURM_NODEID", "mpi": "$OMPI_COMM_WORLD_RANK"}
