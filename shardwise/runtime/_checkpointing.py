@@ -29,53 +29,6 @@ def _rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
 
 
-def _optimizer_state_by_name(engine) -> dict:
-    """The optimizer's state_dict with parameter indices replaced by parameter names."""
-    optimizer = engine.optimizer
-    names = engine.strategy.named_optimizer_params()
-    index_to_name, index = {}, 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            index_to_name[index] = names.get(p, f"unnamed.{index}")
-            index += 1
-    state = optimizer.state_dict()
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [index_to_name[i] for i in g["params"]]} for g in state["param_groups"]]
-    by_name = {index_to_name[i]: s for i, s in state["state"].items()}
-    masters = {name: p.detach() for p, name in names.items() if p.dtype == torch.float32} \
-        if engine.policy.needs_master_copy else {}
-    return {"state": by_name, "param_groups": groups, "master": masters}
-
-
-def _load_optimizer_state_by_name(engine, saved: dict) -> None:
-    optimizer = engine.optimizer
-    names = engine.strategy.named_optimizer_params()
-    name_to_index, index = {}, 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name_to_index[names.get(p, f"unnamed.{index}")] = index
-            index += 1
-    saved_groups = saved["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ckpt.CheckpointError(
-            f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this one has "
-            f"{len(optimizer.param_groups)}; build the optimizer with the same groups, or load with "
-            "load_optimizer_states=False")
-    missing = [n for g in saved_groups for n in g["params"] if n not in name_to_index]
-    if missing:
-        raise ckpt.CheckpointError(
-            f"the checkpoint's optimizer holds state for parameters this model lacks: "
-            f"{missing[:5]}; load with load_optimizer_states=False to take only the weights")
-    state = {name_to_index[n]: s for n, s in saved["state"].items()}
-    groups = [{**g, "params": [name_to_index[n] for n in g["params"]]} for g in saved_groups]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    with torch.no_grad():
-        for p, name in names.items():
-            if name in saved.get("master", {}):
-                p.copy_(saved["master"][name])
-    engine.strategy.sync_params_from_master()
-
-
 def _check_tag_agrees(engine, tag: str) -> None:
     mode = engine.config.checkpoint.tag_validation
     if mode == "Ignore" or engine.comm.world_size == 1:
@@ -99,10 +52,12 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
     comm.barrier(tag=f"checkpoint {tag}: staging created")
     files: dict[str, dict[str, torch.Tensor]] = {}
     skeletons: dict = {}
+    # collective for sharded stages: every rank takes part, rank 0 writes
+    optimizer_state = engine.strategy.optimizer_state_by_name() if engine.optimizer is not None else None
     if comm.rank == 0:
         files[_MODEL], skeletons["module"] = ckpt.flatten_state(engine.module.state_dict())
-        if engine.optimizer is not None:
-            files[_OPTIMIZER], skeletons["optimizer"] = ckpt.flatten_state(_optimizer_state_by_name(engine))
+        if optimizer_state is not None:
+            files[_OPTIMIZER], skeletons["optimizer"] = ckpt.flatten_state(optimizer_state)
         engine_state = {
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
@@ -162,7 +117,7 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
                                        "optimizer); load with load_optimizer_states=False")
         saved = ckpt.unflatten_state(ckpt.read_tensors(path, _OPTIMIZER, manifest=manifest),
                                      skeletons["optimizer"])
-        _load_optimizer_state_by_name(engine, saved)
+        engine.strategy.load_optimizer_state_by_name(saved)
     if load_scheduler and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
     if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
+from shardwise.zero._named_state import load_per_param_state_by_name, per_param_state_by_name
 from shardwise.zero._strategy import ModelStateBytes, StepResult
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,15 @@ class Stage0Strategy:
         """The tensor the optimizer updates for each parameter, keyed to its module name."""
         return {self._master.get(p, p): name for name, p in self.module.named_parameters()
                 if p.requires_grad}
+
+    def optimizer_state_by_name(self) -> dict:
+        """The optimizer state keyed by parameter name (see ``_named_state``)."""
+        return per_param_state_by_name(self.optimizer, self.named_optimizer_params(),
+                                       masters=bool(self._master))
+
+    def load_optimizer_state_by_name(self, saved: dict) -> None:
+        load_per_param_state_by_name(self.optimizer, self.named_optimizer_params(), saved)
+        self.sync_params_from_master()
 
     # -- backward -----------------------------------------------------------------------
 
