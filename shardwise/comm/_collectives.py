@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 _DIAG_PREFIX = "shardwise/diag"
 
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message says where every rank was."""
@@ -119,7 +123,7 @@ class Communicator:
             output.copy_(input.reshape(output.shape))
             return _DONE
         record = self._record("all_gather", output, tag)
-        work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
+        work = _all_gather_single(output, input, group=self.group, async_op=True)
         return Handle(self, work, record)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, *,
@@ -129,7 +133,7 @@ class Communicator:
             output.copy_(input.reshape(output.shape))
             return _DONE
         record = self._record("reduce_scatter", input, tag)
-        work = dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=True)
+        work = _reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)
         return Handle(self, work, record)
 
     def barrier(self, *, tag: str = "") -> None:

@@ -67,13 +67,11 @@ class Engine(nn.Module):
         if client_optimizer is None and self.config.optimizer is None:
             return None
         if isinstance(client_optimizer, torch.optim.Optimizer):
-            self.strategy.adopt_client_optimizer(client_optimizer)
-            return client_optimizer
+            return self.strategy.adopt_client_optimizer(client_optimizer)
         mapped = self.strategy.optimizer_params(params)
         optimizer = client_optimizer(mapped) if callable(client_optimizer) \
             else build_optimizer(self.config.optimizer, mapped)
-        self.strategy.adopt_client_optimizer(optimizer)
-        return optimizer
+        return self.strategy.adopt_client_optimizer(optimizer)
 
     def _configure_lr_scheduler(self, client_scheduler):
         from shardwise.runtime.lr_schedules import build_lr_scheduler

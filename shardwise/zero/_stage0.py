@@ -39,11 +39,27 @@ class _Bucket:
     launched: bool = False
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def broadcast_module_state(module: nn.Module, comm: Communicator) -> None:
+    """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            comm.broadcast(flat, src=0, tag=f"initial {dtype} state").wait()
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 class Stage0Strategy:
@@ -69,7 +85,7 @@ class Stage0Strategy:
         self.predivide_factor = predivide_factor
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
-        self._broadcast_module_state()
+        broadcast_module_state(module, comm)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self._master = {p: self._make_master(p) for p in self.trainable} \
             if policy.needs_master_copy else {}
@@ -82,20 +98,6 @@ class Stage0Strategy:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # -- construction -----------------------------------------------------------------
-
-    def _broadcast_module_state(self) -> None:
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for dtype, group in by_dtype.items():
-                flat = torch.cat([t.reshape(-1) for t in group])
-                self.comm.broadcast(flat, src=0, tag=f"initial {dtype} state").wait()
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
 
     @staticmethod
     def _make_master(p: nn.Parameter) -> nn.Parameter:
@@ -150,12 +152,13 @@ class Stage0Strategy:
             return [{**g, "params": [self._master.get(p, p) for p in g["params"]]} for g in items]
         return [self._master.get(p, p) for p in items]
 
-    def adopt_client_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def adopt_client_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make a user-built optimizer update the master copies instead of the params."""
         if self._master:
             for group in optimizer.param_groups:
                 group["params"] = [self._master.get(p, p) for p in group["params"]]
         self.optimizer = optimizer
+        return optimizer
 
     def named_optimizer_params(self) -> dict[torch.Tensor, str]:
         """The tensor the optimizer updates for each parameter, keyed to its module name."""
@@ -261,7 +264,7 @@ class Stage0Strategy:
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         grads = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
         master = sum(2 * m.numel() * m.element_size() for m in self._master.values())
-        return ModelStateBytes(params, grads, master, _optimizer_state_bytes(self.optimizer))
+        return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
 
     def reset_master_from_params(self) -> None:
         """Refresh the fp32 master copies from the module (after loading module weights)."""

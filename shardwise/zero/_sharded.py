@@ -1,0 +1,372 @@
+"""ZeRO stages 1 and 2: each rank keeps 1/N of the optimizer state (1) and of the
+gradients as well (2); parameters stay whole on every rank.
+
+Layout: see [Note: bucket partition rule] in ``_partition.py``. Module parameters are
+views into their bucket's flat parameter buffer, so a rank's shard of the parameters is a
+slice of it; the optimizer updates one fp32 tensor per bucket shard (that slice itself in
+fp32 training, a separate master copy under fp16/bf16), and after the step every bucket
+is all-gathered back into place.
+
+Gradients: stage 1 accumulates full gradients (``.grad`` are views into a flat buffer, as
+stage 0) and reduce-scatters each bucket on the accumulation boundary. Stage 2 never
+keeps full gradients: on every micro-step each gradient is copied into its bucket's
+short-lived staging buffer as soon as autograd produces it, the bucket is
+reduce-scattered when complete, and this rank's slice is added to a persistent fp32
+gradient shard; at most ``_MAX_IN_FLIGHT`` staging buffers are alive at once.
+Buckets launch in one fixed order on every rank (see [Note: bucket launch order] in
+``_stage0.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardwise.comm import Communicator, Handle
+from shardwise.precision import PrecisionPolicy
+from shardwise.zero._named_state import check_groups
+from shardwise.zero._partition import partition
+from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes
+from shardwise.zero._strategy import ModelStateBytes, StepResult
+
+_MAX_IN_FLIGHT = 2
+
+
+@dataclass(eq=False)
+class _Bucket:
+    index: int
+    group: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    padded: int
+    shard: int
+    flat_param: torch.Tensor
+    master: nn.Parameter | None = None
+    grad_full: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    staging: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    handle: Handle | None = None
+    ready: set[int] = field(default_factory=set)
+
+    def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        return tensor[rank * self.shard:(rank + 1) * self.shard]
+
+
+class ShardedStrategy:
+    """ZeRO stage 1 or 2 (see the module docstring for what each keeps).
+
+    Args:
+        module: the model; its parameters become views into flat bucket buffers.
+        comm: the data-parallel communicator.
+        policy: parameter and master dtypes.
+        stage: 1 or 2.
+        bucket_numel: elements per bucket (reduce-scatter and all-gather unit).
+        predivide_factor: divide gradients by this before the reduction (1.0: after).
+    """
+
+    def __init__(self, module: nn.Module, *, comm: Communicator, policy: PrecisionPolicy, stage: int,
+                 bucket_numel: int, predivide_factor: float = 1.0):
+        self.module, self.comm, self.policy, self.stage = module, comm, policy, stage
+        self.bucket_numel, self.predivide_factor = bucket_numel, predivide_factor
+        self.optimizer: torch.optim.Optimizer | None = None
+        module.to(policy.param_dtype)
+        broadcast_module_state(module, comm)
+        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.names = {p: n for n, p in module.named_parameters()}
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[nn.Parameter, _Bucket] = {}
+        self._offset_of: dict[nn.Parameter, int] = {}
+        self._group_options: list[dict] = []
+        self._reducing = False
+        self._next_launch = 0
+        self._in_flight: collections.deque[_Bucket] = collections.deque()
+        for p in self.trainable:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- layout ---------------------------------------------------------------------------
+
+    def optimizer_params(self, model_parameters) -> list[dict]:
+        """Lay out buckets for the user's parameter groups; returns groups of bucket shards."""
+        if self.buckets:
+            raise RuntimeError("ZeRO buckets are already laid out; build one optimizer per engine")
+        items = list(model_parameters)
+        groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+        order = {p: i for i, p in enumerate(self.trainable)}
+        seen: set[nn.Parameter] = set()
+        for group in groups:
+            params = [p for p in group["params"] if p in order and p not in seen]
+            seen.update(params)
+            self._group_options.append({k: v for k, v in group.items() if k != "params"})
+            self._layout(sorted(params, key=order.get, reverse=True), len(self._group_options) - 1)
+        rest = [p for p in self.trainable if p not in seen]
+        if rest:  # trainable but not optimized: still reduced, never updated
+            self._layout(list(reversed(rest)), group=-1)
+        return [{**options, "params": [b.master for b in self.buckets if b.group == g]}
+                for g, options in enumerate(self._group_options)]
+
+    def _layout(self, params: list[nn.Parameter], group: int) -> None:
+        pending: list[nn.Parameter] = []
+        for p in params:
+            if pending and (sum(q.numel() for q in pending) + p.numel() > self.bucket_numel
+                            or pending[0].dtype != p.dtype):
+                self._add_bucket(pending, group)
+                pending = []
+            pending.append(p)
+        if pending:
+            self._add_bucket(pending, group)
+
+    def _add_bucket(self, params: list[nn.Parameter], group: int) -> None:
+        rank, dtype, device = self.comm.rank, params[0].dtype, params[0].device
+        offsets, numel = [], 0
+        for p in params:
+            offsets.append(numel)
+            numel += p.numel()
+        padded, shard = partition(numel, self.comm.world_size)
+        flat = torch.zeros(padded, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, off in zip(params, offsets):
+                flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = flat[off:off + p.numel()].view_as(p)
+        bucket = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat)
+        local = bucket.local(flat, rank)
+        bucket.master = nn.Parameter(local if not self.policy.needs_master_copy
+                                     else local.detach().to(torch.float32, copy=True))
+        if self.stage == 1:
+            bucket.grad_full = torch.zeros(padded, dtype=dtype, device=device)
+            local_grad = bucket.local(bucket.grad_full, rank)
+            bucket.grad_shard = local_grad if local_grad.dtype == torch.float32 \
+                else torch.zeros(shard, dtype=torch.float32, device=device)
+        else:
+            bucket.grad_shard = torch.zeros(shard, dtype=torch.float32, device=device)
+        bucket.master.grad = bucket.grad_shard
+        self.buckets.append(bucket)
+        self._bucket_of.update({p: bucket for p in params})
+        self._offset_of.update(zip(params, offsets))
+
+    def adopt_client_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Use ``optimizer``; one built over the original parameters is rebuilt over shards."""
+        shards = {id(b.master) for b in self.buckets}
+        if not all(id(p) in shards for g in optimizer.param_groups for p in g["params"]):
+            if optimizer.state:
+                raise ValueError("a client optimizer that already holds state cannot be sharded by "
+                                 "ZeRO; pass it before its first step")
+            groups = [dict(g) for g in optimizer.param_groups]
+            optimizer = type(optimizer)(self.optimizer_params(groups), **optimizer.defaults)
+        self.optimizer = optimizer
+        return optimizer
+
+    def _ensure_layout(self) -> None:
+        if not self.buckets:
+            self.optimizer_params(self.trainable)
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def pre_backward(self, *, boundary: bool, sync: bool) -> None:
+        self._ensure_layout()
+        if self.stage == 2 and not sync:
+            raise RuntimeError("no_sync() cannot be used with ZeRO stage 2: gradients are reduced "
+                               "on every micro-step; use stage 0 or 1")
+        if self.stage == 1:
+            self._attach_grad_views()
+        self._reducing = sync and (boundary or self.stage == 2)
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.ready.clear()
+
+    def _attach_grad_views(self) -> None:
+        for bucket in self.buckets:
+            for p, off in zip(bucket.params, bucket.offsets):
+                view = bucket.grad_full[off:off + p.numel()].view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                else:
+                    continue
+                p.grad = view
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._reducing:
+            return
+        bucket = self._bucket_of[param]
+        if self.stage == 2:
+            if bucket.staging is None:
+                bucket.staging = torch.zeros(bucket.padded, dtype=param.dtype, device=param.device)
+            offset = self._offset_of[param]
+            bucket.staging[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+            param.grad = None
+        bucket.ready.add(id(param))
+        self._launch_ready(force=False)
+
+    def _launch_ready(self, *, force: bool) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if not force and len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.stage == 2 and bucket.staging is None:  # no gradient reached it this micro-step
+            bucket.staging = torch.zeros(bucket.padded, dtype=bucket.flat_param.dtype,
+                                         device=bucket.flat_param.device)
+        source = bucket.grad_full if self.stage == 1 else bucket.staging
+        if self.predivide_factor != 1.0:
+            source.div_(self.predivide_factor)
+        bucket.out = torch.empty(bucket.shard, dtype=source.dtype, device=source.device)
+        bucket.handle = self.comm.reduce_scatter_tensor(bucket.out, source,
+                                                        tag=f"gradient bucket {bucket.index}")
+        self._in_flight.append(bucket)
+        if self.stage == 2 and len(self._in_flight) > _MAX_IN_FLIGHT:
+            self._complete(self._in_flight.popleft())
+
+    def _complete(self, bucket: _Bucket) -> None:
+        bucket.handle.wait()
+        out = bucket.out.div_(self.comm.world_size / self.predivide_factor)
+        if self.stage == 2:
+            bucket.grad_shard.add_(out)
+            bucket.staging = None
+        else:
+            bucket.local(bucket.grad_full, self.comm.rank).copy_(out)
+            if bucket.grad_shard.data_ptr() != bucket.grad_full.data_ptr():
+                bucket.grad_shard.copy_(out)
+        bucket.out = bucket.handle = None
+
+    def finalize_backward(self) -> None:
+        """Launch what is left and wait for every reduction of this micro-step."""
+        if not self._reducing:
+            return
+        self._launch_ready(force=True)
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+        self._reducing = False
+
+    # -- step -------------------------------------------------------------------------------
+
+    def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult:
+        """Unscale, take the global norm across shards, skip on overflow, clip, update, gather."""
+        grads = [b.grad_shard for b in self.buckets]
+        if loss_scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / loss_scale)
+        local = torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads else torch.zeros(())
+        total = local.to(torch.float64).reshape(1)
+        self.comm.all_reduce(total, tag="gradient norm").wait()
+        norm = total.sqrt()
+        if self.policy.loss_scaling and not torch.isfinite(norm):
+            self.zero_grad()
+            return StepResult(False, float(norm))
+        if max_grad_norm > 0:
+            coef = max_grad_norm / (float(norm) + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        self.sync_params_from_master()
+        self.zero_grad()
+        return StepResult(True, float(norm))
+
+    def sync_params_from_master(self) -> None:
+        """Write each rank's updated shard into place and all-gather every bucket."""
+        rank, handles = self.comm.rank, []
+        with torch.no_grad():
+            for bucket in self.buckets:
+                local = bucket.local(bucket.flat_param, rank)
+                if self.policy.needs_master_copy:
+                    local.copy_(bucket.master)
+                handles.append(self.comm.all_gather_into_tensor(
+                    bucket.flat_param, local.clone(), tag=f"parameter bucket {bucket.index}"))
+        for handle in handles:
+            handle.wait()
+
+    def reset_master_from_params(self) -> None:
+        if self.policy.needs_master_copy:
+            with torch.no_grad():
+                for bucket in self.buckets:
+                    bucket.master.copy_(bucket.local(bucket.flat_param, self.comm.rank))
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad_shard.zero_()
+            if bucket.grad_full is not None:
+                bucket.grad_full.zero_()
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        untouched = [p for p in self.module.parameters() if p not in self._bucket_of]
+        params = sum(size(b.flat_param) for b in self.buckets) + sum(size(p) for p in untouched)
+        grads = sum(size(b.grad_full) for b in self.buckets)
+        grads += sum(size(b.grad_shard) for b in self.buckets
+                     if b.grad_full is None or b.grad_shard.data_ptr() != b.grad_full.data_ptr())
+        master = sum(size(b.master) for b in self.buckets) if self.policy.needs_master_copy else 0
+        return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _gather(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather_into_tensor(full, shard.contiguous(), tag="checkpoint gather").wait()
+        return full
+
+    def optimizer_state_by_name(self) -> dict:
+        """Gather the sharded optimizer state into full tensors per parameter name (collective)."""
+        state: dict[str, dict] = {}
+        master: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            per_key = {}
+            for key, value in self.optimizer.state.get(bucket.master, {}).items():
+                per_key[key] = self._gather(bucket, value) \
+                    if isinstance(value, torch.Tensor) and value.numel() == bucket.shard and key != "step" \
+                    else value
+            full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy else None
+            for p, off in zip(bucket.params, bucket.offsets):
+                name = self.names[p]
+                state[name] = {k: (v[off:off + p.numel()].view(p.shape).clone()
+                                   if isinstance(v, torch.Tensor) and v.numel() == bucket.padded else v)
+                               for k, v in per_key.items()}
+                if full_master is not None:
+                    master[name] = full_master[off:off + p.numel()].view(p.shape).clone()
+        groups = [{**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
+                  for g, options in enumerate(self._optimizer_group_options())]
+        return {"state": {n: s for n, s in state.items() if s}, "param_groups": groups, "master": master}
+
+    def _optimizer_group_options(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def load_optimizer_state_by_name(self, saved: dict) -> None:
+        """Cut this rank's shards out of a named optimizer state (from any stage or world size)."""
+        check_groups(saved, self.optimizer, set(self.names.values()))
+        index = {id(b.master): i for i, b in enumerate(self.buckets)}
+        state: dict[int, dict] = {}
+        masters = saved.get("master", {})
+        for bucket in self.buckets:
+            named = [saved["state"].get(self.names[p], {}) for p in bucket.params]
+            keys = set().union(*named)
+            entry = {}
+            for key in keys:
+                values = [s.get(key) for s in named]
+                if key == "step" or not isinstance(values[0], torch.Tensor):
+                    entry[key] = next(v for v in values if v is not None)
+                    continue
+                entry[key] = self._local_slice(bucket, values, values[0].dtype)
+            if entry:
+                state[index[id(bucket.master)]] = entry
+            if self.policy.needs_master_copy and all(self.names[p] in masters for p in bucket.params):
+                with torch.no_grad():
+                    bucket.master.copy_(self._local_slice(
+                        bucket, [masters[self.names[p]] for p in bucket.params], torch.float32))
+        groups = [{**saved_group, "params": [index[id(p)] for p in group["params"]]}
+                  for saved_group, group in zip(saved["param_groups"], self.optimizer.param_groups)]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.sync_params_from_master()
+
+    def _local_slice(self, bucket: _Bucket, values, dtype) -> torch.Tensor:
+        flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.flat_param.device)
+        for p, off, value in zip(bucket.params, bucket.offsets, values):
+            if value is not None:
+                flat[off:off + p.numel()].copy_(value.reshape(-1))
+        return bucket.local(flat, self.comm.rank).clone()
