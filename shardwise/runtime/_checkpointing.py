@@ -124,7 +124,9 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
         engine.loss_scaler.load_state_dict(engine_state["loss_scaler"])
     engine.global_steps = manifest["global_steps"]
     engine.global_samples = manifest["global_samples"]
-    engine.micro_steps = manifest["micro_steps"]
+    # the accumulation window restarts at a step boundary, whatever the saved layout's
+    # accumulation steps were (a different world size changes them)
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     engine.skipped_steps = manifest["skipped_steps"]
     rng_name = _rng_file(engine.comm.rank)
     if rng_name in manifest.get("files", {}):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -39,7 +40,9 @@ def _worker(fn, rank: int, world_size: int, init_file: str, collective_timeout_s
                                 world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
         value = fn(rank, world_size, **kwargs)
-        results.put((rank, "ok", value))
+        # plain pickle copies tensor data; the queue's default would share memory with a
+        # process that is about to exit
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:
         # Report before tearing down: destroying a group with a stuck collective blocks.
         results.put((rank, "error", traceback.format_exc()))
@@ -94,7 +97,7 @@ def run_distributed(fn: Callable[..., Any], *, world_size: int, tmp_path: str | 
         body = "\n".join(f"--- rank {rank} ---\n{msg}" for rank, msg in sorted(errors.items()))
         raise DistributedTestError(f"{len(errors)} of {world_size} ranks failed in "
                                    f"{getattr(fn, '__name__', fn)}:\n{body}")
-    return [outcome[rank][1] for rank in range(world_size)]
+    return [pickle.loads(outcome[rank][1]) for rank in range(world_size)]
 
 
 def _collect(procs, results, timeout_s: float) -> dict[int, tuple[str, Any]]:

@@ -46,14 +46,17 @@ def check_groups(saved: dict, optimizer, known_names) -> None:
 
 def load_per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], saved: dict) -> None:
     """Load the named form into an optimizer that updates one tensor per parameter."""
-    name_to_index, index = {}, 0
+    name_to_index, current, index = {}, [], 0
     for group in optimizer.param_groups:
+        current.append(list(range(index, index + len(group["params"]))))
         for p in group["params"]:
             name_to_index[names.get(p, f"unnamed.{index}")] = index
             index += 1
     check_groups(saved, optimizer, name_to_index)
     state = {name_to_index[n]: s for n, s in saved["state"].items()}
-    groups = [{**g, "params": [name_to_index[n] for n in g["params"]]} for g in saved["param_groups"]]
+    # torch pairs saved and current parameters by position, so list them in this optimizer's
+    # order (the saved order is another layout's); the options come from the checkpoint
+    groups = [{**g, "params": indices} for g, indices in zip(saved["param_groups"], current)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     with torch.no_grad():
         for p, name in names.items():

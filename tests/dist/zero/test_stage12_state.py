@@ -1,0 +1,97 @@
+"""ZeRO 1/2 memory accounting, fp16 overflow, and checkpoints that change stage and world size."""
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.testing import run_distributed
+from shardwise.testing.models import TinyMLP, token_batches
+from shardwise.testing.parity import engine_train
+
+MICRO = 2
+GLOBAL_BATCH = 8
+
+
+def _config(stage, world_size, **extra):
+    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+            "gradient_clipping": 1.0, "steps_per_print": 1000,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 400}, **extra}
+
+
+def _memory(rank, world_size):
+    out = {}
+    batches = token_batches(num_steps=1, batch=GLOBAL_BATCH, seed=0)
+    for stage in (0, 1, 2):
+        engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1),
+                                               config=_config(stage, world_size))
+        engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
+        out[stage] = (engine.model_state_bytes(), len(getattr(engine.strategy, "buckets", [])),
+                      sum(p.numel() for p in engine.module.parameters()),
+                      len(list(engine.module.parameters())))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_optimizer_state_and_gradients_are_one_nth(tmp_path, world_size):
+    out = run_distributed(_memory, world_size=world_size, tmp_path=tmp_path)[0]
+    (s0, _, numel, tensors), (s1, b1, _, _), (s2, b2, _, _) = out[0], out[1], out[2]
+    assert s0.optimizer_state == 8 * numel + 4 * tensors  # two fp32 moments + a step per tensor
+    # stage 1/2: two fp32 moments of each bucket shard (padding < world_size per bucket) + steps
+    for state, buckets in ((s1, b1), (s2, b2)):
+        moments = state.optimizer_state - 4 * buckets
+        assert 8 * numel / world_size <= moments <= 8 * (numel / world_size + buckets)
+        assert 4 * numel <= state.params <= 4 * (numel + buckets * world_size)  # whole, padded
+    assert s0.params == s0.grads == 4 * numel
+    assert 4 * numel <= s1.grads <= 4 * (numel + b1 * world_size)  # stage 1 keeps full gradients
+    assert 4 * numel / world_size <= s2.grads <= 4 * (numel / world_size + b2)  # gradient shards
+    assert s2.total < s1.total < s0.total
+
+
+def _phase(rank, world_size, stage, save_dir, load, train_steps, save):
+    torch.manual_seed(1234 + rank)
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1 if not load else 7),
+                                           config=_config(stage, world_size))
+    batches = token_batches(num_steps=6, batch=GLOBAL_BATCH, seed=5)
+    if load:
+        _, client = engine.load_checkpoint(save_dir)
+        assert client == {"note": "from 4 ranks"} and engine.global_steps == 3
+        batches = batches[3:]
+    else:
+        engine_train(engine, batches[:3], rank=rank, world_size=world_size, micro=MICRO)
+        if save:
+            engine.save_checkpoint(save_dir, client_state={"note": "from 4 ranks"})
+        batches = batches[3:]
+    engine_train(engine, batches[:train_steps], rank=rank, world_size=world_size, micro=MICRO)
+    return [p.detach().clone() for p in engine.module.parameters()], engine.get_lr()
+
+
+def test_stage2_on_4_ranks_resumes_at_stage1_on_2_and_stage0_on_1(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    straight, lr = run_distributed(_phase, world_size=4, tmp_path=tmp_path, stage=2, save_dir=save_dir,
+                                   load=False, train_steps=3, save=True)[0]
+    for stage, world_size in ((2, 2), (1, 2), (0, 1)):
+        resumed, resumed_lr = run_distributed(_phase, world_size=world_size, tmp_path=tmp_path, stage=stage,
+                                              save_dir=save_dir, load=True, train_steps=3, save=False)[0]
+        assert resumed_lr == lr
+        worst = max((a - b).abs().max().item() for a, b in zip(straight, resumed))
+        assert worst < 2e-5, f"stage {stage} on {world_size} ranks: max |diff| {worst}"
+
+
+def _overflow(rank, world_size):
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=_config(
+        2, world_size, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}))
+    tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=rank)[0]
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    for _ in range(engine.gradient_accumulation_steps()):
+        loss = engine(tokens, targets)
+        engine.backward(loss * float("inf") if rank == 1 else loss)
+        engine.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    return unchanged, engine.was_step_applied(), engine.get_loss_scale()
+
+
+def test_stage2_fp16_overflow_skips_everywhere(tmp_path):
+    for unchanged, applied, scale in run_distributed(_overflow, world_size=2, tmp_path=tmp_path):
+        assert unchanged and not applied and scale == 2 ** 7
