@@ -3,79 +3,129 @@
 from __future__ import annotations
 
 import difflib
+import logging
 from typing import Any, Mapping
 
 import torch
 
 from shardwise.optim.lamb import Lamb
 
-_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam",
-              "bias_correction", "fused", "foreach", "capturable", "maximize", "differentiable"}
-_ALLOWED = {
+logger = logging.getLogger("shardwise")
+
+# Keys torch's own optimizers take beyond DeepSpeed's, passed through unchanged.
+_TORCH_KNOBS = ("foreach", "fused", "maximize", "differentiable")
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam",
+              "bias_correction", "set_grad_none", "capturable") + _TORCH_KNOBS
+_ALLOWED: dict[str, tuple[str, ...]] = {
     "adam": _ADAM_KEYS,
     "adamw": _ADAM_KEYS,
-    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach"},
-    "adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "foreach",
-                "maximize"},
-    "lamb": {"lr", "bias_correction", "betas", "eps", "weight_decay", "max_grad_norm", "max_coeff",
-             "min_coeff", "amsgrad"},
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov") + _TORCH_KNOBS,
+    "adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+               + _TORCH_KNOBS,
+    "lamb": ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay",
+             "max_coeff", "min_coeff", "amsgrad"),
 }
-_DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-3, "adagrad": 1e-2, "lamb": 1e-3}
+# Optimizers whose torch implementation has a fused CUDA kernel we select by default.
+_FUSED_ON_CUDA = ("adam", "adamw", "sgd")
 
 
-def _all_params(params) -> list[torch.Tensor]:
-    out = []
+def _tensors(params: list) -> list[torch.Tensor]:
+    """Every tensor in ``params`` (tensors, (name, tensor) pairs or param-group dicts)."""
+    out: list[torch.Tensor] = []
     for item in params:
-        out.extend(item["params"] if isinstance(item, dict) else [item])
+        if isinstance(item, Mapping):
+            out.extend(_tensors(list(item["params"])))
+        elif isinstance(item, tuple):
+            out.append(item[1])
+        else:
+            out.append(item)
     return out
 
 
-def _fast_path(params) -> dict:
-    """torch's fused kernels on CUDA, multi-tensor (foreach) kernels elsewhere."""
-    tensors = _all_params(params)
-    if tensors and all(t.is_cuda for t in tensors):
+def _fast_path(name: str, params: list, kwargs: dict) -> dict:
+    """torch's fused kernels when every tensor is on CUDA, multi-tensor (foreach) otherwise.
+
+    Left alone when the user chose ``fused``/``foreach`` or asked for ``differentiable``.
+    """
+    if any(k in kwargs for k in ("fused", "foreach")) or kwargs.get("differentiable"):
+        return {}
+    tensors = _tensors(params)
+    if name in _FUSED_ON_CUDA and tensors and all(t.is_cuda for t in tensors):
         return {"fused": True}
     return {"foreach": True}
 
 
-def build_optimizer(config, params) -> torch.optim.Optimizer:
-    """The optimizer ``config`` names, over ``params`` (tensors or param-group dicts).
-
-    ``adam`` follows DeepSpeed: weight decay is decoupled (AdamW) unless
-    ``adam_w_mode: false`` or ``torch_adam: true`` ask for torch.optim.Adam's L2 decay.
-
-    Args:
-        config: has ``type`` (adam, adamw, sgd, adagrad, lamb) and ``params`` (a mapping).
-        params: what the optimizer updates.
-
-    Raises:
-        ValueError: a parameter name the optimizer does not take (with the closest match).
-    """
-    name = config.type
-    given: Mapping[str, Any] = {k: v for k, v in dict(config.params).items() if v != "auto"}
+def _check_keys(name: str, given: Mapping[str, Any]) -> None:
+    if name not in _ALLOWED:
+        match = difflib.get_close_matches(str(name), list(_ALLOWED), n=1)
+        hint = f"; did you mean {match[0]!r}?" if match else ""
+        raise ValueError(f"unknown optimizer {name!r}{hint} (known: {', '.join(_ALLOWED)})")
+    if "max_grad_norm" in given:
+        # DeepSpeed refuses this key too: clipping is an engine feature.
+        raise ValueError("optimizer.params.max_grad_norm is not supported; use the top-level "
+                         "'gradient_clipping' config key")
     allowed = _ALLOWED[name]
     for key in given:
         if key not in allowed:
             match = difflib.get_close_matches(key, allowed, n=1)
-            hint = f"; did you mean '{match[0]}'?" if match else f"; allowed: {', '.join(sorted(allowed))}"
-            raise ValueError(f"optimizer {name!r} has no parameter {key!r}{hint}")
+            hint = f"; did you mean {match[0]!r}?" if match else ""
+            raise ValueError(f"optimizer {name!r} has no parameter {key!r}{hint} "
+                             f"(allowed: {', '.join(sorted(allowed))})")
+
+
+def _adam(name: str, params: list, kwargs: dict) -> torch.optim.Optimizer:
+    """DeepSpeed's Adam/AdamW choice, mapped onto torch.optim.Adam or AdamW."""
+    torch_adam = bool(kwargs.pop("torch_adam", False))
+    adam_w_mode = bool(kwargs.pop("adam_w_mode", True))
+    kwargs.pop("set_grad_none", None)  # torch's zero_grad() already sets grads to None
+    if not kwargs.pop("bias_correction", True):
+        raise ValueError(f"optimizer {name!r}: bias_correction=false is not supported "
+                         "(torch's Adam always corrects the moments)")
+    # DeepSpeed: type AdamW is always decoupled; type Adam is decoupled unless
+    # adam_w_mode is false. torch_adam only picks the implementation.
+    decoupled = name == "adamw" or adam_w_mode
+    if not torch_adam:
+        # DeepSpeed's FusedAdam defaults weight_decay to 0; torch's AdamW to 0.01.
+        kwargs.setdefault("weight_decay", 0.0)
+    kwargs.update(_fast_path(name, params, kwargs))
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    return cls(params, **kwargs)
+
+
+def build_optimizer(config, params) -> torch.optim.Optimizer:
+    """The optimizer ``config`` names, over ``params``, with DeepSpeed's parameter names.
+
+    Values equal to ``"auto"`` count as absent, so the optimizer's own default applies.
+    ``adam`` and ``adamw`` follow DeepSpeed's engine: weight decay is decoupled
+    (torch.optim.AdamW) unless the type is ``adam`` with ``adam_w_mode: false``
+    (torch.optim.Adam, L2 decay); ``torch_adam`` only changes the default weight decay to
+    torch's. ``lamb`` builds :class:`~shardwise.optim.Lamb`. When every tensor is on CUDA,
+    Adam/AdamW/SGD use torch's fused kernels, otherwise the multi-tensor (foreach) ones,
+    unless ``fused`` or ``foreach`` is given. Nothing is allocated until the first step.
+
+    Args:
+        config: has ``type`` (adam, adamw, sgd, adagrad, lamb) and ``params`` (a mapping
+            of the optimizer's parameters, DeepSpeed names).
+        params: what the optimizer updates: tensors, (name, tensor) pairs or param-group
+            dicts; per-group values override ``config.params``.
+
+    Raises:
+        ValueError: an unknown optimizer, a parameter it does not take (naming the closest
+            match and the allowed ones), ``max_grad_norm``, or ``bias_correction: false``
+            for Adam.
+    """
+    name = config.type
+    given = {k: v for k, v in dict(config.params or {}).items()
+             if not (isinstance(v, str) and v == "auto")}
+    _check_keys(name, given)
     params = list(params)
     kwargs = dict(given)
-    kwargs.setdefault("lr", _DEFAULT_LR[name])
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     if name == "lamb":
         return Lamb(params, **kwargs)
     if name in ("adam", "adamw"):
-        decoupled = name == "adamw" or (kwargs.get("adam_w_mode", True) and not kwargs.get("torch_adam", False))
-        for key in ("adam_w_mode", "torch_adam", "bias_correction"):
-            kwargs.pop(key, None)
-        if "fused" not in kwargs and "foreach" not in kwargs:
-            kwargs.update(_fast_path(params))
-        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-        kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's default (torch's AdamW uses 0.01)
-        return cls(params, **kwargs)
-    if "foreach" not in kwargs:
-        kwargs["foreach"] = True
+        return _adam(name, params, kwargs)
+    kwargs.update(_fast_path(name, params, kwargs))
     cls = torch.optim.SGD if name == "sgd" else torch.optim.Adagrad
     return cls(params, **kwargs)

@@ -14,11 +14,15 @@ Stages are implementations of :class:`ZeroStrategy`; the engine calls only that 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._stage0 import Stage0Strategy
 from shardwise.zero._strategy import ModelStateBytes, StepResult, ZeroStrategy
+
+logger = logging.getLogger("shardwise")
 
 __all__ = ["ModelStateBytes", "ShardedStrategy", "Stage0Strategy", "StepResult", "ZeroStrategy", "build_strategy"]
 
@@ -60,10 +64,24 @@ def _refuse_unbuilt(config, policy) -> None:
                 f"version of shardwise yet; remove zero_optimization.{key} or set its device to \"none\"")
 
 
+def _warn_ignored(config, comm) -> None:
+    """Performance switches whose behaviour shardwise always has: say so once."""
+    raw = config.raw.get("zero_optimization") or {}
+    ignored = [key for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions")
+               if raw.get(key) is False]
+    if "allgather_bucket_size" in raw and config.zero.stage in (1, 2):
+        ignored.append("allgather_bucket_size (parameters are all-gathered per reduce bucket)")
+    if ignored and comm.rank == 0:
+        logger.warning("zero_optimization settings with no effect in shardwise: %s; gradients are "
+                       "always reduce-scattered in contiguous buckets overlapped with backward",
+                       ", ".join(ignored))
+
+
 def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
     """Pick and build the ZeRO strategy ``config.zero`` asks for."""
     zero = config.zero
     _refuse_unbuilt(config, policy)
+    _warn_ignored(config, comm)
     user_set = "reduce_bucket_size" in (config.raw.get("zero_optimization") or {})
     element_size = policy.param_dtype.itemsize
     bucket_numel = zero.reduce_bucket_size if user_set else DEFAULT_DP_BUCKET_BYTES // element_size

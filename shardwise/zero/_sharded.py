@@ -35,6 +35,10 @@ from shardwise.zero._strategy import ModelStateBytes, StepResult
 _MAX_IN_FLIGHT = 2
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 @dataclass(eq=False)
 class _Bucket:
     index: int
@@ -233,7 +237,7 @@ class ShardedStrategy:
             bucket.staging = None
         else:
             bucket.local(bucket.grad_full, self.comm.rank).copy_(out)
-            if bucket.grad_shard.data_ptr() != bucket.grad_full.data_ptr():
+            if not _same_storage(bucket.grad_shard, bucket.grad_full):
                 bucket.grad_shard.copy_(out)
         bucket.out = bucket.handle = None
 
@@ -301,7 +305,7 @@ class ShardedStrategy:
         params = sum(size(b.flat_param) for b in self.buckets) + sum(size(p) for p in untouched)
         grads = sum(size(b.grad_full) for b in self.buckets)
         grads += sum(size(b.grad_shard) for b in self.buckets
-                     if b.grad_full is None or b.grad_shard.data_ptr() != b.grad_full.data_ptr())
+                     if b.grad_full is None or not _same_storage(b.grad_shard, b.grad_full))
         master = sum(size(b.master) for b in self.buckets) if self.policy.needs_master_copy else 0
         return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
 

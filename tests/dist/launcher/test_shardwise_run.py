@@ -37,7 +37,7 @@ def _rank_infos(text):
 
 
 def _checksums(text):
-    return {m[1] for m in re.finditer(r"DONE rank=\d+ steps=3 checksum=(\S+)", text)}
+    return {m[1] for m in re.finditer(r"DONE rank=\d+ steps=3 checksum=(-?\d+\.\d{6})", text)}
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

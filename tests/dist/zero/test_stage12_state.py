@@ -35,7 +35,11 @@ def _memory(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_optimizer_state_and_gradients_are_one_nth(tmp_path, world_size):
-    out = run_distributed(_memory, world_size=world_size, tmp_path=tmp_path)[0]
+    for out in run_distributed(_memory, world_size=world_size, tmp_path=tmp_path):
+        _check_memory(out, world_size)
+
+
+def _check_memory(out, world_size):
     (s0, _, numel, tensors), (s1, b1, _, _), (s2, b2, _, _) = out[0], out[1], out[2]
     assert s0.optimizer_state == 8 * numel + 4 * tensors  # two fp32 moments + a step per tensor
     # stage 1/2: two fp32 moments of each bucket shard (padding < world_size per bucket) + steps
