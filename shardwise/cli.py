@@ -1,4 +1,5 @@
-"""The ``shardwise`` command: ``run`` (launcher), ``report`` (environment), ``estimate`` (memory)."""
+"""The ``shardwise`` command: ``run`` (launcher), ``report`` (environment), ``estimate``
+(memory) and ``convert`` (checkpoint consolidation)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"run": "start a training script on every rank",
                 "report": "print versions, devices and which optional features are usable",
-                "estimate": "model-state memory per device for ZeRO stages 0-3, with and without offload"}
+                "estimate": "model-state memory per device for ZeRO stages 0-3, with and without offload",
+                "convert": "write one full state-dict file from any shardwise checkpoint"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         lines = [f"  {name:<9} {text}" for name, text in commands.items()]
-        print("usage: shardwise {run,report,estimate} ...\n\n" + "\n".join(lines))
+        print("usage: shardwise {run,report,estimate,convert} ...\n\n" + "\n".join(lines))
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -22,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "report":
         from shardwise.tools.report import main as report_main
         return report_main(rest)
+    if command == "convert":
+        from shardwise.tools.convert import main as convert_main
+        return convert_main(rest)
     from shardwise.tools.estimate import main as estimate_main
     return estimate_main(rest)
 

@@ -14,13 +14,14 @@ Public API:
     CheckpointError, flatten_state, unflatten_state, write_checkpoint, begin_checkpoint,
     write_files, finalize_checkpoint, write_latest, resolve_tag, list_tags,
     read_manifest, read_tensors, capture_rng_state, restore_rng_state, validate_tag,
-    FORMAT_VERSION.
+    FORMAT_VERSION, consolidate (an engine checkpoint -> one full state dict).
 """
 
 from shardwise.checkpoint._flatten import flatten_state, unflatten_state
 from shardwise.checkpoint._format import FORMAT_VERSION, CheckpointError, validate_tag
 from shardwise.checkpoint._read import list_tags, read_manifest, read_tensors, resolve_tag
 from shardwise.checkpoint._rng import capture_rng_state, restore_rng_state
+from shardwise.checkpoint.layout import consolidate
 from shardwise.checkpoint._write import (
     begin_checkpoint,
     finalize_checkpoint,
@@ -29,7 +30,7 @@ from shardwise.checkpoint._write import (
     write_latest,
 )
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "begin_checkpoint", "capture_rng_state",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "begin_checkpoint", "capture_rng_state", "consolidate",
            "finalize_checkpoint", "flatten_state", "list_tags", "read_manifest", "read_tensors",
            "resolve_tag", "restore_rng_state", "unflatten_state", "validate_tag",
            "write_checkpoint", "write_files", "write_latest"]

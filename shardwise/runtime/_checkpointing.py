@@ -19,14 +19,24 @@ from pathlib import Path
 import torch
 
 from shardwise import checkpoint as ckpt
+from shardwise.checkpoint import layout as ckpt_layout
 
 logger = logging.getLogger("shardwise")
 
-_MODEL, _OPTIMIZER, _ENGINE = "model.safetensors", "optimizer.safetensors", "engine_state.safetensors"
+_MODEL, _OPTIMIZER, _ENGINE = ckpt_layout.MODEL_FILE, ckpt_layout.OPTIMIZER_FILE, ckpt_layout.ENGINE_FILE
+_rng_file = ckpt_layout.rng_file
 
 
-def _rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.safetensors"
+def _aliases(module) -> dict[str, str]:
+    """State-dict keys that name a tensor already saved under an earlier key (tied weights)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[key] = first[id(tensor)]
+        else:
+            first[id(tensor)] = key
+    return aliases
 
 
 def _check_tag_agrees(engine, tag: str) -> None:
@@ -56,6 +66,7 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
     optimizer_state = engine.strategy.optimizer_state_by_name() if engine.optimizer is not None else None
     if comm.rank == 0:
         files[_MODEL], skeletons["module"] = ckpt.flatten_state(engine.module.state_dict())
+        skeletons["aliases"] = _aliases(engine.module)
         if optimizer_state is not None:
             files[_OPTIMIZER], skeletons["optimizer"] = ckpt.flatten_state(optimizer_state)
         engine_state = {
@@ -138,3 +149,26 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
                        "random streams start fresh", path, engine.comm.rank,
                        manifest["layout"]["dp_world_size"])
     return str(path), engine_state["client_state"]
+
+
+def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
+    """Write the module's state_dict (in its training dtype) to one file on rank 0.
+
+    ``.safetensors`` names get a safetensors file; anything else (DeepSpeed's default
+    ``pytorch_model.bin``) a ``torch.save`` file, which is what Hugging Face loaders read.
+    Collective: every rank calls it.
+    """
+    comm = engine.comm
+    if comm.rank == 0:
+        path = Path(save_dir) / save_filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        tmp = path.with_name(f".{path.name}.tmp")
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+            save_file(state, str(tmp))
+        else:
+            torch.save(state, tmp)
+        tmp.replace(path)
+    comm.barrier(tag="save_16bit_model")
+    return True

@@ -266,6 +266,15 @@ class Engine(nn.Module):
                                    load_scheduler=load_lr_scheduler_states and not load_module_only,
                                    module_only=load_module_only)
 
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        """Save the module's weights in their training dtype (fp16/bf16, or fp32) as one file.
+        Collective: call on every rank. For full fp32 weights of a mixed-precision run use
+        ``shardwise.checkpoint.consolidate`` (or ``shardwise convert``) on a checkpoint."""
+        del exclude_frozen_parameters
+        return _checkpointing.save_16bit_model(self, save_dir, save_filename)
+
+    save_fp16_model = save_16bit_model
+
     def __repr__(self) -> str:  # the module repr is long; keep the engine's short
         return (f"Engine(zero_stage={self.config.zero.stage}, dtype={self.policy.param_dtype}, "
                 f"dp_world_size={self.comm.world_size}, module={type(self.module).__name__})")

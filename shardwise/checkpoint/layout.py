@@ -1,0 +1,59 @@
+"""File names of an engine checkpoint and the consolidation of one into a plain state dict.
+
+An engine checkpoint (``engine.save_checkpoint``) holds ``model.safetensors`` (the
+module's state_dict in its training dtype), ``optimizer.safetensors`` (optimizer state by
+parameter name and, under fp16/bf16, the fp32 master weights), ``engine_state.safetensors``
+and ``rng_rank<R>.safetensors``. Because every tensor is stored whole under its name,
+consolidation needs no knowledge of the world size or ZeRO stage that saved it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shardwise.checkpoint._flatten import unflatten_state
+from shardwise.checkpoint._read import read_manifest, read_tensors, resolve_tag
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+ENGINE_FILE = "engine_state.safetensors"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
+
+
+def consolidate(load_dir, tag: str | None = None, *, dtype: torch.dtype = torch.float32) -> dict:
+    """The full model state dict of a checkpoint, in ``dtype``, ready for ``load_state_dict``.
+
+    Floating-point weights come from the fp32 master copies when the run trained in
+    fp16/bf16 (so nothing is lost to rounding), otherwise from the module state; tied
+    weights get the same values under every name; buffers keep integer dtypes.
+
+    Args:
+        load_dir: the ``save_dir`` given to ``save_checkpoint`` (or a checkpoint directory
+            itself, when ``tag`` is None and it holds a manifest).
+        tag: which checkpoint; None reads ``latest``.
+        dtype: the floating-point dtype of the result.
+    """
+    load_dir = Path(load_dir)
+    if tag is None and (load_dir / "manifest.json").is_file():
+        path = load_dir
+    else:
+        path = load_dir / resolve_tag(load_dir, tag)
+    manifest = read_manifest(path)
+    skeletons = manifest["skeletons"]
+    module = unflatten_state(read_tensors(path, MODEL_FILE, manifest=manifest), skeletons["module"])
+    masters = {}
+    if "optimizer" in skeletons and manifest.get("layout", {}).get("param_dtype") != "float32":
+        optimizer = unflatten_state(read_tensors(path, OPTIMIZER_FILE, manifest=manifest),
+                                    skeletons["optimizer"])
+        masters = optimizer.get("master", {})
+    aliases = skeletons.get("aliases", {})
+    out = {}
+    for key, tensor in module.items():
+        value = masters.get(aliases.get(key, key), tensor)
+        out[key] = value.to(dtype) if value.is_floating_point() else value
+    return out
