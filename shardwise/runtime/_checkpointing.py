@@ -64,8 +64,9 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
     skeletons: dict = {}
     # collective for sharded stages: every rank takes part, rank 0 writes
     optimizer_state = engine.strategy.optimizer_state_by_name() if engine.optimizer is not None else None
+    module_state = engine.strategy.module_state_dict()
     if comm.rank == 0:
-        files[_MODEL], skeletons["module"] = ckpt.flatten_state(engine.module.state_dict())
+        files[_MODEL], skeletons["module"] = ckpt.flatten_state(module_state)
         skeletons["aliases"] = _aliases(engine.module)
         if optimizer_state is not None:
             files[_OPTIMIZER], skeletons["optimizer"] = ckpt.flatten_state(optimizer_state)
@@ -113,11 +114,10 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     skeletons = manifest["skeletons"]
     module_state = ckpt.unflatten_state(ckpt.read_tensors(path, _MODEL, manifest=manifest),
                                         skeletons["module"])
-    result = engine.module.load_state_dict(module_state, strict=strict)
+    result = engine.strategy.load_module_state_dict(module_state, strict=strict)
     if not strict and (result.missing_keys or result.unexpected_keys):
         logger.warning("checkpoint loaded non-strictly: missing %s, unexpected %s",
                        result.missing_keys, result.unexpected_keys)
-    engine.strategy.reset_master_from_params()
     engine_state = ckpt.unflatten_state(ckpt.read_tensors(path, _ENGINE, manifest=manifest),
                                         skeletons["engine_state"])
     if module_only:
@@ -159,10 +159,11 @@ def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
     Collective: every rank calls it.
     """
     comm = engine.comm
+    module_state = engine.strategy.module_state_dict()
     if comm.rank == 0:
         path = Path(save_dir) / save_filename
         path.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        state = {k: v.detach().cpu().clone() for k, v in module_state.items()}
         tmp = path.with_name(f".{path.name}.tmp")
         if path.suffix == ".safetensors":
             from safetensors.torch import save_file

@@ -13,8 +13,10 @@ class TinyMLP(nn.Module):
     frozen layer. Input ``(tokens, targets)`` of shape ``(batch, seq)``.
     """
 
-    def __init__(self, vocab: int = 32, width: int = 16, *, seed: int = 0, freeze_first: bool = False):
+    def __init__(self, vocab: int = 32, width: int = 16, *, seed: int = 0, freeze_first: bool = False,
+                 passes: int = 1):
         super().__init__()
+        self.passes = passes  # >1 calls the same layers several times per forward
         generator = torch.Generator().manual_seed(seed)
         self.embed = nn.Embedding(vocab, width)
         self.norm = nn.LayerNorm(width)
@@ -30,7 +32,8 @@ class TinyMLP(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
-        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h))))
+        for _ in range(self.passes):
+            h = h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h))))
         logits = self.head(h).float()
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 

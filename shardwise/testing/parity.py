@@ -42,6 +42,9 @@ def engine_train(engine, batches, *, rank: int, world_size: int, micro: int) -> 
 
 
 def max_param_diff(reference, module) -> float:
-    """Largest absolute difference between corresponding parameters."""
-    return max((a.detach() - b.detach().float()).abs().max().item()
-               for a, b in zip(reference.parameters(), module.parameters()))
+    """Largest absolute difference between corresponding parameters (gathered if partitioned)."""
+    from shardwise.zero import GatheredParameters
+
+    with GatheredParameters(list(module.parameters())):
+        return max((a.detach() - b.detach().float()).abs().max().item()
+                   for a, b in zip(reference.parameters(), module.parameters()))

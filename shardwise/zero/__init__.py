@@ -18,13 +18,15 @@ import logging
 
 import torch
 
+from shardwise.zero._gathered import GatheredParameters
 from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._stage0 import Stage0Strategy
+from shardwise.zero._stage3 import Stage3Strategy
 from shardwise.zero._strategy import ModelStateBytes, StepResult, ZeroStrategy
 
 logger = logging.getLogger("shardwise")
 
-__all__ = ["ModelStateBytes", "ShardedStrategy", "Stage0Strategy", "StepResult", "ZeroStrategy", "build_strategy"]
+__all__ = ["GatheredParameters", "ModelStateBytes", "ShardedStrategy", "Stage0Strategy", "Stage3Strategy", "StepResult", "ZeroStrategy", "build_strategy"]
 
 DEFAULT_DP_BUCKET_BYTES = 25 * 1024 * 1024
 """Gradient bucket size for stage 0 when the config does not set reduce_bucket_size.
@@ -48,10 +50,6 @@ def _refuse_unbuilt(config, policy) -> None:
         raise NotImplementedError("checkpoint.use_node_local_storage and checkpoint.parallel_write are "
                                   "not available in this version of shardwise yet; remove them "
                                   "(checkpoints go to the shared save_dir)")
-    if zero.stage == 3:
-        raise NotImplementedError(
-            "zero_optimization.stage 3 is not available in this version of shardwise yet; use "
-            "stage 2 (optimizer state and gradients partitioned) or stages 0-1")
     if zero.stage > 0 and config.optimizer is not None and config.optimizer.type == "lamb":
         raise NotImplementedError(
             f"the Lamb optimizer needs whole parameters for its trust ratio and cannot run on ZeRO "
@@ -86,6 +84,9 @@ def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
     element_size = policy.param_dtype.itemsize
     bucket_numel = zero.reduce_bucket_size if user_set else DEFAULT_DP_BUCKET_BYTES // element_size
     predivide = comm.world_size if config.prescale_gradients else config.gradient_predivide_factor
+    if zero.stage == 3:
+        return Stage3Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel,
+                              predivide_factor=predivide)
     if zero.stage in (1, 2):
         return ShardedStrategy(module, comm=comm, policy=policy, stage=zero.stage,
                                bucket_numel=bucket_numel, predivide_factor=predivide)

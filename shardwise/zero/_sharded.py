@@ -56,6 +56,8 @@ class _Bucket:
     out: torch.Tensor | None = None
     handle: Handle | None = None
     ready: set[int] = field(default_factory=set)
+    shapes: list[torch.Size] = field(default_factory=list)
+    """Parameter shapes (stage 3 empties the parameters themselves while sharded)."""
 
     def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard:(rank + 1) * self.shard]
@@ -136,7 +138,8 @@ class ShardedStrategy:
             for p, off in zip(params, offsets):
                 flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = flat[off:off + p.numel()].view_as(p)
-        bucket = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat)
+        bucket = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat,
+                         shapes=[p.shape for p in params])
         local = bucket.local(flat, rank)
         bucket.master = nn.Parameter(local if not self.policy.needs_master_copy
                                      else local.detach().to(torch.float32, copy=True))
@@ -172,12 +175,12 @@ class ShardedStrategy:
 
     def pre_backward(self, *, boundary: bool, sync: bool) -> None:
         self._ensure_layout()
-        if self.stage == 2 and not sync:
-            raise RuntimeError("no_sync() cannot be used with ZeRO stage 2: gradients are reduced "
-                               "on every micro-step; use stage 0 or 1")
+        if self.stage >= 2 and not sync:
+            raise RuntimeError(f"no_sync() cannot be used with ZeRO stage {self.stage}: gradients are "
+                               "reduced on every micro-step; use stage 0 or 1")
         if self.stage == 1:
             self._attach_grad_views()
-        self._reducing = sync and (boundary or self.stage == 2)
+        self._reducing = sync and (boundary or self.stage >= 2)
         self._next_launch = 0
         for bucket in self.buckets:
             bucket.ready.clear()
@@ -198,11 +201,11 @@ class ShardedStrategy:
         if not self._reducing:
             return
         bucket = self._bucket_of[param]
-        if self.stage == 2:
+        if self.stage >= 2:
             if bucket.staging is None:
                 bucket.staging = torch.zeros(bucket.padded, dtype=param.dtype, device=param.device)
             offset = self._offset_of[param]
-            bucket.staging[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+            bucket.staging[offset:offset + param.grad.numel()].copy_(param.grad.reshape(-1))
             param.grad = None
         bucket.ready.add(id(param))
         self._launch_ready(force=False)
@@ -216,7 +219,7 @@ class ShardedStrategy:
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self.stage == 2 and bucket.staging is None:  # no gradient reached it this micro-step
+        if self.stage >= 2 and bucket.staging is None:  # no gradient reached it this micro-step
             bucket.staging = torch.zeros(bucket.padded, dtype=bucket.flat_param.dtype,
                                          device=bucket.flat_param.device)
         source = bucket.grad_full if self.stage == 1 else bucket.staging
@@ -226,13 +229,13 @@ class ShardedStrategy:
         bucket.handle = self.comm.reduce_scatter_tensor(bucket.out, source,
                                                         tag=f"gradient bucket {bucket.index}")
         self._in_flight.append(bucket)
-        if self.stage == 2 and len(self._in_flight) > _MAX_IN_FLIGHT:
+        if self.stage >= 2 and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
 
     def _complete(self, bucket: _Bucket) -> None:
         bucket.handle.wait()
         out = bucket.out.div_(self.comm.world_size / self.predivide_factor)
-        if self.stage == 2:
+        if self.stage >= 2:
             bucket.grad_shard.add_(out)
             bucket.staging = None
         else:
@@ -286,6 +289,16 @@ class ShardedStrategy:
         for handle in handles:
             handle.wait()
 
+    def module_state_dict(self) -> dict:
+        """The module's full state dict (parameters are whole on every rank here)."""
+        return self.module.state_dict()
+
+    def load_module_state_dict(self, state: dict, *, strict: bool):
+        """Load full weights into the module and refresh the master copies."""
+        result = self.module.load_state_dict(state, strict=strict)
+        self.reset_master_from_params()
+        return result
+
     def reset_master_from_params(self) -> None:
         if self.policy.needs_master_copy:
             with torch.no_grad():
@@ -327,13 +340,13 @@ class ShardedStrategy:
                     if isinstance(value, torch.Tensor) and value.numel() == bucket.shard and key != "step" \
                     else value
             full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy else None
-            for p, off in zip(bucket.params, bucket.offsets):
+            for p, off, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 name = self.names[p]
-                state[name] = {k: (v[off:off + p.numel()].view(p.shape).clone()
+                state[name] = {k: (v[off:off + shape.numel()].view(shape).clone()
                                    if isinstance(v, torch.Tensor) and v.numel() == bucket.padded else v)
                                for k, v in per_key.items()}
                 if full_master is not None:
-                    master[name] = full_master[off:off + p.numel()].view(p.shape).clone()
+                    master[name] = full_master[off:off + shape.numel()].view(shape).clone()
         groups = [{**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
                   for g, options in enumerate(self._optimizer_group_options())]
         return {"state": {n: s for n, s in state.items() if s}, "param_groups": groups, "master": master}
@@ -370,7 +383,7 @@ class ShardedStrategy:
 
     def _local_slice(self, bucket: _Bucket, values, dtype) -> torch.Tensor:
         flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.flat_param.device)
-        for p, off, value in zip(bucket.params, bucket.offsets, values):
+        for shape, off, value in zip(bucket.shapes, bucket.offsets, values):
             if value is not None:
-                flat[off:off + p.numel()].copy_(value.reshape(-1))
+                flat[off:off + shape.numel()].copy_(value.reshape(-1))
         return bucket.local(flat, self.comm.rank).clone()

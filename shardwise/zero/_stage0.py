@@ -266,6 +266,16 @@ class Stage0Strategy:
         master = sum(2 * m.numel() * m.element_size() for m in self._master.values())
         return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
 
+    def module_state_dict(self) -> dict:
+        """The module's full state dict (parameters are whole on every rank here)."""
+        return self.module.state_dict()
+
+    def load_module_state_dict(self, state: dict, *, strict: bool):
+        """Load full weights into the module and refresh the master copies."""
+        result = self.module.load_state_dict(state, strict=strict)
+        self.reset_master_from_params()
+        return result
+
     def reset_master_from_params(self) -> None:
         """Refresh the fp32 master copies from the module (after loading module weights)."""
         with torch.no_grad():

@@ -26,13 +26,14 @@ def _train_and_save(rank, world_size, save_dir, stage, dtype):
     tokens, targets = token_batches(num_steps=1, batch=4, seed=9)[0]
     with torch.no_grad():
         loss = engine(tokens, targets).item()
+    module_state = engine.strategy.module_state_dict()
     master = None
     if dtype != "fp32":  # the fp32 weights the optimizer holds, gathered per parameter name
         master = engine.strategy.optimizer_state_by_name()["master"]
-    return loss, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}, master
+    return loss, {k: v.detach().clone() for k, v in module_state.items()}, master
 
 
-@pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (2, "bf16"), (0, "fp16")])
+@pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (2, "bf16"), (0, "fp16"), (3, "fp32"), (3, "bf16")])
 def test_consolidate_any_checkpoint(tmp_path, stage, dtype):
     save_dir = tmp_path / "ckpt"
     loss, module_state, master = run_distributed(_train_and_save, world_size=2, tmp_path=tmp_path,

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 on 2 and 4 ranks match single-process training on the same batches."""
+"""ZeRO stages 1, 2 and 3 on 2 and 4 ranks match single-process training on the same batches."""
 
 import copy
 
@@ -16,8 +16,13 @@ MICRO, STEPS, LR, WD = 2, 4, 1e-2, 0.01
 # so after 4 steps at lr 1e-2 a few elements differ by ~2e-2 (stage 0 shows the same).
 TOLERANCE = {"fp32": 2e-5, "bf16": 5e-2, "fp16": 3e-2}
 
-# (name, stage, gas, clip, dtype, frozen, two param groups)
+# (name, stage, gas, clip, dtype, frozen, two param groups[, passes through the layers])
 CASES = [
+    ("s3 fp32", 3, 1, 0.0, "fp32", False, False),
+    ("s3 gas2 clip groups frozen", 3, 2, 0.5, "fp32", True, True),
+    ("s3 layers called twice", 3, 2, 0.5, "fp32", False, False, 2),
+    ("s3 bf16 gas2", 3, 2, 0.5, "bf16", False, True),
+    ("s3 fp16 gas2", 3, 2, 0.5, "fp16", False, False),
     ("s1 fp32", 1, 1, 0.0, "fp32", False, False),
     ("s1 gas2 clip groups frozen", 1, 2, 0.5, "fp32", True, True),
     ("s2 fp32", 2, 1, 0.0, "fp32", False, False),
@@ -40,8 +45,8 @@ def _config(stage, gas, clip, dtype, bucket):
 
 def _check(rank, world_size, cases):
     report = {}
-    for name, stage, gas, clip, dtype, frozen, groups in cases:
-        model = TinyMLP(seed=1, freeze_first=frozen)
+    for name, stage, gas, clip, dtype, frozen, groups, *passes in cases:
+        model = TinyMLP(seed=1, freeze_first=frozen, passes=passes[0] if passes else 1)
         batches = token_batches(num_steps=STEPS, batch=MICRO * gas * world_size, seed=2)
         reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=clip, split_groups=groups)
         candidate = copy.deepcopy(model)
@@ -54,10 +59,10 @@ def _check(rank, world_size, cases):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_stage1_and_stage2_match_single_process(tmp_path, world_size):
+def test_zero_stages_match_single_process(tmp_path, world_size):
     reports = run_distributed(_check, world_size=world_size, tmp_path=tmp_path, cases=CASES)
     for rank, report in enumerate(reports):
-        for name, _, _, _, dtype, _, _ in CASES:
+        for name, _, _, _, dtype, *_ in CASES:
             diff, buckets = report[name]
             assert buckets >= 3, f"{name}: expected several buckets, got {buckets}"
             assert diff < TOLERANCE[dtype], f"rank {rank} {name}: max |diff| {diff}"

@@ -5,6 +5,7 @@ import torch
 
 import shardwise
 from shardwise.testing import run_distributed
+from shardwise.zero import GatheredParameters
 from shardwise.testing.models import TinyMLP, token_batches
 from shardwise.testing.parity import engine_train
 
@@ -23,7 +24,7 @@ def _config(stage, world_size, **extra):
 def _memory(rank, world_size):
     out = {}
     batches = token_batches(num_steps=1, batch=GLOBAL_BATCH, seed=0)
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1),
                                                config=_config(stage, world_size))
         engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
@@ -40,7 +41,7 @@ def test_optimizer_state_and_gradients_are_one_nth(tmp_path, world_size):
 
 
 def _check_memory(out, world_size):
-    (s0, _, numel, tensors), (s1, b1, _, _), (s2, b2, _, _) = out[0], out[1], out[2]
+    (s0, _, numel, tensors), (s1, b1, _, _), (s2, b2, _, _), (s3, b3, _, _) = out[0], out[1], out[2], out[3]
     assert s0.optimizer_state == 8 * numel + 4 * tensors  # two fp32 moments + a step per tensor
     # stage 1/2: two fp32 moments of each bucket shard (padding < world_size per bucket) + steps
     for state, buckets in ((s1, b1), (s2, b2)):
@@ -51,6 +52,9 @@ def _check_memory(out, world_size):
     assert 4 * numel <= s1.grads <= 4 * (numel + b1 * world_size)  # stage 1 keeps full gradients
     assert 4 * numel / world_size <= s2.grads <= 4 * (numel / world_size + b2)  # gradient shards
     assert s2.total < s1.total < s0.total
+    # stage 3: nothing whole stays behind after the step; every state is a shard
+    assert s3.params + s3.grads + s3.optimizer_state <= 16 * (numel / world_size + b3) + 4 * b3
+    assert s3.total < s2.total
 
 
 def _phase(rank, world_size, stage, save_dir, load, train_steps, save):
@@ -68,14 +72,16 @@ def _phase(rank, world_size, stage, save_dir, load, train_steps, save):
             engine.save_checkpoint(save_dir, client_state={"note": "from 4 ranks"})
         batches = batches[3:]
     engine_train(engine, batches[:train_steps], rank=rank, world_size=world_size, micro=MICRO)
-    return [p.detach().clone() for p in engine.module.parameters()], engine.get_lr()
+    with GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()], engine.get_lr()
 
 
-def test_stage2_on_4_ranks_resumes_at_stage1_on_2_and_stage0_on_1(tmp_path):
+@pytest.mark.parametrize("saved_stage,resumes", [(2, ((2, 2), (1, 2), (0, 1))), (3, ((2, 2), (3, 2)))])
+def test_checkpoint_from_4_ranks_resumes_at_other_stages_and_sizes(tmp_path, saved_stage, resumes):
     save_dir = str(tmp_path / "ckpt")
-    straight, lr = run_distributed(_phase, world_size=4, tmp_path=tmp_path, stage=2, save_dir=save_dir,
-                                   load=False, train_steps=3, save=True)[0]
-    for stage, world_size in ((2, 2), (1, 2), (0, 1)):
+    straight, lr = run_distributed(_phase, world_size=4, tmp_path=tmp_path, stage=saved_stage,
+                                   save_dir=save_dir, load=False, train_steps=3, save=True)[0]
+    for stage, world_size in resumes:
         resumed, resumed_lr = run_distributed(_phase, world_size=world_size, tmp_path=tmp_path, stage=stage,
                                               save_dir=save_dir, load=True, train_steps=3, save=False)[0]
         assert resumed_lr == lr

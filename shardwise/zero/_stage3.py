@@ -1,0 +1,188 @@
+"""ZeRO stage 3: parameters partitioned too; each module gathers its own just in time.
+
+Units: the parameters a module owns directly form one unit per optimizer param group
+(a Linear's weight and bias, a LayerNorm's scale and shift). A parameter owned by more
+than one module (tied embedding / output head) belongs to the root module's unit, which
+stays gathered from the root's forward to the end of backward.
+
+[Note: unshard and reshard by storage resize]
+Each unit keeps a flat full-size buffer whose storage is freed (resized to 0 bytes)
+while the unit is sharded; the module's parameters are views into it. Before the
+module's forward the storage is re-allocated and all-gathered from every rank's fp32
+shard; after the forward it is freed again. Autograd's saved tensors are views of the
+same storage, so before the module's backward (a hook on its outputs' gradients) the
+storage is gathered again, and it is freed once the unit's gradients have been copied
+out for reduce-scatter. Peak live parameters are therefore the units in flight, not the
+model.
+
+Gradients are handled as in stage 2 (see ``_sharded.py``): copied to a staging buffer,
+reduce-scattered per unit in a fixed order, accumulated into an fp32 shard. The
+optimizer updates the fp32 shards; nothing is gathered after the step (the next forward
+gathers what it needs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from shardwise.zero._sharded import ShardedStrategy, _Bucket
+from shardwise.zero._strategy import ModelStateBytes
+from shardwise.zero._stage0 import optimizer_state_bytes
+
+
+class Stage3Strategy(ShardedStrategy):
+    """ZeRO stage 3 (see the module docstring). Arguments as :class:`ShardedStrategy`."""
+
+    def __init__(self, module: nn.Module, **kwargs):
+        super().__init__(module, stage=3, **kwargs)
+        self._owner = self._owners(module)
+        self._units_of: dict[nn.Module, list[_Bucket]] = {}
+        self._in_backward_root = False
+
+    @staticmethod
+    def _owners(root: nn.Module) -> dict[nn.Parameter, nn.Module]:
+        owners: dict[nn.Parameter, list[nn.Module]] = {}
+        for module in root.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    owners.setdefault(p, []).append(module)
+        return {p: (mods[0] if len(mods) == 1 else root) for p, mods in owners.items()}
+
+    # -- layout: one unit per (owning module, param group) -----------------------------------
+
+    def _layout(self, params: list[nn.Parameter], group: int) -> None:
+        by_owner: dict[nn.Module, list[nn.Parameter]] = {}
+        for p in params:
+            by_owner.setdefault(self._owner[p], []).append(p)
+        for owner, owned in by_owner.items():
+            self._add_bucket(owned, group)
+            unit = self.buckets[-1]
+            unit.module = owner
+            for p in owned:
+                p._shardwise_unit = (self, unit)  # found by GatheredParameters
+            unit.master = nn.Parameter(unit.master.detach().to(torch.float32, copy=True))
+            unit.master.grad = unit.grad_shard
+            if owner not in self._units_of:
+                self._units_of[owner] = []
+                owner.register_forward_pre_hook(self._pre_forward)
+                owner.register_forward_hook(self._post_forward)
+            self._units_of[owner].append(unit)
+            self._reshard(unit, force=True)
+
+    def _is_root(self, unit: _Bucket) -> bool:
+        return unit.module is self.module
+
+    def _unshard(self, unit: _Bucket) -> None:
+        if getattr(unit, "gathered", True):
+            return
+        storage = unit.flat_param.untyped_storage()
+        storage.resize_(unit.padded * unit.flat_param.element_size())
+        source = unit.master.detach().to(unit.flat_param.dtype)
+        self.comm.all_gather_into_tensor(unit.flat_param, source, tag=f"parameters of unit {unit.index} "
+                                         f"({type(unit.module).__name__})").wait()
+        for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
+            p.data = unit.flat_param[off:off + shape.numel()].view(shape)
+        unit.gathered = True
+
+    def _reshard(self, unit: _Bucket, *, force: bool = False) -> None:
+        if not force and self._is_root(unit):
+            return  # tied / shared parameters stay gathered until backward ends
+        unit.flat_param.untyped_storage().resize_(0)
+        for p in unit.params:  # an empty tensor, so reading a sharded parameter cannot crash
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        unit.gathered = False
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        self._ensure_layout()
+        for unit in self._units_of.get(module, ()):
+            self._unshard(unit)
+
+    def _post_forward(self, module: nn.Module, args, output):
+        units = self._units_of.get(module, ())
+        if self._is_root_module(module):
+            return output
+        for unit in units:
+            self._reshard(unit)
+        if torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward_hook(units))
+        return output
+
+    def _is_root_module(self, module: nn.Module) -> bool:
+        return module is self.module
+
+    def _pre_backward_hook(self, units):
+        def hook(grad):
+            for unit in units:
+                self._unshard(unit)
+            return grad
+        return hook
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        super()._on_grad_ready(param)
+        unit = self._bucket_of[param]
+        if len(unit.ready) == len(unit.params):
+            self._reshard(unit)
+
+    def finalize_backward(self) -> None:
+        super().finalize_backward()
+        for unit in self.buckets:
+            if getattr(unit, "gathered", False):
+                self._reshard(unit, force=True)
+
+    # -- step and state -------------------------------------------------------------------------
+
+    def sync_params_from_master(self) -> None:
+        """Nothing to gather: each unit gathers its parameters from the shards when used."""
+
+    def reset_master_from_params(self) -> None:
+        """Masters are loaded with the module state (``load_module_state_dict``)."""
+
+    def module_state_dict(self) -> dict:
+        """The full module state (collective: every unit is gathered, copied, released)."""
+        self._ensure_layout()
+        for unit in self.buckets:
+            self._unshard(unit)
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        for unit in self.buckets:
+            self._reshard(unit, force=True)
+        return state
+
+    def load_module_state_dict(self, state: dict, *, strict: bool):
+        """Load full weights into the shards (every rank reads the same full tensors)."""
+        self._ensure_layout()
+        for unit in self.buckets:
+            self._unshard(unit)
+        result = self.module.load_state_dict(state, strict=strict)
+        with torch.no_grad():
+            for unit in self.buckets:
+                unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
+                self._reshard(unit, force=True)
+        return result
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        live = sum(u.flat_param.untyped_storage().nbytes() for u in self.buckets)
+        masters = sum(u.master.numel() * 4 for u in self.buckets)
+        mixed = self.policy.needs_master_copy
+        grads = sum(u.grad_shard.numel() * 4 for u in self.buckets)
+        return ModelStateBytes(live + (0 if mixed else masters), grads, masters if mixed else 0,
+                               optimizer_state_bytes(self.optimizer))
+
+    def gather_units(self, units) -> None:
+        """Gather the given units (collective); see ``GatheredParameters``."""
+        for unit in units:
+            self._unshard(unit)
+
+    def release_units(self, units, *, modifier_rank: int | None) -> None:
+        """Take modifications from ``modifier_rank`` (if any) into the shards, then free."""
+        with torch.no_grad():
+            for unit in units:
+                if modifier_rank is not None:
+                    self.comm.broadcast(unit.flat_param, src=modifier_rank, tag="GatheredParameters").wait()
+                    unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
+                self._reshard(unit, force=True)
