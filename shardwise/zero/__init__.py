@@ -69,10 +69,15 @@ def _warn_ignored(config, comm) -> None:
                if raw.get(key) is False]
     if "allgather_bucket_size" in raw and config.zero.stage in (1, 2):
         ignored.append("allgather_bucket_size (parameters are all-gathered per reduce bucket)")
+    if config.zero.stage == 3:
+        ignored += [key for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                                    "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
+                                    "stage3_module_granularity_threshold") if key in raw]
     if ignored and comm.rank == 0:
-        logger.warning("zero_optimization settings with no effect in shardwise: %s; gradients are "
-                       "always reduce-scattered in contiguous buckets overlapped with backward",
-                       ", ".join(ignored))
+        logger.warning("zero_optimization settings with no effect in this version of shardwise: %s "
+                       "(gradients are always reduce-scattered in contiguous buckets overlapped with "
+                       "backward; stage 3 gathers each module's parameters when it runs, without "
+                       "prefetch yet)", ", ".join(ignored))
 
 
 def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
