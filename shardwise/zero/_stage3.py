@@ -37,18 +37,21 @@ class Stage3Strategy(ShardedStrategy):
 
     def __init__(self, module: nn.Module, **kwargs):
         super().__init__(module, stage=3, **kwargs)
-        self._owner = self._owners(module)
+        self._owner, self._sharers = self._owners(module)
         self._units_of: dict[nn.Module, list[_Bucket]] = {}
         self._in_backward_root = False
 
     @staticmethod
-    def _owners(root: nn.Module) -> dict[nn.Parameter, nn.Module]:
+    def _owners(root: nn.Module):
+        """Each parameter's unit owner, and the modules sharing each shared parameter."""
         owners: dict[nn.Parameter, list[nn.Module]] = {}
         for module in root.modules():
             for p in module._parameters.values():
                 if p is not None:
                     owners.setdefault(p, []).append(module)
-        return {p: (mods[0] if len(mods) == 1 else root) for p, mods in owners.items()}
+        owner = {p: (mods[0] if len(mods) == 1 else root) for p, mods in owners.items()}
+        sharers = {p: mods for p, mods in owners.items() if len(mods) > 1}
+        return owner, sharers
 
     # -- layout: one unit per (owning module, param group) -----------------------------------
 
@@ -69,6 +72,9 @@ class Stage3Strategy(ShardedStrategy):
                 owner.register_forward_pre_hook(self._pre_forward)
                 owner.register_forward_hook(self._post_forward)
             self._units_of[owner].append(unit)
+            for sharer in {m for p in owned for m in self._sharers.get(p, ())}:
+                # a module using a shared parameter gathers the root unit when called on its own
+                sharer.register_forward_pre_hook(lambda module, args, unit=unit: self._unshard(unit))
             self._reshard(unit, force=True)
 
     def _is_root(self, unit: _Bucket) -> bool:

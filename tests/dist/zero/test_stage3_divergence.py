@@ -1,0 +1,35 @@
+"""Ranks that run different modules fail fast with an error naming the collective and module."""
+
+import time
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.comm import CollectiveError
+from shardwise.testing import DistributedTestError, run_distributed
+from shardwise.testing.models import TinyMLP, token_batches
+
+
+def _diverge(rank, world_size):
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3}, "comm": {"timeout_s": 5}, "steps_per_print": 1000})
+    tokens, targets = token_batches(num_steps=1, batch=2, seed=rank)[0]
+    engine.backward(engine(tokens, targets))
+    engine.step()
+    # a module that holds a tied weight can be called on its own, outside the model's forward
+    assert tuple(engine.module.embed(tokens).shape) == (2, tokens.shape[1], 16)
+    if rank == 1:  # a data-dependent branch that only rank 1 takes
+        engine.module.fc2(engine.module.fc1(torch.randn(2, 16)))
+    engine(tokens, targets)
+
+
+def test_diverged_module_call_names_the_unit(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_diverge, world_size=2, tmp_path=tmp_path)
+    message = str(info.value)
+    assert time.monotonic() - start < 90
+    assert "CollectiveError" in message
+    assert "all_gather" in message and "(Linear)]" in message
