@@ -70,14 +70,13 @@ def _warn_ignored(config, comm) -> None:
     if "allgather_bucket_size" in raw and config.zero.stage in (1, 2):
         ignored.append("allgather_bucket_size (parameters are all-gathered per reduce bucket)")
     if config.zero.stage == 3:
-        ignored += [key for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+        ignored += [key for key in ("stage3_max_live_parameters",
                                     "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
                                     "stage3_module_granularity_threshold") if key in raw]
     if ignored and comm.rank == 0:
         logger.warning("zero_optimization settings with no effect in this version of shardwise: %s "
                        "(gradients are always reduce-scattered in contiguous buckets overlapped with "
-                       "backward; stage 3 gathers each module's parameters when it runs, without "
-                       "prefetch yet)", ", ".join(ignored))
+                       "backward; stage 3 prefetches by stage3_prefetch_bucket_size only)", ", ".join(ignored))
 
 
 def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
@@ -91,7 +90,7 @@ def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
     predivide = comm.world_size if config.prescale_gradients else config.gradient_predivide_factor
     if zero.stage == 3:
         return Stage3Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel,
-                              predivide_factor=predivide)
+                              predivide_factor=predivide, prefetch_numel=zero.stage3_prefetch_bucket_size)
     if zero.stage in (1, 2):
         return ShardedStrategy(module, comm=comm, policy=policy, stage=zero.stage,
                                bucket_numel=bucket_numel, predivide_factor=predivide)

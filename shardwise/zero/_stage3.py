@@ -15,6 +15,15 @@ storage is gathered again, and it is freed once the unit's gradients have been c
 out for reduce-scatter. Peak live parameters are therefore the units in flight, not the
 model.
 
+[Note: prefetch]
+The first step records the order in which units are gathered in forward. From then on,
+gathering a unit for forward also launches the all-gathers of the units that followed
+it, and gathering one for backward launches those that preceded it, up to
+``stage3_prefetch_bucket_size`` elements in flight, so communication overlaps compute.
+The decision depends only on the recorded order, which every rank shares, so ranks
+issue the same collectives in the same order; a prefetched unit that is not used is
+waited for and freed.
+
 Gradients are handled as in stage 2 (see ``_sharded.py``): copied to a staging buffer,
 reduce-scattered per unit in a fixed order, accumulated into an fp32 shard. The
 optimizer updates the fp32 shards; nothing is gathered after the step (the next forward
@@ -35,9 +44,12 @@ from shardwise.zero._stage0 import optimizer_state_bytes
 class Stage3Strategy(ShardedStrategy):
     """ZeRO stage 3 (see the module docstring). Arguments as :class:`ShardedStrategy`."""
 
-    def __init__(self, module: nn.Module, **kwargs):
+    def __init__(self, module: nn.Module, *, prefetch_numel: int = 50_000_000, **kwargs):
         super().__init__(module, stage=3, **kwargs)
+        self.prefetch_numel = prefetch_numel
         self._owner, self._sharers = self._owners(module)
+        self._forward_order: list[_Bucket] = []
+        self._order_recorded = False
         self._units_of: dict[nn.Module, list[_Bucket]] = {}
         self._in_backward_root = False
 
@@ -80,14 +92,22 @@ class Stage3Strategy(ShardedStrategy):
     def _is_root(self, unit: _Bucket) -> bool:
         return unit.module is self.module
 
-    def _unshard(self, unit: _Bucket) -> None:
-        if getattr(unit, "gathered", True):
+    def _start_unshard(self, unit: _Bucket) -> None:
+        """Allocate the unit's full buffer and launch its all-gather (see [Note: prefetch])."""
+        if getattr(unit, "gathered", True) or getattr(unit, "pending", None) is not None:
             return
         storage = unit.flat_param.untyped_storage()
         storage.resize_(unit.padded * unit.flat_param.element_size())
         source = unit.master.detach().to(unit.flat_param.dtype)
-        self.comm.all_gather_into_tensor(unit.flat_param, source, tag=f"parameters of unit {unit.index} "
-                                         f"({type(unit.module).__name__})").wait()
+        unit.pending = self.comm.all_gather_into_tensor(
+            unit.flat_param, source, tag=f"parameters of unit {unit.index} ({type(unit.module).__name__})")
+
+    def _unshard(self, unit: _Bucket) -> None:
+        if getattr(unit, "gathered", True):
+            return
+        self._start_unshard(unit)
+        unit.pending.wait()
+        unit.pending = None
         for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
             p.data = unit.flat_param[off:off + shape.numel()].view(shape)
         unit.gathered = True
@@ -95,6 +115,9 @@ class Stage3Strategy(ShardedStrategy):
     def _reshard(self, unit: _Bucket, *, force: bool = False) -> None:
         if not force and self._is_root(unit):
             return  # tied / shared parameters stay gathered until backward ends
+        if getattr(unit, "pending", None) is not None:  # a prefetch nobody used
+            unit.pending.wait()
+            unit.pending = None
         unit.flat_param.untyped_storage().resize_(0)
         for p in unit.params:  # an empty tensor, so reading a sharded parameter cannot crash
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -104,8 +127,26 @@ class Stage3Strategy(ShardedStrategy):
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         self._ensure_layout()
-        for unit in self._units_of.get(module, ()):
+        units = self._units_of.get(module, ())
+        for unit in units:
             self._unshard(unit)
+            if not self._order_recorded and unit not in self._forward_order:
+                self._forward_order.append(unit)
+        if units and self._order_recorded:
+            self._prefetch(units[-1], step=1)
+
+    def _prefetch(self, unit: _Bucket, *, step: int) -> None:
+        """Start gathering the units that ran after (``step=1``, forward) or before
+        (``step=-1``, backward) ``unit`` on the recorded first step, up to
+        ``prefetch_numel`` elements. See [Note: prefetch]."""
+        order = self._forward_order
+        if unit not in order:
+            return
+        budget, i = self.prefetch_numel, order.index(unit) + step
+        while 0 <= i < len(order) and budget >= order[i].padded:
+            budget -= order[i].padded
+            self._start_unshard(order[i])
+            i += step
 
     def _post_forward(self, module: nn.Module, args, output):
         units = self._units_of.get(module, ())
@@ -126,6 +167,8 @@ class Stage3Strategy(ShardedStrategy):
         def hook(grad):
             for unit in units:
                 self._unshard(unit)
+            if units and self._order_recorded:
+                self._prefetch(units[0], step=-1)
             return grad
         return hook
 
@@ -137,6 +180,7 @@ class Stage3Strategy(ShardedStrategy):
 
     def finalize_backward(self) -> None:
         super().finalize_backward()
+        self._order_recorded = self._order_recorded or bool(self._forward_order)
         for unit in self.buckets:
             if getattr(unit, "gathered", False):
                 self._reshard(unit, force=True)
