@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from shardwise.zero._gathered import GatheredParameters
+from shardwise.zero._gathered import GatheredParameters, register_external_parameter
 from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._stage0 import Stage0Strategy
 from shardwise.zero._stage3 import Stage3Strategy
@@ -26,7 +26,7 @@ from shardwise.zero._strategy import ModelStateBytes, StepResult, ZeroStrategy
 
 logger = logging.getLogger("shardwise")
 
-__all__ = ["GatheredParameters", "ModelStateBytes", "ShardedStrategy", "Stage0Strategy", "Stage3Strategy", "StepResult", "ZeroStrategy", "build_strategy"]
+__all__ = ["GatheredParameters", "ModelStateBytes", "ShardedStrategy", "Stage0Strategy", "Stage3Strategy", "StepResult", "ZeroStrategy", "build_strategy", "register_external_parameter"]
 
 DEFAULT_DP_BUCKET_BYTES = 25 * 1024 * 1024
 """Gradient bucket size for stage 0 when the config does not set reduce_bucket_size.

@@ -41,3 +41,19 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     finally:
         for strategy, group in by_strategy.values():
             strategy.release_units(group, modifier_rank=modifier_rank)
+
+
+def register_external_parameter(module, parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter`` although another module owns it.
+
+    Under stage 3 the owner's unit is then gathered before ``module`` runs too (a parameter
+    is otherwise gathered only around its owner's forward). Outside stage 3 this does
+    nothing, so the call can stay in model code.
+    """
+    owner = getattr(parameter, "_shardwise_unit", None)
+    if owner is not None:
+        strategy, unit = owner
+        strategy.add_external_user(module, unit)
+        return
+    pending = module.__dict__.setdefault("_shardwise_external_params", [])
+    pending.append(parameter)

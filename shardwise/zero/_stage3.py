@@ -88,6 +88,10 @@ class Stage3Strategy(ShardedStrategy):
                 # a module using a shared parameter gathers the root unit when called on its own
                 sharer.register_forward_pre_hook(lambda module, args, unit=unit: self._unshard(unit))
             self._reshard(unit, force=True)
+        for user in self.module.modules():  # register_external_parameter calls made before layout
+            for p in user.__dict__.pop("_shardwise_external_params", []):
+                if p in self._bucket_of:
+                    self.add_external_user(user, self._bucket_of[p])
 
     def _is_root(self, unit: _Bucket) -> bool:
         return unit.module is self.module
@@ -129,6 +133,7 @@ class Stage3Strategy(ShardedStrategy):
         self._ensure_layout()
         units = self._units_of.get(module, ())
         for unit in units:
+            unit.active = getattr(unit, "active", 0) + 1  # nested users keep it gathered
             self._unshard(unit)
             if not self._order_recorded and unit not in self._forward_order:
                 self._forward_order.append(unit)
@@ -153,7 +158,9 @@ class Stage3Strategy(ShardedStrategy):
         if self._is_root_module(module):
             return output
         for unit in units:
-            self._reshard(unit)
+            unit.active -= 1
+            if unit.active == 0:
+                self._reshard(unit)
         if torch.is_grad_enabled():
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -182,8 +189,10 @@ class Stage3Strategy(ShardedStrategy):
         super().finalize_backward()
         self._order_recorded = self._order_recorded or bool(self._forward_order)
         for unit in self.buckets:
-            if getattr(unit, "gathered", False):
+            # a prefetch still in flight would read the shard the optimizer is about to change
+            if getattr(unit, "gathered", False) or getattr(unit, "pending", None) is not None:
                 self._reshard(unit, force=True)
+            unit.active = 0
 
     # -- step and state -------------------------------------------------------------------------
 
@@ -222,6 +231,15 @@ class Stage3Strategy(ShardedStrategy):
         grads = sum(u.grad_shard.numel() * 4 for u in self.buckets)
         return ModelStateBytes(live + (0 if mixed else masters), grads, masters if mixed else 0,
                                optimizer_state_bytes(self.optimizer))
+
+    def add_external_user(self, module: nn.Module, unit: _Bucket) -> None:
+        """Gather ``unit`` for ``module``'s forward and backward too (its owner is elsewhere)."""
+        if module not in self._units_of:
+            self._units_of[module] = []
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
+        if unit not in self._units_of[module]:
+            self._units_of[module].append(unit)
 
     def gather_units(self, units) -> None:
         """Gather the given units (collective); see ``GatheredParameters``."""

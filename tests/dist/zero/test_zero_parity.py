@@ -67,3 +67,37 @@ def test_zero_stages_match_single_process(tmp_path, world_size):
             assert buckets >= 3, f"{name}: expected several buckets, got {buckets}"
             assert diff < TOLERANCE[dtype], f"rank {rank} {name}: max |diff| {diff}"
     assert all(r == reports[0] for r in reports)  # every rank holds the same parameters
+
+
+class _ExternalUse(torch.nn.Module):
+    """Uses ``a.weight`` in its own forward as well as inside ``a``."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.embed = torch.nn.Embedding(32, 16)
+        self.a = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 32)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+        from shardwise.zero import register_external_parameter
+        register_external_parameter(self, self.a.weight)
+
+    def forward(self, tokens, targets):
+        h = torch.tanh(self.embed(tokens) @ self.a.weight.t())
+        logits = self.out(self.a(h))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+
+
+def _external(rank, world_size):
+    model = _ExternalUse()
+    batches = token_batches(num_steps=3, batch=MICRO * world_size, seed=2)
+    reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=0.0, split_groups=False)
+    engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(3, 1, 0.0, "fp32", 300))
+    engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
+    return max_param_diff(reference, engine.module)
+
+
+def test_stage3_parameter_used_outside_its_module(tmp_path):
+    assert max(run_distributed(_external, world_size=2, tmp_path=tmp_path)) < TOLERANCE["fp32"]
