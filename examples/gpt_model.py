@@ -9,6 +9,7 @@ BENCHMARKS.md states that way).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sysconfig
 from dataclasses import dataclass
@@ -17,6 +18,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:
+    from shardwise.zero import GatheredParameters
+except ImportError:  # the benchmarks run this model under other libraries too
+    GatheredParameters = None
+
+
+def _gathered(params):
+    if GatheredParameters is None or not params:
+        return contextlib.nullcontext()
+    return GatheredParameters(params, modifier_rank=0)
 
 
 @dataclass(frozen=True)
@@ -77,15 +89,19 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.width, config.vocab_size, bias=False)
         if config.tie_weights:
             self.head.weight = self.tok_emb.weight
-        self.apply(self._init)
-        for block in self.blocks:  # scale residual projections by depth (GPT-2)
-            for proj in (block.proj, block.out):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * config.num_layers))
+        residual = {block.proj for block in self.blocks} | {block.out for block in self.blocks}
+        for module in self.modules():
+            # built under zero.Init a module's parameters are partitioned already: gather them
+            # to write the initial values (rank 0's are kept)
+            with _gathered(list(module.parameters(recurse=False))):
+                self._init(module, config, residual=module in residual)
 
     @staticmethod
-    def _init(module: nn.Module) -> None:
+    def _init(module: nn.Module, config: GPTConfig, *, residual: bool) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
+            # residual projections scaled by depth (GPT-2)
+            std = 0.02 / math.sqrt(2 * config.num_layers) if residual else 0.02
+            nn.init.normal_(module.weight, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

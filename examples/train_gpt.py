@@ -11,6 +11,7 @@ a change of config file, not of this script.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -46,15 +47,19 @@ def main() -> None:
     torch.manual_seed(args.seed)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
-    model = GPT(GPTConfig(vocab_size=256, width=args.width, num_layers=args.layers,
-                          num_heads=args.heads, seq_len=args.seq_len))
+    with open(args.deepspeed_config) as f:
+        stage = json.load(f).get("zero_optimization", {}).get("stage", 0)
+    # under ZeRO-3 the model is built partitioned: no rank ever holds all of it
+    with shardwise.zero.Init(config_dict_or_path=args.deepspeed_config, enabled=stage == 3):
+        model = GPT(GPTConfig(vocab_size=256, width=args.width, num_layers=args.layers,
+                              num_heads=args.heads, seq_len=args.seq_len))
     dataset = ByteBlocks(byte_corpus(max_bytes=args.corpus_bytes), seq_len=args.seq_len)
     engine, _, loader, _ = shardwise.initialize(args=args, model=model,
                                                 model_parameters=model.parameters(),
                                                 training_data=dataset)
     rank0 = engine.global_rank == 0
     if rank0:
-        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+        print(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"corpus: {len(dataset)} blocks of {args.seq_len} bytes; "
               f"{engine.dp_world_size} ranks, global batch {engine.train_batch_size()}", flush=True)
     first_loss, start = None, time.perf_counter()

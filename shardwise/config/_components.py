@@ -187,11 +187,11 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         as_int("zero_optimization.stage", self.stage, minimum=0, maximum=3)
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
-                     "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                     "stage3_max_reuse_distance", "zero_hpz_partition_size"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "zero_hpz_partition_size"):
             as_int(f"zero_optimization.{name}", getattr(self, name), minimum=1)
-        for name in ("stage3_param_persistence_threshold", "stage3_module_granularity_threshold"):
+        # 0 is meaningful: no prefetch, no parameters kept beyond the one in use, no reuse
+        for name in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                     "stage3_param_persistence_threshold", "stage3_module_granularity_threshold"):
             as_int(f"zero_optimization.{name}", getattr(self, name), minimum=0)
         as_int("zero_optimization.mics_shard_size", self.mics_shard_size, minimum=-1)
         if self.overlap_comm is not None:

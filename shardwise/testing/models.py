@@ -24,8 +24,11 @@ class TinyMLP(nn.Module):
         self.fc2 = nn.Linear(2 * width, width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
-        with torch.no_grad():
-            for p in self.parameters():
+        from shardwise.zero import GatheredParameters
+
+        for p in self.parameters():
+            # partitioned already when built under zero.Init: rank 0's values are kept
+            with torch.no_grad(), GatheredParameters(p, modifier_rank=0):
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
         if freeze_first:
             self.fc1.requires_grad_(False)

@@ -7,6 +7,13 @@ import copy
 
 import torch
 
+STAGE3_PARTITION_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+"""Stage 3 settings that partition even tiny test models and regather for backward.
+
+DeepSpeed's defaults keep parameters under 1e5 elements whole and keep a module's
+parameters from its forward to its backward when fewer than 1e9 elements are gathered in
+between, which for a test-sized model means nothing is ever partitioned."""
+
 
 def param_groups(model, *, split: bool, lr: float, weight_decay: float):
     """All parameters in one group, or (``split``) matrices with weight decay and vectors

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from shardwise.zero._gathered import GatheredParameters, register_external_parameter
+from shardwise.zero._init import Init, load_state_dict, materialize
 from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._stage0 import Stage0Strategy
 from shardwise.zero._stage3 import Stage3Strategy
@@ -26,7 +27,7 @@ from shardwise.zero._strategy import ModelStateBytes, StepResult, ZeroStrategy
 
 logger = logging.getLogger("shardwise")
 
-__all__ = ["GatheredParameters", "ModelStateBytes", "ShardedStrategy", "Stage0Strategy", "Stage3Strategy", "StepResult", "ZeroStrategy", "build_strategy", "register_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "load_state_dict", "materialize", "ModelStateBytes", "ShardedStrategy", "Stage0Strategy", "Stage3Strategy", "StepResult", "ZeroStrategy", "build_strategy", "register_external_parameter"]
 
 DEFAULT_DP_BUCKET_BYTES = 25 * 1024 * 1024
 """Gradient bucket size for stage 0 when the config does not set reduce_bucket_size.
@@ -70,13 +71,11 @@ def _warn_ignored(config, comm) -> None:
     if "allgather_bucket_size" in raw and config.zero.stage in (1, 2):
         ignored.append("allgather_bucket_size (parameters are all-gathered per reduce bucket)")
     if config.zero.stage == 3:
-        ignored += [key for key in ("stage3_max_live_parameters",
-                                    "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
-                                    "stage3_module_granularity_threshold") if key in raw]
+        ignored += [key for key in ("stage3_module_granularity_threshold",) if key in raw]
     if ignored and comm.rank == 0:
         logger.warning("zero_optimization settings with no effect in this version of shardwise: %s "
                        "(gradients are always reduce-scattered in contiguous buckets overlapped with "
-                       "backward; stage 3 prefetches by stage3_prefetch_bucket_size only)", ", ".join(ignored))
+                       "backward; stage 3 units are whole modules)", ", ".join(ignored))
 
 
 def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
@@ -90,7 +89,10 @@ def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
     predivide = comm.world_size if config.prescale_gradients else config.gradient_predivide_factor
     if zero.stage == 3:
         return Stage3Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel,
-                              predivide_factor=predivide, prefetch_numel=zero.stage3_prefetch_bucket_size)
+                              predivide_factor=predivide, prefetch_numel=zero.stage3_prefetch_bucket_size,
+                              max_live_numel=zero.stage3_max_live_parameters,
+                              max_reuse_distance=zero.stage3_max_reuse_distance,
+                              persistence_threshold=zero.stage3_param_persistence_threshold)
     if zero.stage in (1, 2):
         return ShardedStrategy(module, comm=comm, policy=policy, stage=zero.stage,
                                bucket_numel=bucket_numel, predivide_factor=predivide)

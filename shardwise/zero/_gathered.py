@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from shardwise.zero._init import gather_init_params, init_shard, release_init_params
+
 
 @contextlib.contextmanager
 def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
@@ -26,21 +28,26 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     if isinstance(params, torch.Tensor):
         params = [params]
     units: dict[int, tuple] = {}
+    built_partitioned = []  # zero.Init parameters no engine has adopted yet
     for p in params if enabled else ():
         owner = getattr(p, "_shardwise_unit", None)
         if owner is not None:
             units.setdefault(id(owner[1]), owner)
+        elif init_shard(p) is not None and all(p is not q for q in built_partitioned):
+            built_partitioned.append(p)
     by_strategy: dict[int, tuple] = {}
     for strategy, unit in units.values():
         by_strategy.setdefault(id(strategy), (strategy, []))[1].append(unit)
     for strategy, group in by_strategy.values():
         group.sort(key=lambda u: u.index)  # the same order on every rank
         strategy.gather_units(group)
+    gather_init_params(built_partitioned)
     try:
         yield
     finally:
         for strategy, group in by_strategy.values():
             strategy.release_units(group, modifier_rank=modifier_rank)
+        release_init_params(built_partitioned, modifier_rank=modifier_rank)
 
 
 def register_external_parameter(module, parameter) -> None:

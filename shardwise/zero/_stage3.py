@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from shardwise.zero._init import full_shape, gather_init_params, init_shard
+from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy, _Bucket
 from shardwise.zero._strategy import ModelStateBytes
 from shardwise.zero._stage0 import optimizer_state_bytes
@@ -44,11 +46,31 @@ from shardwise.zero._stage0 import optimizer_state_bytes
 class Stage3Strategy(ShardedStrategy):
     """ZeRO stage 3 (see the module docstring). Arguments as :class:`ShardedStrategy`."""
 
-    def __init__(self, module: nn.Module, *, prefetch_numel: int = 50_000_000, **kwargs):
+    def __init__(self, module: nn.Module, *, prefetch_numel: int = 50_000_000,
+                 max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
+                 persistence_threshold: int = 0, **kwargs):
+        frozen = [p for p in module.parameters() if init_shard(p) is not None and not p.requires_grad]
+        if frozen:  # frozen parameters stay whole at stage 3 (they have no unit yet)
+            gather_init_params(frozen)
+            for p in frozen:
+                p.data = p.data.clone()
+                del p._shardwise_init, p.ds_tensor
         super().__init__(module, stage=3, **kwargs)
         self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.persistence_threshold = persistence_threshold
+        self.live_numel = 0
+        """Elements of the non-persistent units gathered (or being gathered) right now."""
+        self.peak_live_numel = 0
+        """The most ``live_numel`` has been since construction (tests bound it)."""
         self._owner, self._sharers = self._owners(module)
+        self._persistent_params: dict[int, list[nn.Parameter]] = {}
         self._forward_order: list[_Bucket] = []
+        self._trace: list[_Bucket] = []
+        """Units in the order the first step's forward gathered them, repeats included."""
+        self._reuse_distance: list[float] = []
+        self._cursor = 0
         self._order_recorded = False
         self._units_of: dict[nn.Module, list[_Bucket]] = {}
         self._in_backward_root = False
@@ -67,18 +89,28 @@ class Stage3Strategy(ShardedStrategy):
 
     # -- layout: one unit per (owning module, param group) -----------------------------------
 
+    def optimizer_params(self, model_parameters) -> list[dict]:
+        """Units for every owning module, then one persistent unit per param group (laid
+        out last, so waiting for its gradients delays no other unit's reduction)."""
+        super().optimizer_params(model_parameters)
+        for group, params in self._persistent_params.items():
+            self._add_bucket(params, group, persistent=True)
+            self.buckets[-1].module = self.module
+        self._persistent_params.clear()
+        return [{**options, "params": [b.master for b in self.buckets if b.group == g]}
+                for g, options in enumerate(self._group_options)]
+
     def _layout(self, params: list[nn.Parameter], group: int) -> None:
         by_owner: dict[nn.Module, list[nn.Parameter]] = {}
         for p in params:
+            if full_shape(p).numel() < self.persistence_threshold:
+                self._persistent_params.setdefault(group, []).append(p)
+                continue
             by_owner.setdefault(self._owner[p], []).append(p)
         for owner, owned in by_owner.items():
             self._add_bucket(owned, group)
             unit = self.buckets[-1]
             unit.module = owner
-            for p in owned:
-                p._shardwise_unit = (self, unit)  # found by GatheredParameters
-            unit.master = nn.Parameter(unit.master.detach().to(torch.float32, copy=True))
-            unit.master.grad = unit.grad_shard
             if owner not in self._units_of:
                 self._units_of[owner] = []
                 owner.register_forward_pre_hook(self._pre_forward)
@@ -93,8 +125,47 @@ class Stage3Strategy(ShardedStrategy):
                 if p in self._bucket_of:
                     self.add_external_user(user, self._bucket_of[p])
 
+    def _add_bucket(self, params: list[nn.Parameter], group: int, *, persistent: bool = False) -> None:
+        """A unit: flat buffer of the full parameters (freed right away), an fp32 master
+        shard and an fp32 gradient shard. Parameters built by ``zero.Init`` arrive as
+        per-parameter slices and are gathered here one unit at a time."""
+        rank, device = self.comm.rank, params[0].device
+        dtype = self.policy.param_dtype
+        shapes = [full_shape(p) for p in params]
+        offsets, numel = [], 0
+        for shape in shapes:
+            offsets.append(numel)
+            numel += shape.numel()
+        padded, shard = partition(numel, self.comm.world_size)
+        flat = torch.zeros(padded, dtype=dtype, device=device)
+        built_partitioned = [p for p in params if init_shard(p) is not None]
+        gather_init_params(built_partitioned)
+        with torch.no_grad():
+            for p, off, shape in zip(params, offsets, shapes):
+                flat[off:off + shape.numel()].copy_(p.detach().reshape(-1))
+                p.data = flat[off:off + shape.numel()].view(shape)
+        for p in built_partitioned:
+            del p._shardwise_init, p.ds_tensor
+        unit = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat, shapes=shapes)
+        unit.persistent, unit.gathered, unit.calls = persistent, True, []
+        self._count_live(unit, +1)
+        unit.master = nn.Parameter(unit.local(flat, rank).detach().to(torch.float32, copy=True))
+        unit.grad_shard = torch.zeros(shard, dtype=torch.float32, device=device)
+        unit.master.grad = unit.grad_shard
+        for p, shape in zip(params, shapes):
+            p._shardwise_unit = (self, unit)  # found by GatheredParameters
+            p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size
+        self.buckets.append(unit)
+        self._bucket_of.update({p: unit for p in params})
+        self._offset_of.update(zip(params, offsets))
+
     def _is_root(self, unit: _Bucket) -> bool:
         return unit.module is self.module
+
+    def _count_live(self, unit: _Bucket, sign: int) -> None:
+        if not getattr(unit, "persistent", False):
+            self.live_numel += sign * unit.padded
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def _start_unshard(self, unit: _Bucket) -> None:
         """Allocate the unit's full buffer and launch its all-gather (see [Note: prefetch])."""
@@ -102,6 +173,7 @@ class Stage3Strategy(ShardedStrategy):
             return
         storage = unit.flat_param.untyped_storage()
         storage.resize_(unit.padded * unit.flat_param.element_size())
+        self._count_live(unit, +1)
         source = unit.master.detach().to(unit.flat_param.dtype)
         unit.pending = self.comm.all_gather_into_tensor(
             unit.flat_param, source, tag=f"parameters of unit {unit.index} ({type(unit.module).__name__})")
@@ -117,12 +189,16 @@ class Stage3Strategy(ShardedStrategy):
         unit.gathered = True
 
     def _reshard(self, unit: _Bucket, *, force: bool = False) -> None:
+        if getattr(unit, "persistent", False) or not getattr(unit, "gathered", True) and \
+                getattr(unit, "pending", None) is None:
+            return  # persistent units stay whole; a sharded unit has nothing to free
         if not force and self._is_root(unit):
             return  # tied / shared parameters stay gathered until backward ends
         if getattr(unit, "pending", None) is not None:  # a prefetch nobody used
             unit.pending.wait()
             unit.pending = None
         unit.flat_param.untyped_storage().resize_(0)
+        self._count_live(unit, -1)
         for p in unit.params:  # an empty tensor, so reading a sharded parameter cannot crash
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         unit.gathered = False
@@ -131,12 +207,18 @@ class Stage3Strategy(ShardedStrategy):
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         self._ensure_layout()
+        if module is self.module:
+            self._cursor = 0  # a new forward
         units = self._units_of.get(module, ())
         for unit in units:
             unit.active = getattr(unit, "active", 0) + 1  # nested users keep it gathered
+            unit.calls.append(self._cursor)  # this call's position on the trace
+            self._cursor += 1
             self._unshard(unit)
-            if not self._order_recorded and unit not in self._forward_order:
-                self._forward_order.append(unit)
+            if not self._order_recorded:
+                self._trace.append(unit)
+                if unit not in self._forward_order:
+                    self._forward_order.append(unit)
         if units and self._order_recorded:
             self._prefetch(units[-1], step=1)
 
@@ -149,6 +231,11 @@ class Stage3Strategy(ShardedStrategy):
             return
         budget, i = self.prefetch_numel, order.index(unit) + step
         while 0 <= i < len(order) and budget >= order[i].padded:
+            if getattr(order[i], "gathered", True) or getattr(order[i], "pending", None) is not None:
+                i += step  # already whole (kept for reuse, persistent, or in flight)
+                continue
+            if self.live_numel + order[i].padded > self.max_live_numel:
+                return  # stage3_max_live_parameters
             budget -= order[i].padded
             self._start_unshard(order[i])
             i += step
@@ -159,13 +246,39 @@ class Stage3Strategy(ShardedStrategy):
             return output
         for unit in units:
             unit.active -= 1
-            if unit.active == 0:
+            position = unit.calls.pop()
+            if unit.active == 0 and not self._keep_for_reuse(position):
                 self._reshard(unit)
         if torch.is_grad_enabled():
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_hook(units))
         return output
+
+    def _keep_for_reuse(self, position: int) -> bool:
+        """Whether the unit of the call at trace ``position`` stays whole after its forward:
+        it is used again (a second call, or its backward) within
+        ``stage3_max_reuse_distance`` elements of other gathers on the recorded trace, and
+        keeping it stays within ``stage3_max_live_parameters``."""
+        if not self._order_recorded or not torch.is_grad_enabled():
+            return False
+        if position >= len(self._reuse_distance):
+            return False  # this step runs more calls than the recorded one
+        return self._reuse_distance[position] <= self.max_reuse_distance and \
+            self.live_numel <= self.max_live_numel
+
+    def _plan_reuse(self) -> None:
+        """For each forward call on the trace, the elements gathered before its unit is used
+        again: forward calls after it, then backward (the trace in reverse) back to it."""
+        sequence = self._trace + self._trace[::-1]
+        self._reuse_distance = []
+        for i, unit in enumerate(self._trace):
+            between = 0
+            for other in sequence[i + 1:]:
+                if other is unit:
+                    break
+                between += other.padded
+            self._reuse_distance.append(between)
 
     def _is_root_module(self, module: nn.Module) -> bool:
         return module is self.module
@@ -187,17 +300,31 @@ class Stage3Strategy(ShardedStrategy):
 
     def finalize_backward(self) -> None:
         super().finalize_backward()
-        self._order_recorded = self._order_recorded or bool(self._forward_order)
+        if not self._order_recorded and self._forward_order:
+            self._order_recorded = True
+            self._plan_reuse()
+        self._cursor = 0
         for unit in self.buckets:
             # a prefetch still in flight would read the shard the optimizer is about to change
             if getattr(unit, "gathered", False) or getattr(unit, "pending", None) is not None:
                 self._reshard(unit, force=True)
             unit.active = 0
+            unit.calls.clear()
 
     # -- step and state -------------------------------------------------------------------------
 
     def sync_params_from_master(self) -> None:
-        """Nothing to gather: each unit gathers its parameters from the shards when used."""
+        """Gather the persistent units from their updated shards; the others are gathered
+        from the shards when used."""
+        handles = []
+        with torch.no_grad():
+            for unit in self.buckets:
+                if unit.persistent:
+                    handles.append(self.comm.all_gather_into_tensor(
+                        unit.flat_param, unit.master.detach().to(unit.flat_param.dtype),
+                        tag=f"persistent parameters (unit {unit.index})"))
+        for handle in handles:
+            handle.wait()
 
     def reset_master_from_params(self) -> None:
         """Masters are loaded with the module state (``load_module_state_dict``)."""

@@ -34,4 +34,6 @@ def test_demo_runs_under_config(tmp_path, config):
     match = re.search(r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+)", proc.stdout)
     assert match and int(match[1]) == 6, proc.stdout[-2000:]
     assert float(match[3]) < float(match[2])  # the loss falls even in 6 steps
+    # the full parameter count, also when zero.Init built the model partitioned (stage 3)
+    assert "model: 0.03M parameters" in proc.stdout, proc.stdout[:500]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"

@@ -9,13 +9,13 @@ from shardwise.cli import main as cli_main
 from shardwise.checkpoint import consolidate
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
-from shardwise.testing.parity import engine_train
+from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train
 
 
 def _train_and_save(rank, world_size, save_dir, stage, dtype):
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 1000,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300}}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, **STAGE3_PARTITION_ALL}}
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
     engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=config)

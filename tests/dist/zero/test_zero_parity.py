@@ -8,7 +8,8 @@ import torch
 import shardwise
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
-from shardwise.testing.parity import engine_train, max_param_diff, param_groups, reference_train
+from shardwise.testing.parity import (STAGE3_PARTITION_ALL, engine_train, max_param_diff, param_groups,
+                                      reference_train)
 
 MICRO, STEPS, LR, WD = 2, 4, 1e-2, 0.01
 # fp32 differs only by reduction order. bf16/fp16 compute with 8/11-bit mantissas on fp32
@@ -23,6 +24,12 @@ CASES = [
     ("s3 layers called twice", 3, 2, 0.5, "fp32", False, False, 2),
     ("s3 bf16 gas2", 3, 2, 0.5, "bf16", False, True),
     ("s3 fp16 gas2", 3, 2, 0.5, "fp16", False, False),
+    # DeepSpeed's stage 3 defaults: every TinyMLP parameter is persistent (below 1e5 elements)
+    ("s3 defaults: persistent", 3, 2, 0.5, "fp32", True, True, 1, {}),
+    ("s3 bf16 defaults: persistent", 3, 2, 0.5, "bf16", False, True, 1, {}),
+    # units kept whole from forward to backward (reuse), within a live-parameter cap
+    ("s3 reuse under a live cap, twice", 3, 2, 0.5, "fp32", False, False, 2,
+     {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1200}),
     ("s1 fp32", 1, 1, 0.0, "fp32", False, False),
     ("s1 gas2 clip groups frozen", 1, 2, 0.5, "fp32", True, True),
     ("s2 fp32", 2, 1, 0.0, "fp32", False, False),
@@ -33,11 +40,13 @@ CASES = [
 ]
 
 
-def _config(stage, gas, clip, dtype, bucket):
+def _config(stage, gas, clip, dtype, bucket, knobs=None):
+    if knobs is None:
+        knobs = STAGE3_PARTITION_ALL if stage == 3 else {}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
               "gradient_clipping": clip, "steps_per_print": 1000,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, **knobs}}
     if dtype != "fp32":
         config[dtype] = {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}
     return config
@@ -45,14 +54,15 @@ def _config(stage, gas, clip, dtype, bucket):
 
 def _check(rank, world_size, cases):
     report = {}
-    for name, stage, gas, clip, dtype, frozen, groups, *passes in cases:
-        model = TinyMLP(seed=1, freeze_first=frozen, passes=passes[0] if passes else 1)
+    for name, stage, gas, clip, dtype, frozen, groups, *extra in cases:
+        passes, knobs = (extra[0] if extra else 1), (extra[1] if len(extra) > 1 else None)
+        model = TinyMLP(seed=1, freeze_first=frozen, passes=passes)
         batches = token_batches(num_steps=STEPS, batch=MICRO * gas * world_size, seed=2)
         reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=clip, split_groups=groups)
         candidate = copy.deepcopy(model)
         engine, _, _, _ = shardwise.initialize(
             model=candidate, model_parameters=param_groups(candidate, split=groups, lr=LR, weight_decay=WD),
-            config=_config(stage, gas, clip, dtype, bucket=300))  # small buckets: several per group
+            config=_config(stage, gas, clip, dtype, bucket=300, knobs=knobs))  # small buckets: several per group
         engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
         report[name] = (max_param_diff(reference, engine.module), len(engine.strategy.buckets))
     return report
@@ -62,9 +72,10 @@ def _check(rank, world_size, cases):
 def test_zero_stages_match_single_process(tmp_path, world_size):
     reports = run_distributed(_check, world_size=world_size, tmp_path=tmp_path, cases=CASES)
     for rank, report in enumerate(reports):
-        for name, _, _, _, dtype, *_ in CASES:
+        for name, _, _, _, dtype, _, _, *extra in CASES:
             diff, buckets = report[name]
-            assert buckets >= 3, f"{name}: expected several buckets, got {buckets}"
+            if len(extra) < 2:  # persistent parameters share one unit per group
+                assert buckets >= 3, f"{name}: expected several buckets, got {buckets}"
             assert diff < TOLERANCE[dtype], f"rank {rank} {name}: max |diff| {diff}"
     assert all(r == reports[0] for r in reports)  # every rank holds the same parameters
 

@@ -7,7 +7,7 @@ import shardwise
 from shardwise.testing import run_distributed
 from shardwise.zero import GatheredParameters
 from shardwise.testing.models import TinyMLP, token_batches
-from shardwise.testing.parity import engine_train
+from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train
 
 MICRO = 2
 GLOBAL_BATCH = 8
@@ -18,7 +18,7 @@ def _config(stage, world_size, **extra):
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
             "gradient_clipping": 1.0, "steps_per_print": 1000,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 400}, **extra}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 400, **STAGE3_PARTITION_ALL}, **extra}
 
 
 def _memory(rank, world_size):
