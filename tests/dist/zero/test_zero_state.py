@@ -31,6 +31,10 @@ def _memory(rank, world_size):
         out[stage] = (engine.model_state_bytes(), len(getattr(engine.strategy, "buckets", [])),
                       sum(p.numel() for p in engine.module.parameters()),
                       len(list(engine.module.parameters())))
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1),
+                                           config=_config(3, world_size, bf16={"enabled": True}))
+    engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
+    out["3 bf16"] = engine.model_state_bytes()
     return out
 
 
@@ -55,6 +59,12 @@ def _check_memory(out, world_size):
     # stage 3: nothing whole stays behind after the step; every state is a shard
     assert s3.params + s3.grads + s3.optimizer_state <= 16 * (numel / world_size + b3) + 4 * b3
     assert s3.total < s2.total
+    # ZeRO's 16 bytes per parameter (fp32 master, gradient and two Adam moments) over N
+    # ranks, within 5% (padding and the step counters are the rest), in fp32 and in bf16
+    # (where the bf16 parameters are only ever gathered for the module in use)
+    formula = 16 * numel / world_size
+    for state in (s3, out["3 bf16"]):
+        assert abs(state.total - formula) <= 0.05 * formula, (state, formula)
 
 
 def _phase(rank, world_size, stage, save_dir, load, train_steps, save):
