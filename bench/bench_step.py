@@ -41,7 +41,8 @@ def _free_port() -> int:
 
 def _config(args, stage: int) -> dict:
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": stage},
+            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+            "zero_optimization": {"stage": stage, **json.loads(args.zero)},
             "zero_allow_untested_optimizer": True}
 
 
@@ -149,7 +150,8 @@ def run_variant(args, variant: str) -> dict:
             if variant == "floor":
                 env["WORLD_SIZE"] = "1"
             cmd = [python, __file__, "--worker", "--variant", variant, "--preset", args.preset,
-                   "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--result", str(result)]
+                   "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--result", str(result),
+                   "--zero", args.zero]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -186,7 +188,8 @@ def _cpu_model() -> str:
 def table(args, results: list[tuple[str, dict]]) -> str:
     base = next((r["median"] for v, r in results if v == "ddp" and "median" in r), None)
     floor = next((r["median"] for v, r in results if v == "floor" and "median" in r), None)
-    lines = [f"# Step time, preset `{args.preset}`, {args.world_size} ranks, micro-batch {args.micro_batch}",
+    zero = f", zero_optimization += {args.zero}" if args.zero != "{}" else ""
+    lines = [f"# Step time, preset `{args.preset}`, {args.world_size} ranks, micro-batch {args.micro_batch}{zero}",
              "", f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | "
              f"median of steps {args.warmup + 1}..{args.steps}", "",
              "| variant | median s/step | min-max | vs DDP | vs floor | peak RSS MB/rank | model-state MB/rank |",
@@ -210,6 +213,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--zero", default="{}", help="JSON merged into zero_optimization for shardwise and "
+                                                     "DeepSpeed, e.g. '{\"stage3_max_reuse_distance\": 0}'")
     parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")

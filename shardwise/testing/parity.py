@@ -39,13 +39,17 @@ def reference_train(model, batches, *, lr: float, weight_decay: float, clip: flo
     return model
 
 
-def engine_train(engine, batches, *, rank: int, world_size: int, micro: int) -> None:
-    """Feed each rank its micro-batches of every global batch through the engine."""
+def engine_train(engine, batches, *, rank: int, world_size: int, micro: int) -> list[float]:
+    """Feed each rank its micro-batches of every global batch through the engine; returns
+    the gradient norm of every optimizer step (to check that clipping was exercised)."""
+    norms = []
     for tokens, targets in batches:
         for step in range(engine.gradient_accumulation_steps()):
             start = (step * world_size + rank) * micro
             engine.backward(engine(tokens[start:start + micro], targets[start:start + micro]))
             engine.step()
+        norms.append(engine.get_global_grad_norm())
+    return norms
 
 
 def max_param_diff(reference, module) -> float:

@@ -30,7 +30,7 @@ from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
 from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes
-from shardwise.zero._strategy import ModelStateBytes, StepResult
+from shardwise.zero._strategy import ModelStateBytes, StepResult, clip_by_total_norm_
 
 _MAX_IN_FLIGHT = 2
 
@@ -268,9 +268,7 @@ class ShardedStrategy:
             self.zero_grad()
             return StepResult(False, float(norm))
         if max_grad_norm > 0:
-            coef = max_grad_norm / (float(norm) + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+            clip_by_total_norm_(grads, max_grad_norm, float(norm))
         self.optimizer.step()
         self.sync_params_from_master()
         self.zero_grad()

@@ -24,7 +24,7 @@ from torch import nn
 from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import load_per_param_state_by_name, per_param_state_by_name
-from shardwise.zero._strategy import ModelStateBytes, StepResult
+from shardwise.zero._strategy import ModelStateBytes, StepResult, clip_by_total_norm_
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class Stage0Strategy:
             self.zero_grad()
             return StepResult(False, norm_value)
         if max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_grad_norm, norm, foreach=True)
+            clip_by_total_norm_(grads, max_grad_norm, norm_value)
         self.optimizer.step()
         self.sync_params_from_master()
         self.zero_grad()

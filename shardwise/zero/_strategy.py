@@ -8,6 +8,14 @@ from typing import Protocol
 import torch
 
 
+def clip_by_total_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale ``grads`` in place so their total norm is at most ``max_norm`` (torch's rule:
+    coefficient ``max_norm / (total_norm + 1e-6)``, only when below 1)."""
+    coef = max_norm / (float(total_norm) + 1e-6)
+    if grads and coef < 1.0:
+        torch._foreach_mul_(grads, coef)
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step did."""

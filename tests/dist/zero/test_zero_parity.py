@@ -20,23 +20,23 @@ TOLERANCE = {"fp32": 2e-5, "bf16": 5e-2, "fp16": 3e-2}
 # (name, stage, gas, clip, dtype, frozen, two param groups[, passes through the layers])
 CASES = [
     ("s3 fp32", 3, 1, 0.0, "fp32", False, False),
-    ("s3 gas2 clip groups frozen", 3, 2, 0.5, "fp32", True, True),
-    ("s3 layers called twice", 3, 2, 0.5, "fp32", False, False, 2),
-    ("s3 bf16 gas2", 3, 2, 0.5, "bf16", False, True),
-    ("s3 fp16 gas2", 3, 2, 0.5, "fp16", False, False),
+    ("s3 gas2 clip groups frozen", 3, 2, 0.2, "fp32", True, True),
+    ("s3 layers called twice", 3, 2, 0.2, "fp32", False, False, 2),
+    ("s3 bf16 gas2", 3, 2, 0.2, "bf16", False, True),
+    ("s3 fp16 gas2", 3, 2, 0.2, "fp16", False, False),
     # DeepSpeed's stage 3 defaults: every TinyMLP parameter is persistent (below 1e5 elements)
-    ("s3 defaults: persistent", 3, 2, 0.5, "fp32", True, True, 1, {}),
-    ("s3 bf16 defaults: persistent", 3, 2, 0.5, "bf16", False, True, 1, {}),
+    ("s3 defaults: persistent", 3, 2, 0.2, "fp32", True, True, 1, {}),
+    ("s3 bf16 defaults: persistent", 3, 2, 0.2, "bf16", False, True, 1, {}),
     # units kept whole from forward to backward (reuse), within a live-parameter cap
-    ("s3 reuse under a live cap, twice", 3, 2, 0.5, "fp32", False, False, 2,
+    ("s3 reuse under a live cap, twice", 3, 2, 0.2, "fp32", False, False, 2,
      {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1200}),
     ("s1 fp32", 1, 1, 0.0, "fp32", False, False),
-    ("s1 gas2 clip groups frozen", 1, 2, 0.5, "fp32", True, True),
+    ("s1 gas2 clip groups frozen", 1, 2, 0.2, "fp32", True, True),
     ("s2 fp32", 2, 1, 0.0, "fp32", False, False),
-    ("s2 gas3 clip groups frozen", 2, 3, 0.5, "fp32", True, True),
-    ("s1 bf16 gas2", 1, 2, 0.5, "bf16", False, False),
-    ("s2 bf16 gas2", 2, 2, 0.5, "bf16", False, True),
-    ("s2 fp16 gas2", 2, 2, 0.5, "fp16", False, False),
+    ("s2 gas3 clip groups frozen", 2, 3, 0.1, "fp32", True, True),
+    ("s1 bf16 gas2", 1, 2, 0.2, "bf16", False, False),
+    ("s2 bf16 gas2", 2, 2, 0.2, "bf16", False, True),
+    ("s2 fp16 gas2", 2, 2, 0.2, "fp16", False, False),
 ]
 
 
@@ -63,8 +63,8 @@ def _check(rank, world_size, cases):
         engine, _, _, _ = shardwise.initialize(
             model=candidate, model_parameters=param_groups(candidate, split=groups, lr=LR, weight_decay=WD),
             config=_config(stage, gas, clip, dtype, bucket=300, knobs=knobs))  # small buckets: several per group
-        engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
-        report[name] = (max_param_diff(reference, engine.module), len(engine.strategy.buckets))
+        norms = engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
+        report[name] = (max_param_diff(reference, engine.module), len(engine.strategy.buckets), max(norms))
     return report
 
 
@@ -72,8 +72,10 @@ def _check(rank, world_size, cases):
 def test_zero_stages_match_single_process(tmp_path, world_size):
     reports = run_distributed(_check, world_size=world_size, tmp_path=tmp_path, cases=CASES)
     for rank, report in enumerate(reports):
-        for name, _, _, _, dtype, _, _, *extra in CASES:
-            diff, buckets = report[name]
+        for name, _, _, clip, dtype, _, _, *extra in CASES:
+            diff, buckets, largest_norm = report[name]
+            if clip:  # clipping must have scaled at least one step, or the case tests nothing
+                assert largest_norm > clip, f"{name}: gradient norm {largest_norm} never above clip {clip}"
             if len(extra) < 2:  # persistent parameters share one unit per group
                 assert buckets >= 3, f"{name}: expected several buckets, got {buckets}"
             assert diff < TOLERANCE[dtype], f"rank {rank} {name}: max |diff| {diff}"
