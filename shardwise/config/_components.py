@@ -116,6 +116,109 @@ class BF16Config:
         as_bool("bf16.immediate_grad_update", self.immediate_grad_update)
 
 
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _check_offload_common(path: str, cfg) -> None:
+    object.__setattr__(cfg, "device", as_choice(f"{path}.device", cfg.device, _OFFLOAD_DEVICES))
+    if not isinstance(cfg.nvme_path, str) or not cfg.nvme_path:
+        raise ConfigError(f"{path}.nvme_path must be a directory path (a string), got {cfg.nvme_path!r}")
+    as_int(f"{path}.buffer_count", cfg.buffer_count, minimum=1)
+    as_bool(f"{path}.pin_memory", cfg.pin_memory)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: where the optimizer states (and the fp32
+    master weights and gradient shards the optimizer reads) live (stages 1-3)."""
+
+    device: str = "none"
+    """none: with the model; cpu: CPU memory; nvme: files under nvme_path."""
+    nvme_path: str = "/local_nvme"
+    """Directory for the nvme tier's swap files (a fast local disk)."""
+    buffer_count: int = 4
+    """Sub-group buffers of optimizer state in memory at once (nvme): at least 2 lets the
+    next sub-group's read overlap the current one's step."""
+    pin_memory: bool = False
+    """Page-locked CPU buffers (faster host-device copies; CUDA only)."""
+    pipeline_read: bool = False
+    """Accepted for compatibility: reads are always overlapped with the step."""
+    pipeline_write: bool = False
+    """Accepted for compatibility: writes are always overlapped with the step."""
+    fast_init: bool = False
+    """Accepted for compatibility: swap files are created empty and filled on first write."""
+    ratio: float = 1.0
+    """Fraction of the optimizer step done on the CPU (only 1.0 is supported)."""
+
+    def __post_init__(self) -> None:
+        _check_offload_common("zero_optimization.offload_optimizer", self)
+        for name in ("pipeline_read", "pipeline_write", "fast_init"):
+            as_bool(f"zero_optimization.offload_optimizer.{name}", getattr(self, name))
+        as_number("zero_optimization.offload_optimizer.ratio", self.ratio, minimum=0)
+        if self.ratio != 1.0:
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio={self.ratio} (a partial CPU "
+                              "step) is not supported; remove it or set it to 1.0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param``: stage 3 parameter shards in CPU memory or on
+    NVMe."""
+
+    device: str = "none"
+    """none, cpu or nvme."""
+    nvme_path: str = "/local_nvme"
+    """Directory for parameter swap files (nvme)."""
+    buffer_count: int = 5
+    """Parameter buffers in memory at once (nvme)."""
+    buffer_size: int = 100_000_000
+    """Elements per parameter buffer (nvme)."""
+    max_in_cpu: int = 1_000_000_000
+    """Parameter elements kept in CPU memory when device is nvme."""
+    pin_memory: bool = False
+    """Page-locked CPU buffers (CUDA only)."""
+
+    def __post_init__(self) -> None:
+        _check_offload_common("zero_optimization.offload_param", self)
+        as_int("zero_optimization.offload_param.buffer_size", self.buffer_size, minimum=1)
+        as_int("zero_optimization.offload_param.max_in_cpu", self.max_in_cpu, minimum=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """``aio``: how swap files are read and written (the nvme offload tier)."""
+
+    block_size: int = 1_048_576
+    """Bytes per read/write request."""
+    queue_depth: int = 8
+    """Requests in flight per thread."""
+    intra_op_parallelism: int = 1
+    """I/O threads (DeepSpeed's older name: thread_count)."""
+    single_submit: bool = False
+    """Accepted for compatibility (requests are submitted by the I/O threads)."""
+    overlap_events: bool = True
+    """Accepted for compatibility (submission and completion always overlap)."""
+    use_gds: bool = False
+    """NVIDIA GPUDirect Storage (not supported)."""
+
+    def __post_init__(self) -> None:
+        as_int("aio.block_size", self.block_size, minimum=4096)
+        as_int("aio.queue_depth", self.queue_depth, minimum=1)
+        as_int("aio.intra_op_parallelism", self.intra_op_parallelism, minimum=1)
+        for name in ("single_submit", "overlap_events", "use_gds"):
+            as_bool(f"aio.{name}", getattr(self, name))
+        if self.use_gds:
+            raise ConfigError("aio.use_gds=true (GPUDirect Storage) is not supported; remove it")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """``zero_optimization``: which model states are partitioned across ranks, and how."""
@@ -136,12 +239,12 @@ class ZeroConfig:
     """All-gather updated partitions (rather than broadcasting them)."""
     round_robin_gradients: bool = False
     """Stage 1/2 gradient copy order across ranks."""
-    offload_optimizer: Mapping[str, Any] | None = None
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     """Optimizer-state offload (device cpu/nvme and its options)."""
-    offload_param: Mapping[str, Any] | None = None
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     """Stage-3 parameter offload (device cpu/nvme and its options)."""
     sub_group_size: int = 1_000_000_000
-    """Parameters per optimizer sub-group step."""
+    """Elements of optimizer state stepped (and, offloaded to nvme, held in memory) at once."""
     stage3_prefetch_bucket_size: int = 50_000_000
     """Elements prefetched ahead of use (stage 3)."""
     stage3_param_persistence_threshold: int = 100_000
@@ -196,10 +299,14 @@ class ZeroConfig:
         as_int("zero_optimization.mics_shard_size", self.mics_shard_size, minimum=-1)
         if self.overlap_comm is not None:
             as_bool("zero_optimization.overlap_comm", self.overlap_comm)
-        for name in ("offload_optimizer", "offload_param"):
-            section = getattr(self, name)
-            if section is not None and not isinstance(section, Mapping):
-                raise ConfigError(f"zero_optimization.{name} must be a JSON object, got {section!r}")
+        if self.cpu_offload and not self.offload_optimizer.enabled:  # the legacy flag
+            object.__setattr__(self, "offload_optimizer", OffloadOptimizerConfig(device="cpu"))
+        if self.offload_param.enabled and self.stage != 3:
+            raise ConfigError(f"zero_optimization.offload_param needs stage 3 (parameters are only "
+                              f"partitioned there), got stage {self.stage}; set stage to 3 or remove it")
+        if self.offload_optimizer.enabled and self.stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the optimizer "
+                              "state must be partitioned to offload it); set zero_optimization.stage")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from shardwise.config._components import (BatchConfig, BF16Config, CheckpointConfig, CommConfig,
+from shardwise.config._components import (AioConfig, BatchConfig, BF16Config, CheckpointConfig, CommConfig,
                                           DataTypesConfig, FP16Config, OptimizerConfig,
                                           SchedulerConfig, ZeroConfig)
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
@@ -43,6 +43,8 @@ class TrainConfig:
     """Buffer dtypes."""
     comm: CommConfig = field(default_factory=CommConfig)
     """Collective deadlines (shardwise extension)."""
+    aio: AioConfig = field(default_factory=AioConfig)
+    """Swap-file I/O for the nvme offload tier."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

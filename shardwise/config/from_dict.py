@@ -12,18 +12,18 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from shardwise.config._components import (OPTIMIZERS, BatchConfig, BF16Config, CheckpointConfig,
-                                          CommConfig, DataTypesConfig, FP16Config, OptimizerConfig,
-                                          SchedulerConfig, ZeroConfig)
+from shardwise.config._components import (OPTIMIZERS, AioConfig, BatchConfig, BF16Config, CheckpointConfig,
+                                          CommConfig, DataTypesConfig, FP16Config, OffloadOptimizerConfig,
+                                          OffloadParamConfig, OptimizerConfig, SchedulerConfig, ZeroConfig)
 from shardwise.config._errors import AUTO, ConfigError, as_choice, as_int, check_keys, unknown_key_error
 from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
 from shardwise.config._train import TrainConfig
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "checkpoint",
-             "data_types", "comm"}
+             "data_types", "comm", "aio"}
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
-    "batch", "optimizer", "scheduler", "fp16", "bf16", "zero", "checkpoint", "data_types", "comm", "raw"}
+    "batch", "optimizer", "scheduler", "fp16", "bf16", "zero", "checkpoint", "data_types", "comm", "aio", "raw"}
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
                 "allgather_size": "allgather_bucket_size"}
@@ -192,14 +192,25 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         scheduler=_scheduler(raw["scheduler"]) if raw.get("scheduler") is not None else None,
         fp16=_section(FP16Config, "fp16", raw.get("fp16", {})),
         bf16=_section(BF16Config, "bf16", raw.get("bf16", {})),
-        zero=_section(ZeroConfig, "zero_optimization", raw.get("zero_optimization", {}),
-                      aliases=_LEGACY_ZERO),
+        zero=_zero(raw.get("zero_optimization", {})),
+        aio=_section(AioConfig, "aio", raw.get("aio") or {}, aliases={"thread_count": "intra_op_parallelism"}),
         checkpoint=_checkpoint(raw.get("checkpoint", {})),
         data_types=_section(DataTypesConfig, "data_types", raw.get("data_types", {})),
         comm=_section(CommConfig, "comm", raw.get("comm", {})),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )
+
+
+def _zero(section: Any) -> ZeroConfig:
+    section = dict(check_keys("zero_optimization", section,
+                              {f.name for f in dataclasses.fields(ZeroConfig)} | set(_LEGACY_ZERO)))
+    for key, cls in (("offload_optimizer", OffloadOptimizerConfig), ("offload_param", OffloadParamConfig)):
+        if key in section:
+            value = section.pop(key)
+            if value is not None:  # null: not offloaded, as DeepSpeed reads it
+                section[key] = _section(cls, f"zero_optimization.{key}", value)
+    return _section(ZeroConfig, "zero_optimization", section, aliases=_LEGACY_ZERO)
 
 
 def _checkpoint(section: Any) -> CheckpointConfig:

@@ -55,12 +55,11 @@ def _refuse_unbuilt(config, policy) -> None:
         raise NotImplementedError(
             f"the Lamb optimizer needs whole parameters for its trust ratio and cannot run on ZeRO "
             f"stage {zero.stage}'s flat shards yet; use stage 0, or Adam/AdamW/SGD/Adagrad")
-    for key in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, key)
-        if section and str(section.get("device", "none")).lower() not in ("none", ""):
-            raise NotImplementedError(
-                f"zero_optimization.{key}.device={section['device']!r} is not available in this "
-                f"version of shardwise yet; remove zero_optimization.{key} or set its device to \"none\"")
+    if zero.offload_param.enabled:
+        raise NotImplementedError(
+            f"zero_optimization.offload_param.device={zero.offload_param.device!r} is not available in this "
+            "version of shardwise yet; remove zero_optimization.offload_param (offload_optimizer works at "
+            "stages 1-3)")
 
 
 def _warn_ignored(config, comm) -> None:
@@ -87,14 +86,15 @@ def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
     element_size = policy.param_dtype.itemsize
     bucket_numel = zero.reduce_bucket_size if user_set else DEFAULT_DP_BUCKET_BYTES // element_size
     predivide = comm.world_size if config.prescale_gradients else config.gradient_predivide_factor
+    offload = dict(offload=zero.offload_optimizer, aio=config.aio, sub_group_size=zero.sub_group_size)
     if zero.stage == 3:
-        return Stage3Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel,
+        return Stage3Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel, **offload,
                               predivide_factor=predivide, prefetch_numel=zero.stage3_prefetch_bucket_size,
                               max_live_numel=zero.stage3_max_live_parameters,
                               max_reuse_distance=zero.stage3_max_reuse_distance,
                               persistence_threshold=zero.stage3_param_persistence_threshold)
     if zero.stage in (1, 2):
-        return ShardedStrategy(module, comm=comm, policy=policy, stage=zero.stage,
+        return ShardedStrategy(module, comm=comm, policy=policy, stage=zero.stage, **offload,
                                bucket_numel=bucket_numel, predivide_factor=predivide)
     return Stage0Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel,
                           predivide_factor=predivide)

@@ -20,6 +20,7 @@ Buckets launch in one fixed order on every rank (see [Note: bucket launch order]
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -73,12 +74,21 @@ class ShardedStrategy:
         stage: 1 or 2.
         bucket_numel: elements per bucket (reduce-scatter and all-gather unit).
         predivide_factor: divide gradients by this before the reduction (1.0: after).
+        offload: ``zero_optimization.offload_optimizer``; None or device "none" keeps the
+            optimizer state with the model. See [Note: optimizer offload].
+        aio: the ``aio`` config (swap-file I/O), for offload to nvme.
+        sub_group_size: elements stepped at once when offloading to nvme.
     """
 
     def __init__(self, module: nn.Module, *, comm: Communicator, policy: PrecisionPolicy, stage: int,
-                 bucket_numel: int, predivide_factor: float = 1.0):
+                 bucket_numel: int, predivide_factor: float = 1.0, offload=None, aio=None,
+                 sub_group_size: int = 1_000_000_000):
         self.module, self.comm, self.policy, self.stage = module, comm, policy, stage
         self.bucket_numel, self.predivide_factor = bucket_numel, predivide_factor
+        self.offload = offload if offload is not None and offload.enabled else None
+        self.aio, self.sub_group_size = aio, sub_group_size
+        self.swapper = None
+        """The nvme tier's :class:`~shardwise.offload.OptimizerSwapper` (None otherwise)."""
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
         broadcast_module_state(module, comm)
@@ -126,8 +136,19 @@ class ShardedStrategy:
         if pending:
             self._add_bucket(pending, group)
 
+    def _master_device(self, device: torch.device) -> torch.device:
+        """Where masters, gradient shards and optimizer state live: the CPU when offloaded."""
+        return torch.device("cpu") if self.offload is not None else device
+
+    def _host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Page-locked when offload asks for pin_memory and there is a GPU to copy to."""
+        if self.offload is not None and self.offload.pin_memory and torch.cuda.is_available():
+            return tensor.pin_memory()
+        return tensor
+
     def _add_bucket(self, params: list[nn.Parameter], group: int) -> None:
         rank, dtype, device = self.comm.rank, params[0].dtype, params[0].device
+        host = self._master_device(device)
         offsets, numel = [], 0
         for p in params:
             offsets.append(numel)
@@ -141,15 +162,16 @@ class ShardedStrategy:
         bucket = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat,
                          shapes=[p.shape for p in params])
         local = bucket.local(flat, rank)
-        bucket.master = nn.Parameter(local if not self.policy.needs_master_copy
-                                     else local.detach().to(torch.float32, copy=True))
+        separate = self.policy.needs_master_copy or host != device
+        bucket.master = nn.Parameter(self._host_tensor(local.detach().to(host, torch.float32, copy=True))
+                                     if separate else local)
         if self.stage == 1:
             bucket.grad_full = torch.zeros(padded, dtype=dtype, device=device)
             local_grad = bucket.local(bucket.grad_full, rank)
-            bucket.grad_shard = local_grad if local_grad.dtype == torch.float32 \
-                else torch.zeros(shard, dtype=torch.float32, device=device)
+            bucket.grad_shard = local_grad if local_grad.dtype == torch.float32 and host == device \
+                else self._host_tensor(torch.zeros(shard, dtype=torch.float32, device=host))
         else:
-            bucket.grad_shard = torch.zeros(shard, dtype=torch.float32, device=device)
+            bucket.grad_shard = self._host_tensor(torch.zeros(shard, dtype=torch.float32, device=host))
         bucket.master.grad = bucket.grad_shard
         self.buckets.append(bucket)
         self._bucket_of.update({p: bucket for p in params})
@@ -165,7 +187,19 @@ class ShardedStrategy:
             groups = [dict(g) for g in optimizer.param_groups]
             optimizer = type(optimizer)(self.optimizer_params(groups), **optimizer.defaults)
         self.optimizer = optimizer
+        if self.offload is not None and self.offload.device == "nvme":
+            from shardwise.offload import build_optimizer_swapper
+
+            self._ensure_layout()
+            self.swapper = build_optimizer_swapper(
+                optimizer, [b.master for b in self.buckets], comm=self.comm, nvme_path=self.offload.nvme_path,
+                aio=self.aio, sub_group_size=self.sub_group_size, buffer_count=self.offload.buffer_count,
+                swap_masters=self._masters_are_copies())
         return optimizer
+
+    def _masters_are_copies(self) -> bool:
+        """Whether masters are separate tensors, not the parameters' own storage."""
+        return bool(self.buckets) and not _same_storage(self.buckets[0].master, self.buckets[0].flat_param)
 
     def _ensure_layout(self) -> None:
         if not self.buckets:
@@ -236,7 +270,7 @@ class ShardedStrategy:
         bucket.handle.wait()
         out = bucket.out.div_(self.comm.world_size / self.predivide_factor)
         if self.stage >= 2:
-            bucket.grad_shard.add_(out)
+            bucket.grad_shard.add_(out.to(bucket.grad_shard.device))
             bucket.staging = None
         else:
             bucket.local(bucket.grad_full, self.comm.rank).copy_(out)
@@ -261,7 +295,8 @@ class ShardedStrategy:
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
         local = torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads else torch.zeros(())
-        total = local.to(torch.float64).reshape(1)
+        device = self.buckets[0].flat_param.device if self.buckets else local.device
+        total = local.to(device, torch.float64).reshape(1)  # the collective runs on the model's device
         self.comm.all_reduce(total, tag="gradient norm").wait()
         norm = total.sqrt()
         if self.policy.loss_scaling and not torch.isfinite(norm):
@@ -269,23 +304,49 @@ class ShardedStrategy:
             return StepResult(False, float(norm))
         if max_grad_norm > 0:
             clip_by_total_norm_(grads, max_grad_norm, float(norm))
-        self.optimizer.step()
-        self.sync_params_from_master()
+        if self.swapper is not None:
+            self.swapper.step(lambda indices: self._copy_masters_to_params([self.buckets[i] for i in indices]))
+        else:
+            self.optimizer.step()
+            self._copy_masters_to_params(self.buckets)
+        self._gather_params()
         self.zero_grad()
         return StepResult(True, float(norm))
 
-    def sync_params_from_master(self) -> None:
-        """Write each rank's updated shard into place and all-gather every bucket."""
-        rank, handles = self.comm.rank, []
+    def _copy_masters_to_params(self, buckets: list[_Bucket]) -> None:
+        """Write updated masters into this rank's slice of the parameters (when they are copies)."""
+        with torch.no_grad():
+            for bucket in buckets:
+                local = bucket.local(bucket.flat_param, self.comm.rank)
+                if not _same_storage(local, bucket.master):
+                    local.copy_(bucket.master)
+
+    def _gather_params(self) -> None:
+        """All-gather every bucket from each rank's slice."""
+        handles = []
         with torch.no_grad():
             for bucket in self.buckets:
-                local = bucket.local(bucket.flat_param, rank)
-                if self.policy.needs_master_copy:
-                    local.copy_(bucket.master)
+                local = bucket.local(bucket.flat_param, self.comm.rank)
                 handles.append(self.comm.all_gather_into_tensor(
                     bucket.flat_param, local.clone(), tag=f"parameter bucket {bucket.index}"))
         for handle in handles:
             handle.wait()
+
+    @contextlib.contextmanager
+    def _resident(self, buckets: list[_Bucket]):
+        """Masters and optimizer state of ``buckets`` in memory for the block (nvme tier)."""
+        if self.swapper is None:
+            yield
+            return
+        with self.swapper.resident([b.index for b in buckets]):
+            yield
+
+    def sync_params_from_master(self) -> None:
+        """Write each rank's updated shard into place and all-gather every bucket."""
+        for bucket in self.buckets:
+            with self._resident([bucket]):
+                self._copy_masters_to_params([bucket])
+        self._gather_params()
 
     def module_state_dict(self) -> dict:
         """The module's full state dict (parameters are whole on every rank here)."""
@@ -298,10 +359,12 @@ class ShardedStrategy:
         return result
 
     def reset_master_from_params(self) -> None:
-        if self.policy.needs_master_copy:
-            with torch.no_grad():
-                for bucket in self.buckets:
-                    bucket.master.copy_(bucket.local(bucket.flat_param, self.comm.rank))
+        with torch.no_grad():
+            for bucket in self.buckets:
+                with self._resident([bucket]):
+                    local = bucket.local(bucket.flat_param, self.comm.rank)
+                    if not _same_storage(local, bucket.master):
+                        bucket.master.copy_(local)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -317,14 +380,16 @@ class ShardedStrategy:
         grads = sum(size(b.grad_full) for b in self.buckets)
         grads += sum(size(b.grad_shard) for b in self.buckets
                      if b.grad_full is None or not _same_storage(b.grad_shard, b.grad_full))
-        master = sum(size(b.master) for b in self.buckets) if self.policy.needs_master_copy else 0
+        master = sum(size(b.master) for b in self.buckets
+                     if not _same_storage(b.master, b.local(b.flat_param, self.comm.rank)))
         return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def _gather(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor:
-        full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather_into_tensor(full, shard.contiguous(), tag="checkpoint gather").wait()
+        device = bucket.flat_param.device  # where collectives run (shards may be offloaded)
+        full = torch.empty(bucket.padded, dtype=shard.dtype, device=device)
+        self.comm.all_gather_into_tensor(full, shard.to(device).contiguous(), tag="checkpoint gather").wait()
         return full
 
     def optimizer_state_by_name(self) -> dict:
@@ -332,12 +397,15 @@ class ShardedStrategy:
         state: dict[str, dict] = {}
         master: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
-            per_key = {}
-            for key, value in self.optimizer.state.get(bucket.master, {}).items():
-                per_key[key] = self._gather(bucket, value) \
-                    if isinstance(value, torch.Tensor) and value.numel() == bucket.shard and key != "step" \
-                    else value
-            full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy else None
+            with self._resident([bucket]):
+                per_key = {}
+                held = self.optimizer.state.get(bucket.master, {})
+                for key, value in sorted(held.items()):  # one collective per key: same order on every rank
+                    per_key[key] = self._gather(bucket, value) \
+                        if isinstance(value, torch.Tensor) and value.numel() == bucket.shard and key != "step" \
+                        else value
+                full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy \
+                    else None
             for p, off, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 name = self.names[p]
                 state[name] = {k: (v[off:off + shape.numel()].view(shape).clone()
@@ -371,12 +439,14 @@ class ShardedStrategy:
             if entry:
                 state[index[id(bucket.master)]] = entry
             if self.policy.needs_master_copy and all(self.names[p] in masters for p in bucket.params):
-                with torch.no_grad():
+                with torch.no_grad(), self._resident([bucket]):
                     bucket.master.copy_(self._local_slice(
                         bucket, [masters[self.names[p]] for p in bucket.params], torch.float32))
         groups = [{**saved_group, "params": [index[id(p)] for p in group["params"]]}
                   for saved_group, group in zip(saved["param_groups"], self.optimizer.param_groups)]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if self.swapper is not None:
+            self.swapper.swap_out_all()  # the loaded state goes to the swap files
         self.sync_params_from_master()
 
     def _local_slice(self, bucket: _Bucket, values, dtype) -> torch.Tensor:

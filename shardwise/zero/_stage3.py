@@ -149,8 +149,9 @@ class Stage3Strategy(ShardedStrategy):
         unit = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat, shapes=shapes)
         unit.persistent, unit.gathered, unit.calls = persistent, True, []
         self._count_live(unit, +1)
-        unit.master = nn.Parameter(unit.local(flat, rank).detach().to(torch.float32, copy=True))
-        unit.grad_shard = torch.zeros(shard, dtype=torch.float32, device=device)
+        host = self._master_device(device)
+        unit.master = nn.Parameter(self._host_tensor(unit.local(flat, rank).detach().to(host, torch.float32, copy=True)))
+        unit.grad_shard = self._host_tensor(torch.zeros(shard, dtype=torch.float32, device=host))
         unit.master.grad = unit.grad_shard
         for p, shape in zip(params, shapes):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
@@ -174,7 +175,7 @@ class Stage3Strategy(ShardedStrategy):
         storage = unit.flat_param.untyped_storage()
         storage.resize_(unit.padded * unit.flat_param.element_size())
         self._count_live(unit, +1)
-        source = unit.master.detach().to(unit.flat_param.dtype)
+        source = unit.master.detach().to(unit.flat_param.device, unit.flat_param.dtype)
         unit.pending = self.comm.all_gather_into_tensor(
             unit.flat_param, source, tag=f"parameters of unit {unit.index} ({type(unit.module).__name__})")
 
@@ -321,13 +322,22 @@ class Stage3Strategy(ShardedStrategy):
             for unit in self.buckets:
                 if unit.persistent:
                     handles.append(self.comm.all_gather_into_tensor(
-                        unit.flat_param, unit.master.detach().to(unit.flat_param.dtype),
+                        unit.flat_param, unit.master.detach().to(unit.flat_param.device, unit.flat_param.dtype),
                         tag=f"persistent parameters (unit {unit.index})"))
         for handle in handles:
             handle.wait()
 
     def reset_master_from_params(self) -> None:
         """Masters are loaded with the module state (``load_module_state_dict``)."""
+
+    def _copy_masters_to_params(self, buckets) -> None:
+        """Nothing to copy: units are gathered from the masters when used."""
+
+    def _gather_params(self) -> None:
+        self.sync_params_from_master()
+
+    def _masters_are_copies(self) -> bool:
+        return False  # the masters are the only copy of the parameters between uses
 
     def module_state_dict(self) -> dict:
         """The full module state (collective: every unit is gathered, copied, released)."""

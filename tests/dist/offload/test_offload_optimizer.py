@@ -1,0 +1,192 @@
+"""offload_optimizer (cpu and nvme) at stages 1-3 on 1, 2 and 4 ranks: the same parameters
+as the run without offload at the same stage, no optimizer state left in memory on nvme,
+checked swap files, clear errors for a bad nvme_path, and checkpoints that resume."""
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.offload import SwapFileError, SwapPathError, make_swap_dir
+from shardwise.testing import run_distributed
+from shardwise.testing.models import TinyMLP, token_batches
+from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train, max_param_diff, reference_train
+from shardwise.zero import GatheredParameters
+
+MICRO, GAS, STEPS, LR, WD, CLIP = 2, 2, 3, 1e-2, 0.01, 0.2
+
+
+def _config(stage, dtype, offload=None, **zero):
+    zero = {"stage": stage, "reduce_bucket_size": 300, **zero}
+    if stage == 3:
+        zero.update(STAGE3_PARTITION_ALL)
+    if offload:
+        zero["offload_optimizer"] = offload
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+              "gradient_clipping": CLIP, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+              "zero_optimization": zero}
+    if dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 20}  # the first step overflows
+    elif dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _params(module):
+    with GatheredParameters(list(module.parameters())):
+        return [p.detach().float().clone() for p in module.parameters()]
+
+
+def _check(rank, world_size, cases, nvme_root):
+    report = {}
+    model = TinyMLP(seed=1)
+    batches = token_batches(num_steps=STEPS, batch=MICRO * GAS * world_size, seed=2)
+    reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=CLIP, split_groups=False)
+    for name, stage, device, dtype, knobs in cases:
+        plain, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(stage, dtype))
+        engine_train(plain, batches, rank=rank, world_size=world_size, micro=MICRO)
+        offload = {"device": device, "nvme_path": nvme_root, **knobs.pop("offload", {})}
+        engine, optimizer, _, _ = shardwise.initialize(model=copy.deepcopy(model),
+                                                       config=_config(stage, dtype, offload, **knobs))
+        norms = engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
+        strategy = engine.strategy
+        masters = [b.master for b in strategy.buckets]
+        same = all(torch.equal(a, b) for a, b in zip(_params(plain.module), _params(engine.module)))
+        result = {"same": same, "fused": optimizer.defaults.get("fused"), "clipped": max(norms) > CLIP,
+                  "skipped": engine.skipped_steps, "vs_reference": max_param_diff(reference, engine.module),
+                  "on_cpu": all(m.device.type == "cpu" for m in masters)}
+        if device == "nvme":
+            swapper = strategy.swapper
+            shard_bytes = sum(b.shard * 4 for b in strategy.buckets)
+            per_element = 2 + int(swapper.swap_masters)  # Adam's two moments (+ the master)
+            largest_group = max(sum(strategy.buckets[i].shard for i in g) for g in swapper.sub_groups) * 4
+            result.update(
+                sub_groups=len(swapper.sub_groups), swap_masters=swapper.swap_masters,
+                # nothing parameter-sized is left in the optimizer's state between steps
+                state_in_memory=sum(v.numel() for s in optimizer.state.values() for v in s.values()
+                                    if isinstance(v, torch.Tensor) and v.numel() > 1),
+                swapped_ok=swapper.swapped_bytes() == shard_bytes * per_element,
+                peak_ok=swapper.peak_bytes <= swapper.buffer_count * largest_group * per_element,
+                peak_fraction=swapper.peak_bytes / (shard_bytes * per_element),
+                files=len(list(swapper.folder.glob("*.bin"))))
+            swapper.close()
+            result["folder_removed"] = not swapper.folder.exists()
+        report[name] = result
+    return report
+
+
+# (name, stage, offload device, dtype, extra zero_optimization keys)
+CASES = {
+    1: [("s2 nvme fp32", 2, "nvme", "fp32", {"sub_group_size": 400}),
+        ("s3 cpu fp32", 3, "cpu", "fp32", {})],
+    2: [("s1 cpu fp32", 1, "cpu", "fp32", {}),
+        ("s1 nvme bf16", 1, "nvme", "bf16", {"sub_group_size": 500}),
+        ("s2 cpu bf16", 2, "cpu", "bf16", {}),
+        ("s2 nvme fp32, many sub-groups, 2 buffers", 2, "nvme", "fp32",
+         {"sub_group_size": 1, "reduce_bucket_size": 100, "offload": {"buffer_count": 2}}),
+        ("s2 nvme fp16 with skipped steps", 2, "nvme", "fp16", {"sub_group_size": 500}),
+        ("s3 cpu fp32", 3, "cpu", "fp32", {}),
+        ("s3 nvme bf16", 3, "nvme", "bf16", {"sub_group_size": 300})],
+    4: [("s1 cpu bf16", 1, "cpu", "bf16", {}),
+        ("s2 nvme fp32", 2, "nvme", "fp32", {"sub_group_size": 200}),
+        ("s3 nvme fp32", 3, "nvme", "fp32", {"sub_group_size": 200})],
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_offloaded_training_matches_the_same_stage_without_offload(tmp_path, world_size):
+    cases = CASES[world_size]
+    reports = run_distributed(_check, world_size=world_size, tmp_path=tmp_path,
+                              cases=copy.deepcopy(cases), nvme_root=str(tmp_path))
+    for rank, report in enumerate(reports):
+        for name, stage, device, dtype, _ in cases:
+            r = report[name]
+            where = f"rank {rank} {name}: {r}"
+            assert r["same"], where  # bit-identical to the same stage without offload
+            assert r["fused"] and r["on_cpu"] and r["clipped"], where
+            if dtype == "fp32":
+                assert r["vs_reference"] < 2e-5, where
+            if dtype == "fp16":
+                assert r["skipped"] >= 1, where
+            if device == "nvme":
+                assert r["state_in_memory"] == 0 and r["swapped_ok"] and r["peak_ok"], where
+                assert r["files"] > 0 and r["folder_removed"], where
+                assert r["swap_masters"] == (dtype != "fp32" and stage < 3), where
+        many = report.get("s2 nvme fp32, many sub-groups, 2 buffers")
+        if many:  # six sub-groups, two buffers: never the whole state in memory (largest shard: 256 of 808)
+            assert many["sub_groups"] == 6 and many["peak_fraction"] < 0.7, many
+
+
+def _bad_paths(rank, world_size, tmp):
+    errors = {}
+    a_file = Path(tmp) / "a-file"
+    a_file.write_text("x")
+    for name, path in (("missing", str(Path(tmp) / "no-such-dir")), ("file", str(a_file)),
+                       ("unwritable", "/sys")):
+        config = _config(2, "fp32", {"device": "nvme", "nvme_path": path})
+        try:
+            shardwise.initialize(model=TinyMLP(seed=1), config=config)
+            errors[name] = None
+        except SwapPathError as exc:
+            errors[name] = str(exc)
+    # a swap file altered between steps is caught on the next read
+    engine, _, _, _ = shardwise.initialize(
+        model=TinyMLP(seed=1), config=_config(2, "fp32", {"device": "nvme", "nvme_path": tmp}))
+    batches = token_batches(num_steps=2, batch=MICRO * GAS * world_size, seed=2)
+    engine_train(engine, batches[:1], rank=rank, world_size=world_size, micro=MICRO)
+    victim = sorted(engine.strategy.swapper.folder.glob("*.exp_avg.bin"))[0]
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    try:
+        engine_train(engine, batches[1:], rank=rank, world_size=world_size, micro=MICRO)
+        errors["corrupt"] = None
+    except SwapFileError as exc:
+        errors["corrupt"] = str(exc)
+    return errors
+
+
+def test_bad_nvme_path_is_a_clear_error_before_training(tmp_path):
+    for errors in run_distributed(_bad_paths, world_size=2, tmp_path=tmp_path, tmp=str(tmp_path)):
+        assert "does not exist" in errors["missing"] and "mkdir -p" in errors["missing"], errors
+        assert "is not a directory" in errors["file"], errors
+        assert "cannot create swap files" in errors["unwritable"] and "/sys" in errors["unwritable"], errors
+        assert "fails its checksum" in errors["corrupt"] and "exp_avg" in errors["corrupt"], errors
+
+
+def test_full_disk_is_a_clear_error(tmp_path):
+    total = os.statvfs(tmp_path).f_blocks * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(SwapPathError, match="free but rank 0 needs"):
+        make_swap_dir(str(tmp_path), key="zero_optimization.offload_optimizer.nvme_path", rank=0,
+                      need_bytes=2 * total)
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def _resume(rank, world_size, save_dir, nvme_root):
+    batches = token_batches(num_steps=5, batch=MICRO * GAS * world_size, seed=3)
+    offload = {"device": "nvme", "nvme_path": nvme_root}
+    straight, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1),
+                                             config=_config(2, "bf16", offload, sub_group_size=500))
+    engine_train(straight, batches[:2], rank=rank, world_size=world_size, micro=MICRO)
+    straight.save_checkpoint(save_dir)
+    engine_train(straight, batches[2:], rank=rank, world_size=world_size, micro=MICRO)
+    expected = _params(straight.module)
+    same = {}
+    for name, config in (("nvme", _config(2, "bf16", offload, sub_group_size=300)),
+                         ("cpu", _config(2, "bf16", {"device": "cpu"})),
+                         ("none", _config(2, "bf16"))):
+        resumed, _, _, _ = shardwise.initialize(model=TinyMLP(seed=99), config=config)
+        resumed.load_checkpoint(save_dir)
+        engine_train(resumed, batches[2:], rank=rank, world_size=world_size, micro=MICRO)
+        same[name] = all(torch.equal(a, b) for a, b in zip(expected, _params(resumed.module)))
+    return same
+
+
+def test_offloaded_checkpoint_resumes_with_or_without_offload(tmp_path):
+    for same in run_distributed(_resume, world_size=2, tmp_path=tmp_path, save_dir=str(tmp_path / "ckpt"),
+                                nvme_root=str(tmp_path)):
+        assert all(same.values()), same
