@@ -5,7 +5,7 @@ Every variant steps the same fp32 parameters (``--numel`` elements in transforme
 tensors) with the same fixed random gradients, lr 1e-3, weight decay 0.01 (decoupled),
 default betas and eps. Each run makes 2 warm-up steps (they create the optimizer state) and
 then times ``--steps`` steps; the variants run in turn, ``--repeats`` rounds, the order
-rotated every round. The table reports the median over rounds of each round's median step
+shuffled after the first round. The table reports the median over rounds of each round's median step
 time, parameters/s, ratios, and the largest difference of the final parameters from
 ``torch-forloop`` (round 1), which shows the variants compute the same update.
 
@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -37,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 VARIANTS = "torch-forloop,torch-foreach,torch-fused,shardwise,deepspeed-cpuadam"
 LR, WEIGHT_DECAY = 1e-3, 0.01
 RESULT_TAG = "BENCH_RESULT "  # marks the worker's JSON line among DeepSpeed's log lines
@@ -195,8 +195,8 @@ def run_variant(args, variant: str, initial, grads, keep_final: bool) -> dict:
         result = _run_once(args, variant, initial, grads, keep_final)
         if "error" in result or not result["other"] > args.max_other:  # nan (no /proc/stat) is accepted
             return result
-        print(f"  other processes took {result['other']:.0%} of the CPUs while timing, again",
-              file=sys.stderr, flush=True)
+        print(f"  other processes took {result['other']:.0%} of the CPUs while timing "
+              f"({sum(result['times']):.2f} s), again", file=sys.stderr, flush=True)
     return result  # the last attempt, contended: its share shows in the table
 
 
@@ -301,8 +301,10 @@ def main() -> None:
     others: dict[str, list[float]] = {v: [] for v in variants}  # other processes' CPU share per run
     finals = {}
     for round_ in range(args.repeats):
-        k = round_ % len(variants)
-        for variant in variants[k:] + variants[:k]:  # rotate so no variant always follows another
+        order = list(variants)
+        if round_:  # round 1 in the given order (torch-forloop first by default), then shuffled,
+            random.Random(args.seed + round_).shuffle(order)  # so no variant always follows another
+        for variant in order:
             if variant in errors:
                 continue
             print(f"round {round_ + 1}: {variant} ...", file=sys.stderr, flush=True)

@@ -55,7 +55,8 @@ class OptimizerSwapper:
         masters: fp32 master shards, in step order.
         folder: this rank's swap directory.
         io: the file I/O pool.
-        sub_group_size: elements stepped (and read ahead) together.
+        sub_group_size: most elements stepped (and read ahead) together; a larger master
+            is a sub-group of its own.
         buffer_count: sub-groups in memory at once (>= 2 overlaps reads with the step).
         swap_masters: whether the masters' values are swapped too (they are separate
             copies of the parameters, e.g. fp32 masters of bf16 parameters).
@@ -74,12 +75,12 @@ class OptimizerSwapper:
         self.sub_groups: list[list[int]] = []
         current: list[int] = []
         numel = 0
-        for i, master in enumerate(masters):
-            current.append(i)
-            numel += master.numel()
-            if numel >= sub_group_size:
+        for i, master in enumerate(masters):  # at most sub_group_size elements, or one master
+            if current and numel + master.numel() > sub_group_size:
                 self.sub_groups.append(current)
                 current, numel = [], 0
+            current.append(i)
+            numel += master.numel()
         if current:
             self.sub_groups.append(current)
         self._numel = [m.numel() for m in masters]

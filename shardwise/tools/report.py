@@ -54,8 +54,8 @@ def collect() -> list[tuple[str, str]]:
     for name, module, purpose in optional:
         version = _version(module)
         rows.append((name, version if version else f"not installed: {purpose}"))
-    rows.append(("ZeRO stages", "0 (stages 1-3 and CPU/NVMe offload are not available in this "
-                 "version yet)"))
+    rows.append(("ZeRO stages", "0-3; optimizer offload to CPU or NVMe at stages 1-3 "
+                 "(parameter offload not yet)"))
     for tool in ("ssh", "pdsh", "srun", "mpirun"):
         rows.append((f"launcher: {tool}", shutil.which(tool) or "not found"))
     return rows

@@ -90,6 +90,20 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     ({"comm": {"timeout_s": 0}}, "comm.timeout_s must be > 0, got 0"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
     ({"wall_clock_breakdown": "auto"}, 'wall_clock_breakdown does not accept "auto"'),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+     "zero_optimization.offload_optimizer.device must be one of none, cpu, nvme, got 'gpu'; did you mean 'cpu'?"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 0}}},
+     "zero_optimization.offload_optimizer.buffer_count must be a positive integer, got 0"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+     "zero_optimization.offload_optimizer.ratio=0.3 (a partial CPU step) is not supported"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer needs stage 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     "zero_optimization.offload_param needs stage 3"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": 3}}},
+     "zero_optimization.offload_optimizer.nvme_path must be a directory path"),
+    ({"aio": {"use_gds": True}}, "aio.use_gds=true (GPUDirect Storage) is not supported"),
+    ({"aio": {"block_size": 10}}, "aio.block_size must be"),
 ])
 def test_bad_values_name_path_value_and_allowed(config, message):
     with pytest.raises(ConfigError) as info:
@@ -120,6 +134,22 @@ def test_disabled_later_sections_are_accepted():
                    activation_checkpointing={"partition_activations": False, "number_checkpoints": 4},
                    zero_optimization={"stage": 0, "offload_optimizer": {"device": "none"}})
     assert config.zero.stage == 0
+
+
+def test_offload_sections_take_deepspeeds_names_and_defaults():
+    config = _load(train_micro_batch_size_per_gpu=1, aio={"thread_count": 3},
+                   zero_optimization={"stage": 3, "offload_optimizer": {"device": "NVMe", "nvme_path": "/x"}})
+    off = config.zero.offload_optimizer
+    assert (off.device, off.nvme_path, off.buffer_count, off.pin_memory, off.enabled) == ("nvme", "/x", 4, False, True)
+    assert config.aio.intra_op_parallelism == 3 and config.aio.block_size == 1_048_576
+    assert config.zero.offload_param.buffer_count == 5 and config.zero.offload_param.buffer_size == 100_000_000
+    assert not config.zero.offload_param.enabled
+    legacy = _load(train_micro_batch_size_per_gpu=1, zero_optimization={"stage": 2, "cpu_offload": True})
+    assert legacy.zero.offload_optimizer.device == "cpu"
+    null = _load(train_micro_batch_size_per_gpu=1, zero_optimization={"stage": 2, "offload_optimizer": None})
+    assert not null.zero.offload_optimizer.enabled
+    with pytest.raises(ConfigError, match="did you mean 'zero_optimization.offload_optimizer.device'"):
+        _load(train_micro_batch_size_per_gpu=1, zero_optimization={"stage": 2, "offload_optimizer": {"devise": "cpu"}})
 
 
 def test_defaults_are_deepspeeds():

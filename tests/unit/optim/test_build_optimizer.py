@@ -61,9 +61,9 @@ def test_missing_and_auto_values_take_the_optimizers_defaults(name, cls, lr):
         assert opt.param_groups[0]["lr"] == lr
 
 
-def test_cpu_tensors_use_the_foreach_kernels_unless_told_otherwise():
+def test_cpu_tensors_use_the_fused_kernels_unless_told_otherwise():
     for name in ("adam", "adamw", "sgd", "adagrad"):
-        assert _build(name).param_groups[0]["foreach"] is True
+        assert _build(name).param_groups[0]["fused"] is True
     group = _build("adamw", foreach=False).param_groups[0]
     assert group["foreach"] is False and not group["fused"]
     assert _build("adamw", differentiable=True).param_groups[0]["foreach"] is None
