@@ -270,7 +270,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=50_000_000, help="parameters in all tensors together")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (create the state)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds over all variants, order rotated")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over all variants (shuffled after the first)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads everywhere")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
