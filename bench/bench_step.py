@@ -59,7 +59,8 @@ def _build(args, variant: str, model):
     import torch
     import torch.distributed as dist
 
-    adamw = lambda params: torch.optim.AdamW(params, lr=3e-4, foreach=True)  # noqa: E731
+    kernel = {"fused": True} if args.peer_kernel == "fused" else {"foreach": True}
+    adamw = lambda params: torch.optim.AdamW(params, lr=3e-4, **kernel)  # noqa: E731
     if variant in ("floor", "ddp", "fsdp2"):
         if variant == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
@@ -151,7 +152,7 @@ def run_variant(args, variant: str) -> dict:
                 env["WORLD_SIZE"] = "1"
             cmd = [python, __file__, "--worker", "--variant", variant, "--preset", args.preset,
                    "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--result", str(result),
-                   "--zero", args.zero]
+                   "--zero", args.zero, "--peer-kernel", args.peer_kernel]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -189,6 +190,7 @@ def table(args, results: list[tuple[str, dict]]) -> str:
     base = next((r["median"] for v, r in results if v == "ddp" and "median" in r), None)
     floor = next((r["median"] for v, r in results if v == "floor" and "median" in r), None)
     zero = f", zero_optimization += {args.zero}" if args.zero != "{}" else ""
+    zero += f", peers' AdamW {args.peer_kernel}"
     lines = [f"# Step time, preset `{args.preset}`, {args.world_size} ranks, micro-batch {args.micro_batch}{zero}",
              "", f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | "
              f"median of steps {args.warmup + 1}..{args.steps}", "",
@@ -215,6 +217,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--zero", default="{}", help="JSON merged into zero_optimization for shardwise and "
                                                      "DeepSpeed, e.g. '{\"stage3_max_reuse_distance\": 0}'")
+    parser.add_argument("--peer-kernel", default="foreach", choices=["foreach", "fused"],
+                        help="torch AdamW kernel of the DDP, FSDP2 and DeepSpeed variants (shardwise "
+                             "picks its own: fused on CPU and CUDA)")
     parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")

@@ -199,9 +199,9 @@ class AioConfig:
     block_size: int = 1_048_576
     """Bytes per read/write request."""
     queue_depth: int = 8
-    """Requests in flight per thread."""
+    """Swap files read or written at once per intra_op_parallelism (one I/O thread each)."""
     intra_op_parallelism: int = 1
-    """I/O threads (DeepSpeed's older name: thread_count)."""
+    """Multiplies queue_depth (DeepSpeed's older name: thread_count)."""
     single_submit: bool = False
     """Accepted for compatibility (requests are submitted by the I/O threads)."""
     overlap_events: bool = True

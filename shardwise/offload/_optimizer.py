@@ -248,7 +248,8 @@ def build_optimizer_swapper(optimizer: torch.optim.Optimizer, masters: list[nn.P
             remove_swap_dir(folder)
         ranks = ", ".join(str(r) for r, _ in errors)
         raise SwapPathError(f"offloading the optimizer state to nvme failed on rank(s) {ranks}: {errors[0][1]}")
-    io = SwapIO(block_size=aio.block_size, threads=aio.intra_op_parallelism)
+    # a thread per request in flight: queue_depth requests for each of intra_op_parallelism
+    io = SwapIO(block_size=aio.block_size, threads=aio.intra_op_parallelism * aio.queue_depth)
     swapper = OptimizerSwapper(optimizer, masters, folder=folder, io=io, sub_group_size=sub_group_size,
                                buffer_count=buffer_count, swap_masters=swap_masters)
     swapper.swap_out_all()

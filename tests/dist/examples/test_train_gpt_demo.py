@@ -19,7 +19,8 @@ def _free_port():
 
 
 @pytest.mark.parametrize("config", ["zero0.json", "zero0_bf16.json", "zero1.json", "zero2.json",
-                                    "zero3.json", "zero3_bf16.json"])
+                                    "zero3.json", "zero3_bf16.json", "zero2_offload_cpu.json",
+                                    "zero3_offload_nvme.json"])
 def test_demo_runs_under_config(tmp_path, config):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
