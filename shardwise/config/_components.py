@@ -304,6 +304,10 @@ class ZeroConfig:
         if self.offload_param.enabled and self.stage != 3:
             raise ConfigError(f"zero_optimization.offload_param needs stage 3 (parameters are only "
                               f"partitioned there), got stage {self.stage}; set stage to 3 or remove it")
+        if self.offload_param.device == "nvme" and self.offload_optimizer.device != "nvme":
+            raise ConfigError("zero_optimization.offload_param.device=\"nvme\" needs offload_optimizer.device "
+                              "\"nvme\" too in this version (the fp32 parameter shards are the optimizer's "
+                              "masters and are swapped with its state); set both to nvme, or offload_param to cpu")
         if self.offload_optimizer.enabled and self.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the optimizer "
                               "state must be partitioned to offload it); set zero_optimization.stage")

@@ -58,12 +58,14 @@ class OptimizerSwapper:
         sub_group_size: most elements stepped (and read ahead) together; a larger master
             is a sub-group of its own.
         buffer_count: sub-groups in memory at once (>= 2 overlaps reads with the step).
+        pinned: indices of masters whose values are never swapped (their state still is).
         swap_masters: whether the masters' values are swapped too (they are separate
             copies of the parameters, e.g. fp32 masters of bf16 parameters).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: list[nn.Parameter], *, folder: Path,
-                 io: SwapIO, sub_group_size: int, buffer_count: int, swap_masters: bool):
+                 io: SwapIO, sub_group_size: int, buffer_count: int, swap_masters: bool,
+                 pinned: frozenset[int] = frozenset()):
         self.optimizer, self.masters, self.folder, self.io = optimizer, masters, folder, io
         self.grads = [m.grad for m in masters]
         """Each master's gradient shard; attached only while its sub-group steps (a swapped-out
@@ -72,6 +74,7 @@ class OptimizerSwapper:
             m.grad = None
         self.buffer_count = buffer_count
         self.swap_masters = swap_masters
+        self.pinned = pinned
         self.sub_groups: list[list[int]] = []
         current: list[int] = []
         numel = 0
@@ -131,7 +134,7 @@ class OptimizerSwapper:
             state = self.optimizer.state.get(master, {})
             for key in self._swapped_keys(i):  # also state loaded while the master was out
                 writes.append(self._write(i, key, state.pop(key).contiguous()))
-            if self.swap_masters and i in self._resident:
+            if self.swap_masters and i in self._resident and i not in self.pinned:
                 writes.append(self._write(i, _MASTER, master.data.contiguous()))
                 master.data = self._empty
             self._resident.discard(i)
@@ -198,6 +201,15 @@ class OptimizerSwapper:
         finally:
             self._wait(self._start_swap_out(indices))
 
+    def master_swapped(self, i: int) -> bool:
+        """Whether master ``i``'s values are in a swap file now (not in memory)."""
+        return self.swap_masters and i not in self._resident and i not in self.pinned
+
+    def read_master(self, i: int) -> Future:
+        """Start reading master ``i``'s values from its swap file (checked); the master
+        itself stays swapped out. For gathering the parameters it holds (stage 3)."""
+        return self.io.read(self._records[(i, _MASTER)])
+
     def swap_out_all(self) -> None:
         """Write every master in memory out (after construction, or after a state load)."""
         for members in self.sub_groups:
@@ -209,7 +221,7 @@ class OptimizerSwapper:
         for i, master in enumerate(self.masters):
             state = self.optimizer.state.get(master, {})
             total += sum(state[k].numel() * state[k].element_size() for k in self._swapped_keys(i))
-            if self.swap_masters:
+            if self.swap_masters and i not in self.pinned:
                 total += master.numel() * master.element_size()
         return total
 
@@ -232,10 +244,13 @@ def _close(io: SwapIO, folder: Path) -> None:
 
 def build_optimizer_swapper(optimizer: torch.optim.Optimizer, masters: list[nn.Parameter], *, comm, nvme_path: str,
                             aio, sub_group_size: int, buffer_count: int, swap_masters: bool,
+                            pinned: frozenset[int] = frozenset(),
                             key: str = "zero_optimization.offload_optimizer.nvme_path") -> OptimizerSwapper:
     """Check and reserve ``nvme_path`` on every rank (all raise if any rank cannot use it),
     then swap the masters' state out. Collective."""
-    need = sum(m.numel() * 4 for m in masters) * (state_tensors_per_param(optimizer) + int(swap_masters))
+    need = sum(m.numel() * 4 for m in masters) * state_tensors_per_param(optimizer)
+    if swap_masters:
+        need += sum(m.numel() * 4 for i, m in enumerate(masters) if i not in pinned)
     error, folder = None, None
     try:
         folder = make_swap_dir(nvme_path, key=key, rank=comm.rank, need_bytes=need)
@@ -251,6 +266,6 @@ def build_optimizer_swapper(optimizer: torch.optim.Optimizer, masters: list[nn.P
     # a thread per request in flight: queue_depth requests for each of intra_op_parallelism
     io = SwapIO(block_size=aio.block_size, threads=aio.intra_op_parallelism * aio.queue_depth)
     swapper = OptimizerSwapper(optimizer, masters, folder=folder, io=io, sub_group_size=sub_group_size,
-                               buffer_count=buffer_count, swap_masters=swap_masters)
+                               buffer_count=buffer_count, swap_masters=swap_masters, pinned=pinned)
     swapper.swap_out_all()
     return swapper

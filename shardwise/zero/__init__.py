@@ -55,11 +55,6 @@ def _refuse_unbuilt(config, policy) -> None:
         raise NotImplementedError(
             f"the Lamb optimizer needs whole parameters for its trust ratio and cannot run on ZeRO "
             f"stage {zero.stage}'s flat shards yet; use stage 0, or Adam/AdamW/SGD/Adagrad")
-    if zero.offload_param.enabled:
-        raise NotImplementedError(
-            f"zero_optimization.offload_param.device={zero.offload_param.device!r} is not available in this "
-            "version of shardwise yet; remove zero_optimization.offload_param (offload_optimizer works at "
-            "stages 1-3)")
 
 
 def _warn_ignored(config, comm) -> None:
@@ -90,7 +85,7 @@ def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
     if zero.stage == 3:
         return Stage3Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel, **offload,
                               predivide_factor=predivide, prefetch_numel=zero.stage3_prefetch_bucket_size,
-                              max_live_numel=zero.stage3_max_live_parameters,
+                              max_live_numel=zero.stage3_max_live_parameters, param_offload=zero.offload_param,
                               max_reuse_distance=zero.stage3_max_reuse_distance,
                               persistence_threshold=zero.stage3_param_persistence_threshold)
     if zero.stage in (1, 2):

@@ -67,7 +67,7 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 
 
 def _partition_param(param: nn.Parameter, comm: Communicator, dtype: torch.dtype | None, device: torch.device,
-                     where: str) -> None:
+                     where: str, shard_device: torch.device | None = None) -> None:
     with torch.no_grad():
         full = param.detach().to(device)
         if dtype is not None and full.is_floating_point():
@@ -77,7 +77,7 @@ def _partition_param(param: nn.Parameter, comm: Communicator, dtype: torch.dtype
         padded, shard = partition(full.numel(), comm.world_size)
         flat = torch.zeros(padded, dtype=full.dtype, device=full.device)
         flat[:full.numel()].copy_(full.reshape(-1))
-        local = flat[comm.rank * shard:(comm.rank + 1) * shard].clone()
+        local = flat[comm.rank * shard:(comm.rank + 1) * shard].clone().to(shard_device or full.device)
     shape = param.shape
     param._shardwise_init = InitShard(local, shape, comm)
     param.data = torch.empty(0, dtype=full.dtype, device=full.device)
@@ -88,9 +88,9 @@ def gather_init_params(params) -> None:
     """Make ``zero.Init`` parameters whole (collective, in the given order)."""
     for p in params:
         shard = init_shard(p)
-        full = torch.empty(shard.local.numel() * shard.comm.world_size, dtype=shard.local.dtype,
-                           device=shard.local.device)
-        shard.comm.all_gather_into_tensor(full, shard.local, tag="zero.Init gather").wait()
+        device = p.device  # the compute device (the slice may be in CPU memory: remote_device)
+        full = torch.empty(shard.local.numel() * shard.comm.world_size, dtype=shard.local.dtype, device=device)
+        shard.comm.all_gather_into_tensor(full, shard.local.to(device), tag="zero.Init gather").wait()
         p.data = full[:shard.numel].view(shard.shape)
 
 
@@ -107,7 +107,7 @@ def release_init_params(params, *, modifier_rank: int | None) -> None:
                 valid = max(0, min(size, shard.numel - start))
                 shard.local.zero_()
                 shard.local[:valid].copy_(full.reshape(-1)[start:start + valid])
-            p.data = torch.empty(0, dtype=shard.local.dtype, device=shard.local.device)
+            p.data = torch.empty(0, dtype=shard.local.dtype, device=p.device)
 
 
 def _read_config(config):
@@ -157,9 +157,10 @@ class Init:
         dtype: parameter dtype. Without it and without a config, parameters keep the dtype
             they were created with (DeepSpeed would use fp16 here; shardwise does not
             change precision behind your back).
-        remote_device, pin_memory, mem_efficient_linear, mpu: accepted for DeepSpeed
-            compatibility; ``remote_device`` other than None/"none" is refused until
-            parameter offload exists.
+        remote_device: "cpu" or "nvme" keep each rank's slices in CPU memory while the model
+            is built (``initialize()`` then places them as ``offload_param`` says: with
+            nvme, in swap files); None/"none": on the compute device.
+        pin_memory, mem_efficient_linear, mpu: accepted for DeepSpeed compatibility.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
@@ -171,9 +172,9 @@ class Init:
                                         "param_swapper"})
         if unknown:
             raise TypeError(f"zero.Init got unexpected arguments {unknown}")
-        if remote_device not in (None, "none"):
-            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}) needs parameter offload, "
-                                      "which this version of shardwise does not have yet; leave it unset")
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): use None, \"cpu\" or \"nvme\"")
+        self.shard_device = torch.device("cpu") if remote_device in ("cpu", "nvme") else None
         self.enabled = enabled
         self._wrapped: list[tuple[type, object]] = []
         self._built: list[weakref.ref] = []
@@ -213,7 +214,7 @@ class Init:
         initialised = materialize(module, self.device, _memo=memo) if materialize_meta else True
         for name, p in module.named_parameters(recurse=False):
             if init_shard(p) is None and not hasattr(p, "_shardwise_unit") and not p.is_meta:
-                _partition_param(p, self.comm, self.dtype, self.device, f"{where}.{name}")
+                _partition_param(p, self.comm, self.dtype, self.device, f"{where}.{name}", self.shard_device)
         return initialised
 
     # -- the context --------------------------------------------------------------------------

@@ -194,8 +194,16 @@ class ShardedStrategy:
             self.swapper = build_optimizer_swapper(
                 optimizer, [b.master for b in self.buckets], comm=self.comm, nvme_path=self.offload.nvme_path,
                 aio=self.aio, sub_group_size=self.sub_group_size, buffer_count=self.offload.buffer_count,
-                swap_masters=self._masters_are_copies())
+                swap_masters=self._masters_are_copies() or self._swap_params(), pinned=self._pinned_masters())
         return optimizer
+
+    def _swap_params(self) -> bool:
+        """Whether the parameter shards themselves go to swap files (stage 3 offload_param)."""
+        return False
+
+    def _pinned_masters(self) -> frozenset[int]:
+        """Buckets whose masters never go to swap files."""
+        return frozenset()
 
     def _masters_are_copies(self) -> bool:
         """Whether masters are separate tensors, not the parameters' own storage."""

@@ -24,6 +24,16 @@ The decision depends only on the recorded order, which every rank shares, so ran
 issue the same collectives in the same order; a prefetched unit that is not used is
 waited for and freed.
 
+[Note: gathering swapped shards]
+With ``offload_param.device = "nvme"`` a unit's fp32 shard lives in a swap file between
+uses. Starting to gather it (for use or prefetch) starts the file read in the I/O
+threads; the all-gather needs the bytes, and all ranks must launch collectives in the
+same order, so a unit's all-gather is launched from the main thread when a unit is
+needed, together with those of every unit whose read began before it, in the order the
+reads began (the same on every rank). Reads issued by prefetch therefore overlap the
+compute of the units before them, and their all-gathers overlap the unit being used. A
+read nobody used is dropped without a collective.
+
 Gradients are handled as in stage 2 (see ``_sharded.py``): copied to a staging buffer,
 reduce-scattered per unit in a fixed order, accumulated into an fp32 shard. The
 optimizer updates the fp32 shards; nothing is gathered after the step (the next forward
@@ -31,6 +41,8 @@ gathers what it needs).
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 from torch import nn
@@ -48,7 +60,8 @@ class Stage3Strategy(ShardedStrategy):
 
     def __init__(self, module: nn.Module, *, prefetch_numel: int = 50_000_000,
                  max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 persistence_threshold: int = 0, **kwargs):
+                 persistence_threshold: int = 0, param_offload=None, **kwargs):
+        self.param_offload = param_offload if param_offload is not None and param_offload.enabled else None
         frozen = [p for p in module.parameters() if init_shard(p) is not None and not p.requires_grad]
         if frozen:  # frozen parameters stay whole at stage 3 (they have no unit yet)
             gather_init_params(frozen)
@@ -73,6 +86,8 @@ class Stage3Strategy(ShardedStrategy):
         self._cursor = 0
         self._order_recorded = False
         self._units_of: dict[nn.Module, list[_Bucket]] = {}
+        self._reading: collections.deque[_Bucket] = collections.deque()
+        """Units whose shards are being read from swap files, in the order the reads began."""
         self._in_backward_root = False
 
     @staticmethod
@@ -168,21 +183,66 @@ class Stage3Strategy(ShardedStrategy):
             self.live_numel += sign * unit.padded
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
+    @staticmethod
+    def _gathering(unit: _Bucket) -> bool:
+        """Its shard is being read from a swap file, or its all-gather is running."""
+        return getattr(unit, "pending", None) is not None or getattr(unit, "reading", None) is not None
+
     def _start_unshard(self, unit: _Bucket) -> None:
-        """Allocate the unit's full buffer and launch its all-gather (see [Note: prefetch])."""
-        if getattr(unit, "gathered", True) or getattr(unit, "pending", None) is not None:
+        """Allocate the unit's full buffer and launch its all-gather (see [Note: prefetch]).
+        A shard in a swap file (offload_param nvme) is read first: see [Note: gathering
+        swapped shards]."""
+        if getattr(unit, "gathered", True) or self._gathering(unit):
             return
         storage = unit.flat_param.untyped_storage()
         storage.resize_(unit.padded * unit.flat_param.element_size())
         self._count_live(unit, +1)
-        source = unit.master.detach().to(unit.flat_param.device, unit.flat_param.dtype)
+        if self.swapper is not None and self.swapper.master_swapped(unit.index):
+            unit.reading = self.swapper.read_master(unit.index)
+            self._reading.append(unit)
+            return
+        self._launch_gather(unit, unit.master.detach())
+
+    def _launch_gather(self, unit: _Bucket, shard: torch.Tensor) -> None:
         unit.pending = self.comm.all_gather_into_tensor(
-            unit.flat_param, source, tag=f"parameters of unit {unit.index} ({type(unit.module).__name__})")
+            unit.flat_param, shard.to(unit.flat_param.device, unit.flat_param.dtype),
+            tag=f"parameters of unit {unit.index} ({type(unit.module).__name__})")
+
+    def _gather_read(self, upto: _Bucket) -> None:
+        """Launch the all-gathers of units whose shards were being read, in the order the
+        reads started, up to ``upto``. See [Note: gathering swapped shards]."""
+        while self._reading:
+            unit = self._reading.popleft()
+            shard = unit.reading.result()
+            unit.reading = None
+            self._launch_gather(unit, shard)
+            if unit is upto:
+                return
+
+    def _master_device(self, device: torch.device) -> torch.device:
+        """Offloading parameters or the optimizer puts the fp32 shards in CPU memory."""
+        return torch.device("cpu") if self.offload is not None or self.param_offload is not None else device
+
+    def _swap_params(self) -> bool:
+        return self.param_offload is not None and self.param_offload.device == "nvme"
+
+    def _pinned_masters(self) -> frozenset[int]:
+        """Persistent units, then the first units up to offload_param.max_in_cpu elements."""
+        pinned, budget = set(), self.param_offload.max_in_cpu if self.param_offload is not None else 0
+        for unit in self.buckets:
+            if unit.persistent:
+                pinned.add(unit.index)
+            elif unit.master.numel() <= budget:
+                budget -= unit.master.numel()
+                pinned.add(unit.index)
+        return frozenset(pinned)
 
     def _unshard(self, unit: _Bucket) -> None:
         if getattr(unit, "gathered", True):
             return
         self._start_unshard(unit)
+        if getattr(unit, "reading", None) is not None:
+            self._gather_read(unit)
         unit.pending.wait()
         unit.pending = None
         for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
@@ -191,10 +251,14 @@ class Stage3Strategy(ShardedStrategy):
 
     def _reshard(self, unit: _Bucket, *, force: bool = False) -> None:
         if getattr(unit, "persistent", False) or not getattr(unit, "gathered", True) and \
-                getattr(unit, "pending", None) is None:
+                not self._gathering(unit):
             return  # persistent units stay whole; a sharded unit has nothing to free
         if not force and self._is_root(unit):
             return  # tied / shared parameters stay gathered until backward ends
+        if getattr(unit, "reading", None) is not None:  # a prefetched read nobody used: no collective
+            unit.reading.result()
+            unit.reading = None
+            self._reading.remove(unit)
         if getattr(unit, "pending", None) is not None:  # a prefetch nobody used
             unit.pending.wait()
             unit.pending = None
@@ -232,7 +296,7 @@ class Stage3Strategy(ShardedStrategy):
             return
         budget, i = self.prefetch_numel, order.index(unit) + step
         while 0 <= i < len(order) and budget >= order[i].padded:
-            if getattr(order[i], "gathered", True) or getattr(order[i], "pending", None) is not None:
+            if getattr(order[i], "gathered", True) or self._gathering(order[i]):
                 i += step  # already whole (kept for reuse, persistent, or in flight)
                 continue
             if self.live_numel + order[i].padded > self.max_live_numel:
@@ -307,7 +371,7 @@ class Stage3Strategy(ShardedStrategy):
         self._cursor = 0
         for unit in self.buckets:
             # a prefetch still in flight would read the shard the optimizer is about to change
-            if getattr(unit, "gathered", False) or getattr(unit, "pending", None) is not None:
+            if getattr(unit, "gathered", False) or self._gathering(unit):
                 self._reshard(unit, force=True)
             unit.active = 0
             unit.calls.clear()
@@ -357,7 +421,8 @@ class Stage3Strategy(ShardedStrategy):
         result = self.module.load_state_dict(state, strict=strict)
         with torch.no_grad():
             for unit in self.buckets:
-                unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
+                with self._resident([unit]):
+                    unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
                 self._reshard(unit, force=True)
         return result
 
@@ -389,5 +454,6 @@ class Stage3Strategy(ShardedStrategy):
             for unit in units:
                 if modifier_rank is not None:
                     self.comm.broadcast(unit.flat_param, src=modifier_rank, tag="GatheredParameters").wait()
-                    unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
+                    with self._resident([unit]):
+                        unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
                 self._reshard(unit, force=True)

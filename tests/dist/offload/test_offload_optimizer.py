@@ -1,5 +1,6 @@
-"""offload_optimizer (cpu and nvme) at stages 1-3 on 1, 2 and 4 ranks: the same parameters
-as the run without offload at the same stage, no optimizer state left in memory on nvme,
+"""offload_optimizer (cpu and nvme) at stages 1-3 and offload_param (cpu and nvme) at stage
+3 on 1, 2 and 4 ranks: the same parameters as the run without offload at the same stage,
+no optimizer state (nor, with offload_param nvme, parameter shards) left in memory,
 checked swap files, clear errors for a bad nvme_path, and checkpoints that resume."""
 
 import copy
@@ -50,6 +51,8 @@ def _check(rank, world_size, cases, nvme_root):
         plain, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(stage, dtype))
         engine_train(plain, batches, rank=rank, world_size=world_size, micro=MICRO)
         offload = {"device": device, "nvme_path": nvme_root, **knobs.pop("offload", {})}
+        if "offload_param" in knobs:
+            knobs["offload_param"] = {"nvme_path": nvme_root, **knobs["offload_param"]}
         engine, optimizer, _, _ = shardwise.initialize(model=copy.deepcopy(model),
                                                        config=_config(stage, dtype, offload, **knobs))
         norms = engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
@@ -63,16 +66,20 @@ def _check(rank, world_size, cases, nvme_root):
             swapper = strategy.swapper
             shard_bytes = sum(b.shard * 4 for b in strategy.buckets)
             per_element = 2 + int(swapper.swap_masters)  # Adam's two moments (+ the master)
+            pinned_bytes = sum(strategy.buckets[i].shard * 4 for i in swapper.pinned)
             largest_group = max(sum(strategy.buckets[i].shard for i in g) for g in swapper.sub_groups) * 4
             result.update(
                 sub_groups=len(swapper.sub_groups), swap_masters=swapper.swap_masters,
                 # nothing parameter-sized is left in the optimizer's state between steps
                 state_in_memory=sum(v.numel() for s in optimizer.state.values() for v in s.values()
                                     if isinstance(v, torch.Tensor) and v.numel() > 1),
-                swapped_ok=swapper.swapped_bytes() == shard_bytes * per_element,
+                swapped_ok=swapper.swapped_bytes() == shard_bytes * per_element - pinned_bytes * (per_element - 2),
                 peak_ok=swapper.peak_bytes <= swapper.buffer_count * largest_group * per_element,
                 peak_fraction=swapper.peak_bytes / (shard_bytes * per_element),
-                files=len(list(swapper.folder.glob("*.bin"))))
+                files=len(list(swapper.folder.glob("*.bin"))),
+                # offload_param nvme: the fp32 parameter shards left in memory (pinned ones only)
+                params_in_memory=sum(m.numel() for m in masters),
+                pinned_numel=sum(masters[i].numel() for i in swapper.pinned))
             swapper.close()
             result["folder_removed"] = not swapper.folder.exists()
         report[name] = result
@@ -90,10 +97,17 @@ CASES = {
          {"sub_group_size": 1, "reduce_bucket_size": 100, "offload": {"buffer_count": 2}}),
         ("s2 nvme fp16 with skipped steps", 2, "nvme", "fp16", {"sub_group_size": 500}),
         ("s3 cpu fp32", 3, "cpu", "fp32", {}),
-        ("s3 nvme bf16", 3, "nvme", "bf16", {"sub_group_size": 300})],
+        ("s3 nvme bf16", 3, "nvme", "bf16", {"sub_group_size": 300}),
+        ("s3 nvme bf16, parameters on nvme", 3, "nvme", "bf16",
+         {"sub_group_size": 300, "offload_param": {"device": "nvme", "max_in_cpu": 0}}),
+        ("s3 nvme fp32, parameters on nvme, 600 in cpu", 3, "nvme", "fp32",
+         {"offload_param": {"device": "nvme", "max_in_cpu": 600}}),
+        ("s3 cpu fp32, parameters on cpu", 3, "cpu", "fp32", {"offload_param": {"device": "cpu"}})],
     4: [("s1 cpu bf16", 1, "cpu", "bf16", {}),
         ("s2 nvme fp32", 2, "nvme", "fp32", {"sub_group_size": 200}),
-        ("s3 nvme fp32", 3, "nvme", "fp32", {"sub_group_size": 200})],
+        ("s3 nvme fp32", 3, "nvme", "fp32", {"sub_group_size": 200}),
+        ("s3 nvme fp32, parameters on nvme", 3, "nvme", "fp32",
+         {"sub_group_size": 200, "offload_param": {"device": "nvme", "max_in_cpu": 0}})],
 }
 
 
@@ -115,7 +129,11 @@ def test_offloaded_training_matches_the_same_stage_without_offload(tmp_path, wor
             if device == "nvme":
                 assert r["state_in_memory"] == 0 and r["swapped_ok"] and r["peak_ok"], where
                 assert r["files"] > 0 and r["folder_removed"], where
-                assert r["swap_masters"] == (dtype != "fp32" and stage < 3), where
+                on_nvme = "parameters on nvme" in name
+                assert r["swap_masters"] == (dtype != "fp32" and stage < 3 or on_nvme), where
+                if on_nvme:  # only the pinned shards (max_in_cpu) stay in memory
+                    assert r["params_in_memory"] == r["pinned_numel"], where
+                    assert (r["pinned_numel"] > 0) == ("in cpu" in name), where
         many = report.get("s2 nvme fp32, many sub-groups, 2 buffers")
         if many:  # six sub-groups, two buffers: never the whole state in memory (largest shard: 256 of 808)
             assert many["sub_groups"] == 6 and many["peak_fraction"] < 0.7, many
@@ -166,19 +184,20 @@ def test_full_disk_is_a_clear_error(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
-def _resume(rank, world_size, save_dir, nvme_root):
+def _resume(rank, world_size, save_dir, nvme_root, stage):
     batches = token_batches(num_steps=5, batch=MICRO * GAS * world_size, seed=3)
     offload = {"device": "nvme", "nvme_path": nvme_root}
+    params_too = {"offload_param": {"device": "nvme", "nvme_path": nvme_root, "max_in_cpu": 0}} if stage == 3 else {}
     straight, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1),
-                                             config=_config(2, "bf16", offload, sub_group_size=500))
+                                             config=_config(stage, "bf16", offload, sub_group_size=500, **params_too))
     engine_train(straight, batches[:2], rank=rank, world_size=world_size, micro=MICRO)
     straight.save_checkpoint(save_dir)
     engine_train(straight, batches[2:], rank=rank, world_size=world_size, micro=MICRO)
     expected = _params(straight.module)
     same = {}
-    for name, config in (("nvme", _config(2, "bf16", offload, sub_group_size=300)),
-                         ("cpu", _config(2, "bf16", {"device": "cpu"})),
-                         ("none", _config(2, "bf16"))):
+    for name, config in (("nvme", _config(stage, "bf16", offload, sub_group_size=300, **params_too)),
+                         ("cpu", _config(stage, "bf16", {"device": "cpu"})),
+                         ("none", _config(stage, "bf16"))):
         resumed, _, _, _ = shardwise.initialize(model=TinyMLP(seed=99), config=config)
         resumed.load_checkpoint(save_dir)
         engine_train(resumed, batches[2:], rank=rank, world_size=world_size, micro=MICRO)
@@ -186,7 +205,30 @@ def _resume(rank, world_size, save_dir, nvme_root):
     return same
 
 
-def test_offloaded_checkpoint_resumes_with_or_without_offload(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3], ids=["stage 2", "stage 3 with parameters on nvme"])
+def test_offloaded_checkpoint_resumes_with_or_without_offload(tmp_path, stage):
     for same in run_distributed(_resume, world_size=2, tmp_path=tmp_path, save_dir=str(tmp_path / "ckpt"),
-                                nvme_root=str(tmp_path)):
+                                nvme_root=str(tmp_path), stage=stage):
         assert all(same.values()), same
+
+
+def _built_on_nvme(rank, world_size, nvme_root):
+    batches = token_batches(num_steps=3, batch=MICRO * GAS * world_size, seed=2)
+    plain, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=_config(3, "fp32"))
+    engine_train(plain, batches, rank=rank, world_size=world_size, micro=MICRO)
+    config = _config(3, "fp32", {"device": "nvme", "nvme_path": nvme_root},
+                     offload_param={"device": "nvme", "nvme_path": nvme_root, "max_in_cpu": 0})
+    with shardwise.zero.Init(remote_device="nvme", config_dict_or_path=config):
+        model = TinyMLP(seed=1)
+    slices_on_cpu = all(p.ds_tensor.device.type == "cpu" and p.numel() == 0 for p in model.parameters())
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
+    state = engine.strategy.model_state_bytes()
+    same = all(torch.equal(a, b) for a, b in zip(_params(plain.module), _params(engine.module)))
+    return slices_on_cpu, same, state.params + state.master_params
+
+
+def test_model_built_under_zero_init_trains_with_parameters_on_nvme(tmp_path):
+    for slices_on_cpu, same, params_in_memory in run_distributed(_built_on_nvme, world_size=2, tmp_path=tmp_path,
+                                                                 nvme_root=str(tmp_path)):
+        assert slices_on_cpu and same and params_in_memory == 0

@@ -103,6 +103,8 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": 3}}},
      "zero_optimization.offload_optimizer.nvme_path must be a directory path"),
     ({"aio": {"use_gds": True}}, "aio.use_gds=true (GPUDirect Storage) is not supported"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "cpu"}}},
+     'offload_param.device="nvme" needs offload_optimizer.device "nvme" too'),
     ({"aio": {"block_size": 10}}, "aio.block_size must be"),
 ])
 def test_bad_values_name_path_value_and_allowed(config, message):
