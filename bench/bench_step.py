@@ -114,7 +114,13 @@ def worker(args) -> None:
         dist.init_process_group("gloo")
     config = GPT_PRESETS[args.preset]
     torch.manual_seed(0)
-    model = GPT(config)
+    if args.zero_init and args.variant in ("shardwise3", "deepspeed3"):
+        # built partitioned, as a model too large for one rank would be
+        library = __import__("shardwise" if args.variant == "shardwise3" else "deepspeed")
+        with library.zero.Init(config_dict_or_path=_config(args, 3)):
+            model = GPT(config)
+    else:
+        model = GPT(config)
     step, state_bytes = _build(args, args.variant, model)
     generator = torch.Generator().manual_seed(1000 + rank)
     x = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_len), generator=generator)
@@ -152,7 +158,7 @@ def run_variant(args, variant: str) -> dict:
                 env["WORLD_SIZE"] = "1"
             cmd = [python, __file__, "--worker", "--variant", variant, "--preset", args.preset,
                    "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--result", str(result),
-                   "--zero", args.zero, "--peer-kernel", args.peer_kernel]
+                   "--zero", args.zero, "--peer-kernel", args.peer_kernel] + (["--zero-init"] if args.zero_init else [])
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -190,7 +196,7 @@ def table(args, results: list[tuple[str, dict]]) -> str:
     base = next((r["median"] for v, r in results if v == "ddp" and "median" in r), None)
     floor = next((r["median"] for v, r in results if v == "floor" and "median" in r), None)
     zero = f", zero_optimization += {args.zero}" if args.zero != "{}" else ""
-    zero += f", peers' AdamW {args.peer_kernel}"
+    zero += f", peers' AdamW {args.peer_kernel}" + (", stage-3 models built under zero.Init" if args.zero_init else "")
     lines = [f"# Step time, preset `{args.preset}`, {args.world_size} ranks, micro-batch {args.micro_batch}{zero}",
              "", f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | "
              f"median of steps {args.warmup + 1}..{args.steps}", "",
@@ -217,6 +223,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--zero", default="{}", help="JSON merged into zero_optimization for shardwise and "
                                                      "DeepSpeed, e.g. '{\"stage3_max_reuse_distance\": 0}'")
+    parser.add_argument("--zero-init", action="store_true",
+                        help="build the shardwise3 and deepspeed3 models under their zero.Init")
     parser.add_argument("--peer-kernel", default="foreach", choices=["foreach", "fused"],
                         help="torch AdamW kernel of the DDP, FSDP2 and DeepSpeed variants (shardwise "
                              "picks its own: fused on CPU and CUDA)")
