@@ -255,8 +255,8 @@ def build_optimizer_swapper(optimizer: torch.optim.Optimizer, masters: list[nn.P
     try:
         folder = make_swap_dir(nvme_path, key=key, rank=comm.rank, need_bytes=need)
         reserve(folder / "reserved", need, key=key)
-    except SwapPathError as exc:
-        error = str(exc)
+    except Exception as exc:  # any failure here must reach the other ranks, or they would wait forever
+        error = str(exc) if isinstance(exc, SwapPathError) else f"{type(exc).__name__}: {exc} (nvme_path {nvme_path!r})"
     errors = [(rank, e) for rank, e in enumerate(comm.all_gather_object(error)) if e]
     if errors:
         if folder is not None:
