@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import nn
 
+from shardwise.accelerator import get_accelerator
 from shardwise.comm import Communicator
 from shardwise.precision import LossScaler, PrecisionPolicy
 from shardwise.runtime import _checkpointing
@@ -22,6 +23,16 @@ from shardwise.runtime.data import deepspeed_io
 from shardwise.zero import ModelStateBytes, StepResult, build_strategy
 
 logger = logging.getLogger(__name__)
+
+
+def _to_compute_device(model: nn.Module) -> None:
+    """Move the model to this rank's device, as DeepSpeed's engine does (no-op on the CPU;
+    a model with parameters still on the meta device is left for its owner to materialise)."""
+    device = get_accelerator().device()
+    tensors = list(model.parameters()) + list(model.buffers())
+    if any(t.is_meta for t in tensors) or all(t.device == device for t in tensors):
+        return
+    model.to(device)
 
 
 class Engine(nn.Module):
@@ -39,6 +50,7 @@ class Engine(nn.Module):
         self.config = config
         self.comm = comm
         self.policy = PrecisionPolicy.from_config(config)
+        _to_compute_device(model)
         self.loss_scaler = LossScaler.from_config(config.fp16) if self.policy.loss_scaling else None
         self.strategy = build_strategy(model, config=config, comm=comm, policy=self.policy)
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
