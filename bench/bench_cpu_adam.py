@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -37,6 +36,8 @@ from datetime import date
 from pathlib import Path
 
 import torch
+
+from bench_step import _cpu_model  # this folder is on sys.path when run as a script
 
 VARIANTS = "torch-forloop,torch-foreach,torch-fused,shardwise,deepspeed-cpuadam"
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -215,16 +216,6 @@ def _run_once(args, variant: str, initial, grads, keep_final: bool) -> dict:
     if keep_final:
         result["final"] = torch.cat([p.detach().reshape(-1) for p in params])
     return result
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _versions(ds_version: str | None) -> str:

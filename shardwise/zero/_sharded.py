@@ -75,7 +75,8 @@ class ShardedStrategy:
         bucket_numel: elements per bucket (reduce-scatter and all-gather unit).
         predivide_factor: divide gradients by this before the reduction (1.0: after).
         offload: ``zero_optimization.offload_optimizer``; None or device "none" keeps the
-            optimizer state with the model. See [Note: optimizer offload].
+            optimizer state with the model. See ``_master_device`` and [Note: optimizer
+            swapping] in ``offload/_optimizer.py``.
         aio: the ``aio`` config (swap-file I/O), for offload to nvme.
         sub_group_size: elements stepped at once when offloading to nvme.
     """
@@ -194,20 +195,23 @@ class ShardedStrategy:
             self.swapper = build_optimizer_swapper(
                 optimizer, [b.master for b in self.buckets], comm=self.comm, nvme_path=self.offload.nvme_path,
                 aio=self.aio, sub_group_size=self.sub_group_size, buffer_count=self.offload.buffer_count,
-                swap_masters=self._masters_are_copies() or self._swap_params(), pinned=self._pinned_masters())
+                swap_masters=self._swap_masters(), pinned=self._pinned_masters())
         return optimizer
 
-    def _swap_params(self) -> bool:
-        """Whether the parameter shards themselves go to swap files (stage 3 offload_param)."""
-        return False
+    def _swap_masters(self) -> bool:
+        """Whether the nvme tier swaps the masters' values too: here, when they are copies
+        (a master that is the parameters' own storage must stay for the forward)."""
+        return any(self._master_is_copy(b) for b in self.buckets)
 
     def _pinned_masters(self) -> frozenset[int]:
         """Buckets whose masters never go to swap files."""
         return frozenset()
 
-    def _masters_are_copies(self) -> bool:
-        """Whether masters are separate tensors, not the parameters' own storage."""
-        return bool(self.buckets) and not _same_storage(self.buckets[0].master, self.buckets[0].flat_param)
+    @staticmethod
+    def _master_is_copy(bucket: _Bucket) -> bool:
+        """Whether the bucket's master is a separate tensor (fp32 copy of 16-bit parameters,
+        or in CPU memory for parameters on a GPU), not a slice of the flat parameters."""
+        return not _same_storage(bucket.master, bucket.flat_param)
 
     def _ensure_layout(self) -> None:
         if not self.buckets:
@@ -325,9 +329,8 @@ class ShardedStrategy:
         """Write updated masters into this rank's slice of the parameters (when they are copies)."""
         with torch.no_grad():
             for bucket in buckets:
-                local = bucket.local(bucket.flat_param, self.comm.rank)
-                if not _same_storage(local, bucket.master):
-                    local.copy_(bucket.master)
+                if self._master_is_copy(bucket):
+                    bucket.local(bucket.flat_param, self.comm.rank).copy_(bucket.master)
 
     def _gather_params(self) -> None:
         """All-gather every bucket from each rank's slice."""
@@ -370,9 +373,8 @@ class ShardedStrategy:
         with torch.no_grad():
             for bucket in self.buckets:
                 with self._resident([bucket]):
-                    local = bucket.local(bucket.flat_param, self.comm.rank)
-                    if not _same_storage(local, bucket.master):
-                        bucket.master.copy_(local)
+                    if self._master_is_copy(bucket):
+                        bucket.master.copy_(bucket.local(bucket.flat_param, self.comm.rank))
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -388,8 +390,7 @@ class ShardedStrategy:
         grads = sum(size(b.grad_full) for b in self.buckets)
         grads += sum(size(b.grad_shard) for b in self.buckets
                      if b.grad_full is None or not _same_storage(b.grad_shard, b.grad_full))
-        master = sum(size(b.master) for b in self.buckets
-                     if not _same_storage(b.master, b.local(b.flat_param, self.comm.rank)))
+        master = sum(size(b.master) for b in self.buckets if self._master_is_copy(b))
         return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
 
     # -- checkpoints ---------------------------------------------------------------------------

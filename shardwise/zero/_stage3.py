@@ -223,7 +223,8 @@ class Stage3Strategy(ShardedStrategy):
         """Offloading parameters or the optimizer puts the fp32 shards in CPU memory."""
         return torch.device("cpu") if self.offload is not None or self.param_offload is not None else device
 
-    def _swap_params(self) -> bool:
+    def _swap_masters(self) -> bool:
+        """The masters are the parameter shards: swapped only with offload_param nvme."""
         return self.param_offload is not None and self.param_offload.device == "nvme"
 
     def _pinned_masters(self) -> frozenset[int]:
@@ -399,9 +400,6 @@ class Stage3Strategy(ShardedStrategy):
 
     def _gather_params(self) -> None:
         self.sync_params_from_master()
-
-    def _masters_are_copies(self) -> bool:
-        return False  # the masters are the only copy of the parameters between uses
 
     def module_state_dict(self) -> dict:
         """The full module state (collective: every unit is gathered, copied, released)."""
