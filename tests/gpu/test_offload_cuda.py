@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _train(stage, dtype, zero_extra):
     torch.manual_seed(0)
-    model = TinyMLP(seed=1).cuda()
+    model = TinyMLP(seed=1)  # on the CPU: the engine moves it to the GPU, as DeepSpeed's does
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, **zero_extra}}
@@ -38,7 +38,7 @@ def test_offloaded_training_on_gpu_matches_training_without_offload(tmp_path, st
     _, _, expected = _train(stage, dtype, {})
     offload = {"offload_optimizer": {"device": device, "nvme_path": str(tmp_path), "pin_memory": True}}
     engine, optimizer, got = _train(stage, dtype, offload)
-    assert all(p.is_cuda for p in engine.module.parameters())
+    assert all(p.is_cuda for p in engine.module.parameters())  # moved by the engine
     masters = [b.master for b in engine.strategy.buckets]
     assert all(m.device.type == "cpu" for m in masters) and optimizer.defaults.get("fused")
     # CPU and CUDA fused Adam round differently; bf16 compute differs more

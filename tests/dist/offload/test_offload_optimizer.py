@@ -21,9 +21,7 @@ MICRO, GAS, STEPS, LR, WD, CLIP = 2, 2, 3, 1e-2, 0.01, 0.2
 
 
 def _config(stage, dtype, offload=None, **zero):
-    zero = {"stage": stage, "reduce_bucket_size": 300, **zero}
-    if stage == 3:
-        zero.update(STAGE3_PARTITION_ALL)
+    zero = {"stage": stage, "reduce_bucket_size": 300, **(STAGE3_PARTITION_ALL if stage == 3 else {}), **zero}
     if offload:
         zero["offload_optimizer"] = offload
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
@@ -102,7 +100,9 @@ CASES = {
          {"sub_group_size": 300, "offload_param": {"device": "nvme", "max_in_cpu": 0}}),
         ("s3 nvme fp32, parameters on nvme, 600 in cpu", 3, "nvme", "fp32",
          {"offload_param": {"device": "nvme", "max_in_cpu": 600}}),
-        ("s3 cpu fp32, parameters on cpu", 3, "cpu", "fp32", {"offload_param": {"device": "cpu"}})],
+        ("s3 cpu fp32, parameters on cpu", 3, "cpu", "fp32", {"offload_param": {"device": "cpu"}}),
+        ("s3 nvme fp32, parameters on nvme, persistent vectors in cpu", 3, "nvme", "fp32",
+         {"stage3_param_persistence_threshold": 40, "offload_param": {"device": "nvme", "max_in_cpu": 0}})],
     4: [("s1 cpu bf16", 1, "cpu", "bf16", {}),
         ("s2 nvme fp32", 2, "nvme", "fp32", {"sub_group_size": 200}),
         ("s3 nvme fp32", 3, "nvme", "fp32", {"sub_group_size": 200}),
