@@ -34,6 +34,13 @@ reads began (the same on every rank). Reads issued by prefetch therefore overlap
 compute of the units before them, and their all-gathers overlap the unit being used. A
 read nobody used is dropped without a collective.
 
+The read buffers form a pool of ``offload_param.buffer_count`` buffers of at most
+``offload_param.buffer_size`` elements: a unit holds one from the start of its read until
+its all-gather completes. Prefetch stops when the pool is empty; a unit needed while it is
+empty first completes the oldest gathers in flight (every rank counts the same buffers at
+the same points, so all still launch the same collectives in the same order). A unit
+shard larger than ``buffer_size`` is a configuration error at start-up.
+
 Gradients are handled as in stage 2 (see ``_sharded.py``): copied to a staging buffer,
 reduce-scattered per unit in a fixed order, accumulated into an fp32 shard. The
 optimizer updates the fp32 shards; nothing is gathered after the step (the next forward
@@ -48,6 +55,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from shardwise.config import ConfigError
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy, _Bucket
@@ -88,6 +96,10 @@ class Stage3Strategy(ShardedStrategy):
         self._units_of: dict[nn.Module, list[_Bucket]] = {}
         self._reading: collections.deque[_Bucket] = collections.deque()
         """Units whose shards are being read from swap files, in the order the reads began."""
+        self._holding: collections.deque[_Bucket] = collections.deque()
+        """Units holding a parameter read buffer (read or all-gather not complete), oldest first."""
+        self.peak_param_buffers = 0
+        """The most read buffers held at once (tests bound it by offload_param.buffer_count)."""
         self._in_backward_root = False
 
     @staticmethod
@@ -112,6 +124,7 @@ class Stage3Strategy(ShardedStrategy):
             self._add_bucket(params, group, persistent=True)
             self.buckets[-1].module = self.module
         self._persistent_params.clear()
+        self._check_param_buffer_size()
         return [{**options, "params": [b.master for b in self.buckets if b.group == g]}
                 for g, options in enumerate(self._group_options)]
 
@@ -197,11 +210,35 @@ class Stage3Strategy(ShardedStrategy):
         storage = unit.flat_param.untyped_storage()
         storage.resize_(unit.padded * unit.flat_param.element_size())
         self._count_live(unit, +1)
-        if self.swapper is not None and self.swapper.master_swapped(unit.index):
+        if self._needs_read(unit):
+            while len(self._holding) >= self.param_offload.buffer_count:
+                self._finish_gather(self._holding[0])  # free the oldest buffer
             unit.reading = self.swapper.read_master(unit.index)
             self._reading.append(unit)
+            self._holding.append(unit)
+            self.peak_param_buffers = max(self.peak_param_buffers, len(self._holding))
             return
         self._launch_gather(unit, unit.master.detach())
+
+    def _needs_read(self, unit: _Bucket) -> bool:
+        """Whether gathering ``unit`` starts with reading its shard from a swap file."""
+        return self.swapper is not None and self.swapper.master_swapped(unit.index)
+
+    def _finish_gather(self, unit: _Bucket) -> None:
+        """Complete ``unit``'s read (launching the gathers read before it) and all-gather,
+        and point its parameters at the full buffer."""
+        if getattr(unit, "reading", None) is not None:
+            self._gather_read(unit)
+        unit.pending.wait()
+        unit.pending = None
+        self._release_buffer(unit)
+        for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
+            p.data = unit.flat_param[off:off + shape.numel()].view(shape)
+        unit.gathered = True
+
+    def _release_buffer(self, unit: _Bucket) -> None:
+        if unit in self._holding:
+            self._holding.remove(unit)
 
     def _launch_gather(self, unit: _Bucket, shard: torch.Tensor) -> None:
         unit.pending = self.comm.all_gather_into_tensor(
@@ -238,17 +275,26 @@ class Stage3Strategy(ShardedStrategy):
                 pinned.add(unit.index)
         return frozenset(pinned)
 
+    def _check_param_buffer_size(self) -> None:
+        """Every unit shard swapped with offload_param nvme must fit one read buffer (the
+        same layout on every rank, so every rank raises)."""
+        if self.param_offload is None or self.param_offload.device != "nvme":
+            return
+        size, pinned = self.param_offload.buffer_size, self._pinned_masters()
+        too_large = [u for u in self.buckets if u.index not in pinned and u.shard > size]
+        if too_large:
+            unit = max(too_large, key=lambda u: u.shard)
+            raise ConfigError(
+                f"zero_optimization.offload_param.buffer_size={size} elements is smaller than the "
+                f"parameter shard of {type(unit.module).__name__} ({', '.join(self.names[p] for p in unit.params)}: "
+                f"{unit.shard} elements per rank); raise buffer_size to at least {unit.shard}, use more "
+                "ranks, or keep those parameters in CPU memory with offload_param.max_in_cpu")
+
     def _unshard(self, unit: _Bucket) -> None:
         if getattr(unit, "gathered", True):
             return
         self._start_unshard(unit)
-        if getattr(unit, "reading", None) is not None:
-            self._gather_read(unit)
-        unit.pending.wait()
-        unit.pending = None
-        for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
-            p.data = unit.flat_param[off:off + shape.numel()].view(shape)
-        unit.gathered = True
+        self._finish_gather(unit)
 
     def _reshard(self, unit: _Bucket, *, force: bool = False) -> None:
         if getattr(unit, "persistent", False) or not getattr(unit, "gathered", True) and \
@@ -263,6 +309,7 @@ class Stage3Strategy(ShardedStrategy):
         if getattr(unit, "pending", None) is not None:  # a prefetch nobody used
             unit.pending.wait()
             unit.pending = None
+        self._release_buffer(unit)
         unit.flat_param.untyped_storage().resize_(0)
         self._count_live(unit, -1)
         for p in unit.params:  # an empty tensor, so reading a sharded parameter cannot crash
@@ -302,6 +349,8 @@ class Stage3Strategy(ShardedStrategy):
                 continue
             if self.live_numel + order[i].padded > self.max_live_numel:
                 return  # stage3_max_live_parameters
+            if self._needs_read(order[i]) and len(self._holding) >= self.param_offload.buffer_count:
+                return  # offload_param.buffer_count: no free read buffer
             budget -= order[i].padded
             self._start_unshard(order[i])
             i += step

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shardwise
+from shardwise.config import ConfigError
 from shardwise.offload import SwapFileError, SwapPathError, make_swap_dir
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
@@ -46,7 +47,8 @@ def _check(rank, world_size, cases, nvme_root):
     batches = token_batches(num_steps=STEPS, batch=MICRO * GAS * world_size, seed=2)
     reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=CLIP, split_groups=False)
     for name, stage, device, dtype, knobs in cases:
-        plain, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(stage, dtype))
+        same_layout = {k: v for k, v in knobs.items() if k not in ("offload", "offload_param")}
+        plain, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(stage, dtype, **same_layout))
         engine_train(plain, batches, rank=rank, world_size=world_size, micro=MICRO)
         offload = {"device": device, "nvme_path": nvme_root, **knobs.pop("offload", {})}
         if "offload_param" in knobs:
@@ -77,7 +79,9 @@ def _check(rank, world_size, cases, nvme_root):
                 files=len(list(swapper.folder.glob("*.bin"))),
                 # offload_param nvme: the fp32 parameter shards left in memory (pinned ones only)
                 params_in_memory=sum(m.numel() for m in masters),
-                pinned_numel=sum(masters[i].numel() for i in swapper.pinned))
+                pinned_numel=sum(masters[i].numel() for i in swapper.pinned),
+                read_buffers=getattr(strategy, "peak_param_buffers", 0),
+                buffer_count=engine.config.zero.offload_param.buffer_count)
             swapper.close()
             result["folder_removed"] = not swapper.folder.exists()
         report[name] = result
@@ -98,6 +102,8 @@ CASES = {
         ("s3 nvme bf16", 3, "nvme", "bf16", {"sub_group_size": 300}),
         ("s3 nvme bf16, parameters on nvme", 3, "nvme", "bf16",
          {"sub_group_size": 300, "offload_param": {"device": "nvme", "max_in_cpu": 0}}),
+        ("s3 nvme bf16, parameters on nvme, 1 read buffer", 3, "nvme", "bf16",
+         {"offload_param": {"device": "nvme", "max_in_cpu": 0, "buffer_count": 1}}),
         ("s3 nvme fp32, parameters on nvme, 600 in cpu", 3, "nvme", "fp32",
          {"offload_param": {"device": "nvme", "max_in_cpu": 600}}),
         ("s3 cpu fp32, parameters on cpu", 3, "cpu", "fp32", {"offload_param": {"device": "cpu"}}),
@@ -134,6 +140,10 @@ def test_offloaded_training_matches_the_same_stage_without_offload(tmp_path, wor
                 if on_nvme:  # only the pinned shards (max_in_cpu) stay in memory
                     assert r["params_in_memory"] == r["pinned_numel"], where
                     assert (r["pinned_numel"] > 0) == ("in cpu" in name), where
+                    # prefetch reads ahead, within offload_param.buffer_count read buffers
+                    assert 1 <= r["read_buffers"] <= r["buffer_count"], where
+                    if r["buffer_count"] > 1 and r["pinned_numel"] == 0:
+                        assert r["read_buffers"] >= 2, where
         many = report.get("s2 nvme fp32, many sub-groups, 2 buffers")
         if many:  # six sub-groups, two buffers: never the whole state in memory (largest shard: 256 of 808)
             assert many["sub_groups"] == 6 and many["peak_fraction"] < 0.7, many
@@ -151,6 +161,14 @@ def _bad_paths(rank, world_size, tmp):
             errors[name] = None
         except SwapPathError as exc:
             errors[name] = str(exc)
+    # a unit shard larger than one parameter read buffer (fc1 holds 544 elements: 272 per rank)
+    config = _config(3, "fp32", {"device": "nvme", "nvme_path": tmp},
+                     offload_param={"device": "nvme", "nvme_path": tmp, "max_in_cpu": 0, "buffer_size": 200})
+    try:
+        shardwise.initialize(model=TinyMLP(seed=1), config=config)
+        errors["buffer_size"] = None
+    except ConfigError as exc:
+        errors["buffer_size"] = str(exc)
     # a swap file altered between steps is caught on the next read
     engine, _, _, _ = shardwise.initialize(
         model=TinyMLP(seed=1), config=_config(2, "fp32", {"device": "nvme", "nvme_path": tmp}))
@@ -174,6 +192,8 @@ def test_bad_nvme_path_is_a_clear_error_before_training(tmp_path):
         assert "is not a directory" in errors["file"], errors
         assert "cannot create swap files" in errors["unwritable"] and "/sys" in errors["unwritable"], errors
         assert "fails its checksum" in errors["corrupt"] and "exp_avg" in errors["corrupt"], errors
+        assert "buffer_size=200" in errors["buffer_size"] and "fc1.weight" in errors["buffer_size"] \
+            and "at least 272" in errors["buffer_size"], errors
 
 
 def test_full_disk_is_a_clear_error(tmp_path):
@@ -232,3 +252,39 @@ def test_model_built_under_zero_init_trains_with_parameters_on_nvme(tmp_path):
     for slices_on_cpu, same, params_in_memory in run_distributed(_built_on_nvme, world_size=2, tmp_path=tmp_path,
                                                                  nvme_root=str(tmp_path)):
         assert slices_on_cpu and same and params_in_memory == 0
+
+
+class _Branching(torch.nn.Module):
+    """Uses branch ``a`` on even calls and ``b`` on odd ones, so stage 3's prefetch (which
+    replays the first step's order) reads a shard that the next call does not use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.b, self.out = (torch.nn.Linear(8, 8), torch.nn.Linear(8, 8),
+                                              torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        self.calls = 0
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        h = self.a(h) if self.calls % 2 == 0 else self.b(h)
+        self.calls += 1
+        return ((self.out(torch.tanh(h)) - y) ** 2).mean()
+
+
+def _mispredicted(rank, world_size, nvme_root):
+    generator = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 8, generator=generator), torch.randn(8, 1, generator=generator)) for _ in range(4)]
+    params = {}
+    for name, knobs in (("plain", {}), ("nvme", {"offload_param": {"device": "nvme", "nvme_path": nvme_root,
+                                                                   "max_in_cpu": 0, "buffer_count": 1}})):
+        config = _config(3, "fp32", {"device": "nvme", "nvme_path": nvme_root} if knobs else None, **knobs)
+        engine, _, _, _ = shardwise.initialize(model=_Branching(), config=config)
+        engine_train(engine, batches, rank=rank, world_size=world_size, micro=1)
+        params[name] = _params(engine.module)
+    return all(torch.equal(a, b) for a, b in zip(params["plain"], params["nvme"])), engine.strategy.peak_param_buffers
+
+
+def test_a_mispredicted_prefetch_with_one_read_buffer_trains_the_same(tmp_path):
+    for same, peak in run_distributed(_mispredicted, world_size=2, tmp_path=tmp_path, nvme_root=str(tmp_path)):
+        assert same and peak == 1, (same, peak)
