@@ -177,12 +177,18 @@ def _check_manifest(path: Path, manifest: Any) -> None:
 
 
 def read_tensors(ckpt_dir: str | os.PathLike, name: str, *, manifest: Mapping[str, Any] | None = None,
-                 verify: bool = True) -> dict[str, torch.Tensor]:
+                 verify: bool = True, mmap: bool = False) -> dict[str, torch.Tensor]:
     """Load the tensor file ``name`` of a checkpoint onto the CPU, after checking it.
 
     The file's size is always compared with the manifest (cheap; catches truncation).
     With ``verify`` its sha256 is compared too, which reads the file once more; turn it
     off only where the storage is trusted and load time matters.
+
+    With ``mmap`` the tensors are views of a private (copy-on-write) mapping of the file:
+    pages are read when first touched and, being file pages, are not counted against
+    anonymous memory and can be dropped under pressure, so a caller that copies a slice of
+    each tensor (a ZeRO rank taking its shard) never holds the whole file. Writing to such
+    a tensor changes this process's copy only, never the file.
 
     Args:
         ckpt_dir: The checkpoint directory ``<load_dir>/<tag>``.
@@ -228,7 +234,51 @@ def read_tensors(ckpt_dir: str | os.PathLike, name: str, *, manifest: Mapping[st
                                   f"not match the manifest's {record['sha256'][:16]}...); it was "
                                   "damaged on disk or in transfer; load an earlier tag or re-save")
     try:
-        return safetensors.torch.load_file(str(path), device="cpu")
+        return _map_tensors(path) if mmap else safetensors.torch.load_file(str(path), device="cpu")
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {path} cannot be read as safetensors ({exc}); it was "
                               "damaged; load an earlier tag or re-save") from exc
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of a private mapping of it (see
+    ``read_tensors(mmap=True)``). Raises ValueError for a malformed file."""
+    import mmap
+
+    with open(path, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        size = os.fstat(handle.fileno()).st_size
+        if header_len <= 0 or 8 + header_len > size:
+            raise ValueError(f"header length {header_len} does not fit a file of {size} bytes")
+        header = json.loads(handle.read(header_len))
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    base = 8 + header_len
+    tensors = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {key!r} has dtype {info['dtype']!r}, which shardwise does not read")
+        begin, end = info["data_offsets"]
+        shape = [int(d) for d in info["shape"]]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        count = 1
+        for dim in shape:
+            count *= dim
+        if end - begin != count * itemsize or base + end > size:
+            raise ValueError(f"tensor {key!r}: offsets {begin}..{end} do not hold {shape} {info['dtype']}")
+        if count == 0:
+            tensors[key] = torch.empty(shape, dtype=dtype)
+        elif (base + begin) % itemsize:  # unaligned for its dtype: copy those bytes out
+            tensors[key] = torch.frombuffer(bytearray(mapped[base + begin:base + end]), dtype=dtype).view(shape)
+        else:
+            tensors[key] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin).view(shape)
+    return tensors

@@ -2,8 +2,10 @@
 
 An engine checkpoint (``engine.save_checkpoint``) holds ``model.safetensors`` (the
 module's state_dict in its training dtype), ``optimizer.safetensors`` (optimizer state by
-parameter name and, under fp16/bf16, the fp32 master weights), ``engine_state.safetensors``
-and ``rng_rank<R>.safetensors``. Because every tensor is stored whole under its name,
+parameter name and, under fp16/bf16, the fp32 master weights; a large state continues in
+``optimizer-00001.safetensors`` and on, listed in the manifest's
+``skeletons.optimizer_files``), ``engine_state.safetensors`` and
+``rng_rank<R>.safetensors``. Because every tensor is stored whole under its name,
 consolidation needs no knowledge of the world size or ZeRO stage that saved it.
 """
 
@@ -23,6 +25,21 @@ ENGINE_FILE = "engine_state.safetensors"
 
 def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
+
+
+def optimizer_file(part: int) -> str:
+    """The file of the ``part``-th piece of the optimizer state (0: ``optimizer.safetensors``)."""
+    return OPTIMIZER_FILE if part == 0 else f"optimizer-{part:05d}.safetensors"
+
+
+def read_optimizer_state(path, manifest: dict, *, mmap: bool = False) -> dict:
+    """The named optimizer state of the checkpoint at ``path``, from all its optimizer files
+    (checked as ``read_tensors`` checks them; ``mmap`` as there)."""
+    skeletons = manifest["skeletons"]
+    tensors = {}
+    for name in skeletons.get("optimizer_files", [OPTIMIZER_FILE]):
+        tensors.update(read_tensors(path, name, manifest=manifest, mmap=mmap))
+    return unflatten_state(tensors, skeletons["optimizer"])
 
 
 def consolidate(load_dir, tag: str | None = None, *, dtype: torch.dtype = torch.float32) -> dict:
@@ -48,9 +65,7 @@ def consolidate(load_dir, tag: str | None = None, *, dtype: torch.dtype = torch.
     module = unflatten_state(read_tensors(path, MODEL_FILE, manifest=manifest), skeletons["module"])
     masters = {}
     if "optimizer" in skeletons and manifest.get("layout", {}).get("param_dtype") != "float32":
-        optimizer = unflatten_state(read_tensors(path, OPTIMIZER_FILE, manifest=manifest),
-                                    skeletons["optimizer"])
-        masters = optimizer.get("master", {})
+        masters = read_optimizer_state(path, manifest).get("master", {})
     aliases = skeletons.get("aliases", {})
     out = {}
     for key, tensor in module.items():

@@ -210,6 +210,21 @@ class OptimizerSwapper:
         itself stays swapped out. For gathering the parameters it holds (stage 3)."""
         return self.io.read(self._records[(i, _MASTER)])
 
+    def replace_state(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Make ``tensors`` master ``i``'s swapped optimizer state (loading a checkpoint):
+        they are written to its files now, and files of keys not among them are dropped.
+        The master must be swapped out."""
+        if i in self._resident:
+            raise RuntimeError(f"master {i} is in memory; replace its state between steps")
+        for key in [k for k in self._keys_on_disk[i] if k != _MASTER and k not in tensors]:
+            del self._keys_on_disk[i][key]
+            self._records.pop((i, key))
+            self._path(i, key).unlink(missing_ok=True)
+        state = self.optimizer.state.get(self.masters[i], {})
+        for key in tensors:
+            state.pop(key, None)
+        self._wait([self._write(i, key, tensor.contiguous()) for key, tensor in tensors.items()])
+
     def swap_out_all(self) -> None:
         """Write every master in memory out (after construction, or after a state load)."""
         for members in self.sub_groups:

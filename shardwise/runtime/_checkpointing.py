@@ -4,7 +4,9 @@ Layout of one checkpoint directory (every tensor is stored under a parameter nam
 a rank or an optimizer index, so any later layout can read it):
 - ``model.safetensors``: the module's state_dict.
 - ``optimizer.safetensors``: optimizer state per parameter name, plus fp32 master
-  weights (``master.<name>``) when the module trains in fp16/bf16.
+  weights (``master.<name>``) when the module trains in fp16/bf16. Written a piece at a
+  time (see ``_write_optimizer``): beyond ``OPTIMIZER_PART_BYTES`` the state continues
+  in ``optimizer-00001.safetensors`` and on.
 - ``engine_state.safetensors``: tensors of the LR scheduler, loss scaler and client state.
 - ``rng_rank<R>.safetensors``: each rank's random number generator states.
 - ``manifest.json``: counters, layout, and the structure (skeleton) of each state above.
@@ -20,11 +22,15 @@ import torch
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import layout as ckpt_layout
+from shardwise.zero._named_state import merge_state_pieces
 
 logger = logging.getLogger("shardwise")
 
-_MODEL, _OPTIMIZER, _ENGINE = ckpt_layout.MODEL_FILE, ckpt_layout.OPTIMIZER_FILE, ckpt_layout.ENGINE_FILE
+_MODEL, _ENGINE = ckpt_layout.MODEL_FILE, ckpt_layout.ENGINE_FILE
 _rng_file = ckpt_layout.rng_file
+
+OPTIMIZER_PART_BYTES = 1 << 30
+"""Bytes of optimizer state gathered into memory before they are written out as one file."""
 
 
 def _aliases(module) -> dict[str, str]:
@@ -63,13 +69,13 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
     files: dict[str, dict[str, torch.Tensor]] = {}
     skeletons: dict = {}
     # collective for sharded stages: every rank takes part, rank 0 writes
-    optimizer_state = engine.strategy.optimizer_state_by_name() if engine.optimizer is not None else None
+    records = {}
+    if engine.optimizer is not None:
+        records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(engine, staging)
     module_state = engine.strategy.module_state_dict()
     if comm.rank == 0:
         files[_MODEL], skeletons["module"] = ckpt.flatten_state(module_state)
         skeletons["aliases"] = _aliases(engine.module)
-        if optimizer_state is not None:
-            files[_OPTIMIZER], skeletons["optimizer"] = ckpt.flatten_state(optimizer_state)
         engine_state = {
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
@@ -78,7 +84,7 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
         files[_ENGINE], skeletons["engine_state"] = ckpt.flatten_state(engine_state)
     rng_tensors, rng_skeleton = ckpt.flatten_state(ckpt.capture_rng_state())
     files[_rng_file(comm.rank)] = rng_tensors
-    records = ckpt.write_files(staging, files)
+    records.update(ckpt.write_files(staging, files))
     all_records = comm.all_gather_object((records, rng_skeleton))
     if comm.rank == 0:
         merged = {name: rec for recs, _ in all_records for name, rec in recs.items()}
@@ -94,6 +100,47 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
                                  save_latest=save_latest)
     comm.barrier(tag=f"checkpoint {tag}: finalized")
     return True
+
+
+def _write_optimizer(engine, staging) -> tuple[dict, dict, list[str]]:
+    """Gather the named optimizer state a bucket at a time (collective) and, on rank 0,
+    write it out in files of about ``OPTIMIZER_PART_BYTES``, so no rank ever holds all of
+    it. Returns rank 0's file records, the state's skeleton and the file names."""
+    writer = engine.comm.rank == 0
+    records: dict = {}
+    skeleton: dict = {"state": {}, "param_groups": [], "master": {}}
+    names: list[str] = []
+    pending: list[dict] = []
+
+    def flush() -> None:
+        part = len(names)
+        names.append(ckpt_layout.optimizer_file(part))
+        tensors, skel = ckpt.flatten_state(merge_state_pieces(pending), prefix=f"part{part}" if part else "")
+        records.update(ckpt.write_files(staging, {names[-1]: tensors}))
+        skeleton["state"].update(skel["state"])
+        skeleton["master"].update(skel["master"])
+        if any("param_groups" in piece for piece in pending):
+            skeleton["param_groups"] = skel["param_groups"]
+        pending.clear()
+
+    pending_bytes = 0
+    for piece in engine.strategy.optimizer_state_pieces(keep=writer):
+        if not writer:
+            continue
+        pending.append(piece)
+        pending_bytes += sum(t.numel() * t.element_size() for t in _tensors_in(piece))
+        if pending_bytes >= OPTIMIZER_PART_BYTES:
+            flush()
+            pending_bytes = 0
+    if writer and (pending or not names):
+        flush()
+    return records, skeleton, names
+
+
+def _tensors_in(piece: dict):
+    for entry in piece["state"].values():
+        yield from (v for v in entry.values() if isinstance(v, torch.Tensor))
+    yield from piece["master"].values()
 
 
 def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_scheduler: bool,
@@ -112,9 +159,10 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     path = Path(load_dir) / tag
     manifest = ckpt.read_manifest(path)
     skeletons = manifest["skeletons"]
-    module_state = ckpt.unflatten_state(ckpt.read_tensors(path, _MODEL, manifest=manifest),
-                                        skeletons["module"])
+    module_state = ckpt.unflatten_state(ckpt.read_tensors(path, _MODEL, manifest=manifest, mmap=True),
+                                        skeletons["module"])  # copied into the parameters
     result = engine.strategy.load_module_state_dict(module_state, strict=strict)
+    del module_state
     if not strict and (result.missing_keys or result.unexpected_keys):
         logger.warning("checkpoint loaded non-strictly: missing %s, unexpected %s",
                        result.missing_keys, result.unexpected_keys)
@@ -126,9 +174,10 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
         if "optimizer" not in skeletons:
             raise ckpt.CheckpointError(f"{path} holds no optimizer state (it was saved without an "
                                        "optimizer); load with load_optimizer_states=False")
-        saved = ckpt.unflatten_state(ckpt.read_tensors(path, _OPTIMIZER, manifest=manifest),
-                                     skeletons["optimizer"])
+        # mapped, not read: each rank copies out only its shards
+        saved = ckpt_layout.read_optimizer_state(path, manifest, mmap=True)
         engine.strategy.load_optimizer_state_by_name(saved)
+        del saved
     if load_scheduler and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
     if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:

@@ -53,7 +53,9 @@ def load_per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], save
             name_to_index[names.get(p, f"unnamed.{index}")] = index
             index += 1
     check_groups(saved, optimizer, name_to_index)
-    state = {name_to_index[n]: s for n, s in saved["state"].items()}
+    # copies: the saved tensors may map a checkpoint file (read_tensors(mmap=True))
+    state = {name_to_index[n]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for n, s in saved["state"].items()}
     # torch pairs saved and current parameters by position, so list them in this optimizer's
     # order (the saved order is another layout's); the options come from the checkpoint
     groups = [{**g, "params": indices} for g, indices in zip(saved["param_groups"], current)]
@@ -62,3 +64,14 @@ def load_per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], save
         for p, name in names.items():
             if name in saved.get("master", {}):
                 p.copy_(saved["master"][name])
+
+
+def merge_state_pieces(pieces) -> dict:
+    """Join the pieces of ``optimizer_state_pieces()`` into one named optimizer state."""
+    merged: dict = {"state": {}, "param_groups": [], "master": {}}
+    for piece in pieces:
+        merged["state"].update(piece["state"])
+        merged["master"].update(piece["master"])
+        if "param_groups" in piece:
+            merged["param_groups"] = piece["param_groups"]
+    return merged

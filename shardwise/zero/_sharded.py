@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ from torch import nn
 
 from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
-from shardwise.zero._named_state import check_groups
+from shardwise.zero._named_state import check_groups, merge_state_pieces
 from shardwise.zero._partition import partition
 from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes
 from shardwise.zero._strategy import ModelStateBytes, StepResult, clip_by_total_norm_
@@ -401,10 +402,16 @@ class ShardedStrategy:
         self.comm.all_gather_into_tensor(full, shard.to(device).contiguous(), tag="checkpoint gather").wait()
         return full
 
-    def optimizer_state_by_name(self) -> dict:
-        """Gather the sharded optimizer state into full tensors per parameter name (collective)."""
-        state: dict[str, dict] = {}
-        master: dict[str, torch.Tensor] = {}
+    def optimizer_state_pieces(self, *, keep: bool = True) -> Iterator[dict]:
+        """The optimizer state by name, one bucket at a time (collective: every rank must
+        iterate to the end). Each piece is ``{"state": {name: {key: full tensor or number}},
+        "master": {name: fp32 tensor}}``; the first also holds ``"param_groups"``. Only one
+        bucket's gathered state is alive at a time (with nvme offload, only its state is
+        swapped in); ``keep=False`` takes part in the gathers and yields empty pieces (for
+        ranks that do not write the checkpoint)."""
+        groups = [{**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
+                  for g, options in enumerate(self._optimizer_group_options())]
+        yield {"state": {}, "master": {}, "param_groups": groups}
         for bucket in self.buckets:
             with self._resident([bucket]):
                 per_key = {}
@@ -415,48 +422,74 @@ class ShardedStrategy:
                         else value
                 full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy \
                     else None
+            if not keep:
+                yield {"state": {}, "master": {}}
+                continue
+            state, master = {}, {}
             for p, off, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 name = self.names[p]
-                state[name] = {k: (v[off:off + shape.numel()].view(shape).clone()
-                                   if isinstance(v, torch.Tensor) and v.numel() == bucket.padded else v)
-                               for k, v in per_key.items()}
+                entry = {k: (v[off:off + shape.numel()].view(shape).clone()
+                             if isinstance(v, torch.Tensor) and v.numel() == bucket.padded else v)
+                         for k, v in per_key.items()}
+                if entry:
+                    state[name] = entry
                 if full_master is not None:
                     master[name] = full_master[off:off + shape.numel()].view(shape).clone()
-        groups = [{**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
-                  for g, options in enumerate(self._optimizer_group_options())]
-        return {"state": {n: s for n, s in state.items() if s}, "param_groups": groups, "master": master}
+            del per_key, full_master
+            yield {"state": state, "master": master}
+
+    def optimizer_state_by_name(self) -> dict:
+        """Gather the sharded optimizer state into full tensors per parameter name (collective)."""
+        return merge_state_pieces(self.optimizer_state_pieces())
 
     def _optimizer_group_options(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
     def load_optimizer_state_by_name(self, saved: dict) -> None:
-        """Cut this rank's shards out of a named optimizer state (from any stage or world size)."""
+        """Cut this rank's shards out of a named optimizer state (from any stage or world
+        size). With nvme offload each bucket's state goes to its swap files before the next
+        bucket's is cut, so the rank's whole state is never in memory at once."""
         check_groups(saved, self.optimizer, set(self.names.values()))
         index = {id(b.master): i for i, b in enumerate(self.buckets)}
-        state: dict[int, dict] = {}
         masters = saved.get("master", {})
+        groups = [{**saved_group, "params": [index[id(p)] for p in group["params"]]}
+                  for saved_group, group in zip(saved["param_groups"], self.optimizer.param_groups)]
+        state: dict[int, dict] = {}
         for bucket in self.buckets:
-            named = [saved["state"].get(self.names[p], {}) for p in bucket.params]
-            keys = set().union(*named)
-            entry = {}
-            for key in keys:
-                values = [s.get(key) for s in named]
-                if key == "step" or not isinstance(values[0], torch.Tensor):
-                    entry[key] = next(v for v in values if v is not None)
-                    continue
-                entry[key] = self._local_slice(bucket, values, values[0].dtype)
-            if entry:
-                state[index[id(bucket.master)]] = entry
             if self.policy.needs_master_copy and all(self.names[p] in masters for p in bucket.params):
                 with torch.no_grad(), self._resident([bucket]):
                     bucket.master.copy_(self._local_slice(
                         bucket, [masters[self.names[p]] for p in bucket.params], torch.float32))
-        groups = [{**saved_group, "params": [index[id(p)] for p in group["params"]]}
-                  for saved_group, group in zip(saved["param_groups"], self.optimizer.param_groups)]
+            entry = self._saved_entry(bucket, saved["state"])
+            if self.swapper is None:
+                if entry:
+                    state[index[id(bucket.master)]] = entry
+                continue
+            # scalars (``step``) through the optimizer's own loading; tensors straight to the files
+            scalars = {k: v for k, v in entry.items() if not self._is_shard_state(bucket, v)}
+            if scalars:
+                state[index[id(bucket.master)]] = scalars
+            self.swapper.replace_state(bucket.index, {k: v.to(torch.float32) for k, v in entry.items()
+                                                      if self._is_shard_state(bucket, v)})
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        if self.swapper is not None:
-            self.swapper.swap_out_all()  # the loaded state goes to the swap files
         self.sync_params_from_master()
+
+    @staticmethod
+    def _is_shard_state(bucket: _Bucket, value) -> bool:
+        return isinstance(value, torch.Tensor) and value.numel() == bucket.shard and value.numel() > 1
+
+    def _saved_entry(self, bucket: _Bucket, saved_state: dict) -> dict:
+        """This rank's shard of the saved optimizer state of ``bucket``'s parameters."""
+        named = [saved_state.get(self.names[p], {}) for p in bucket.params]
+        entry = {}
+        for key in set().union(*named):
+            values = [s.get(key) for s in named]
+            first = next(v for v in values if v is not None)
+            if key == "step" or not isinstance(first, torch.Tensor):
+                entry[key] = first
+            else:
+                entry[key] = self._local_slice(bucket, values, first.dtype)
+        return entry
 
     def _local_slice(self, bucket: _Bucket, values, dtype) -> torch.Tensor:
         flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.flat_param.device)

@@ -16,6 +16,7 @@ Collectives issued in different orders on different ranks would deadlock or mix 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -169,6 +170,10 @@ class Stage0Strategy:
         """The optimizer state keyed by parameter name (see ``_named_state``)."""
         return per_param_state_by_name(self.optimizer, self.named_optimizer_params(),
                                        masters=bool(self._master))
+
+    def optimizer_state_pieces(self, *, keep: bool = True) -> Iterator[dict]:
+        """The named optimizer state as one piece (stage 0 gathers nothing)."""
+        yield self.optimizer_state_by_name() if keep else {"state": {}, "master": {}}
 
     def load_optimizer_state_by_name(self, saved: dict) -> None:
         load_per_param_state_by_name(self.optimizer, self.named_optimizer_params(), saved)

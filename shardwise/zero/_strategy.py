@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +64,8 @@ class ZeroStrategy(Protocol):
     def model_state_bytes(self) -> ModelStateBytes: ...
 
     def optimizer_state_by_name(self) -> dict: ...
+
+    def optimizer_state_pieces(self, *, keep: bool = True) -> Iterator[dict]: ...
 
     def load_optimizer_state_by_name(self, saved: dict) -> None: ...
 

@@ -12,6 +12,7 @@ import torch
 
 import shardwise
 from shardwise.config import ConfigError
+from shardwise.runtime import _checkpointing as checkpointing
 from shardwise.offload import SwapFileError, SwapPathError, make_swap_dir
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
@@ -211,15 +212,26 @@ def _resume(rank, world_size, save_dir, nvme_root, stage):
     straight, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1),
                                              config=_config(stage, "bf16", offload, sub_group_size=500, **params_too))
     engine_train(straight, batches[:2], rank=rank, world_size=world_size, micro=MICRO)
+    checkpointing.OPTIMIZER_PART_BYTES = 3000  # the state is written a few buckets per file
     straight.save_checkpoint(save_dir)
+    saved_params = _params(straight.module)
     engine_train(straight, batches[2:], rank=rank, world_size=world_size, micro=MICRO)
     expected = _params(straight.module)
-    same = {}
+    tag = Path(save_dir) / "global_step2"
+    consolidated = shardwise.checkpoint.consolidate(save_dir)
+    same = {"optimizer files": len(list(tag.glob("optimizer*.safetensors"))) >= 3,
+            # fp32 masters, which the bf16 parameters are roundings of
+            "consolidated": all(torch.equal(a, consolidated[n].bfloat16().float())
+                                for (n, _), a in zip(straight.module.named_parameters(), saved_params)),
+            "from the masters": all(not torch.equal(c, c.bfloat16().float()) for c in consolidated.values())}
     for name, config in (("nvme", _config(stage, "bf16", offload, sub_group_size=300, **params_too)),
                          ("cpu", _config(stage, "bf16", {"device": "cpu"})),
                          ("none", _config(stage, "bf16"))):
         resumed, _, _, _ = shardwise.initialize(model=TinyMLP(seed=99), config=config)
         resumed.load_checkpoint(save_dir)
+        if name == "nvme":  # loaded straight into the swap files
+            same["nothing resident"] = not any(isinstance(v, torch.Tensor) and v.numel() > 1
+                                               for s in resumed.optimizer.state.values() for v in s.values())
         engine_train(resumed, batches[2:], rank=rank, world_size=world_size, micro=MICRO)
         same[name] = all(torch.equal(a, b) for a, b in zip(expected, _params(resumed.module)))
     return same

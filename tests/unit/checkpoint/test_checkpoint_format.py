@@ -294,8 +294,41 @@ def test_corrupted_byte_same_size(tmp_path):
 def test_unparsable_safetensors_with_matching_record(tmp_path):
     path = _save(tmp_path, "one", 1) / "model.safetensors"
     path.write_bytes(b"\xff" * path.stat().st_size)
-    with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
-        ckpt.read_tensors(path.parent, "model.safetensors", verify=False)
+    for mmap in (False, True):
+        with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
+            ckpt.read_tensors(path.parent, "model.safetensors", verify=False, mmap=mmap)
+
+
+def test_mapped_read_matches_a_full_read_and_never_writes_the_file(tmp_path):
+    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5, dtype=torch.bfloat16),
+               "i64": torch.arange(3), "flags": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
+               "empty": torch.empty(0, 2), "f16": torch.randn(2, 2, dtype=torch.float16)}
+    path = ckpt.write_checkpoint(tmp_path, "t", files={"x.safetensors": tensors},
+                                 manifest={"skeletons": {}}, save_latest=False)
+    before = (path / "x.safetensors").read_bytes()
+    full = ckpt.read_tensors(path, "x.safetensors")
+    mapped = ckpt.read_tensors(path, "x.safetensors", mmap=True)
+    assert set(mapped) == set(tensors)
+    for key, tensor in tensors.items():
+        assert mapped[key].dtype == tensor.dtype and mapped[key].shape == tensor.shape, key
+        assert torch.equal(mapped[key], tensor) and torch.equal(full[key], tensor), key
+    mapped["f32"].mul_(0)  # a private copy-on-write mapping: the file keeps its bytes
+    assert (path / "x.safetensors").read_bytes() == before
+    assert torch.equal(ckpt.read_tensors(path, "x.safetensors", mmap=True)["f32"], tensors["f32"])
+
+
+def test_mapped_read_refuses_offsets_outside_the_file(tmp_path):
+    path = _save(tmp_path, "one", 1) / "model.safetensors"
+    data = path.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_len])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"][1] += 4096
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(header_len)
+    assert len(text) == header_len
+    path.write_bytes(data[:8] + text + data[8 + header_len:])
+    with pytest.raises(CheckpointError, match="do not hold"):
+        ckpt.read_tensors(path.parent, "model.safetensors", verify=False, mmap=True)
 
 
 def test_missing_file(tmp_path):
