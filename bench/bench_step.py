@@ -9,6 +9,14 @@ reports medians, spreads and ratios to the first DDP run (see ../shared/BENCHMAR
 Variants: ``floor`` (each rank trains alone: the compute-only floor), ``ddp``, ``fsdp2``,
 ``shardwise<stage>``, ``deepspeed<stage>``. DeepSpeed runs in its own interpreter
 (``--ds-python``) so it is never a dependency of shardwise.
+
+``--checkpoint DIR`` also saves a checkpoint after the steps and loads it back, each
+variant its own way (DDP: ``torch.save``/``torch.load`` of the state dicts on rank 0; FSDP2:
+``torch.distributed.checkpoint``; shardwise and DeepSpeed: their engine's
+``save_checkpoint``/``load_checkpoint``), and reports the time of each and the peak
+memory above what the rank held before it: anonymous memory (sampled every 2 ms) and
+the resident high-water mark (``VmHWM``, reset before each; it includes file pages a
+mapped load touches).
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ def _state_bytes(model, optimizer) -> int:
 
 
 def _build(args, variant: str, model):
-    """Returns (step_fn, state_bytes_fn) for one variant."""
+    """Returns (step_fn, state_bytes_fn, save_fn(dir), load_fn(dir)) for one variant."""
     import torch
     import torch.distributed as dist
 
@@ -77,7 +85,8 @@ def _build(args, variant: str, model):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
-        return step, lambda: _state_bytes(model, optimizer)
+        save, load = (_dcp_save_load if variant == "fsdp2" else _torch_save_load)(model, optimizer)
+        return step, lambda: _state_bytes(model, optimizer), save, load
     stage = int(variant[-1])
     if variant.startswith("shardwise"):
         import shardwise
@@ -85,11 +94,82 @@ def _build(args, variant: str, model):
         del config["zero_allow_untested_optimizer"]
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                                config=config)
-        return _engine_step(engine), lambda: engine.model_state_bytes().total
+        return (_engine_step(engine), lambda: engine.model_state_bytes().total,
+                engine.save_checkpoint, engine.load_checkpoint)
     import deepspeed
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()),
                                                    config=_config(args, stage))
-    return _engine_step(engine), lambda: float("nan")  # DeepSpeed's buffers are not all visible
+    # DeepSpeed's buffers are not all visible
+    return _engine_step(engine), lambda: float("nan"), engine.save_checkpoint, engine.load_checkpoint
+
+
+def _torch_save_load(model, optimizer):
+    """Plain PyTorch checkpointing: rank 0 saves the state dicts, every rank loads them."""
+    import torch
+    import torch.distributed as dist
+
+    def save(folder):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, Path(folder) / "state.pt")
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load(folder):
+        state = torch.load(Path(folder) / "state.pt", map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    return save, load
+
+
+def _dcp_save_load(model, optimizer):
+    """FSDP2's checkpointing: torch.distributed.checkpoint, each rank writing its shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def save(folder):
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+    def load(folder):
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return save, load
+
+
+def _memory_mb() -> tuple[float, float]:
+    """(anonymous resident MB, resident high-water mark MB) of this process."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields["RssAnon"], fields["VmHWM"]
+
+
+def _measure(fn) -> dict:
+    """Run ``fn``; its time, and its peak memory above the memory held before it."""
+    import threading
+
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    anon_before, hwm_before = _memory_mb()
+    peak = [anon_before]
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], _memory_mb()[0])
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    anon_after, hwm_after = _memory_mb()
+    return {"s": seconds, "anon_mb": max(peak[0], anon_after) - anon_before, "hwm_mb": hwm_after - hwm_before}
 
 
 def _engine_step(engine):
@@ -121,7 +201,7 @@ def worker(args) -> None:
             model = GPT(config)
     else:
         model = GPT(config)
-    step, state_bytes = _build(args, args.variant, model)
+    step, state_bytes, save, load = _build(args, args.variant, model)
     generator = torch.Generator().manual_seed(1000 + rank)
     x = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_len), generator=generator)
     y = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_len), generator=generator)
@@ -132,6 +212,23 @@ def worker(args) -> None:
         times.append(time.perf_counter() - start)
     result = {"times": times, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
               "state_mb": state_bytes() / 2 ** 20}
+    if args.checkpoint:
+        import shutil
+
+        folder = Path(args.checkpoint) / args.variant
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
+        result["save"] = _measure(lambda: save(folder))
+        if dist.is_initialized():
+            dist.barrier()
+        result["load"] = _measure(lambda: load(folder))
+        result["checkpoint_mb"] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2 ** 20
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
     Path(args.result).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.barrier()
@@ -158,7 +255,8 @@ def run_variant(args, variant: str) -> dict:
                 env["WORLD_SIZE"] = "1"
             cmd = [python, __file__, "--worker", "--variant", variant, "--preset", args.preset,
                    "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--result", str(result),
-                   "--zero", args.zero, "--peer-kernel", args.peer_kernel] + (["--zero-init"] if args.zero_init else [])
+                   "--zero", args.zero, "--peer-kernel", args.peer_kernel] + (["--zero-init"] if args.zero_init else []) \
+                + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -168,8 +266,13 @@ def run_variant(args, variant: str) -> dict:
             return {"error": lines[-1][:160] if lines else "failed"}
         ranks = [json.loads(result.with_suffix(f".rank{r}.json").read_text()) for r in range(args.world_size)]
     times = ranks[0]["times"][args.warmup:]
-    return {"median": statistics.median(times), "min": min(times), "max": max(times),
-            "rss_mb": max(r["rss_mb"] for r in ranks), "state_mb": max(r["state_mb"] for r in ranks)}
+    out = {"median": statistics.median(times), "min": min(times), "max": max(times),
+           "rss_mb": max(r["rss_mb"] for r in ranks), "state_mb": max(r["state_mb"] for r in ranks)}
+    if args.checkpoint:
+        for op in ("save", "load"):  # the slowest rank's time, the largest rank's memory
+            out[op] = {key: max(r[op][key] for r in ranks) for key in ("s", "anon_mb", "hwm_mb")}
+        out["checkpoint_mb"] = ranks[0]["checkpoint_mb"]
+    return out
 
 
 def _versions(ds_python: str) -> str:
@@ -210,6 +313,21 @@ def table(args, results: list[tuple[str, dict]]) -> str:
         vs_floor = f"{r['median'] / floor:.2f}" if floor else "-"
         lines.append(f"| {variant} | {r['median']:.3f} | {r['min']:.3f}-{r['max']:.3f} | {vs_ddp} | "
                      f"{vs_floor} | {r['rss_mb']:.0f} | {r['state_mb']:.0f} |".replace("| nan |", "| - |"))
+    if args.checkpoint:
+        lines += ["", "Checkpoint after the steps (per rank: slowest time, largest extra memory above what "
+                  "the rank held before; ratios to the first DDP run):", "",
+                  "| variant | save s | save peak anon MB | save VmHWM MB | load s | load peak anon MB | "
+                  "load VmHWM MB | checkpoint MB | save anon vs DDP | load anon vs DDP |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        ddp = next((r for v, r in results if v == "ddp" and "save" in r), None)
+        for variant, r in results:
+            if "save" not in r:
+                continue
+            ratio = (lambda op: f"{r[op]['anon_mb'] / ddp[op]['anon_mb']:.2f}" if ddp and ddp[op]['anon_mb'] > 0
+                     else "-")
+            lines.append(f"| {variant} | {r['save']['s']:.2f} | {r['save']['anon_mb']:.0f} | {r['save']['hwm_mb']:.0f} "
+                         f"| {r['load']['s']:.2f} | {r['load']['anon_mb']:.0f} | {r['load']['hwm_mb']:.0f} | "
+                         f"{r['checkpoint_mb']:.0f} | {ratio('save')} | {ratio('load')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -230,6 +348,9 @@ def main() -> None:
                              "picks its own: fused on CPU and CUDA)")
     parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--checkpoint", default=None,
+                        help="after the steps, save a checkpoint under this folder and load it back, "
+                             "and report their time and memory")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
