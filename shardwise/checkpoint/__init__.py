@@ -14,7 +14,9 @@ Public API:
     CheckpointError, flatten_state, unflatten_state, write_checkpoint, begin_checkpoint,
     write_files, finalize_checkpoint, write_latest, resolve_tag, list_tags,
     read_manifest, read_tensors, capture_rng_state, restore_rng_state, validate_tag,
-    FORMAT_VERSION, consolidate (an engine checkpoint -> one full state dict).
+    FORMAT_VERSION, consolidate (an engine checkpoint -> one full state dict), and for a
+    file that several ranks write in place: tensor_file_layout, create_tensor_file,
+    write_into, seal_tensor_file.
 """
 
 from shardwise.checkpoint._flatten import flatten_state, unflatten_state
@@ -24,13 +26,18 @@ from shardwise.checkpoint._rng import capture_rng_state, restore_rng_state
 from shardwise.checkpoint.layout import consolidate
 from shardwise.checkpoint._write import (
     begin_checkpoint,
+    create_tensor_file,
     finalize_checkpoint,
+    seal_tensor_file,
+    tensor_file_layout,
+    write_into,
     write_checkpoint,
     write_files,
     write_latest,
 )
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "begin_checkpoint", "capture_rng_state", "consolidate",
+           "create_tensor_file", "seal_tensor_file", "tensor_file_layout", "write_into",
            "finalize_checkpoint", "flatten_state", "list_tags", "read_manifest", "read_tensors",
            "resolve_tag", "restore_rng_state", "unflatten_state", "validate_tag",
            "write_checkpoint", "write_files", "write_latest"]

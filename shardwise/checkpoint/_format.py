@@ -6,6 +6,8 @@ import hashlib
 import os
 from pathlib import Path
 
+import torch
+
 FORMAT_NAME = "shardwise"
 """Value of ``manifest.json["format"]`` in every shardwise checkpoint."""
 
@@ -89,3 +91,11 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+"""safetensors' dtype names, for the files shardwise maps and lays out itself."""

@@ -21,6 +21,7 @@ from shardwise.checkpoint._format import (
     FORMAT_VERSION,
     LATEST_NAME,
     MANIFEST_NAME,
+    SAFETENSORS_DTYPES,
     CheckpointError,
     sha256_file,
     validate_file_name,
@@ -240,13 +241,6 @@ def read_tensors(ckpt_dir: str | os.PathLike, name: str, *, manifest: Mapping[st
                               "damaged; load an earlier tag or re-save") from exc
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
 def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file as views of a private mapping of it (see
     ``read_tensors(mmap=True)``). Raises ValueError for a malformed file."""
@@ -264,7 +258,7 @@ def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
         if dtype is None:
             raise ValueError(f"tensor {key!r} has dtype {info['dtype']!r}, which shardwise does not read")
         begin, end = info["data_offsets"]

@@ -34,6 +34,7 @@ from shardwise.checkpoint._format import (
     FORMAT_VERSION,
     LATEST_NAME,
     MANIFEST_NAME,
+    SAFETENSORS_DTYPES,
     TENSOR_SUFFIX,
     CheckpointError,
     fsync_dir,
@@ -129,6 +130,68 @@ def _write_one(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any
         os.fsync(handle.fileno())
         size = os.fstat(handle.fileno()).st_size
     return {"bytes": size, "sha256": sha256_file(path)}
+
+
+def tensor_file_layout(entries) -> tuple[bytes, dict[str, int], int]:
+    """The layout of a safetensors file holding ``entries`` (``(key, dtype, shape)``, data
+    in this order). Returns ``(header bytes, {key: absolute byte offset of its data}, file
+    size)``. A pure function, so every rank that writes into the file computes the same
+    offsets without communicating (see ``create_tensor_file`` and ``write_into``)."""
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    relative, position = {}, 0
+    for key, dtype, shape in entries:
+        if key in header:
+            raise ValueError(f"tensor key {key!r} appears twice in one file")
+        if dtype not in names:
+            raise TypeError(f"cannot lay out tensor {key!r} of dtype {dtype} in a safetensors file")
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        header[key] = {"dtype": names[dtype], "shape": [int(d) for d in shape],
+                       "data_offsets": [position, position + nbytes]}
+        relative[key] = position
+        position += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header with spaces to 8 bytes
+    prefix = len(text).to_bytes(8, "little") + text
+    return prefix, {key: len(prefix) + offset for key, offset in relative.items()}, len(prefix) + position
+
+
+def create_tensor_file(path: str | os.PathLike, entries) -> dict[str, int]:
+    """Create the safetensors file ``path`` for ``entries`` with its data still to be
+    written in place (``write_into``, by any process); returns each key's byte offset.
+    Call ``seal_tensor_file`` once every write is done."""
+    path = Path(path)
+    validate_file_name(path.name)
+    prefix, offsets, size = tensor_file_layout(entries)
+    with open(path, "xb") as handle:
+        handle.write(prefix)
+        handle.truncate(size)
+    return offsets
+
+
+def write_into(path: str | os.PathLike, offset: int, tensor: torch.Tensor) -> None:
+    """Write ``tensor``'s bytes at byte ``offset`` of the file ``path`` (no copy of a
+    contiguous CPU tensor)."""
+    data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        done = 0
+        while done < len(data):  # short writes are legal; finish the request
+            done += os.pwrite(fd, data[done:done + (1 << 26)], offset + done)
+    finally:
+        os.close(fd)
+
+
+def seal_tensor_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Flush a file every writer has finished (``write_into``) and return its record for
+    ``finalize_checkpoint``."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+        size = os.fstat(handle.fileno()).st_size
+    return {"bytes": size, "sha256": sha256_file(Path(path))}
 
 
 def finalize_checkpoint(save_dir: str | os.PathLike, tag: str, staging_dir: str | os.PathLike, *,

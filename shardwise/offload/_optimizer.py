@@ -210,6 +210,10 @@ class OptimizerSwapper:
         itself stays swapped out. For gathering the parameters it holds (stage 3)."""
         return self.io.read(self._records[(i, _MASTER)])
 
+    def swapped_state_dtypes(self, i: int) -> dict[str, torch.dtype]:
+        """The optimizer state keys of master ``i`` in swap files, with their dtypes."""
+        return {key: self._records[(i, key)].dtype for key in self._keys_on_disk[i] if key != _MASTER}
+
     def replace_state(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         """Make ``tensors`` master ``i``'s swapped optimizer state (loading a checkpoint):
         they are written to its files now, and files of keys not among them are dropped.

@@ -4,9 +4,9 @@ Layout of one checkpoint directory (every tensor is stored under a parameter nam
 a rank or an optimizer index, so any later layout can read it):
 - ``model.safetensors``: the module's state_dict.
 - ``optimizer.safetensors``: optimizer state per parameter name, plus fp32 master
-  weights (``master.<name>``) when the module trains in fp16/bf16. Written a piece at a
-  time (see ``_write_optimizer``): beyond ``OPTIMIZER_PART_BYTES`` the state continues
-  in ``optimizer-00001.safetensors`` and on.
+  weights when the module trains in fp16/bf16. The per-element tensors of sharded stages
+  are in ``optimizer-00001.safetensors`` and on, each rank writing its shards into place
+  (see [Note: optimizer state written in place]).
 - ``engine_state.safetensors``: tensors of the LR scheduler, loss scaler and client state.
 - ``rng_rank<R>.safetensors``: each rank's random number generator states.
 - ``manifest.json``: counters, layout, and the structure (skeleton) of each state above.
@@ -22,15 +22,15 @@ import torch
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import layout as ckpt_layout
-from shardwise.zero._named_state import merge_state_pieces
+from shardwise.zero._strategy import MASTER_KEY, ShardBlock
 
 logger = logging.getLogger("shardwise")
 
-_MODEL, _ENGINE = ckpt_layout.MODEL_FILE, ckpt_layout.ENGINE_FILE
+_MODEL, _OPTIMIZER, _ENGINE = ckpt_layout.MODEL_FILE, ckpt_layout.OPTIMIZER_FILE, ckpt_layout.ENGINE_FILE
 _rng_file = ckpt_layout.rng_file
 
 OPTIMIZER_PART_BYTES = 1 << 30
-"""Bytes of optimizer state gathered into memory before they are written out as one file."""
+"""Bytes of sharded optimizer state per part file (see [Note: optimizer state written in place])."""
 
 
 def _aliases(module) -> dict[str, str]:
@@ -103,44 +103,79 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
 
 
 def _write_optimizer(engine, staging) -> tuple[dict, dict, list[str]]:
-    """Gather the named optimizer state a bucket at a time (collective) and, on rank 0,
-    write it out in files of about ``OPTIMIZER_PART_BYTES``, so no rank ever holds all of
-    it. Returns rank 0's file records, the state's skeleton and the file names."""
-    writer = engine.comm.rank == 0
+    """Write the named optimizer state with no rank gathering it (collective).
+
+    [Note: optimizer state written in place]
+    Rank 0 writes what every rank holds alike (parameter groups, ``step``) to
+    ``optimizer.safetensors``. The shards are laid out in part files of about
+    ``OPTIMIZER_PART_BYTES``, a ``ShardBlock`` at a time: a bucket's parameters' full
+    tensors back to back, so each rank's shard is one contiguous byte range. Rank 0
+    creates the part files with their headers; every rank computes the same offsets
+    (``tensor_file_layout`` is a pure function) and writes its shards into place, a bucket
+    at a time (with nvme offload, only that bucket is swapped in); rank ``k % N`` then
+    hashes part ``k``. The file is an ordinary safetensors file, read back by name like
+    any other, so loading needs no knowledge of the world size that wrote it.
+
+    Returns this rank's file records, the state's skeleton and the file names.
+    """
+    comm, strategy = engine.comm, engine.strategy
     records: dict = {}
-    skeleton: dict = {"state": {}, "param_groups": [], "master": {}}
-    names: list[str] = []
-    pending: list[dict] = []
+    tensors, skeleton = ckpt.flatten_state(strategy.optimizer_state_replicated())
+    if comm.rank == 0:
+        records.update(ckpt.write_files(staging, {_OPTIMIZER: tensors}))
+    parts: list[list[ShardBlock]] = []
+    size = OPTIMIZER_PART_BYTES
+    for block in strategy.optimizer_state_blocks():
+        nbytes = block.padded * torch.empty(0, dtype=block.dtype).element_size()
+        if size + nbytes > OPTIMIZER_PART_BYTES and size > 0:
+            parts.append([])
+            size = 0
+        parts[-1].append(block)
+        size += nbytes
+    names = [ckpt_layout.optimizer_file(k + 1) for k in range(len(parts))]
+    starts: dict[tuple[int, str], tuple[str, int]] = {}  # (bucket, key) -> (file, byte offset of its block)
+    for name, blocks in zip(names, parts):
+        entries = [entry for block in blocks for entry in _block_entries(block)]
+        offsets = ckpt.create_tensor_file(staging / name, entries) if comm.rank == 0 \
+            else ckpt.tensor_file_layout(entries)[1]
+        for block in blocks:
+            starts[(block.bucket, block.key)] = (name, offsets[_block_entries(block)[0][0]])
+            for tensor_name in block.names:
+                ref = {"__tensor__": _block_key(block.key, tensor_name)}
+                if block.key == MASTER_KEY:
+                    skeleton["master"][tensor_name] = ref
+                else:
+                    skeleton["state"].setdefault(tensor_name, {})[block.key] = ref
+    comm.barrier(tag="optimizer checkpoint files created")
+    blocks_by_bucket: dict[int, list[ShardBlock]] = {}
+    for blocks in parts:
+        for block in blocks:
+            blocks_by_bucket.setdefault(block.bucket, []).append(block)
+    for bucket, blocks in blocks_by_bucket.items():
+        with strategy.optimizer_shards(bucket) as shards:
+            for block in blocks:
+                name, start = starts[(bucket, block.key)]
+                shard = shards[block.key]
+                ckpt.write_into(staging / name, start + comm.rank * block.shard * shard.element_size(), shard)
+    comm.barrier(tag="optimizer shards written")
+    for k, name in enumerate(names):
+        if k % comm.world_size == comm.rank:
+            records[name] = ckpt.seal_tensor_file(staging / name)
+    return records, skeleton, [_OPTIMIZER] + names
 
-    def flush() -> None:
-        part = len(names)
-        names.append(ckpt_layout.optimizer_file(part))
-        tensors, skel = ckpt.flatten_state(merge_state_pieces(pending), prefix=f"part{part}" if part else "")
-        records.update(ckpt.write_files(staging, {names[-1]: tensors}))
-        skeleton["state"].update(skel["state"])
-        skeleton["master"].update(skel["master"])
-        if any("param_groups" in piece for piece in pending):
-            skeleton["param_groups"] = skel["param_groups"]
-        pending.clear()
 
-    pending_bytes = 0
-    for piece in engine.strategy.optimizer_state_pieces(keep=writer):
-        if not writer:
-            continue
-        pending.append(piece)
-        pending_bytes += sum(t.numel() * t.element_size() for t in _tensors_in(piece))
-        if pending_bytes >= OPTIMIZER_PART_BYTES:
-            flush()
-            pending_bytes = 0
-    if writer and (pending or not names):
-        flush()
-    return records, skeleton, names
+def _block_key(key: str, name: str) -> str:
+    """The tensor key of one parameter's slice of a block ('/' never occurs in the dotted
+    keys ``flatten_state`` makes for the rest of the state)."""
+    return f"master/{name}" if key == MASTER_KEY else f"state/{name}/{key}"
 
 
-def _tensors_in(piece: dict):
-    for entry in piece["state"].values():
-        yield from (v for v in entry.values() if isinstance(v, torch.Tensor))
-    yield from piece["master"].values()
+def _block_entries(block: ShardBlock) -> list[tuple[str, torch.dtype, list[int]]]:
+    entries = [(_block_key(block.key, name), block.dtype, list(shape))
+               for name, shape in zip(block.names, block.shapes)]
+    padding = block.padded - sum(shape.numel() for shape in block.shapes)
+    entries.append((f"padding/{block.bucket}/{block.key}", block.dtype, [padding]))
+    return entries
 
 
 def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_scheduler: bool,

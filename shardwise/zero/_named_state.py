@@ -65,13 +65,3 @@ def load_per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], save
             if name in saved.get("master", {}):
                 p.copy_(saved["master"][name])
 
-
-def merge_state_pieces(pieces) -> dict:
-    """Join the pieces of ``optimizer_state_pieces()`` into one named optimizer state."""
-    merged: dict = {"state": {}, "param_groups": [], "master": {}}
-    for piece in pieces:
-        merged["state"].update(piece["state"])
-        merged["master"].update(piece["master"])
-        if "param_groups" in piece:
-            merged["param_groups"] = piece["param_groups"]
-    return merged

@@ -29,10 +29,10 @@ from torch import nn
 
 from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
-from shardwise.zero._named_state import check_groups, merge_state_pieces
+from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
 from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes
-from shardwise.zero._strategy import ModelStateBytes, StepResult, clip_by_total_norm_
+from shardwise.zero._strategy import MASTER_KEY, ModelStateBytes, ShardBlock, StepResult, clip_by_total_norm_
 
 _MAX_IN_FLIGHT = 2
 
@@ -402,45 +402,77 @@ class ShardedStrategy:
         self.comm.all_gather_into_tensor(full, shard.to(device).contiguous(), tag="checkpoint gather").wait()
         return full
 
-    def optimizer_state_pieces(self, *, keep: bool = True) -> Iterator[dict]:
-        """The optimizer state by name, one bucket at a time (collective: every rank must
-        iterate to the end). Each piece is ``{"state": {name: {key: full tensor or number}},
-        "master": {name: fp32 tensor}}``; the first also holds ``"param_groups"``. Only one
-        bucket's gathered state is alive at a time (with nvme offload, only its state is
-        swapped in); ``keep=False`` takes part in the gathers and yields empty pieces (for
-        ranks that do not write the checkpoint)."""
-        groups = [{**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
-                  for g, options in enumerate(self._optimizer_group_options())]
-        yield {"state": {}, "master": {}, "param_groups": groups}
+    def optimizer_state_by_name(self) -> dict:
+        """Gather the sharded optimizer state into full tensors per parameter name (collective;
+        every rank gets all of it: checkpoints use the blocks below instead)."""
+        state: dict[str, dict] = {}
+        master: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
             with self._resident([bucket]):
                 per_key = {}
                 held = self.optimizer.state.get(bucket.master, {})
                 for key, value in sorted(held.items()):  # one collective per key: same order on every rank
-                    per_key[key] = self._gather(bucket, value) \
-                        if isinstance(value, torch.Tensor) and value.numel() == bucket.shard and key != "step" \
+                    per_key[key] = self._gather(bucket, value) if self._is_shard_state(bucket, key, value) \
                         else value
                 full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy \
                     else None
-            if not keep:
-                yield {"state": {}, "master": {}}
-                continue
-            state, master = {}, {}
             for p, off, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 name = self.names[p]
-                entry = {k: (v[off:off + shape.numel()].view(shape).clone()
-                             if isinstance(v, torch.Tensor) and v.numel() == bucket.padded else v)
-                         for k, v in per_key.items()}
-                if entry:
-                    state[name] = entry
+                state[name] = {k: (v[off:off + shape.numel()].view(shape).clone()
+                                   if isinstance(v, torch.Tensor) and v.numel() == bucket.padded else v)
+                               for k, v in per_key.items()}
                 if full_master is not None:
                     master[name] = full_master[off:off + shape.numel()].view(shape).clone()
-            del per_key, full_master
-            yield {"state": state, "master": master}
+        replicated = self.optimizer_state_replicated()
+        return {"state": {n: s for n, s in state.items() if s}, "param_groups": replicated["param_groups"],
+                "master": master}
 
-    def optimizer_state_by_name(self) -> dict:
-        """Gather the sharded optimizer state into full tensors per parameter name (collective)."""
-        return merge_state_pieces(self.optimizer_state_pieces())
+    @staticmethod
+    def _is_shard_state(bucket: _Bucket, key: str, value) -> bool:
+        """Whether an optimizer state value is this rank's shard of a per-element tensor."""
+        return key != "step" and isinstance(value, torch.Tensor) and value.numel() == bucket.shard
+
+    def optimizer_state_replicated(self) -> dict:
+        """The part of the named optimizer state that every rank holds alike: the parameter
+        groups and the per-bucket scalars (``step``). The shards are in
+        ``optimizer_state_blocks``."""
+        state: dict[str, dict] = {}
+        for bucket in self.buckets:
+            held = self.optimizer.state.get(bucket.master, {})
+            small = {k: v for k, v in held.items() if not self._is_shard_state(bucket, k, v)}
+            if small:
+                state.update({self.names[p]: dict(small) for p in bucket.params})
+        groups = [{**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
+                  for g, options in enumerate(self._optimizer_group_options())]
+        return {"state": state, "param_groups": groups, "master": {}}
+
+    def optimizer_state_blocks(self) -> list[ShardBlock]:
+        """Every sharded optimizer tensor, bucket by bucket, keys sorted (the same list on
+        every rank; swapped-out state is described from its swap records, not read)."""
+        blocks = []
+        for bucket in self.buckets:
+            held = self.optimizer.state.get(bucket.master, {})
+            dtypes = {k: v.dtype for k, v in held.items() if self._is_shard_state(bucket, k, v)}
+            if self.swapper is not None:
+                dtypes.update(self.swapper.swapped_state_dtypes(bucket.index))
+            if self.policy.needs_master_copy:
+                dtypes[MASTER_KEY] = torch.float32
+            names = tuple(self.names[p] for p in bucket.params)
+            blocks += [ShardBlock(bucket.index, key, dtype, names, tuple(bucket.shapes), bucket.padded, bucket.shard)
+                       for key, dtype in sorted(dtypes.items())]
+        return blocks
+
+    @contextlib.contextmanager
+    def optimizer_shards(self, bucket: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's shards of bucket ``bucket``'s optimizer state (and fp32 master, under
+        ``MASTER_KEY``), in memory for the block."""
+        b = self.buckets[bucket]
+        with self._resident([b]):
+            held = self.optimizer.state.get(b.master, {})
+            shards = {k: v for k, v in held.items() if self._is_shard_state(b, k, v)}
+            if self.policy.needs_master_copy:
+                shards[MASTER_KEY] = b.master.detach()
+            yield shards
 
     def _optimizer_group_options(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -465,18 +497,16 @@ class ShardedStrategy:
                 if entry:
                     state[index[id(bucket.master)]] = entry
                 continue
-            # scalars (``step``) through the optimizer's own loading; tensors straight to the files
-            scalars = {k: v for k, v in entry.items() if not self._is_shard_state(bucket, v)}
-            if scalars:
-                state[index[id(bucket.master)]] = scalars
-            self.swapper.replace_state(bucket.index, {k: v.to(torch.float32) for k, v in entry.items()
-                                                      if self._is_shard_state(bucket, v)})
+            # what stays in memory (``step``) through the optimizer's own loading; the rest
+            # straight to the swap files
+            swapped = {k: v.to(torch.float32) for k, v in entry.items()
+                       if self._is_shard_state(bucket, k, v) and v.numel() > 1}
+            kept = {k: v for k, v in entry.items() if k not in swapped}
+            if kept:
+                state[index[id(bucket.master)]] = kept
+            self.swapper.replace_state(bucket.index, swapped)
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.sync_params_from_master()
-
-    @staticmethod
-    def _is_shard_state(bucket: _Bucket, value) -> bool:
-        return isinstance(value, torch.Tensor) and value.numel() == bucket.shard and value.numel() > 1
 
     def _saved_entry(self, bucket: _Bucket, saved_state: dict) -> dict:
         """This rank's shard of the saved optimizer state of ``bucket``'s parameters."""

@@ -16,7 +16,6 @@ Collectives issued in different orders on different ranks would deadlock or mix 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -171,9 +170,16 @@ class Stage0Strategy:
         return per_param_state_by_name(self.optimizer, self.named_optimizer_params(),
                                        masters=bool(self._master))
 
-    def optimizer_state_pieces(self, *, keep: bool = True) -> Iterator[dict]:
-        """The named optimizer state as one piece (stage 0 gathers nothing)."""
-        yield self.optimizer_state_by_name() if keep else {"state": {}, "master": {}}
+    def optimizer_state_replicated(self) -> dict:
+        """All of the named optimizer state: every rank holds all of it at stage 0."""
+        return self.optimizer_state_by_name()
+
+    def optimizer_state_blocks(self) -> list:
+        """None: nothing is sharded at stage 0."""
+        return []
+
+    def optimizer_shards(self, bucket: int):
+        raise RuntimeError("stage 0 has no optimizer shards")
 
     def load_optimizer_state_by_name(self, saved: dict) -> None:
         load_per_param_state_by_name(self.optimizer, self.named_optimizer_params(), saved)

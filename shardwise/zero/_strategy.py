@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +41,28 @@ class ModelStateBytes:
         return self.params + self.grads + self.master_params + self.optimizer_state
 
 
+@dataclass(frozen=True)
+class ShardBlock:
+    """One optimizer state tensor of one ZeRO bucket, as a checkpoint lays it out: the
+    bucket's parameters' full tensors one after another (``names``, ``shapes``), then
+    ``padded`` minus their elements of padding, so rank ``r``'s shard is the ``shard``
+    elements from element ``r * shard``: one contiguous write per rank, no gather. See
+    ``optimizer_state_blocks`` and ``runtime/_checkpointing.py``."""
+
+    bucket: int
+    key: str
+    """The optimizer state key (``exp_avg``...), or ``MASTER_KEY`` for the fp32 masters."""
+    dtype: torch.dtype
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    padded: int
+    shard: int
+
+
+MASTER_KEY = "__master__"
+"""The ``ShardBlock.key`` of a bucket's fp32 master weights."""
+
+
 class ZeroStrategy(Protocol):
     """How parameters, gradients and optimizer state are held and reduced across ranks.
 
@@ -65,7 +87,11 @@ class ZeroStrategy(Protocol):
 
     def optimizer_state_by_name(self) -> dict: ...
 
-    def optimizer_state_pieces(self, *, keep: bool = True) -> Iterator[dict]: ...
+    def optimizer_state_replicated(self) -> dict: ...
+
+    def optimizer_state_blocks(self) -> list[ShardBlock]: ...
+
+    def optimizer_shards(self, bucket: int) -> AbstractContextManager[dict[str, torch.Tensor]]: ...
 
     def load_optimizer_state_by_name(self, saved: dict) -> None: ...
 
