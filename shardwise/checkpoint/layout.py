@@ -2,10 +2,11 @@
 
 An engine checkpoint (``engine.save_checkpoint``) holds ``model.safetensors`` (the
 module's state_dict in its training dtype), ``optimizer.safetensors`` (optimizer state by
-parameter name and, under fp16/bf16, the fp32 master weights; a large state continues in
-``optimizer-00001.safetensors`` and on, listed in the manifest's
-``skeletons.optimizer_files``), ``engine_state.safetensors`` and
-``rng_rank<R>.safetensors``. Because every tensor is stored whole under its name,
+parameter name and, under fp16/bf16, the fp32 master weights), ``engine_state.safetensors`` and
+``rng_rank<R>.safetensors``. At ZeRO stages 1-3 the sharded tensors continue in parts
+(``model-00001.safetensors``, ``optimizer-00001.safetensors``... listed in the manifest's
+``skeletons.module_files`` and ``skeletons.optimizer_files``), still one whole tensor per
+name. Because every tensor is stored whole under its name,
 consolidation needs no knowledge of the world size or ZeRO stage that saved it.
 """
 
@@ -27,19 +28,23 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
 
 
-def optimizer_file(part: int) -> str:
-    """The file of the ``part``-th piece of the optimizer state (0: ``optimizer.safetensors``)."""
-    return OPTIMIZER_FILE if part == 0 else f"optimizer-{part:05d}.safetensors"
-
-
 def read_optimizer_state(path, manifest: dict, *, mmap: bool = False) -> dict:
     """The named optimizer state of the checkpoint at ``path``, from all its optimizer files
     (checked as ``read_tensors`` checks them; ``mmap`` as there)."""
+    return _read_state(path, manifest, "optimizer", OPTIMIZER_FILE, mmap=mmap)
+
+
+def read_module_state(path, manifest: dict, *, mmap: bool = False) -> dict:
+    """The module state dict of the checkpoint at ``path``, from all its model files."""
+    return _read_state(path, manifest, "module", MODEL_FILE, mmap=mmap)
+
+
+def _read_state(path, manifest: dict, what: str, first_file: str, *, mmap: bool) -> dict:
     skeletons = manifest["skeletons"]
     tensors = {}
-    for name in skeletons.get("optimizer_files", [OPTIMIZER_FILE]):
+    for name in skeletons.get(f"{what}_files", [first_file]):  # one file before parts existed
         tensors.update(read_tensors(path, name, manifest=manifest, mmap=mmap))
-    return unflatten_state(tensors, skeletons["optimizer"])
+    return unflatten_state(tensors, skeletons[what])
 
 
 def consolidate(load_dir, tag: str | None = None, *, dtype: torch.dtype = torch.float32) -> dict:
@@ -62,7 +67,7 @@ def consolidate(load_dir, tag: str | None = None, *, dtype: torch.dtype = torch.
         path = load_dir / resolve_tag(load_dir, tag)
     manifest = read_manifest(path)
     skeletons = manifest["skeletons"]
-    module = unflatten_state(read_tensors(path, MODEL_FILE, manifest=manifest), skeletons["module"])
+    module = read_module_state(path, manifest)
     masters = {}
     if "optimizer" in skeletons and manifest.get("layout", {}).get("param_dtype") != "float32":
         masters = read_optimizer_state(path, manifest).get("master", {})

@@ -2,11 +2,12 @@
 
 Layout of one checkpoint directory (every tensor is stored under a parameter name, never
 a rank or an optimizer index, so any later layout can read it):
-- ``model.safetensors``: the module's state_dict.
+- ``model.safetensors``: the module's state_dict; at ZeRO stages 1-3 the parameters are
+  in ``model-00001.safetensors`` and on, each rank writing its shards into place.
 - ``optimizer.safetensors``: optimizer state per parameter name, plus fp32 master
   weights when the module trains in fp16/bf16. The per-element tensors of sharded stages
   are in ``optimizer-00001.safetensors`` and on, each rank writing its shards into place
-  (see [Note: optimizer state written in place]).
+  (see [Note: shards written in place]).
 - ``engine_state.safetensors``: tensors of the LR scheduler, loss scaler and client state.
 - ``rng_rank<R>.safetensors``: each rank's random number generator states.
 - ``manifest.json``: counters, layout, and the structure (skeleton) of each state above.
@@ -22,15 +23,15 @@ import torch
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import layout as ckpt_layout
-from shardwise.zero._strategy import MASTER_KEY, ShardBlock
+from shardwise.zero._strategy import MASTER_KEY, PARAM_KEY, ShardBlock
 
 logger = logging.getLogger("shardwise")
 
 _MODEL, _OPTIMIZER, _ENGINE = ckpt_layout.MODEL_FILE, ckpt_layout.OPTIMIZER_FILE, ckpt_layout.ENGINE_FILE
 _rng_file = ckpt_layout.rng_file
 
-OPTIMIZER_PART_BYTES = 1 << 30
-"""Bytes of sharded optimizer state per part file (see [Note: optimizer state written in place])."""
+CHECKPOINT_PART_BYTES = 1 << 30
+"""Bytes of sharded tensors per part file (see [Note: shards written in place])."""
 
 
 def _aliases(module) -> dict[str, str]:
@@ -72,9 +73,9 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
     records = {}
     if engine.optimizer is not None:
         records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(engine, staging)
-    module_state = engine.strategy.module_state_dict()
+    module_records, skeletons["module"], skeletons["module_files"] = _write_module(engine, staging)
+    records.update(module_records)
     if comm.rank == 0:
-        files[_MODEL], skeletons["module"] = ckpt.flatten_state(module_state)
         skeletons["aliases"] = _aliases(engine.module)
         engine_state = {
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -103,70 +104,102 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
 
 
 def _write_optimizer(engine, staging) -> tuple[dict, dict, list[str]]:
-    """Write the named optimizer state with no rank gathering it (collective).
-
-    [Note: optimizer state written in place]
-    Rank 0 writes what every rank holds alike (parameter groups, ``step``) to
-    ``optimizer.safetensors``. The shards are laid out in part files of about
-    ``OPTIMIZER_PART_BYTES``, a ``ShardBlock`` at a time: a bucket's parameters' full
-    tensors back to back, so each rank's shard is one contiguous byte range. Rank 0
-    creates the part files with their headers; every rank computes the same offsets
-    (``tensor_file_layout`` is a pure function) and writes its shards into place, a bucket
-    at a time (with nvme offload, only that bucket is swapped in); rank ``k % N`` then
-    hashes part ``k``. The file is an ordinary safetensors file, read back by name like
-    any other, so loading needs no knowledge of the world size that wrote it.
-
-    Returns this rank's file records, the state's skeleton and the file names.
-    """
+    """Write the named optimizer state with no rank gathering it (collective): rank 0
+    writes what every rank holds alike (parameter groups, ``step``) to
+    ``optimizer.safetensors``, the shards go into parts (see [Note: shards written in
+    place]). Returns this rank's file records, the state's skeleton and the file names."""
     comm, strategy = engine.comm, engine.strategy
     records: dict = {}
     tensors, skeleton = ckpt.flatten_state(strategy.optimizer_state_replicated())
     if comm.rank == 0:
         records.update(ckpt.write_files(staging, {_OPTIMIZER: tensors}))
+    blocks = strategy.optimizer_state_blocks()
+    for block in blocks:
+        for name in block.names:
+            ref = {"__tensor__": _block_key(block.key, name)}
+            if block.key == MASTER_KEY:
+                skeleton["master"][name] = ref
+            else:
+                skeleton["state"].setdefault(name, {})[block.key] = ref
+    part_records, parts = _write_blocks(comm, staging, "optimizer", blocks, strategy.optimizer_shards)
+    records.update(part_records)
+    return records, skeleton, [_OPTIMIZER] + parts
+
+
+def _write_module(engine, staging) -> tuple[dict, dict, list[str]]:
+    """Write the module's state dict the same way: entries every rank holds alike (buffers,
+    parameters outside ZeRO buckets) by rank 0 in ``model.safetensors``, the bucketed
+    parameters by every rank into ``model-00001.safetensors``... under their own names
+    (tied names refer to one tensor). Collective."""
+    comm, strategy = engine.comm, engine.strategy
+    replicated = strategy.module_state_replicated()
+    tensors, flat_skeleton = ckpt.flatten_state(replicated)
+    records: dict = {}
+    if comm.rank == 0:
+        records.update(ckpt.write_files(staging, {_MODEL: tensors}))
+    blocks = strategy.module_state_blocks()
+    name_of = {id(p): name for name, p in engine.module.named_parameters()}
+    skeleton = {}
+    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+        skeleton[key] = flat_skeleton[key] if key in replicated else {"__tensor__": name_of[id(tensor)]}
+    part_records, parts = _write_blocks(comm, staging, "model", blocks, strategy.module_shards)
+    records.update(part_records)
+    return records, skeleton, [_MODEL] + parts
+
+
+def _write_blocks(comm, staging, stem: str, blocks: list[ShardBlock], open_shards) -> tuple[dict, list[str]]:
+    """Write sharded tensors into part files with no rank gathering them (collective).
+
+    [Note: shards written in place]
+    The blocks are laid out in ``<stem>-00001.safetensors`` and on, about
+    ``CHECKPOINT_PART_BYTES`` each: a block is a bucket's parameters' full tensors back to
+    back, then its padding, so each rank's shard of the bucket is one contiguous byte
+    range. Rank 0 creates the files with their headers; every rank computes the same
+    offsets (``tensor_file_layout`` is a pure function) and writes its shards into place a
+    bucket at a time (``open_shards(bucket)`` holds just that bucket in memory: with nvme
+    offload, only it is swapped in); rank ``k % N`` then hashes part ``k``. The parts are
+    ordinary safetensors files whose tensors are named like any other, so loading needs no
+    knowledge of the world size that wrote them.
+
+    Returns this rank's file records and the part names.
+    """
     parts: list[list[ShardBlock]] = []
-    size = OPTIMIZER_PART_BYTES
-    for block in strategy.optimizer_state_blocks():
+    size = CHECKPOINT_PART_BYTES
+    for block in blocks:
         nbytes = block.padded * torch.empty(0, dtype=block.dtype).element_size()
-        if size + nbytes > OPTIMIZER_PART_BYTES and size > 0:
+        if size + nbytes > CHECKPOINT_PART_BYTES and size > 0:
             parts.append([])
             size = 0
         parts[-1].append(block)
         size += nbytes
-    names = [ckpt_layout.optimizer_file(k + 1) for k in range(len(parts))]
+    names = [f"{stem}-{k + 1:05d}.safetensors" for k in range(len(parts))]
     starts: dict[tuple[int, str], tuple[str, int]] = {}  # (bucket, key) -> (file, byte offset of its block)
-    for name, blocks in zip(names, parts):
-        entries = [entry for block in blocks for entry in _block_entries(block)]
+    for name, part in zip(names, parts):
+        entries = [entry for block in part for entry in _block_entries(block)]
         offsets = ckpt.create_tensor_file(staging / name, entries) if comm.rank == 0 \
             else ckpt.tensor_file_layout(entries)[1]
-        for block in blocks:
+        for block in part:
             starts[(block.bucket, block.key)] = (name, offsets[_block_entries(block)[0][0]])
-            for tensor_name in block.names:
-                ref = {"__tensor__": _block_key(block.key, tensor_name)}
-                if block.key == MASTER_KEY:
-                    skeleton["master"][tensor_name] = ref
-                else:
-                    skeleton["state"].setdefault(tensor_name, {})[block.key] = ref
-    comm.barrier(tag="optimizer checkpoint files created")
-    blocks_by_bucket: dict[int, list[ShardBlock]] = {}
-    for blocks in parts:
-        for block in blocks:
-            blocks_by_bucket.setdefault(block.bucket, []).append(block)
-    for bucket, blocks in blocks_by_bucket.items():
-        with strategy.optimizer_shards(bucket) as shards:
-            for block in blocks:
+    comm.barrier(tag=f"{stem} checkpoint files created")
+    by_bucket: dict[int, list[ShardBlock]] = {}
+    for block in blocks:
+        by_bucket.setdefault(block.bucket, []).append(block)
+    for bucket, bucket_blocks in by_bucket.items():
+        with open_shards(bucket) as shards:
+            for block in bucket_blocks:
                 name, start = starts[(bucket, block.key)]
                 shard = shards[block.key]
                 ckpt.write_into(staging / name, start + comm.rank * block.shard * shard.element_size(), shard)
-    comm.barrier(tag="optimizer shards written")
-    for k, name in enumerate(names):
-        if k % comm.world_size == comm.rank:
-            records[name] = ckpt.seal_tensor_file(staging / name)
-    return records, skeleton, [_OPTIMIZER] + names
+    comm.barrier(tag=f"{stem} shards written")
+    return {name: ckpt.seal_tensor_file(staging / name)
+            for k, name in enumerate(names) if k % comm.world_size == comm.rank}, names
 
 
 def _block_key(key: str, name: str) -> str:
-    """The tensor key of one parameter's slice of a block ('/' never occurs in the dotted
-    keys ``flatten_state`` makes for the rest of the state)."""
+    """The tensor key of parameter ``name``'s slice of a block: its own name for module
+    parameters; '/' (never in the dotted keys ``flatten_state`` makes) for optimizer state."""
+    if key == PARAM_KEY:
+        return name
     return f"master/{name}" if key == MASTER_KEY else f"state/{name}/{key}"
 
 
@@ -194,8 +227,7 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     path = Path(load_dir) / tag
     manifest = ckpt.read_manifest(path)
     skeletons = manifest["skeletons"]
-    module_state = ckpt.unflatten_state(ckpt.read_tensors(path, _MODEL, manifest=manifest, mmap=True),
-                                        skeletons["module"])  # copied into the parameters
+    module_state = ckpt_layout.read_module_state(path, manifest, mmap=True)  # copied into the parameters
     result = engine.strategy.load_module_state_dict(module_state, strict=strict)
     del module_state
     if not strict and (result.missing_keys or result.unexpected_keys):

@@ -32,7 +32,14 @@ from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
 from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes
-from shardwise.zero._strategy import MASTER_KEY, ModelStateBytes, ShardBlock, StepResult, clip_by_total_norm_
+from shardwise.zero._strategy import (
+    MASTER_KEY,
+    PARAM_KEY,
+    ModelStateBytes,
+    ShardBlock,
+    StepResult,
+    clip_by_total_norm_,
+)
 
 _MAX_IN_FLIGHT = 2
 
@@ -477,6 +484,23 @@ class ShardedStrategy:
     def _optimizer_group_options(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
+    def module_state_replicated(self) -> dict:
+        """State-dict entries no bucket covers (buffers, parameters outside the buckets):
+        every rank holds them alike. The bucketed parameters are in ``module_state_blocks``."""
+        bucketed = {id(p) for p in self._bucket_of}
+        return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items() if id(v) not in bucketed}
+
+    def module_state_blocks(self) -> list[ShardBlock]:
+        """Each bucket's parameters in their training dtype, named by ``named_parameters``."""
+        return [ShardBlock(b.index, PARAM_KEY, b.flat_param.dtype, tuple(self.names[p] for p in b.params),
+                           tuple(b.shapes), b.padded, b.shard) for b in self.buckets]
+
+    @contextlib.contextmanager
+    def module_shards(self, bucket: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's slice of bucket ``bucket``'s parameters (they are whole here)."""
+        b = self.buckets[bucket]
+        yield {PARAM_KEY: b.local(b.flat_param, self.comm.rank)}
+
     def load_optimizer_state_by_name(self, saved: dict) -> None:
         """Cut this rank's shards out of a named optimizer state (from any stage or world
         size). With nvme offload each bucket's state goes to its swap files before the next
@@ -522,8 +546,12 @@ class ShardedStrategy:
         return entry
 
     def _local_slice(self, bucket: _Bucket, values, dtype) -> torch.Tensor:
-        flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.flat_param.device)
+        """This rank's shard of ``bucket`` cut from full per-parameter ``values`` (None: zeros),
+        copying only the overlapping ranges (a mapped checkpoint file is read only there)."""
+        out = torch.zeros(bucket.shard, dtype=dtype, device=bucket.master.device)
+        low, high = self.comm.rank * bucket.shard, (self.comm.rank + 1) * bucket.shard
         for shape, off, value in zip(bucket.shapes, bucket.offsets, values):
-            if value is not None:
-                flat[off:off + shape.numel()].copy_(value.reshape(-1))
-        return bucket.local(flat, self.comm.rank).clone()
+            start, end = max(off, low), min(off + shape.numel(), high)
+            if value is not None and start < end:
+                out[start - low:end - low].copy_(value.reshape(-1)[start - off:end - off])
+        return out

@@ -181,6 +181,16 @@ class Stage0Strategy:
     def optimizer_shards(self, bucket: int):
         raise RuntimeError("stage 0 has no optimizer shards")
 
+    def module_state_replicated(self) -> dict:
+        """The whole state dict: every rank holds all of it at stage 0."""
+        return self.module_state_dict()
+
+    def module_state_blocks(self) -> list:
+        return []
+
+    def module_shards(self, bucket: int):
+        raise RuntimeError("stage 0 has no parameter shards")
+
     def load_optimizer_state_by_name(self, saved: dict) -> None:
         load_per_param_state_by_name(self.optimizer, self.named_optimizer_params(), saved)
         self.sync_params_from_master()

@@ -50,6 +50,7 @@ gathers what it needs).
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ from shardwise.config import ConfigError
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy, _Bucket
-from shardwise.zero._strategy import ModelStateBytes
+from shardwise.zero._strategy import PARAM_KEY, ModelStateBytes
 from shardwise.zero._stage0 import optimizer_state_bytes
 
 
@@ -460,18 +461,59 @@ class Stage3Strategy(ShardedStrategy):
             self._reshard(unit, force=True)
         return state
 
+    @contextlib.contextmanager
+    def module_shards(self, bucket: int):
+        """This rank's shard of a unit's parameters in their training dtype, from its fp32
+        shard (read from its swap file when there)."""
+        unit = self.buckets[bucket]
+        if self.swapper is not None and self.swapper.master_swapped(unit.index):
+            shard = self.swapper.read_master(unit.index).result()
+        else:
+            shard = unit.master.detach()
+        yield {PARAM_KEY: shard.to(unit.flat_param.dtype)}
+
     def load_module_state_dict(self, state: dict, *, strict: bool):
-        """Load full weights into the shards (every rank reads the same full tensors)."""
+        """Load full weights into the shards a unit at a time: each rank copies out of the
+        (possibly mapped) full tensors only its shard, so nothing is gathered. Keys are
+        checked as ``nn.Module.load_state_dict`` checks them."""
         self._ensure_layout()
-        for unit in self.buckets:
-            self._unshard(unit)
-        result = self.module.load_state_dict(state, strict=strict)
+        current = self.module.state_dict(keep_vars=True)
+        key_of: dict[int, str] = {}  # a unit parameter -> a key that holds it (tied: the first given)
+        for key, tensor in current.items():
+            if tensor in self._bucket_of and key in state and id(tensor) not in key_of:
+                key_of[id(tensor)] = key
+        mismatched = [f"size mismatch for {key}: copying a param with shape {tuple(state[key].shape)} from "
+                      f"checkpoint, the shape in current model is {tuple(tensor.ds_shape)}"
+                      for key, tensor in current.items()
+                      if tensor in self._bucket_of and key in state and state[key].shape != tensor.ds_shape]
+        if mismatched:
+            raise RuntimeError("Error(s) in loading state_dict: " + "; ".join(mismatched))
+        rest = {k: v for k, v in state.items() if not (k in current and current[k] in self._bucket_of)}
+        result = self.module.load_state_dict(rest, strict=False)
+        missing = [k for k in result.missing_keys if k not in state]
+        unexpected = list(result.unexpected_keys)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys "
+                               f"{unexpected}; load with load_module_strict=False to skip them")
         with torch.no_grad():
             for unit in self.buckets:
+                present = [key_of.get(id(p)) for p in unit.params]
+                if not any(present):
+                    continue
+                if getattr(unit, "gathered", False) and not unit.persistent:
+                    self._reshard(unit, force=True)
                 with self._resident([unit]):
-                    unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
-                self._reshard(unit, force=True)
-        return result
+                    if all(present):
+                        unit.master.copy_(self._local_slice(unit, [state[k] for k in present], torch.float32))
+                    else:  # some of the unit's parameters keep their values: gather, fill, cut
+                        self._unshard(unit)
+                        for p, key in zip(unit.params, present):
+                            if key is not None:
+                                p.copy_(state[key])
+                        unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
+                        self._reshard(unit, force=True)
+        self.sync_params_from_master()  # persistent units are whole: refresh them
+        return result._replace(missing_keys=missing, unexpected_keys=unexpected)
 
     def model_state_bytes(self) -> ModelStateBytes:
         live = sum(u.flat_param.untyped_storage().nbytes() for u in self.buckets)

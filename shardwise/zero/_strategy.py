@@ -51,7 +51,7 @@ class ShardBlock:
 
     bucket: int
     key: str
-    """The optimizer state key (``exp_avg``...), or ``MASTER_KEY`` for the fp32 masters."""
+    """The optimizer state key (``exp_avg``...), ``MASTER_KEY`` or ``PARAM_KEY``."""
     dtype: torch.dtype
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
@@ -61,6 +61,8 @@ class ShardBlock:
 
 MASTER_KEY = "__master__"
 """The ``ShardBlock.key`` of a bucket's fp32 master weights."""
+PARAM_KEY = "__param__"
+"""The ``ShardBlock.key`` of a bucket's parameters (the module's own weights)."""
 
 
 class ZeroStrategy(Protocol):
@@ -92,6 +94,12 @@ class ZeroStrategy(Protocol):
     def optimizer_state_blocks(self) -> list[ShardBlock]: ...
 
     def optimizer_shards(self, bucket: int) -> AbstractContextManager[dict[str, torch.Tensor]]: ...
+
+    def module_state_replicated(self) -> dict: ...
+
+    def module_state_blocks(self) -> list[ShardBlock]: ...
+
+    def module_shards(self, bucket: int) -> AbstractContextManager[dict[str, torch.Tensor]]: ...
 
     def load_optimizer_state_by_name(self, saved: dict) -> None: ...
 

@@ -212,7 +212,7 @@ def _resume(rank, world_size, save_dir, nvme_root, stage):
     straight, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1),
                                              config=_config(stage, "bf16", offload, sub_group_size=500, **params_too))
     engine_train(straight, batches[:2], rank=rank, world_size=world_size, micro=MICRO)
-    checkpointing.OPTIMIZER_PART_BYTES = 3000  # the state is written a few buckets per file
+    checkpointing.CHECKPOINT_PART_BYTES = 3000  # shards are written a few buckets per file
     straight.save_checkpoint(save_dir)
     saved_params = _params(straight.module)
     engine_train(straight, batches[2:], rank=rank, world_size=world_size, micro=MICRO)
@@ -220,6 +220,7 @@ def _resume(rank, world_size, save_dir, nvme_root, stage):
     tag = Path(save_dir) / "global_step2"
     consolidated = shardwise.checkpoint.consolidate(save_dir)
     same = {"optimizer files": len(list(tag.glob("optimizer*.safetensors"))) >= 3,
+            "model files": len(list(tag.glob("model*.safetensors"))) >= 2,
             # fp32 masters, which the bf16 parameters are roundings of
             "consolidated": all(torch.equal(a, consolidated[n].bfloat16().float())
                                 for (n, _), a in zip(straight.module.named_parameters(), saved_params)),

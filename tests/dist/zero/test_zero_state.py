@@ -115,3 +115,45 @@ def _overflow(rank, world_size):
 def test_stage2_fp16_overflow_skips_everywhere(tmp_path):
     for unchanged, applied, scale in run_distributed(_overflow, world_size=2, tmp_path=tmp_path):
         assert unchanged and not applied and scale == 2 ** 7
+
+
+def _stage3_loads(rank, world_size):
+    """Stage 3 loads full weights a unit at a time; compare with nn.Module.load_state_dict."""
+    config = _config(3, world_size, bf16={"enabled": True})
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 40  # LayerNorm, biases: whole
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
+    engine_train(engine, token_batches(num_steps=2, batch=GLOBAL_BATCH, seed=2), rank=rank,
+                 world_size=world_size, micro=MICRO)
+    generator = torch.Generator().manual_seed(7)
+    full = {k: torch.randn(v.shape, generator=generator) for k, v in TinyMLP(seed=3).state_dict().items()}
+    full["head.weight"] = full["embed.weight"]  # tied
+    results = {}
+    reference = TinyMLP(seed=3).to(torch.bfloat16)
+    with GatheredParameters(list(engine.module.parameters())):
+        reference.load_state_dict({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+    partial = {k: v for k, v in full.items() if k != "fc1.bias"}  # fc1's unit is filled in part
+    outcome = engine.strategy.load_module_state_dict(partial, strict=False)
+    expected = reference.load_state_dict(partial, strict=False)
+    results["missing"] = (outcome.missing_keys, expected.missing_keys)
+    with GatheredParameters(list(engine.module.parameters())):
+        got = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    results["same"] = all(torch.equal(got[k], v) for k, v in reference.state_dict().items())
+    # the persistent LayerNorm is whole outside any gather: it must show the loaded values
+    results["persistent"] = torch.equal(engine.module.norm.weight.detach(), full["norm.weight"].bfloat16())
+    for name, bad in (("missing", partial), ("unexpected", {**full, "extra.weight": torch.zeros(2)}),
+                      ("size", {**full, "fc1.weight": torch.zeros(3, 3)})):
+        try:
+            engine.strategy.load_module_state_dict(bad, strict=True)
+            results[f"error {name}"] = None
+        except RuntimeError as exc:
+            results[f"error {name}"] = str(exc)
+    return results
+
+
+def test_stage3_loads_weights_a_unit_at_a_time_as_load_state_dict_does(tmp_path):
+    for r in run_distributed(_stage3_loads, world_size=2, tmp_path=tmp_path):
+        assert r["missing"][0] == r["missing"][1] == ["fc1.bias"], r["missing"]
+        assert r["same"] and r["persistent"], r
+        assert "fc1.bias" in r["error missing"], r
+        assert "extra.weight" in r["error unexpected"], r
+        assert "size mismatch for fc1.weight" in r["error size"], r
