@@ -176,7 +176,12 @@ def write_into(path: str | os.PathLike, offset: int, tensor: torch.Tensor) -> No
     """Write ``tensor``'s bytes at byte ``offset`` of the file ``path`` (no copy of a
     contiguous CPU tensor)."""
     data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    fd = os.open(path, os.O_WRONLY)
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} does not exist here: the rank that creates it (create_tensor_file) "
+                              "writes to another file system; every rank must see the same save_dir "
+                              "(a shared file system across machines)") from exc
     try:
         done = 0
         while done < len(data):  # short writes are legal; finish the request

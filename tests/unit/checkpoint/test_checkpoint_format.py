@@ -10,6 +10,7 @@ import torch
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import CheckpointError
+from shardwise.checkpoint._read import _map_tensors
 
 
 def _json_round_trip(skeleton):
@@ -429,3 +430,27 @@ def test_rng_capture_restore(tmp_path):
 def test_malformed_rng_state():
     with pytest.raises(CheckpointError, match="random number generator state is malformed"):
         ckpt.restore_rng_state({"python": {}})
+
+
+def test_a_file_written_in_place_in_pieces_is_plain_safetensors(tmp_path):
+    tensors = {"a": torch.randn(6, 5), "b": torch.randn(7, dtype=torch.bfloat16), "c": torch.arange(4),
+               "pad": torch.zeros(0)}
+    entries = [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]
+    path = tmp_path / "part.safetensors"
+    offsets = ckpt.create_tensor_file(path, entries)
+    assert ckpt.tensor_file_layout(entries)[1] == offsets  # what every other writer computes
+    # "a" written as two row ranges (two ranks' shards), the rest whole, in any order
+    ckpt.write_into(path, offsets["a"] + 3 * 5 * 4, tensors["a"][3:])
+    for key in ("c", "b"):
+        ckpt.write_into(path, offsets[key], tensors[key])
+    ckpt.write_into(path, offsets["a"], tensors["a"][:3])
+    record = ckpt.seal_tensor_file(path)
+    assert record["bytes"] == path.stat().st_size
+    loaded = safetensors.torch.load_file(str(path))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    # the mapped reader too, though "c" (int64 after 14 bytes of bf16) is not 8-byte aligned
+    assert offsets["c"] % 8 != 0
+    mapped = _map_tensors(path)
+    assert all(torch.equal(mapped[k], v) for k, v in tensors.items())
+    with pytest.raises(CheckpointError, match="shared file system"):
+        ckpt.write_into(tmp_path / "elsewhere.safetensors", 0, tensors["c"])
