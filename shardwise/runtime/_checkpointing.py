@@ -157,7 +157,9 @@ def _write_blocks(comm, staging, stem: str, blocks: list[ShardBlock], open_shard
     range. Rank 0 creates the files with their headers; every rank computes the same
     offsets (``tensor_file_layout`` is a pure function) and writes its shards into place a
     bucket at a time (``open_shards(bucket)`` holds just that bucket in memory: with nvme
-    offload, only it is swapped in); rank ``k % N`` then hashes part ``k``. The parts are
+    offload, only it is swapped in), rank ``r`` starting ``r/N`` of the way through the
+    buckets so that ranks mostly write different files at once (writers of one file queue
+    on its lock); rank ``k % N`` then hashes part ``k``. The parts are
     ordinary safetensors files whose tensors are named like any other, so loading needs no
     knowledge of the world size that wrote them.
 
@@ -184,7 +186,10 @@ def _write_blocks(comm, staging, stem: str, blocks: list[ShardBlock], open_shard
     by_bucket: dict[int, list[ShardBlock]] = {}
     for block in blocks:
         by_bucket.setdefault(block.bucket, []).append(block)
-    for bucket, bucket_blocks in by_bucket.items():
+    order = list(by_bucket)
+    start = len(order) * comm.rank // comm.world_size  # ranks start apart: mostly different files at once
+    for bucket in order[start:] + order[:start]:
+        bucket_blocks = by_bucket[bucket]
         with open_shards(bucket) as shards:
             for block in bucket_blocks:
                 name, start = starts[(bucket, block.key)]

@@ -95,3 +95,56 @@ def test_missing_latest_starts_fresh(tmp_path):
 def _resume_missing(rank, world_size, save_dir):
     engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=_config("fp32"))
     return engine.load_checkpoint(save_dir)
+
+
+def _save_stage2(rank, world_size, save_dir):
+    config = {**_config("bf16"), "zero_optimization": {"stage": 2, "reduce_bucket_size": 300}}
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
+    _train(engine, token_batches(num_steps=2, batch=MICRO * 2 * world_size, seed=3), rank, world_size)
+    engine.save_checkpoint(save_dir, tag="one")
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _load_stage2(rank, world_size, save_dir):
+    config = {**_config("bf16"), "zero_optimization": {"stage": 2, "reduce_bucket_size": 300}}
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=99), config=config)
+    try:
+        engine.load_checkpoint(save_dir, tag="one")
+    except CheckpointError as exc:
+        return str(exc)
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def test_sharded_checkpoint_parts_are_checked_and_the_single_file_layout_still_loads(tmp_path):
+    import json
+
+    import safetensors.torch
+
+    from shardwise.checkpoint._format import sha256_file
+
+    save_dir = tmp_path / "ckpt"
+    saved = run_distributed(_save_stage2, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir))[0]
+    folder = save_dir / "one"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["skeletons"]["optimizer_files"][1:] == ["optimizer-00001.safetensors"]
+    assert manifest["skeletons"]["module_files"][1:] == ["model-00001.safetensors"]
+    # the layout of earlier versions: one file each, no part lists in the manifest
+    for stem, key in (("optimizer", "optimizer_files"), ("model", "module_files")):
+        merged = {}
+        for name in manifest["skeletons"].pop(key):
+            merged.update(safetensors.torch.load_file(str(folder / name)))
+            (folder / name).unlink()
+            del manifest["files"][name]
+        safetensors.torch.save_file(merged, str(folder / f"{stem}.safetensors"))
+        manifest["files"][f"{stem}.safetensors"] = {"bytes": (folder / f"{stem}.safetensors").stat().st_size,
+                                                    "sha256": sha256_file(folder / f"{stem}.safetensors")}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    for loaded in run_distributed(_load_stage2, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir)):
+        assert not isinstance(loaded, str), loaded
+        assert all(torch.equal(a, b) for a, b in zip(saved, loaded))
+    # a damaged part is named
+    run_distributed(_save_stage2, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir))
+    part = folder / "optimizer-00001.safetensors"
+    part.write_bytes(part.read_bytes()[:100])
+    for message in run_distributed(_load_stage2, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir)):
+        assert isinstance(message, str) and "optimizer-00001.safetensors" in message and "truncated" in message
