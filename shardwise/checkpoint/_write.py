@@ -18,6 +18,7 @@ directory, the caller gathers the returned records on one rank, and that rank ca
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -175,7 +176,11 @@ def create_tensor_file(path: str | os.PathLike, entries) -> dict[str, int]:
 def write_into(path: str | os.PathLike, offset: int, tensor: torch.Tensor) -> None:
     """Write ``tensor``'s bytes at byte ``offset`` of the file ``path`` (no copy of a
     contiguous CPU tensor)."""
-    data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    tensor = tensor.detach().cpu().contiguous()
+    # the bytes through ctypes, not .numpy(): that would make the tensor's storage
+    # non-resizable for good, and ZeRO-3 frees and re-allocates parameter storage
+    nbytes = tensor.numel() * tensor.element_size()
+    data = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B") if nbytes else b""
     try:
         fd = os.open(path, os.O_WRONLY)
     except FileNotFoundError as exc:

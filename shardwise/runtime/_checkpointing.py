@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -275,22 +276,38 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
 def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
     """Write the module's state_dict (in its training dtype) to one file on rank 0.
 
-    ``.safetensors`` names get a safetensors file; anything else (DeepSpeed's default
-    ``pytorch_model.bin``) a ``torch.save`` file, which is what Hugging Face loaders read.
-    Collective: every rank calls it.
+    ``.safetensors`` names get a safetensors file, written a piece at a time (at stage 3
+    a unit at a time: only one unit is ever gathered); anything else (DeepSpeed's default
+    ``pytorch_model.bin``) a ``torch.save`` file, which is what Hugging Face loaders read
+    and which needs the whole state on rank 0. Collective: every rank calls it.
     """
-    comm = engine.comm
-    module_state = engine.strategy.module_state_dict()
-    if comm.rank == 0:
-        path = Path(save_dir) / save_filename
+    comm, strategy = engine.comm, engine.strategy
+    path = Path(save_dir) / save_filename
+    tmp = path.with_name(f".{path.name}.tmp")
+    writer = comm.rank == 0
+    if writer:
         path.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().clone() for k, v in module_state.items()}
-        tmp = path.with_name(f".{path.name}.tmp")
-        if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
-            save_file(state, str(tmp))
-        else:
+    if path.suffix == ".safetensors":
+        current = engine.module.state_dict(keep_vars=True)
+        entries = [(k, v.dtype, list(getattr(v, "ds_shape", v.shape))) for k, v in current.items()]
+        prefix, offsets, _ = ckpt.tensor_file_layout(entries)
+        if writer:
+            with open(tmp, "wb") as handle:
+                handle.write(prefix)
+        for piece in strategy.module_state_pieces():
+            if writer:
+                for key, tensor in piece.items():
+                    ckpt.write_into(tmp, offsets[key], tensor)
+    else:
+        state = {}
+        for piece in strategy.module_state_pieces():
+            if writer:
+                state.update({k: v.detach().cpu().clone() for k, v in piece.items()})
+        if writer:
             torch.save(state, tmp)
+    if writer:
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
         tmp.replace(path)
     comm.barrier(tag="save_16bit_model")
     return True

@@ -490,6 +490,11 @@ class ShardedStrategy:
         bucketed = {id(p) for p in self._bucket_of}
         return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items() if id(v) not in bucketed}
 
+    def module_state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The state dict in pieces whose tensors are valid until the next piece (collective
+        at stage 3, which gathers a unit per piece); here one piece, parameters being whole."""
+        yield self.module.state_dict()
+
     def module_state_blocks(self) -> list[ShardBlock]:
         """Each bucket's parameters in their training dtype, named by ``named_parameters``."""
         return [ShardBlock(b.index, PARAM_KEY, b.flat_param.dtype, tuple(self.names[p] for p in b.params),

@@ -188,6 +188,10 @@ class Stage0Strategy:
     def module_state_blocks(self) -> list:
         return []
 
+    def module_state_pieces(self):
+        """The state dict in one piece (parameters are whole here)."""
+        yield self.module.state_dict()
+
     def module_shards(self, bucket: int):
         raise RuntimeError("stage 0 has no parameter shards")
 

@@ -461,6 +461,23 @@ class Stage3Strategy(ShardedStrategy):
             self._reshard(unit, force=True)
         return state
 
+    def module_state_pieces(self):
+        """The state dict a unit at a time: first what no unit holds, then each unit's
+        parameters under every key that names them (tied ones twice), gathered for the
+        piece and released after it. Collective: every rank must take every piece."""
+        self._ensure_layout()
+        current = self.module.state_dict(keep_vars=True)
+        keys_of: dict[int, list[str]] = {}
+        for key, tensor in current.items():
+            keys_of.setdefault(id(tensor), []).append(key)
+        yield {k: v.detach() for k, v in current.items() if v not in self._bucket_of}
+        for unit in self.buckets:
+            was_gathered = getattr(unit, "gathered", False)
+            self._unshard(unit)
+            yield {key: p.detach() for p in unit.params for key in keys_of.get(id(p), [])}
+            if not was_gathered:
+                self._reshard(unit, force=True)
+
     @contextlib.contextmanager
     def module_shards(self, bucket: int):
         """This rank's shard of a unit's parameters in their training dtype, from its fp32

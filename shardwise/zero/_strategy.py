@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -96,6 +97,8 @@ class ZeroStrategy(Protocol):
     def optimizer_shards(self, bucket: int) -> AbstractContextManager[dict[str, torch.Tensor]]: ...
 
     def module_state_replicated(self) -> dict: ...
+
+    def module_state_pieces(self) -> Iterator[dict[str, torch.Tensor]]: ...
 
     def module_state_blocks(self) -> list[ShardBlock]: ...
 
