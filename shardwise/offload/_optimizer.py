@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import functools
 import os
 import weakref
 from concurrent.futures import Future
@@ -179,6 +181,7 @@ class OptimizerSwapper:
             writes.append(self._start_swap_out(members))
         while writes:
             self._wait(writes.popleft())
+        release_freed_memory()
 
     def _step_only(self, members: list[int]) -> None:
         """Step the optimizer on ``members`` alone: only they carry a ``.grad``."""
@@ -233,6 +236,7 @@ class OptimizerSwapper:
         """Write every master in memory out (after construction, or after a state load)."""
         for members in self.sub_groups:
             self._wait(self._start_swap_out(members))
+        release_freed_memory()
 
     def resident_bytes(self) -> int:
         """Bytes of swapped-kind tensors in memory right now (0 between steps)."""
@@ -254,6 +258,24 @@ class OptimizerSwapper:
     def close(self) -> None:
         """Stop the I/O threads and delete the swap files (also done when collected)."""
         self._finalizer()
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; a no-op
+    elsewhere). The tensors swapped out were mostly below glibc's mmap threshold, so their
+    memory went back to the heap, not the system: without this a process that has just
+    written its optimizer state to nvme keeps that much memory resident."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _close(io: SwapIO, folder: Path) -> None:

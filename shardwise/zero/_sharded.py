@@ -178,13 +178,27 @@ class ShardedStrategy:
             bucket.grad_full = torch.zeros(padded, dtype=dtype, device=device)
             local_grad = bucket.local(bucket.grad_full, rank)
             bucket.grad_shard = local_grad if local_grad.dtype == torch.float32 and host == device \
-                else self._host_tensor(torch.zeros(shard, dtype=torch.float32, device=host))
+                else self._new_grad_shard(shard, host)
         else:
-            bucket.grad_shard = self._host_tensor(torch.zeros(shard, dtype=torch.float32, device=host))
+            bucket.grad_shard = self._new_grad_shard(shard, host)
         bucket.master.grad = bucket.grad_shard
         self.buckets.append(bucket)
         self._bucket_of.update({p: bucket for p in params})
         self._offset_of.update(zip(params, offsets))
+
+    def _new_grad_shard(self, numel: int, device: torch.device) -> torch.Tensor:
+        """An fp32 gradient shard, left unwritten until the first backward or step zeroes it
+        (``_zero_new_grads``): a large fresh allocation is not resident until touched, so
+        while the model is laid out (and, with nvme offload, before the masters have gone
+        to their swap files) the shards cost no memory."""
+        self._grads_unwritten = True
+        return self._host_tensor(torch.empty(numel, dtype=torch.float32, device=device))
+
+    def _zero_new_grads(self) -> None:
+        if getattr(self, "_grads_unwritten", False):
+            self._grads_unwritten = False
+            for bucket in self.buckets:
+                bucket.grad_shard.zero_()
 
     def adopt_client_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Use ``optimizer``; one built over the original parameters is rebuilt over shards."""
@@ -229,6 +243,7 @@ class ShardedStrategy:
 
     def pre_backward(self, *, boundary: bool, sync: bool) -> None:
         self._ensure_layout()
+        self._zero_new_grads()
         if self.stage >= 2 and not sync:
             raise RuntimeError(f"no_sync() cannot be used with ZeRO stage {self.stage}: gradients are "
                                "reduced on every micro-step; use stage 0 or 1")
@@ -311,6 +326,7 @@ class ShardedStrategy:
 
     def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult:
         """Unscale, take the global norm across shards, skip on overflow, clip, update, gather."""
+        self._zero_new_grads()  # a step with no backward before it sees zero gradients
         grads = [b.grad_shard for b in self.buckets]
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)

@@ -180,7 +180,7 @@ class Stage3Strategy(ShardedStrategy):
         self._count_live(unit, +1)
         host = self._master_device(device)
         unit.master = nn.Parameter(self._host_tensor(unit.local(flat, rank).detach().to(host, torch.float32, copy=True)))
-        unit.grad_shard = self._host_tensor(torch.zeros(shard, dtype=torch.float32, device=host))
+        unit.grad_shard = self._new_grad_shard(shard, host)
         unit.master.grad = unit.grad_shard
         for p, shape in zip(params, shapes):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
