@@ -13,11 +13,23 @@ grace period. Peers stuck in a different collective time out at about the same m
 and publish theirs; a peer that published nothing is dead or busy outside any
 collective. The error lists all of it, so ranks that diverged are named instead of the
 job hanging silently until a 30-minute default timeout.
+
+[Note: stream-ordered waits]
+A CPU (gloo) collective is done when its wait returns, so that wait blocks, with the
+deadline above. An NCCL collective runs on a stream of its own; waiting for it with a
+deadline would hold the Python thread until it has finished, so the thread could queue no
+more compute meanwhile and the GPU would drain its queue at every bucket and every
+stage-3 gather. On NCCL a wait therefore only makes the current stream wait for the
+collective, as PyTorch's ``work.wait()`` does by default, and a hang is ended by the
+process group's watchdog at the process group's timeout (``init_distributed(timeout=)``,
+30 minutes by default; its message names the collective by op and sequence number). ``TORCH_NCCL_BLOCKING_WAIT=1`` restores blocking
+waits with the diagnosis above, at the cost of that overlap, as it does in PyTorch.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -54,6 +66,15 @@ class CollectiveRecord:
         return f"{self.op} #{self.seq} ({self.numel} x {str(self.dtype).removeprefix('torch.')}){tag}"
 
 
+def blocking_wait(backend: str, environ) -> bool:
+    """Whether waits on ``backend``'s collectives block the Python thread (see [Note:
+    stream-ordered waits]): always for gloo; for NCCL only when ``TORCH_NCCL_BLOCKING_WAIT``
+    asks for it, as in PyTorch."""
+    if backend != "nccl":
+        return True
+    return environ.get("TORCH_NCCL_BLOCKING_WAIT", environ.get("NCCL_BLOCKING_WAIT", "0")).strip() == "1"
+
+
 class Handle:
     """An in-flight collective; :meth:`wait` blocks until done or raises CollectiveError."""
 
@@ -61,9 +82,13 @@ class Handle:
         self._comm, self._work, self._record = comm, work, record
 
     def wait(self) -> None:
+        """Wait for the collective: see [Note: stream-ordered waits] for NCCL."""
         if self._work is None:
             return
         work, self._work = self._work, None
+        if not self._comm.blocking_wait:
+            work.wait()  # the current stream waits; this thread goes on
+            return
         try:
             completed = work.wait(timeout=self._comm.timeout)
         except RuntimeError as exc:
@@ -90,6 +115,9 @@ class Communicator:
         self.timeout = timedelta(seconds=timeout_s)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.blocking_wait = blocking_wait(dist.get_backend(group), os.environ)
+        """Whether :meth:`Handle.wait` blocks this thread, with the deadline and diagnosis
+        (see [Note: stream-ordered waits])."""
         self.calls: Counter[str] = Counter()
         """Number of collectives issued, by op name."""
         self.bytes: Counter[str] = Counter()
@@ -137,8 +165,11 @@ class Communicator:
         return Handle(self, work, record)
 
     def barrier(self, *, tag: str = "") -> None:
-        """Block until every rank of the group arrives (implemented as a tiny all-reduce)."""
-        self.all_reduce(torch.zeros(1, device=self._device()), tag=tag or "barrier").wait()
+        """Block until every rank of the group arrives (implemented as a tiny all-reduce,
+        read back so that the thread waits on NCCL too)."""
+        token = torch.zeros(1, device=self._device())
+        self.all_reduce(token, tag=tag or "barrier").wait()
+        token.item()
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable ``obj``, indexed by group rank (small metadata only).

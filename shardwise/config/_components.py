@@ -347,7 +347,8 @@ class CommConfig:
     """``comm`` (shardwise extension): collective deadlines."""
 
     timeout_s: float = 1800.0
-    """Seconds a collective may wait before it is reported as a hang, naming the ranks."""
+    """Seconds a collective may wait before it is reported as a hang, naming the ranks (on
+    NCCL only with ``TORCH_NCCL_BLOCKING_WAIT=1``; see [Note: stream-ordered waits])."""
     check_hangs: bool = True
     """Exchange what each rank waited in when a collective fails."""
 
