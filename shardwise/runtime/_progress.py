@@ -9,6 +9,8 @@ from collections import defaultdict
 
 import torch
 
+from shardwise.accelerator import get_accelerator
+
 logger = logging.getLogger("shardwise")
 
 
@@ -39,17 +41,21 @@ class ProgressReporter:
 
     @contextlib.contextmanager
     def _timed(self, name: str):
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        sync()
+        accelerator = get_accelerator()
+        accelerator.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            sync()
+            accelerator.synchronize()
             self._timings[name] += time.perf_counter() - start
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        self._loss_sum += loss.detach().to("cpu", torch.float64)
+        # summed where the loss is: reading a GPU loss back here would make the Python
+        # thread wait for backward to finish on every micro-step; it is read at print time
+        if self._loss_sum.device != loss.device:
+            self._loss_sum = self._loss_sum.to(loss.device)
+        self._loss_sum += loss.detach().to(torch.float64)
         self._loss_count += 1
 
     def after_model_step(self) -> None:

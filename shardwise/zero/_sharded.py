@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Communicator, Handle
+from shardwise.offload import HostCopies, copy_from_host_
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
@@ -110,6 +111,10 @@ class ShardedStrategy:
         self._reducing = False
         self._next_launch = 0
         self._in_flight: collections.deque[_Bucket] = collections.deque()
+        self._host_copies = None
+        """Device-to-host gradient copies (``offload.HostCopies``), made on first use."""
+        self._to_host: collections.deque[tuple] = collections.deque()
+        """Gradient copies to the CPU in flight: (bucket, pending copy, accumulate)."""
         for p in self.trainable:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -145,9 +150,13 @@ class ShardedStrategy:
         if pending:
             self._add_bucket(pending, group)
 
+    def _offloads(self) -> bool:
+        """Whether masters, gradient shards and optimizer state live in CPU memory."""
+        return self.offload is not None
+
     def _master_device(self, device: torch.device) -> torch.device:
         """Where masters, gradient shards and optimizer state live: the CPU when offloaded."""
-        return torch.device("cpu") if self.offload is not None else device
+        return torch.device("cpu") if self._offloads() else device
 
     def _host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """Page-locked when offload asks for pin_memory and there is a GPU to copy to."""
@@ -305,21 +314,44 @@ class ShardedStrategy:
         bucket.handle.wait()
         out = bucket.out.div_(self.comm.world_size / self.predivide_factor)
         if self.stage >= 2:
-            bucket.grad_shard.add_(out.to(bucket.grad_shard.device))
+            self._into_grad_shard(bucket, out, accumulate=True)
             bucket.staging = None
         else:
             bucket.local(bucket.grad_full, self.comm.rank).copy_(out)
             if not _same_storage(bucket.grad_shard, bucket.grad_full):
-                bucket.grad_shard.copy_(out)
+                self._into_grad_shard(bucket, out, accumulate=False)
         bucket.out = bucket.handle = None
 
+    def _into_grad_shard(self, bucket: _Bucket, out: torch.Tensor, *, accumulate: bool) -> None:
+        """Add (or copy) a reduced gradient shard into ``bucket.grad_shard``. An offloaded
+        shard on the CPU receives it through a copy that overlaps backward (see [Note: host
+        copies] in ``offload/_copies.py``); at most ``_MAX_IN_FLIGHT`` copies wait at once.
+        (On the CPU the copy is the tensor itself, landed at once, through the same queue.)"""
+        if not self._offloads():
+            bucket.grad_shard.add_(out) if accumulate else bucket.grad_shard.copy_(out)
+            return
+        if self._host_copies is None:
+            self._host_copies = HostCopies(out.device)
+        self._to_host.append((bucket, self._host_copies.to_host(out), accumulate))
+        self._land_host_copies(keep=_MAX_IN_FLIGHT)
+
+    def _land_host_copies(self, *, keep: int) -> None:
+        """Fold the gradient copies that have reached the host into their shards: all that
+        are done, and the oldest until at most ``keep`` remain in flight."""
+        while self._to_host and (len(self._to_host) > keep or self._to_host[0][1].done()):
+            bucket, copy, accumulate = self._to_host.popleft()
+            shard = copy.result()
+            bucket.grad_shard.add_(shard) if accumulate else bucket.grad_shard.copy_(shard)
+
     def finalize_backward(self) -> None:
-        """Launch what is left and wait for every reduction of this micro-step."""
+        """Launch what is left and wait for every reduction of this micro-step (and, when
+        offloaded, for its gradient shards to reach CPU memory)."""
         if not self._reducing:
             return
         self._launch_ready(force=True)
         while self._in_flight:
             self._complete(self._in_flight.popleft())
+        self._land_host_copies(keep=0)
         self._reducing = False
 
     # -- step -------------------------------------------------------------------------------
@@ -354,7 +386,7 @@ class ShardedStrategy:
         with torch.no_grad():
             for bucket in buckets:
                 if self._master_is_copy(bucket):
-                    bucket.local(bucket.flat_param, self.comm.rank).copy_(bucket.master)
+                    copy_from_host_(bucket.local(bucket.flat_param, self.comm.rank), bucket.master)
 
     def _gather_params(self) -> None:
         """All-gather every bucket from each rank's slice."""

@@ -57,6 +57,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from shardwise.config import ConfigError
+from shardwise.offload import to_device
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy, _Bucket
@@ -243,7 +244,7 @@ class Stage3Strategy(ShardedStrategy):
 
     def _launch_gather(self, unit: _Bucket, shard: torch.Tensor) -> None:
         unit.pending = self.comm.all_gather_into_tensor(
-            unit.flat_param, shard.to(unit.flat_param.device, unit.flat_param.dtype),
+            unit.flat_param, to_device(shard, unit.flat_param.device, unit.flat_param.dtype),
             tag=f"parameters of unit {unit.index} ({type(unit.module).__name__})")
 
     def _gather_read(self, upto: _Bucket) -> None:
@@ -257,9 +258,9 @@ class Stage3Strategy(ShardedStrategy):
             if unit is upto:
                 return
 
-    def _master_device(self, device: torch.device) -> torch.device:
+    def _offloads(self) -> bool:
         """Offloading parameters or the optimizer puts the fp32 shards in CPU memory."""
-        return torch.device("cpu") if self.offload is not None or self.param_offload is not None else device
+        return self.offload is not None or self.param_offload is not None
 
     def _swap_masters(self) -> bool:
         """The masters are the parameter shards: swapped only with offload_param nvme."""
@@ -436,9 +437,9 @@ class Stage3Strategy(ShardedStrategy):
         with torch.no_grad():
             for unit in self.buckets:
                 if unit.persistent:
+                    shard = to_device(unit.master.detach(), unit.flat_param.device, unit.flat_param.dtype)
                     handles.append(self.comm.all_gather_into_tensor(
-                        unit.flat_param, unit.master.detach().to(unit.flat_param.device, unit.flat_param.dtype),
-                        tag=f"persistent parameters (unit {unit.index})"))
+                        unit.flat_param, shard, tag=f"persistent parameters (unit {unit.index})"))
         for handle in handles:
             handle.wait()
 

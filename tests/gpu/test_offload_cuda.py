@@ -52,3 +52,27 @@ def test_parameters_on_nvme_on_gpu(tmp_path):
     engine, _, got = _train(3, "bf16", {"offload_optimizer": swap, "offload_param": {**swap, "max_in_cpu": 0}})
     assert engine.strategy.model_state_bytes().master_params == 0
     assert max((a - b).abs().max().item() for a, b in zip(expected, got)) < 5e-2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_forward_and_backward_with_offload_never_wait_for_the_gpu(tmp_path, stage):
+    """Gradient shards reach CPU memory through side-stream copies and parameters reach the
+    GPU through page-locked staging (see [Note: host copies]); collectives wait on streams
+    (see [Note: stream-ordered waits]). torch's sync debug mode raises at any call that
+    would make the Python thread wait for the GPU."""
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
+    for tokens, targets in token_batches(num_steps=3, batch=4, seed=2):
+        for micro in range(2):
+            x, y = tokens[2 * micro:2 * micro + 2].cuda(), targets[2 * micro:2 * micro + 2].cuda()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                engine.backward(engine(x, y))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            engine.step()
+    assert engine.global_steps == 3

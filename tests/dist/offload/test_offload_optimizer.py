@@ -42,12 +42,41 @@ def _params(module):
         return [p.detach().float().clone() for p in module.parameters()]
 
 
+class _LateCopies:
+    """Stands in for ``offload.HostCopies`` with copies that land only after being asked
+    about twice, or when waited for: the strategy must fold every gradient shard in exactly
+    once, by the end of backward, with a bounded number in flight."""
+
+    def __init__(self):
+        self.pending, self.landed, self.most_in_flight = 0, 0, 0
+
+    def to_host(self, tensor):
+        self.pending += 1
+        self.most_in_flight = max(self.most_in_flight, self.pending)
+        return _LateCopy(tensor.clone(), self)
+
+
+class _LateCopy:
+    def __init__(self, value, owner):
+        self.value, self.owner, self.asked = value, owner, 0
+
+    def done(self):
+        self.asked += 1
+        return self.asked > 2
+
+    def result(self):
+        self.owner.pending -= 1
+        self.owner.landed += 1
+        return self.value
+
+
 def _check(rank, world_size, cases, nvme_root):
     report = {}
     model = TinyMLP(seed=1)
     batches = token_batches(num_steps=STEPS, batch=MICRO * GAS * world_size, seed=2)
     reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=CLIP, split_groups=False)
     for name, stage, device, dtype, knobs in cases:
+        late = knobs.pop("late_copies", False)
         same_layout = {k: v for k, v in knobs.items() if k not in ("offload", "offload_param")}
         plain, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(stage, dtype, **same_layout))
         engine_train(plain, batches, rank=rank, world_size=world_size, micro=MICRO)
@@ -56,13 +85,19 @@ def _check(rank, world_size, cases, nvme_root):
             knobs["offload_param"] = {"nvme_path": nvme_root, **knobs["offload_param"]}
         engine, optimizer, _, _ = shardwise.initialize(model=copy.deepcopy(model),
                                                        config=_config(stage, dtype, offload, **knobs))
-        norms = engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
         strategy = engine.strategy
+        if late:
+            strategy._host_copies = _LateCopies()
+        norms = engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
         masters = [b.master for b in strategy.buckets]
         same = all(torch.equal(a, b) for a, b in zip(_params(plain.module), _params(engine.module)))
         result = {"same": same, "fused": optimizer.defaults.get("fused"), "clipped": max(norms) > CLIP,
                   "skipped": engine.skipped_steps, "vs_reference": max_param_diff(reference, engine.module),
                   "on_cpu": all(m.device.type == "cpu" for m in masters)}
+        if late:
+            copies = strategy._host_copies
+            result.update(late_landed=copies.landed, late_pending=copies.pending,
+                          late_most_in_flight=copies.most_in_flight)
         if device == "nvme":
             swapper = strategy.swapper
             shard_bytes = sum(b.shard * 4 for b in strategy.buckets)
@@ -96,6 +131,10 @@ CASES = {
     2: [("s1 cpu fp32", 1, "cpu", "fp32", {}),
         ("s1 nvme bf16", 1, "nvme", "bf16", {"sub_group_size": 500}),
         ("s2 cpu bf16", 2, "cpu", "bf16", {}),
+        ("s1 cpu bf16, gradient copies land late", 1, "cpu", "bf16", {"late_copies": True}),
+        ("s2 cpu bf16, gradient copies land late", 2, "cpu", "bf16", {"late_copies": True}),
+        ("s3 cpu fp32, parameters on cpu, gradient copies land late", 3, "cpu", "fp32",
+         {"late_copies": True, "offload_param": {"device": "cpu"}}),
         ("s2 nvme fp32, many sub-groups, 2 buffers", 2, "nvme", "fp32",
          {"sub_group_size": 1, "reduce_bucket_size": 100, "offload": {"buffer_count": 2}}),
         ("s2 nvme fp16 with skipped steps", 2, "nvme", "fp16", {"sub_group_size": 500}),
@@ -133,6 +172,11 @@ def test_offloaded_training_matches_the_same_stage_without_offload(tmp_path, wor
                 assert r["vs_reference"] < 2e-5, where
             if dtype == "fp16":
                 assert r["skipped"] >= 1, where
+            if "land late" in name:  # every copy folded in by the end of backward, a bounded few in flight
+                buckets_per_backward = r["late_landed"] / (STEPS * (GAS if stage >= 2 else 1))
+                assert r["late_pending"] == 0 and buckets_per_backward >= 3, where
+                assert buckets_per_backward == int(buckets_per_backward), where
+                assert r["late_most_in_flight"] == 3, where  # _MAX_IN_FLIGHT waiting, plus the newest
             if device == "nvme":
                 assert r["state_in_memory"] == 0 and r["swapped_ok"] and r["peak_ok"], where
                 assert r["files"] > 0 and r["folder_removed"], where
