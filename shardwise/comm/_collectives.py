@@ -20,10 +20,10 @@ deadline above. An NCCL collective runs on a stream of its own; waiting for it w
 deadline would hold the Python thread until it has finished, so the thread could queue no
 more compute meanwhile and the GPU would drain its queue at every bucket and every
 stage-3 gather. On NCCL a wait therefore only makes the current stream wait for the
-collective, as PyTorch's ``work.wait()`` does by default, and a hang is ended by the
-process group's watchdog at the process group's timeout (``init_distributed(timeout=)``,
-30 minutes by default; its message names the collective by op and sequence number). ``TORCH_NCCL_BLOCKING_WAIT=1`` restores blocking
-waits with the diagnosis above, at the cost of that overlap, as it does in PyTorch.
+collective, as PyTorch's ``work.wait()`` does by default, and hands it to a hang watch
+that diagnoses it as above if it is still running ``comm.timeout_s`` later (see [Note:
+watching stream-ordered collectives] in ``_hang_watch.py``). ``TORCH_NCCL_BLOCKING_WAIT=1``
+restores blocking waits, at the cost of that overlap, as it does in PyTorch.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from shardwise.comm._hang_watch import HangWatch
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class Handle:
         work, self._work = self._work, None
         if not self._comm.blocking_wait:
             work.wait()  # the current stream waits; this thread goes on
+            self._comm.watch_stream_ordered(self._record)
             return
         try:
             completed = work.wait(timeout=self._comm.timeout)
@@ -118,6 +121,7 @@ class Communicator:
         self.blocking_wait = blocking_wait(dist.get_backend(group), os.environ)
         """Whether :meth:`Handle.wait` blocks this thread, with the deadline and diagnosis
         (see [Note: stream-ordered waits])."""
+        self._hang_watch: HangWatch | None = None
         self.calls: Counter[str] = Counter()
         """Number of collectives issued, by op name."""
         self.bytes: Counter[str] = Counter()
@@ -189,6 +193,15 @@ class Communicator:
         tensor = torch.tensor(values, dtype=torch.float64, device=device or self._device())
         self.all_reduce(tensor, op=op, tag=tag).wait()
         return tensor.tolist()
+
+    def watch_stream_ordered(self, record: CollectiveRecord) -> None:
+        """Have the hang watch follow a collective whose wait did not block (NCCL): see
+        [Note: watching stream-ordered collectives] in ``_hang_watch.py``."""
+        if self._hang_watch is None:
+            self._hang_watch = HangWatch(self)
+        event = torch.cuda.Event()
+        event.record()
+        self._hang_watch.add(record, event.query)
 
     def _device(self) -> torch.device:
         backend = dist.get_backend(self.group)

@@ -348,7 +348,7 @@ class CommConfig:
 
     timeout_s: float = 1800.0
     """Seconds a collective may wait before it is reported as a hang, naming the ranks (on
-    NCCL only with ``TORCH_NCCL_BLOCKING_WAIT=1``; see [Note: stream-ordered waits])."""
+    NCCL by a watch thread, which then ends the process; see [Note: stream-ordered waits])."""
     check_hangs: bool = True
     """Exchange what each rank waited in when a collective fails."""
 
