@@ -76,7 +76,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         logger.info("shardwise: %d rank(s), micro-batch %d x accumulation %d = batch %d",
                     dist.get_world_size(), cfg.batch.train_micro_batch_size_per_gpu,
                     cfg.batch.gradient_accumulation_steps, cfg.batch.train_batch_size)
-    comm = Communicator(timeout_s=cfg.comm.timeout_s, name="data-parallel")
+    comm = Communicator(timeout_s=cfg.comm.timeout_s, name="data-parallel", check_hangs=cfg.comm.check_hangs)
     engine = Engine(model=model, config=cfg, comm=comm, optimizer=optimizer,
                     model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                     training_data=training_data, collate_fn=collate_fn)

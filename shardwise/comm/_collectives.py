@@ -110,11 +110,15 @@ class Communicator:
         group: the process group (None = the default group).
         timeout_s: how long a wait may block before it is diagnosed as a hang.
         name: a label used in error messages (e.g. ``"data-parallel"``).
+        check_hangs: exchange what every rank waited in when a collective fails (False:
+            the error names this rank's collective only, and comes without the grace
+            period spent waiting for the peers' states).
     """
 
-    def __init__(self, group=None, *, timeout_s: float = 1800.0, name: str = "world"):
+    def __init__(self, group=None, *, timeout_s: float = 1800.0, name: str = "world", check_hangs: bool = True):
         self.group = group
         self.name = name
+        self.check_hangs = check_hangs
         self.timeout = timedelta(seconds=timeout_s)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -214,7 +218,7 @@ class Communicator:
         global_rank = dist.get_rank()
         mine = f"{self.name} group rank {self.rank}: {record.describe()}"
         peers = _exchange_diagnosis(global_rank, dist.get_world_size(), mine,
-                                    grace_s=min(10.0, self.timeout.total_seconds()))
+                                    grace_s=min(10.0, self.timeout.total_seconds())) if self.check_hangs else {}
         reason = str(exc).splitlines()[0][:300] if exc is not None else ""
         if exc is None or "timed out" in reason.lower():
             cause = "did not complete within %g s" % self.timeout.total_seconds()
@@ -224,6 +228,8 @@ class Communicator:
         for peer, state in peers.items():
             lines.append(f"  rank {peer}: " + (state or "published nothing (dead, or busy "
                                                          "outside any collective)"))
+        if not self.check_hangs:
+            lines.append("  (what the other ranks waited in was not exchanged: comm.check_hangs is false)")
         lines.append("Ranks that issue different collectives have diverged (e.g. a data-"
                      "dependent branch or a save called on some ranks only); a rank that "
                      "published nothing has crashed or is stuck: check its log.")

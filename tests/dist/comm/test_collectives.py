@@ -34,8 +34,8 @@ def test_collectives_compute_and_count(tmp_path, world_size):
         assert nbytes["all_reduce"] == 40
 
 
-def _diverge(rank, world_size):
-    comm = Communicator(timeout_s=3, name="data-parallel")
+def _diverge(rank, world_size, check_hangs=True):
+    comm = Communicator(timeout_s=3, name="data-parallel", check_hangs=check_hangs)
     comm.all_reduce(torch.ones(8), tag="warm-up").wait()
     if rank == 1:
         comm.broadcast(torch.ones(5), src=0, tag="bucket 7").wait()
@@ -52,6 +52,15 @@ def test_diverged_ranks_are_named(tmp_path):
     assert "CollectiveError" in message
     assert "rank 0 waited in data-parallel group rank 0: all_reduce #2 (16 x float32) [bucket 3]" in message
     assert "rank 1: data-parallel group rank 1: broadcast #2 (5 x float32) [bucket 7]" in message
+
+
+def test_without_check_hangs_the_error_names_this_ranks_collective_only(tmp_path):
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_diverge, world_size=2, tmp_path=tmp_path, check_hangs=False)
+    message = str(info.value)
+    assert "rank 0 waited in data-parallel group rank 0: all_reduce #2 (16 x float32) [bucket 3]" in message
+    assert "not exchanged: comm.check_hangs is false" in message
+    assert "  rank 1: data-parallel group rank 1" not in message
 
 
 def _one_rank_dies(rank, world_size):
