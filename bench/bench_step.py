@@ -97,8 +97,13 @@ def _build(args, variant: str, model):
         return (_engine_step(engine), lambda: engine.model_state_bytes().total,
                 engine.save_checkpoint, engine.load_checkpoint)
     import deepspeed
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()),
-                                                   config=_config(args, stage))
+    if args.ds_optimizer == "config":  # DeepSpeed builds its own (DeepSpeedCPUAdam under offload)
+        config = {**_config(args, stage), "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                       config=config)
+    else:
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()),
+                                                       config=_config(args, stage))
     # DeepSpeed's buffers are not all visible
     return _engine_step(engine), lambda: float("nan"), engine.save_checkpoint, engine.load_checkpoint
 
@@ -255,7 +260,8 @@ def run_variant(args, variant: str) -> dict:
                 env["WORLD_SIZE"] = "1"
             cmd = [python, __file__, "--worker", "--variant", variant, "--preset", args.preset,
                    "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--result", str(result),
-                   "--zero", args.zero, "--peer-kernel", args.peer_kernel] + (["--zero-init"] if args.zero_init else []) \
+                   "--zero", args.zero, "--peer-kernel", args.peer_kernel, "--ds-optimizer", args.ds_optimizer] \
+                + (["--zero-init"] if args.zero_init else []) \
                 + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
@@ -300,6 +306,7 @@ def table(args, results: list[tuple[str, dict]]) -> str:
     floor = next((r["median"] for v, r in results if v == "floor" and "median" in r), None)
     zero = f", zero_optimization += {args.zero}" if args.zero != "{}" else ""
     zero += f", peers' AdamW {args.peer_kernel}" + (", stage-3 models built under zero.Init" if args.zero_init else "")
+    zero += ", DeepSpeed's optimizer from its config" if args.ds_optimizer == "config" else ""
     lines = [f"# Step time, preset `{args.preset}`, {args.world_size} ranks, micro-batch {args.micro_batch}{zero}",
              "", f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | "
              f"median of steps {args.warmup + 1}..{args.steps}", "",
@@ -346,6 +353,9 @@ def main() -> None:
     parser.add_argument("--peer-kernel", default="foreach", choices=["foreach", "fused"],
                         help="torch AdamW kernel of the DDP, FSDP2 and DeepSpeed variants (shardwise "
                              "picks its own: fused on CPU and CUDA)")
+    parser.add_argument("--ds-optimizer", default="client", choices=["client", "config"],
+                        help="client: DeepSpeed steps the same torch AdamW as the peers; config: an "
+                             "'optimizer' section lets DeepSpeed pick its own (DeepSpeedCPUAdam with offload)")
     parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--checkpoint", default=None,
