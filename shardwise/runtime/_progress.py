@@ -53,8 +53,9 @@ class ProgressReporter:
     def record_loss(self, loss: torch.Tensor) -> None:
         # summed where the loss is: reading a GPU loss back here would make the Python
         # thread wait for backward to finish on every micro-step; it is read at print time
-        if self._loss_sum.device != loss.device:
-            self._loss_sum = self._loss_sum.to(loss.device)
+        if self._loss_sum.device != loss.device:  # made there (a copy would wait for the GPU)
+            self._loss_sum = self._loss_sum.to(loss.device) if self._loss_count else \
+                torch.zeros((), dtype=torch.float64, device=loss.device)
         self._loss_sum += loss.detach().to(torch.float64)
         self._loss_count += 1
 
