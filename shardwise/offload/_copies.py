@@ -57,7 +57,6 @@ class HostCopies:
     """
 
     def __init__(self, device: torch.device):
-        self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def to_host(self, tensor: torch.Tensor) -> PendingCopy:

@@ -328,7 +328,7 @@ class ShardedStrategy:
         copies] in ``offload/_copies.py``); at most ``_MAX_IN_FLIGHT`` copies wait at once.
         (On the CPU the copy is the tensor itself, landed at once, through the same queue.)"""
         if not self._offloads():
-            bucket.grad_shard.add_(out) if accumulate else bucket.grad_shard.copy_(out)
+            self._fold(bucket, out, accumulate)
             return
         if self._host_copies is None:
             self._host_copies = HostCopies(out.device)
@@ -340,8 +340,14 @@ class ShardedStrategy:
         are done, and the oldest until at most ``keep`` remain in flight."""
         while self._to_host and (len(self._to_host) > keep or self._to_host[0][1].done()):
             bucket, copy, accumulate = self._to_host.popleft()
-            shard = copy.result()
-            bucket.grad_shard.add_(shard) if accumulate else bucket.grad_shard.copy_(shard)
+            self._fold(bucket, copy.result(), accumulate)
+
+    @staticmethod
+    def _fold(bucket: _Bucket, shard: torch.Tensor, accumulate: bool) -> None:
+        if accumulate:
+            bucket.grad_shard.add_(shard)
+        else:
+            bucket.grad_shard.copy_(shard)
 
     def finalize_backward(self) -> None:
         """Launch what is left and wait for every reduction of this micro-step (and, when

@@ -55,7 +55,7 @@ def test_parameters_on_nvme_on_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_forward_and_backward_with_offload_never_wait_for_the_gpu(tmp_path, stage):
+def test_forward_and_backward_with_offload_never_wait_for_the_gpu(stage):
     """Gradient shards reach CPU memory through side-stream copies and parameters reach the
     GPU through page-locked staging (see [Note: host copies]); collectives wait on streams
     (see [Note: stream-ordered waits]). torch's sync debug mode raises at any call that
