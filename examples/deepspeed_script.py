@@ -35,6 +35,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--save_dir", type=str, default=None)
+    parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 

@@ -35,6 +35,7 @@ def parse_args() -> argparse.Namespace:
                         help="bytes of standard-library source to train on")
     parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     shardwise.add_config_arguments(parser)
     args = parser.parse_args()
     if args.deepspeed_config is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 import torch.distributed as dist
 
@@ -17,17 +16,17 @@ logger = logging.getLogger("shardwise")
 def _config_source(args, config, config_params):
     from_args = None
     if args is not None:
-        from_args = getattr(args, "shardwise_config", None) or getattr(args, "deepspeed_config", None)
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     given = [c for c in (config, config_params) if c is not None]
     if len(given) > 1:
         raise ValueError("both config= and config_params= were given to initialize(); pass one")
     if given and from_args is not None:
         raise ValueError(f"a config was passed to initialize() and also on the command line "
-                         f"(--deepspeed_config/--shardwise_config {from_args}); keep only one")
+                         f"(--deepspeed_config {from_args}); keep only one")
     source = given[0] if given else from_args
     if source is None:
         raise ValueError("no config: pass config= (a dict or a JSON file path) to initialize(), "
-                         "or --deepspeed_config/--shardwise_config on the command line "
+                         "or --deepspeed_config on the command line "
                          "(add the flags with shardwise.add_config_arguments(parser))")
     return source
 
@@ -42,8 +41,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     optimizer, LR scheduler and data loader.
 
     Args:
-        args: an argparse namespace; ``args.deepspeed_config`` or ``args.shardwise_config``
-            may name the config file.
+        args: an argparse namespace; ``args.deepspeed_config`` (or the deprecated
+            ``args.deepscale_config``) may name the config file.
         model: the ``torch.nn.Module`` to train (required).
         optimizer: a ``torch.optim.Optimizer``, or a callable building one from parameters;
             excludes an ``optimizer`` section in the config.
@@ -84,14 +83,20 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--deepspeed``, ``--deepspeed_config`` (and ``--shardwise*`` aliases) to a parser."""
-    group = parser.add_argument_group("shardwise", "shardwise / DeepSpeed configuration")
-    group.add_argument("--deepspeed", "--shardwise", dest="deepspeed", action="store_true",
-                       default=False, help="enable shardwise (accepted for DeepSpeed scripts)")
-    group.add_argument("--deepspeed_config", "--shardwise_config", dest="deepspeed_config",
-                       default=None, type=str, help="path to the DeepSpeed-style JSON config")
-    group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)),
-                       help="local rank (set by launchers that pass it as an argument)")
+    """Add DeepSpeed's command-line flags to ``parser`` and return it; DeepSpeed's function.
+
+    Adds exactly ``--deepspeed``, ``--deepspeed_config`` and their deprecated spellings
+    ``--deepscale``, ``--deepscale_config``, as DeepSpeed does. It adds no ``--local_rank``:
+    scripts that run under ``shardwise run`` (which passes ``--local_rank=N`` as DeepSpeed's
+    launcher does, unless ``--no_local_rank``) define that flag themselves.
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed-style training (accepted; shardwise is always on)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="path to the DeepSpeed-style JSON config")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="deprecated spelling of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="deprecated spelling of --deepspeed_config")
     return parser
-
-

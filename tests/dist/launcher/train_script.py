@@ -11,6 +11,7 @@ from shardwise.testing.models import TinyMLP, token_batches
 
 parser = shardwise.add_config_arguments(argparse.ArgumentParser())
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--crash_rank", type=int, default=-1)
 args = parser.parse_args()
 
