@@ -28,41 +28,6 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
 
 
-def read_optimizer_state(path, manifest: dict, *, mmap: bool = False) -> dict:
-    """The named optimizer state of the checkpoint at ``path``, from all its optimizer files
-    (checked as ``read_tensors`` checks them; ``mmap`` as there)."""
-    return _read_state(path, manifest, "optimizer", OPTIMIZER_FILE, mmap=mmap)
-
-
-def read_module_state(path, manifest: dict, *, mmap: bool = False) -> dict:
-    """The module state dict of the checkpoint at ``path``, from all its model files."""
-    return _read_state(path, manifest, "module", MODEL_FILE, mmap=mmap)
-
-
-def _read_state(path, manifest: dict, what: str, first_file: str, *, mmap: bool) -> dict:
-    skeletons = manifest["skeletons"]
-    tensors = {}
-    for name in skeletons.get(f"{what}_files", [first_file]):  # one file before parts existed
-        tensors.update(read_tensors(path, name, manifest=manifest, mmap=mmap))
-    return unflatten_state(tensors, skeletons[what])
-
-
-def consolidate(load_dir, tag: str | None = None, *, dtype: torch.dtype = torch.float32) -> dict:
-    """The full model state dict of a checkpoint, in ``dtype``, ready for ``load_state_dict``.
-
-    Floating-point weights come from the fp32 master copies when the run trained in
-    fp16/bf16 (so nothing is lost to rounding), otherwise from the module state; tied
-    weights get the same values under every name; buffers keep integer dtypes.
-
-    Args:
-        load_dir: the ``save_dir`` given to ``save_checkpoint`` (or a checkpoint directory
-            itself, when ``tag`` is None and it holds a manifest).
-        tag: which checkpoint; None reads ``latest``.
-        dtype: the floating-point dtype of the result.
-    """
-    return {key: _as(value, dtype) for key, value in consolidated_sources(load_dir, tag).items()}
-
-
 def consolidated_sources(load_dir, tag: str | None = None, *, mmap: bool = False) -> dict:
     """What ``consolidate`` returns before the dtype conversion: each state-dict key's tensor
     as stored (views of mapped files with ``mmap``, so a caller converting and writing one
@@ -80,10 +45,6 @@ def consolidated_sources(load_dir, tag: str | None = None, *, mmap: bool = False
         masters = read_optimizer_state(path, manifest, mmap=mmap).get("master", {})
     aliases = skeletons.get("aliases", {})
     return {key: masters.get(aliases.get(key, key), tensor) for key, tensor in module.items()}
-
-
-def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def read_optimizer_state(path, manifest: dict, *, mmap: bool = False) -> dict:
