@@ -1,7 +1,14 @@
-"""Process-group start-up and collectives; the only code that calls torch.distributed."""
+"""Process-group start-up and collectives; the only code that calls torch.distributed.
 
+The library's code uses :class:`Communicator`. DeepSpeed scripts use the functional API
+(``import deepspeed.comm as dist``; ``dist.all_reduce(t)``), re-exported here from
+``_functional``.
+"""
+
+from shardwise.comm import _functional
 from shardwise.comm._collectives import CollectiveError, CollectiveRecord, Communicator, Handle
+from shardwise.comm._functional import *  # noqa: F403 -- DeepSpeed's flat comm namespace
 from shardwise.comm._init import LaunchEnv, discover_launch_env, init_distributed
 
 __all__ = ["CollectiveError", "CollectiveRecord", "Communicator", "Handle", "LaunchEnv",
-           "discover_launch_env", "init_distributed"]
+           "discover_launch_env", "init_distributed", *_functional.__all__]
