@@ -290,8 +290,9 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         as_int("zero_optimization.stage", self.stage, minimum=0, maximum=3)
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "zero_hpz_partition_size"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size"):
             as_int(f"zero_optimization.{name}", getattr(self, name), minimum=1)
+        as_int("zero_optimization.zero_hpz_partition_size", self.zero_hpz_partition_size, minimum=0)
         # 0 is meaningful: no prefetch, no parameters kept beyond the one in use, no reuse
         for name in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                      "stage3_param_persistence_threshold", "stage3_module_granularity_threshold"):
@@ -336,10 +337,18 @@ class DataTypesConfig:
 
     grad_accum_dtype: str | None = None
     """dtype gradients accumulate in (None: the parameter dtype)."""
+    param_dtype: str | None = None
+    """dtype of the parameters; must be the one fp16/bf16 selects (None: that one)."""
+    buffer_dtype: str | None = None
+    """dtype to cast module buffers to (None: keep their dtype; only None is supported)."""
 
     def __post_init__(self) -> None:
-        if self.grad_accum_dtype is not None:
-            as_choice("data_types.grad_accum_dtype", self.grad_accum_dtype, ("fp32", "fp16", "bf16"))
+        for name in ("grad_accum_dtype", "param_dtype", "buffer_dtype"):
+            if getattr(self, name) is not None:
+                as_choice(f"data_types.{name}", getattr(self, name), ("fp32", "fp16", "bf16"))
+        if self.buffer_dtype is not None:
+            raise ConfigError(f"data_types.buffer_dtype={self.buffer_dtype!r} (casting module buffers) is not "
+                              "available in this version of shardwise; remove it (buffers keep their dtype)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,14 +14,14 @@ from shardwise.config._errors import ConfigError, check_keys
 
 logger = logging.getLogger("shardwise")
 
-_MONITOR_KEYS = {"enabled", "output_path", "job_name", "team", "group", "project", "api_key",
-                 "experiment_name", "workspace", "samples_log_interval", "online", "mode",
-                 "experiment_key", "api_key"}
+_FILE_MONITOR_KEYS = {"enabled", "output_path", "job_name"}
 
 # section -> allowed keys (None: any keys; the section is validated as an object only)
 LATER_SECTIONS: dict[str, set[str] | None] = {
-    "tensorboard": _MONITOR_KEYS, "wandb": _MONITOR_KEYS, "csv_monitor": _MONITOR_KEYS,
-    "comet": _MONITOR_KEYS,
+    "tensorboard": _FILE_MONITOR_KEYS, "csv_monitor": _FILE_MONITOR_KEYS,
+    "wandb": {"enabled", "group", "team", "project"},
+    "comet": {"enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
+              "experiment_key", "online", "mode"},
     "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth",
                        "top_modules", "detailed", "output_file"},
     "activation_checkpointing": {"partition_activations", "cpu_checkpointing",
@@ -33,7 +33,7 @@ LATER_SECTIONS: dict[str, set[str] | None] = {
     "curriculum_learning": None, "data_efficiency": None, "progressive_layer_drop": None,
     "elasticity": None, "autotuning": None, "nebula": None, "eigenvalue": None,
     "quantize_training": None, "hybrid_engine": None, "torch_autocast": None, "compile": None,
-    "timers": None, "tensor_parallel": None, "weight_quantization": None,
+    "timers": None, "tensor_parallel": None, "weight_quantization": None, "expert_parallel": None,
 }
 """Top-level DeepSpeed sections that later shardwise features own."""
 
@@ -53,8 +53,10 @@ _NAMES = {"tensorboard": "the TensorBoard monitor", "wandb": "the Weights & Bias
           "autotuning": "the autotuner", "nebula": "Nebula checkpointing",
           "eigenvalue": "eigenvalue computation", "quantize_training": "quantized training",
           "hybrid_engine": "the hybrid engine", "torch_autocast": "torch autocast",
-          "compile": "torch.compile integration", "tensor_parallel": "tensor parallelism",
-          "weight_quantization": "weight quantization"}
+          "compile": "DeepCompile (torch.compile integration)", "tensor_parallel": "tensor parallelism",
+          "weight_quantization": "weight quantization", "expert_parallel": "expert parallelism (AutoEP)"}
+# sections switched on by a key other than "enabled": section -> (key, values that leave it off)
+_SWITCHES = {"compile": ("deepcompile", (False,)), "tensor_parallel": ("autotp_size", (0, 1))}
 
 
 def _not_available(feature: str, key: str) -> ConfigError:
@@ -84,6 +86,12 @@ def check_later_section(key: str, value: Any) -> None:
             logger.warning("the 'pipeline' section only applies to PipelineModule models, which "
                            "this version of shardwise does not provide yet; it has no effect")
         return
+    if key in _SWITCHES:
+        switch, off = _SWITCHES[key]
+        if value.get(switch, off[0]) not in off:
+            raise ConfigError(f"{_NAMES[key]} ('{key}.{switch}'={value[switch]!r}) is not available in this "
+                              f"version of shardwise yet; remove the '{key}' section or set {switch} to {off[0]}")
+        return
     enabled = value.get("enabled", False)
     if enabled not in (True, False, "auto"):
         raise ConfigError(f"{key}.enabled must be true or false, got {enabled!r}")
@@ -96,6 +104,9 @@ def check_later_scalar(key: str, value: Any) -> None:
     if key == "sparse_gradients" and value:
         raise ConfigError("sparse_gradients=true is not available in this version of shardwise "
                           "yet; remove it (embedding gradients are reduced densely)")
+    if key == "graph_harvesting" and value:
+        raise ConfigError("graph_harvesting=true (CUDA-graph capture of DeepSpeed's kernels) is not available "
+                          "in this version of shardwise yet; remove it")
     if key == "sequence_parallel_size" and value not in (None, 1):
         raise ConfigError(f"sequence_parallel_size={value!r} is not available in this version of "
                           "shardwise yet; remove it or set it to 1")

@@ -75,6 +75,11 @@ class TrainConfig:
             as_choice("communication_data_type", self.communication_data_type, ("fp32", "fp16", "bf16"))
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        mode = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+        if self.data_types.param_dtype not in (None, mode):
+            raise ConfigError(f"data_types.param_dtype={self.data_types.param_dtype!r} differs from the training "
+                              f"dtype the fp16/bf16 sections select ({mode}); remove data_types.param_dtype or "
+                              "enable the matching section")
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             raise ConfigError("prescale_gradients=true and gradient_predivide_factor != 1 conflict; "
                               "use one of them")

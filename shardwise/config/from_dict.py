@@ -15,8 +15,9 @@ from typing import Any
 from shardwise.config._components import (OPTIMIZERS, AioConfig, BatchConfig, BF16Config, CheckpointConfig,
                                           CommConfig, DataTypesConfig, FP16Config, OffloadOptimizerConfig,
                                           OffloadParamConfig, OptimizerConfig, SchedulerConfig, ZeroConfig)
-from shardwise.config._errors import AUTO, ConfigError, as_choice, as_int, check_keys, unknown_key_error
+from shardwise.config._errors import AUTO, ConfigError, as_bool, as_choice, as_int, check_keys, unknown_key_error
 from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
+from shardwise.config._no_effect import known_keys, log_no_effect, take_special_keys
 from shardwise.config._train import TrainConfig
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -27,6 +28,16 @@ _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
                 "allgather_size": "allgather_bucket_size"}
+# DeepSpeed reads its stage-3 keys under their field names too; not deprecated, so no warning.
+_ZERO_FIELD_NAMES = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
+                     "param_persistence_threshold": "stage3_param_persistence_threshold",
+                     "model_persistence_threshold": "stage3_model_persistence_threshold",
+                     "max_live_parameters": "stage3_max_live_parameters",
+                     "max_reuse_distance": "stage3_max_reuse_distance",
+                     "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+                     "module_granularity_threshold": "stage3_module_granularity_threshold",
+                     "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+                     "allgather_sequential": "stage3_allgather_sequential"}
 _AUTO_FIELDS = {"fp16": {"enabled"}, "bf16": {"enabled"}, "zero_optimization": {
     "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
@@ -67,15 +78,18 @@ def _coerce(cls, path: str, values: dict) -> dict:
     return out
 
 
-def _section(cls, path: str, section: Any, *, aliases: dict | None = None):
+def _section(cls, path: str, section: Any, noted: list[str], *, aliases: dict | None = None):
     aliases = aliases or {}
-    valid = {f.name for f in dataclasses.fields(cls)} | set(aliases)
-    section = dict(check_keys(path, section, valid))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    section = dict(check_keys(path, section, fields | set(aliases) | known_keys(path)))
     for old, new in aliases.items():
         if old in section:
             warnings.warn(f"config key '{path}.{old}' is deprecated; use '{path}.{new}'",
                           DeprecationWarning, stacklevel=4)
             section.setdefault(new, section.pop(old))
+    enabled = section.get("enabled", False) in (True, AUTO) if path in ("fp16", "bf16") else True
+    take_special_keys(path, section, noted, enabled=enabled)
+    section = {k: v for k, v in section.items() if k in fields}
     for key, value in list(section.items()):
         if value == AUTO:
             if key not in _AUTO_FIELDS.get(path, ()):
@@ -172,7 +186,7 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
             if new in raw:
                 raise ConfigError(f"config has both '{old}' and '{new}'; keep only '{new}'")
             raw[new] = raw.pop(old)
-    valid = set(_BATCH_KEYS) | _SECTIONS | _TOP_SCALARS | set(LATER_SECTIONS) | LATER_SCALARS
+    valid = set(_BATCH_KEYS) | _SECTIONS | _TOP_SCALARS | set(LATER_SECTIONS) | LATER_SCALARS | known_keys("")
     for key, value in raw.items():
         if key not in valid:
             raise unknown_key_error("", key, valid)
@@ -180,43 +194,79 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
             check_later_section(key, value)
         elif key in LATER_SCALARS:
             check_later_scalar(key, value)
+    noted: list[str] = []
+    take_special_keys("", raw, noted)
     scalars = {k: raw[k] for k in _TOP_SCALARS if k in raw}
     if scalars.get("gradient_clipping") == AUTO:
         del scalars["gradient_clipping"]
     for key, value in scalars.items():
         if value == AUTO:
             raise ConfigError(f'{key} does not accept "auto"; give a value')
-    return TrainConfig(
+    config = TrainConfig(
         batch=resolve_batch(raw, world_size),
         optimizer=_optimizer(raw["optimizer"]) if raw.get("optimizer") is not None else None,
         scheduler=_scheduler(raw["scheduler"]) if raw.get("scheduler") is not None else None,
-        fp16=_section(FP16Config, "fp16", raw.get("fp16", {})),
-        bf16=_section(BF16Config, "bf16", raw.get("bf16", {})),
-        zero=_zero(raw.get("zero_optimization", {})),
-        aio=_section(AioConfig, "aio", raw.get("aio") or {}, aliases={"thread_count": "intra_op_parallelism"}),
-        checkpoint=_checkpoint(raw.get("checkpoint", {})),
-        data_types=_section(DataTypesConfig, "data_types", raw.get("data_types", {})),
-        comm=_section(CommConfig, "comm", raw.get("comm", {})),
+        fp16=_section(FP16Config, "fp16", raw.get("fp16", {}), noted),
+        bf16=_section(BF16Config, "bf16", raw.get("bf16", {}), noted),
+        zero=_zero(raw.get("zero_optimization", {}), noted),
+        aio=_section(AioConfig, "aio", raw.get("aio") or {}, noted, aliases={"thread_count": "intra_op_parallelism"}),
+        checkpoint=_checkpoint(raw.get("checkpoint", {}), noted),
+        data_types=_section(DataTypesConfig, "data_types", raw.get("data_types", {}), noted),
+        comm=_section(CommConfig, "comm", raw.get("comm", {}), noted),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )
+    log_no_effect(noted)
+    return config
 
 
-def _zero(section: Any) -> ZeroConfig:
-    section = dict(check_keys("zero_optimization", section,
-                              {f.name for f in dataclasses.fields(ZeroConfig)} | set(_LEGACY_ZERO)))
+def _zero(section: Any, noted: list[str]) -> ZeroConfig:
+    path = "zero_optimization"
+    fields = {f.name for f in dataclasses.fields(ZeroConfig)}
+    section = dict(check_keys(path, section, fields | set(_LEGACY_ZERO) | set(_ZERO_FIELD_NAMES) | known_keys(path)
+                              | {"cpu_offload_param"}))
+    for name, key in _ZERO_FIELD_NAMES.items():
+        if name in section:
+            if key in section:
+                raise ConfigError(f"config has both '{path}.{name}' and '{path}.{key}' (the same setting); keep one")
+            section[key] = section.pop(name)
+    _legacy_param_offload(section)
     for key, cls in (("offload_optimizer", OffloadOptimizerConfig), ("offload_param", OffloadParamConfig)):
         if key in section:
             value = section.pop(key)
             if value is not None:  # null: not offloaded, as DeepSpeed reads it
-                section[key] = _section(cls, f"zero_optimization.{key}", value)
-    return _section(ZeroConfig, "zero_optimization", section, aliases=_LEGACY_ZERO)
+                if isinstance(value, dict) and value.get("nvme_path", "") is None:  # DeepSpeed's default
+                    value = {k: v for k, v in value.items() if k != "nvme_path"}
+                section[key] = _section(cls, f"{path}.{key}", value, noted)
+    return _section(ZeroConfig, path, section, noted, aliases=_LEGACY_ZERO)
 
 
-def _checkpoint(section: Any) -> CheckpointConfig:
-    section = dict(check_keys("checkpoint", section,
-                              {f.name for f in dataclasses.fields(CheckpointConfig)}))
+def _legacy_param_offload(section: dict) -> None:
+    """DeepSpeed's deprecated ``cpu_offload_param: true`` is ``offload_param.device = cpu``."""
+    if "cpu_offload_param" not in section:
+        return
+    value = section.pop("cpu_offload_param")
+    if value is None:
+        return
+    as_bool("zero_optimization.cpu_offload_param", value)
+    warnings.warn("config key 'zero_optimization.cpu_offload_param' is deprecated; use "
+                  "'zero_optimization.offload_param'", DeprecationWarning, stacklevel=5)
+    if value and section.get("offload_param") is None:
+        section["offload_param"] = {"device": "cpu"}
+
+
+def _checkpoint(section: Any, noted: list[str]) -> CheckpointConfig:
+    fields = {f.name for f in dataclasses.fields(CheckpointConfig)}
+    section = dict(check_keys("checkpoint", section, fields | known_keys("checkpoint")))
+    take_special_keys("checkpoint", section, noted)
+    section = {k: v for k, v in section.items() if k in fields}
     if "tag_validation" in section:
         section["tag_validation"] = as_choice("checkpoint.tag_validation", section["tag_validation"],
                                               ("Ignore", "Warn", "Fail"))
+    if section.get("parallel_write") is not None:
+        write = check_keys("checkpoint.parallel_write", section["parallel_write"], {"pipeline_stage"})
+        if not as_bool("checkpoint.parallel_write.pipeline_stage", write.get("pipeline_stage", False)):
+            section["parallel_write"] = None  # nothing asked for
+    if "use_node_local_storage" in section:
+        as_bool("checkpoint.use_node_local_storage", section["use_node_local_storage"])
     return CheckpointConfig(**section)

@@ -70,7 +70,8 @@ def test_unknown_nested_key_names_the_path():
 
 
 def test_unknown_key_without_close_match_lists_valid_keys():
-    with pytest.raises(ConfigError, match="valid keys in 'bf16' are: enabled, immediate_grad_update"):
+    with pytest.raises(ConfigError, match="valid keys in 'bf16' are: bf16_master_weights_and_grads, "
+                                          "bf16_optimizer_states, check_grad_overflow, enabled, immediate_grad_update"):
         _load(train_micro_batch_size_per_gpu=1, bf16={"xyz": 1})
 
 
