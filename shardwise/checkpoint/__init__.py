@@ -12,7 +12,7 @@ gathered records; ``write_checkpoint`` does all of it in one process.
 
 Public API:
     CheckpointError, flatten_state, unflatten_state, write_checkpoint, begin_checkpoint,
-    write_files, finalize_checkpoint, write_latest, resolve_tag, list_tags,
+    write_files, finalize_checkpoint, write_latest, remove_stale_staging, resolve_tag, list_tags,
     read_manifest, read_tensors, capture_rng_state, restore_rng_state, validate_tag,
     FORMAT_VERSION, consolidate (an engine checkpoint -> one full state dict), and for a
     file that several ranks write in place: tensor_file_layout, create_tensor_file,
@@ -28,6 +28,7 @@ from shardwise.checkpoint._write import (
     begin_checkpoint,
     create_tensor_file,
     finalize_checkpoint,
+    remove_stale_staging,
     seal_tensor_file,
     tensor_file_layout,
     write_into,
@@ -39,5 +40,5 @@ from shardwise.checkpoint._write import (
 __all__ = ["FORMAT_VERSION", "CheckpointError", "begin_checkpoint", "capture_rng_state", "consolidate",
            "create_tensor_file", "seal_tensor_file", "tensor_file_layout", "write_into",
            "finalize_checkpoint", "flatten_state", "list_tags", "read_manifest", "read_tensors",
-           "resolve_tag", "restore_rng_state", "unflatten_state", "validate_tag",
+           "remove_stale_staging", "resolve_tag", "restore_rng_state", "unflatten_state", "validate_tag",
            "write_checkpoint", "write_files", "write_latest"]

@@ -23,6 +23,7 @@ import json
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,12 @@ from shardwise.checkpoint._format import (
 )
 
 _RESERVED_KEYS = ("format", "format_version", "files")
+_STAGING_SUFFIX = ".staging"
 
 
 def staging_path(save_dir: str | os.PathLike, tag: str) -> Path:
     """The staging directory ``<save_dir>/.<tag>.staging`` that every rank derives alike."""
-    return Path(save_dir) / f".{validate_tag(tag)}.staging"
+    return Path(save_dir) / f".{validate_tag(tag)}{_STAGING_SUFFIX}"
 
 
 def begin_checkpoint(save_dir: str | os.PathLike, tag: str, *, clean: bool = True) -> Path:
@@ -60,6 +62,7 @@ def begin_checkpoint(save_dir: str | os.PathLike, tag: str, *, clean: bool = Tru
     ``save_dir`` if needed, removes a staging directory left by an interrupted save and
     creates an empty one. The other ranks pass ``clean=False``, which only computes the
     path, and must wait (barrier) for the cleaning rank before calling ``write_files``.
+    Staging directories of other tags are ``remove_stale_staging``'s to clean.
 
     Args:
         save_dir: Directory that holds the checkpoints (one subdirectory per tag).
@@ -76,6 +79,82 @@ def begin_checkpoint(save_dir: str | os.PathLike, tag: str, *, clean: bool = Tru
             shutil.rmtree(path)
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+STALE_STAGING_AGE_S = 600.0
+"""A staging directory with nothing modified for this many seconds is taken as left by a
+killed save (see [Note: stale staging directories])."""
+
+
+def remove_stale_staging(save_dir: str | os.PathLike, *, current_tag: str,
+                         min_age_s: float = STALE_STAGING_AGE_S) -> tuple[list[Path], dict[Path, str]]:
+    """Remove the staging directories that interrupted saves left in ``save_dir``.
+
+    [Note: stale staging directories]
+    A save killed before ``finalize_checkpoint`` leaves ``.<tag>.staging`` behind, and
+    ``begin_checkpoint`` removes it only when that tag is saved again; so the rank that
+    cleans calls this before every save. Only directories named ``.<valid tag>.staging``
+    are candidates: complete checkpoints have no leading dot, ``.<tag>.old-*`` may be the
+    only complete copy of a tag (see [Note: atomic checkpoint install]) and
+    ``.<tag>.tmp-*`` belongs to a ``write_checkpoint`` that may be running in another
+    process, so none of those is ever touched. ``current_tag``'s directory is skipped: it
+    is the one being (re)created. Saves are collective, so no other save of the calling
+    job is running. A candidate is kept and reported, not removed, when it is not a plain
+    directory (a symlink points at data that is not ours), when it holds a manifest (the
+    save was finished and only the rename into place was lost: a complete checkpoint), or
+    when anything in it changed within ``min_age_s`` (another job may be writing to the
+    same ``save_dir`` now).
+
+    Args:
+        save_dir: Directory that holds the checkpoints; a missing one has nothing to remove.
+        current_tag: Tag of the save about to begin.
+        min_age_s: Seconds a directory must have been left untouched to be removed.
+
+    Returns:
+        ``(removed, kept)``: the paths removed, and ``{path: why it was kept}``.
+    """
+    root = Path(save_dir)
+    removed: list[Path] = []
+    kept: dict[Path, str] = {}
+    if not root.is_dir():
+        return removed, kept
+    for path in sorted(root.iterdir()):
+        if not (path.name.startswith(".") and path.name.endswith(_STAGING_SUFFIX)):
+            continue
+        tag = path.name[1:-len(_STAGING_SUFFIX)]
+        try:
+            validate_tag(tag)
+        except ValueError:
+            continue
+        if tag == current_tag:
+            continue
+        reason = _unsafe_to_remove(path, tag, min_age_s)
+        if reason is None:
+            try:
+                shutil.rmtree(path)
+            except OSError as exc:
+                reason = f"removing it failed ({exc})"
+        if reason is None:
+            removed.append(path)
+        else:
+            kept[path] = reason
+    return removed, kept
+
+
+def _unsafe_to_remove(path: Path, tag: str, min_age_s: float) -> str | None:
+    """Why the staging directory ``path`` must stay, or None (see [Note: stale staging directories])."""
+    if path.is_symlink() or not path.is_dir():
+        return "it is not a plain directory; remove it yourself if no save is using it"
+    if (path / MANIFEST_NAME).is_file():
+        return (f"it holds a finished checkpoint that was never moved into place; rename it to "
+                f"{path.parent / tag} to keep it, or delete it")
+    with os.scandir(path) as entries:
+        newest = max([path.lstat().st_mtime] + [e.stat(follow_symlinks=False).st_mtime for e in entries])
+    age = time.time() - newest
+    if age < min_age_s:
+        return (f"it was modified {age:.0f} s ago (less than {min_age_s:.0f} s), so a save in another "
+                "job may still be writing it; it is removed at a later save once untouched")
+    return None
 
 
 def write_files(staging_dir: str | os.PathLike,

@@ -66,6 +66,8 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
     comm = engine.comm
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_tag_agrees(engine, tag)
+    if comm.rank == 0:
+        _remove_stale_staging(save_dir, tag)
     staging = ckpt.begin_checkpoint(save_dir, tag, clean=comm.rank == 0)
     comm.barrier(tag=f"checkpoint {tag}: staging created")
     files: dict[str, dict[str, torch.Tensor]] = {}
@@ -102,6 +104,16 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
                                  save_latest=save_latest)
     comm.barrier(tag=f"checkpoint {tag}: finalized")
     return True
+
+
+def _remove_stale_staging(save_dir, tag: str) -> None:
+    """Clear what killed saves left in ``save_dir`` before a new save begins, naming each
+    directory removed or kept (see [Note: stale staging directories] in checkpoint/_write.py)."""
+    removed, kept = ckpt.remove_stale_staging(save_dir, current_tag=tag)
+    for path in removed:
+        logger.info("removed %s, the staging directory of an interrupted save", path)
+    for path, reason in kept.items():
+        logger.warning("left %s, the staging directory of an unfinished save, in place: %s", path, reason)
 
 
 def _write_optimizer(engine, staging) -> tuple[dict, dict, list[str]]:
