@@ -169,6 +169,21 @@ def destroy_process_group(group=None) -> None:
     return dist.destroy_process_group(group=group)
 
 
+class _WorkList:
+    """Waits on several async collectives as one handle."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 # -- collectives ------------------------------------------------------------------------
 
 def barrier(group=None, async_op=False, device_ids=None, *, prof=False, log_name="barrier", debug=None):
@@ -214,10 +229,17 @@ def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
 
 def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
                          log_name="all_reduce", debug=None):
-    """All-reduce each tensor of ``tensors`` in place, in one flattened collective."""
+    """All-reduce each tensor of ``tensors`` in place; with ``async_op`` one handle waits on all.
+
+    torch's ``all_reduce_coalesced`` is deprecated, so this issues one all-reduce per tensor.
+    """
     del log_name, debug
     _unprofiled(prof)
-    return dist.all_reduce_coalesced(tensors, op=_torch_op(op), group=group, async_op=async_op)
+    handle = _WorkList([dist.all_reduce(t, op=_torch_op(op), group=group, async_op=True) for t in tensors])
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name="reduce",
@@ -268,21 +290,6 @@ def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=
     """DeepSpeed's name for :func:`all_gather_into_tensor`."""
     _require_init("allgather_fn")
     return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op, debug=debug)
-
-
-class _WorkList:
-    """Waits on several async collectives as one handle."""
-
-    def __init__(self, works):
-        self._works = works
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
 
 
 def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=False):
