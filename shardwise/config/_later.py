@@ -7,6 +7,7 @@ never silently ignored. Sections that only tune a feature which is off are accep
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -42,8 +43,7 @@ LATER_SCALARS = {"sparse_gradients", "graph_harvesting", "sequence_parallel_size
                  "memory_breakpoint_", "zero_quantized_weights"}
 """Top-level scalar keys of later features."""
 
-_ALWAYS_ON = {"sparse_attention": "block-sparse attention",
-              "compression_training": "compression (quantization-aware training, pruning)"}
+_ALWAYS_ON = {"sparse_attention": "block-sparse attention"}
 _NAMES = {"tensorboard": "the TensorBoard monitor", "wandb": "the Weights & Biases monitor",
           "csv_monitor": "the CSV monitor", "comet": "the Comet monitor",
           "flops_profiler": "the FLOPs profiler", "comms_logger": "the communication logger",
@@ -55,6 +55,16 @@ _NAMES = {"tensorboard": "the TensorBoard monitor", "wandb": "the Weights & Bias
           "hybrid_engine": "the hybrid engine", "torch_autocast": "torch autocast",
           "compile": "DeepCompile (torch.compile integration)", "tensor_parallel": "tensor parallelism",
           "weight_quantization": "weight quantization", "expert_parallel": "expert parallelism (AutoEP)"}
+_ON_BY_DEFAULT = {"weight_quantization"}  # DeepSpeed enables it when the section is present
+
+
+def _any_enabled(value: Any) -> bool:
+    """Whether any nested object of ``value`` has "enabled": true (compression's techniques)."""
+    if isinstance(value, dict):
+        return value.get("enabled") is True or any(_any_enabled(v) for v in value.values())
+    return False
+
+
 # sections switched on by a key other than "enabled": section -> (key, values that leave it off)
 _SWITCHES = {"compile": ("deepcompile", (False,)), "tensor_parallel": ("autotp_size", (0, 1))}
 
@@ -86,13 +96,19 @@ def check_later_section(key: str, value: Any) -> None:
             logger.warning("the 'pipeline' section only applies to PipelineModule models, which "
                            "this version of shardwise does not provide yet; it has no effect")
         return
+    if key == "compression_training":
+        if _any_enabled(value):
+            raise ConfigError("compression (quantization-aware training, pruning) ('compression_training') is "
+                              "not available in this version of shardwise yet; remove the section or set "
+                              "every \"enabled\" in it to false")
+        return
     if key in _SWITCHES:
         switch, off = _SWITCHES[key]
         if value.get(switch, off[0]) not in off:
             raise ConfigError(f"{_NAMES[key]} ('{key}.{switch}'={value[switch]!r}) is not available in this "
-                              f"version of shardwise yet; remove the '{key}' section or set {switch} to {off[0]}")
+                              f"version of shardwise yet; remove the '{key}' section or set {switch} to {json.dumps(off[0])}")
         return
-    enabled = value.get("enabled", False)
+    enabled = value.get("enabled", key in _ON_BY_DEFAULT)
     if enabled not in (True, False, "auto"):
         raise ConfigError(f"{key}.enabled must be true or false, got {enabled!r}")
     if enabled is True:

@@ -52,6 +52,8 @@ NO_EFFECT: dict[str, dict[str, tuple[Any, str]]] = {
     },
     "zero_optimization": {
         "round_robin_gradients": ("bool", "an offload copy-order optimisation"),
+        # documented by DeepSpeed though its ZeRO config class no longer reads it
+        "grad_hooks": ("bool", "gradients are always reduced from backward hooks"),
         "ignore_unused_parameters": ("bool", "parameters without gradients are always tolerated"),
         "load_from_fp32_weights": ("bool", "checkpoints always restore the fp32 master weights"),
         "elastic_checkpoint": ("bool", "checkpoints load under any stage and world size"),
@@ -67,8 +69,8 @@ NO_EFFECT: dict[str, dict[str, tuple[Any, str]]] = {
         "stage3_allgather_sequential": ("bool", "all-gathers are grouped by module"),
         "cpu_offload_use_pin_memory": ("bool?", "deprecated by DeepSpeed; use offload_*.pin_memory"),
         "pipeline_loading_checkpoint": ("bool", "pipeline parallelism is not available"),
-        "override_module_apply": ("bool", "nn.Module.apply is never patched (gather inside "
-                                          "shardwise.zero.GatheredParameters)"),
+        "override_module_apply": ("bool", "nn.Module.apply is never patched; gather with "
+                                          "shardwise.zero.GatheredParameters"),
         "enable_sanity_checks": ("bool", "DeepSpeed's internal debug checks"),
         "save_muon_momentum_buffer_in_memory": ("bool", "the Muon optimizer is not available"),
         "zeropp_loco_param": (_LOCO_KEYS, "tunes ZeRO++ quantized gradients, which are off"),

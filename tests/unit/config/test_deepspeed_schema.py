@@ -1,0 +1,180 @@
+"""Every key of DeepSpeed's documented config schema loads; see [Note: keys with no effect]."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import ConfigError, load_config
+
+FIXTURE = Path(__file__).with_name("deepspeed_schema_keys.json")
+SCHEMA = json.loads(FIXTURE.read_text())
+_WHOLE = {"optimizer", "scheduler"}  # their sub-keys mean nothing without "type"
+
+
+def _load(**config):
+    return load_config({"train_micro_batch_size_per_gpu": 1, **config}, world_size=1)
+
+
+def _leaves(tree, path=()):
+    """Dotted paths of every key in ``tree``, depth first (objects are walked, lists are leaves)."""
+    for key, value in tree.items():
+        yield path + (key,)
+        if isinstance(value, dict) and value and (path + (key,))[0] not in _WHOLE:
+            yield from _leaves(value, path + (key,))
+
+
+def _only(path):
+    """The fixture cut down to the one key at ``path`` (inside the parents it sits in)."""
+    if path[0] in _WHOLE:
+        return {path[0]: SCHEMA[path[0]]}
+    node = SCHEMA
+    for key in path[:-1]:
+        node = node[key]
+    config = {path[-1]: node[path[-1]]}
+    for key in reversed(path[:-1]):
+        config = {key: config}
+    return config
+
+
+def test_the_whole_schema_loads():
+    config = load_config(str(FIXTURE), world_size=1)
+    assert config.zero.stage == 3 and config.batch.train_batch_size == 8
+
+
+@pytest.mark.parametrize("path", [".".join(p) for p in _leaves(SCHEMA)])
+def test_each_key_loads_on_its_own(path):
+    _load(**_only(tuple(path.split("."))))
+
+
+@pytest.mark.parametrize("section,typo,suggestion", [
+    ("", "zero_optimisation", "zero_optimization"),
+    ("fp16", "fp16_master_weight_and_grads", "fp16.fp16_master_weights_and_grads"),
+    ("bf16", "check_grad_overflw", "bf16.check_grad_overflow"),
+    ("zero_optimization", "round_robin_gradient", "zero_optimization.round_robin_gradients"),
+    ("zero_optimization.offload_param", "max_in_cpus", "zero_optimization.offload_param.max_in_cpu"),
+    ("zero_optimization.offload_optimizer", "super_offlod", "zero_optimization.offload_optimizer.super_offload"),
+    ("zero_optimization.leaf_module", "class", "zero_optimization.leaf_module.classes"),
+    ("aio", "queue_dept", "aio.queue_depth"),
+    ("checkpoint", "load_universl", "checkpoint.load_universal"),
+    ("checkpoint.writer", "io_multiplyer", "checkpoint.writer.io_multiplier"),
+    ("checkpoint.parallel_write", "pipeline_stages", "checkpoint.parallel_write.pipeline_stage"),
+    ("data_types", "param_dtpye", "data_types.param_dtype"),
+    ("comms_logger", "prof_op", "comms_logger.prof_ops"),
+    ("flops_profiler", "profile_steps", "flops_profiler.profile_step"),
+    ("activation_checkpointing", "number_checkpoint", "activation_checkpointing.number_checkpoints"),
+    ("wandb", "projct", "wandb.project"),
+    ("comet", "experiment_nam", "comet.experiment_name"),
+])
+def test_a_misspelt_key_still_gets_did_you_mean(section, typo, suggestion):
+    config = {typo: 1}
+    for key in reversed(section.split(".") if section else []):
+        config = {key: config}
+    with pytest.raises(ConfigError, match=f"did you mean '{suggestion}'"):
+        _load(**config)
+
+
+@pytest.mark.parametrize("config,named", [
+    ({"zero_optimization": {"stage": 2, "round_robin_gradients": True}}, "zero_optimization.round_robin_gradients"),
+    ({"zero_optimization": {"stage": 3, "memory_efficient_linear": False}},
+     "zero_optimization.memory_efficient_linear"),
+    ({"zero_optimization": {"ignore_unused_parameters": False}}, "zero_optimization.ignore_unused_parameters"),
+    ({"zero_optimization": {"load_from_fp32_weights": False}}, "zero_optimization.load_from_fp32_weights"),
+    ({"zero_optimization": {"stage": 3, "max_reuse_distance": 0, "allgather_sequential": True}},
+     "zero_optimization.stage3_allgather_sequential"),
+    ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
+    ({"dump_state": True}, "dump_state"),
+])
+def test_a_no_effect_key_is_named_in_exactly_one_line(config, named, caplog):
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        _load(**config)
+    lines = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert len(lines) == 1 and named in lines[0]
+
+
+def test_several_no_effect_keys_share_one_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        _load(dump_state=True, aio={"single_submit": True},
+              zero_optimization={"stage": 2, "round_robin_gradients": True})
+    lines = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert len(lines) == 1
+    assert all(k in lines[0] for k in ("dump_state", "aio.single_submit", "zero_optimization.round_robin_gradients"))
+
+
+def test_used_and_unbuilt_off_keys_log_nothing(caplog):
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        _load(zero_optimization={"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+                                 "prefetch_bucket_size": 10},
+              fp16={"enabled": True, "fp16_master_weights_and_grads": False})
+    assert not caplog.records
+
+
+def test_no_effect_keys_are_not_logged_off_rank_0(caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        _load(dump_state=True)
+    assert not caplog.records
+
+
+def test_field_names_of_stage3_keys_are_read():
+    config = _load(zero_optimization={"stage": 3, "prefetch_bucket_size": 7, "param_persistence_threshold": 0,
+                                      "max_live_parameters": 5, "max_reuse_distance": 6})
+    zero = config.zero
+    assert (zero.stage3_prefetch_bucket_size, zero.stage3_param_persistence_threshold,
+            zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance) == (7, 0, 5, 6)
+    with pytest.raises(ConfigError, match="both 'zero_optimization.prefetch_bucket_size' and"):
+        _load(zero_optimization={"prefetch_bucket_size": 7, "stage3_prefetch_bucket_size": 8})
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+     "fp16.fp16_master_weights_and_grads=true asks for fp16 master weights"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+     "bf16.bf16_master_weights_and_grads=true asks for bf16 master weights"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16 optimizer states"),
+    ({"bf16": {"enabled": True, "check_grad_overflow": True}}, "skipping bf16 steps"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO++ hierarchical partitioning"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "ZeRO++ quantized gradients"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "MiCS"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+     "SuperOffload"),
+    ({"managed_gradient_accumulation": False}, "client-managed accumulation"),
+    ({"gradient_allreduce_op": "sum"}, "summed (unaveraged) gradients"),
+    ({"dataloader_drop_last": True}, "dropping the last incomplete batch"),
+    ({"memory_breakdown": True}, "memory breakdown"),
+    ({"datastates_ckpt": {"host_cache_size": 16}}, "DataStates"),
+    ({"use_data_before_expert_parallelism": True}, "expert parallelism"),
+    ({"graph_harvesting": True}, "graph_harvesting=true"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 4}}, "expert parallelism (AutoEP)"),
+    ({"tensor_parallel": {"autotp_size": 4}}, "tensor parallelism ('tensor_parallel.autotp_size'=4)"),
+    ({"compile": {"deepcompile": True}}, "DeepCompile"),
+    ({"weight_quantization": {"post_init_quant": {}}}, "weight quantization"),
+    ({"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}}}, "compression"),
+    ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype='bf16' differs"),
+    ({"data_types": {"buffer_dtype": "fp32"}}, "data_types.buffer_dtype='fp32' (casting module buffers)"),
+])
+def test_a_newly_accepted_key_that_turns_on_an_unbuilt_feature_is_refused(config, message):
+    with pytest.raises(ConfigError) as info:
+        _load(**config)
+    assert message in str(info.value)
+
+
+def test_unbuilt_keys_of_a_disabled_precision_section_ask_for_nothing():
+    config = _load(fp16={"enabled": False, "fp16_master_weights_and_grads": True},
+                   bf16={"bf16_master_weights_and_grads": True, "check_grad_overflow": True})
+    assert not config.fp16.enabled and not config.bf16.enabled
+
+
+def test_deprecated_cpu_offload_param_maps_to_offload_param():
+    with pytest.warns(DeprecationWarning, match="cpu_offload_param"):
+        config = _load(zero_optimization={"stage": 3, "cpu_offload_param": True})
+    assert config.zero.offload_param.device == "cpu"
+
+
+def test_disabled_parallel_write_and_null_nvme_path_are_accepted():
+    config = _load(checkpoint={"parallel_write": {"pipeline_stage": False}},
+                   zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "nvme_path": None}})
+    assert config.checkpoint.parallel_write is None and config.zero.offload_param.device == "cpu"
