@@ -106,7 +106,8 @@ def check_later_section(key: str, value: Any) -> None:
         switch, off = _SWITCHES[key]
         if value.get(switch, off[0]) not in off:
             raise ConfigError(f"{_NAMES[key]} ('{key}.{switch}'={value[switch]!r}) is not available in this "
-                              f"version of shardwise yet; remove the '{key}' section or set {switch} to {json.dumps(off[0])}")
+                              f"version of shardwise yet; remove the '{key}' section or set {switch} to "
+                              f"{json.dumps(off[0])}")
         return
     enabled = value.get("enabled", key in _ON_BY_DEFAULT)
     if enabled not in (True, False, "auto"):
