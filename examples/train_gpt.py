@@ -5,12 +5,16 @@ Runs on CPU with gloo (or GPUs with NCCL) on as many ranks as the launcher start
     torchrun --nproc_per_node 2 examples/train_gpt.py --deepspeed_config examples/configs/zero0.json
 
 The training loop is a DeepSpeed loop; switching ZeRO stage, precision or batch sizes is
-a change of config file, not of this script.
+a change of config file, not of this script. ``--save DIR`` checkpoints every
+``--save_interval`` steps and at the end; ``--resume DIR`` continues from the newest
+checkpoint there (starting fresh if it has none), so a run started with
+``--save ckpt --resume ckpt`` picks up where an interrupted one stopped, data included.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -33,7 +37,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--corpus_bytes", type=int, default=4_000_000,
                         help="bytes of standard-library source to train on")
-    parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
+    parser.add_argument("--save", metavar="DIR", default=None,
+                        help="save a checkpoint here every --save_interval steps and at the end")
+    parser.add_argument("--save_interval", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--resume", metavar="DIR", default=None,
+                        help="continue from the newest checkpoint in DIR (start fresh if there is none)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     shardwise.add_config_arguments(parser)
@@ -41,6 +49,33 @@ def parse_args() -> argparse.Namespace:
     if args.deepspeed_config is None:
         args.deepspeed_config = os.path.join(os.path.dirname(__file__), "configs", "zero0.json")
     return args
+
+
+def batches(loader, *, epoch: int, skip: int):
+    """Yield ``(epoch, micro-batches of that epoch done, batch)`` forever, starting at
+    micro-batch ``skip`` of ``epoch``: the data position a checkpoint records. Each pass
+    sets the loader's epoch, which seeds its shuffle, so a resumed run sees the order the
+    interrupted one would have (skipped batches are read and dropped: cheap here; a large
+    dataset would want a sampler that starts mid-epoch)."""
+    while True:
+        loader.epoch = epoch
+        for done, batch in enumerate(itertools.islice(loader, skip, None), start=skip + 1):
+            yield epoch, done, batch
+        epoch, skip = epoch + 1, 0
+
+
+def resume(engine, directory) -> dict:
+    """Load the newest checkpoint in ``directory`` (model, optimizer, scheduler, counters,
+    RNG) and return the data position saved with it; a directory without checkpoints
+    starts at the beginning (``load_checkpoint`` warns and returns ``(None, None)``)."""
+    path, client_state = engine.load_checkpoint(directory)
+    if path is None:
+        return {"epoch": 0, "micro_batches": 0}
+    position = client_state["data"]
+    if engine.global_rank == 0:
+        print(f"resumed from {path} at step {engine.global_steps} (epoch {position['epoch']}, "
+              f"micro-batch {position['micro_batches']})", flush=True)
+    return position
 
 
 def main() -> None:
@@ -63,27 +98,30 @@ def main() -> None:
         print(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"corpus: {len(dataset)} blocks of {args.seq_len} bytes; "
               f"{engine.dp_world_size} ranks, global batch {engine.train_batch_size()}", flush=True)
-    first_loss, start = None, time.perf_counter()
+    position = resume(engine, args.resume) if args.resume else {"epoch": 0, "micro_batches": 0}
+    saved_step, start, start_samples = engine.global_steps, time.perf_counter(), engine.global_samples
     losses: list[float] = []
+    stream = batches(loader, epoch=position["epoch"], skip=position["micro_batches"])
     while engine.global_steps < args.steps:
-        for x, y in loader:
-            x, y = x.to(engine.device), y.to(engine.device)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            if first_loss is None:
-                first_loss = losses[-1]
-            if engine.global_steps >= args.steps:
-                break
+        epoch, done, (x, y) = next(stream)
+        x, y = x.to(engine.device), y.to(engine.device)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        position = {"epoch": epoch, "micro_batches": done}
+        # global_steps moves only on the micro-step that ends a step: one save, at a step boundary
+        if args.save and engine.global_steps != saved_step and engine.global_steps % args.save_interval == 0:
+            engine.save_checkpoint(args.save, client_state={"data": position})
+            saved_step = engine.global_steps
     elapsed = time.perf_counter() - start
-    if args.save_dir:
-        engine.save_checkpoint(args.save_dir, client_state={"losses_tail": losses[-10:]})
-    if rank0:
+    if args.save and engine.global_steps != saved_step:
+        engine.save_checkpoint(args.save, client_state={"data": position})
+    if rank0 and losses:
         tail = sum(losses[-10:]) / len(losses[-10:])
         print(f"done: {engine.global_steps} steps in {elapsed:.1f}s, "
-              f"{engine.global_samples / elapsed:.1f} samples/s; "
-              f"loss {first_loss:.3f} -> {tail:.3f} (mean of last 10 micro-steps)", flush=True)
+              f"{(engine.global_samples - start_samples) / elapsed:.1f} samples/s; "
+              f"loss {losses[0]:.3f} -> {tail:.3f} (mean of last 10 micro-steps)", flush=True)
 
 
 if __name__ == "__main__":

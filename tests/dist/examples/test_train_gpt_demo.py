@@ -29,7 +29,7 @@ def test_demo_runs_under_config(tmp_path, config):
         [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", str(_free_port()),
          str(REPO / "examples" / "train_gpt.py"), "--steps", "6", "--width", "32", "--layers", "2",
          "--seq_len", "32", "--corpus_bytes", "100000", "--deepspeed_config",
-         str(REPO / "examples" / "configs" / config), "--save_dir", str(tmp_path / "ckpt")],
+         str(REPO / "examples" / "configs" / config), "--save", str(tmp_path / "ckpt")],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     match = re.search(r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+)", proc.stdout)
