@@ -20,6 +20,11 @@ import torch
 
 from shardwise.zero._gathered import GatheredParameters, register_external_parameter
 from shardwise.zero._init import Init, load_state_dict, materialize
+from shardwise.zero._leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                                  unset_z3_leaf_modules, z3_leaf_module)
+from shardwise.zero._param_state import (safe_get_full_fp32_param, safe_get_full_grad,
+                                         safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                                         safe_set_full_grad, safe_set_full_optimizer_state)
 from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._stage0 import Stage0Strategy
 from shardwise.zero._stage3 import Stage3Strategy
@@ -27,7 +32,12 @@ from shardwise.zero._strategy import ModelStateBytes, StepResult, ZeroStrategy
 
 logger = logging.getLogger("shardwise")
 
-__all__ = ["GatheredParameters", "Init", "load_state_dict", "materialize", "ModelStateBytes", "ShardedStrategy", "Stage0Strategy", "Stage3Strategy", "StepResult", "ZeroStrategy", "build_strategy", "register_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "load_state_dict", "materialize", "ModelStateBytes", "ShardedStrategy",
+           "Stage0Strategy", "Stage3Strategy", "StepResult", "ZeroStrategy", "build_strategy", "get_z3_leaf_modules",
+           "register_external_parameter", "safe_get_full_fp32_param", "safe_get_full_grad",
+           "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
+           "safe_set_full_optimizer_state", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+           "z3_leaf_module"]
 
 DEFAULT_DP_BUCKET_BYTES = 25 * 1024 * 1024
 """Gradient bucket size for stage 0 when the config does not set reduce_bucket_size.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
 from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes
 from shardwise.zero._strategy import (
+    GRAD_KEY,
     MASTER_KEY,
     PARAM_KEY,
     ModelStateBytes,
@@ -117,6 +119,7 @@ class ShardedStrategy:
         """Gradient copies to the CPU in flight: (bucket, pending copy, accumulate)."""
         for p in self.trainable:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p._shardwise_strategy = weakref.ref(self)
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -614,3 +617,88 @@ class ShardedStrategy:
             if value is not None and start < end:
                 out[start - low:end - low].copy_(value.reshape(-1)[start - off:end - off])
         return out
+
+    # -- one parameter's state (see ZeroStrategy) -----------------------------------------------
+
+    def _state_shard(self, bucket: _Bucket, key: str) -> torch.Tensor | None:
+        """This rank's shard of ``key`` for ``bucket`` (call inside ``_resident``)."""
+        if key == MASTER_KEY:
+            return bucket.master.detach()
+        if key == GRAD_KEY:
+            self._zero_new_grads()
+            return bucket.grad_shard
+        value = self.optimizer.state.get(bucket.master, {}).get(key) if self.optimizer is not None else None
+        return value if self._is_shard_state(bucket, key, value) else None
+
+    def _overlap(self, bucket: _Bucket, param: nn.Parameter) -> tuple[int, int, int, torch.Size]:
+        """``(param offset, start, end)`` of the part of ``param`` in this rank's shard, and its shape."""
+        index = next(i for i, p in enumerate(bucket.params) if p is param)
+        off, shape = bucket.offsets[index], bucket.shapes[index]
+        low, high = self.comm.rank * bucket.shard, (self.comm.rank + 1) * bucket.shard
+        start, end = max(off, low), min(off + shape.numel(), high)
+        return off, start, max(start, end), shape
+
+    def full_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
+        """The whole tensor of ``key`` for ``param`` (see ZeroStrategy); collective."""
+        self._ensure_layout()
+        bucket = self._bucket_of.get(param)
+        if bucket is None:
+            return None
+        with self._resident([bucket]):
+            shard = self._state_shard(bucket, key)
+            full = None if shard is None else self._gather(bucket, shard)
+        if full is None:
+            return None
+        off, _, _, shape = self._overlap(bucket, param)
+        return full[off:off + shape.numel()].view(shape).clone()
+
+    def local_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
+        """The part of ``param``'s ``key`` in this rank's shard, flattened (maybe empty)."""
+        self._ensure_layout()
+        bucket = self._bucket_of.get(param)
+        if bucket is None:
+            return None
+        _, start, end, _ = self._overlap(bucket, param)
+        low = self.comm.rank * bucket.shard
+        with self._resident([bucket]):
+            shard = self._state_shard(bucket, key)
+            return None if shard is None else shard[start - low:end - low].clone()
+
+    def set_param_state(self, param: nn.Parameter, key: str, value: torch.Tensor, *, local: bool) -> None:
+        """Write ``value`` (whole, or this rank's part when ``local``) into ``param``'s
+        ``key``; a new master also updates the parameters (collective then)."""
+        self._ensure_layout()
+        bucket = self._bucket_of.get(param)
+        if bucket is None:
+            raise ValueError(f"parameter {self.names.get(param, '?')} is not trained by this ZeRO strategy")
+        off, start, end, _ = self._overlap(bucket, param)
+        low = self.comm.rank * bucket.shard
+        part = value.reshape(-1) if local else value.reshape(-1)[start - off:end - off]
+        with torch.no_grad(), self._resident([bucket]):
+            shard = self._state_shard(bucket, key)
+            if shard is None:
+                raise KeyError(f"the optimizer holds no state {key!r} for this parameter")
+            shard[start - low:end - low].copy_(part)
+            if key == MASTER_KEY:
+                self._copy_masters_to_params([bucket])
+        if key == MASTER_KEY:
+            self._gather_params()
+
+    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        return [v for state in self.optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1]
+
+    def state_tensors(self, kind: str) -> list[torch.Tensor]:
+        """The tensors holding ``kind`` of state (see ZeroStrategy)."""
+        self._ensure_layout()
+        tensors = {"optim_states": self._optimizer_state_tensors(),
+                   "hp_params": [b.master for b in self.buckets if self._master_is_copy(b)],
+                   "lp_params": [b.flat_param for b in self.buckets],
+                   "lp_grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None],
+                   "contiguous_grad_buffer": [b.staging for b in self.buckets if b.staging is not None]}
+        return tensors[kind]
+
+    def release_gathered(self) -> None:
+        """Parameters are whole by design at stages 1 and 2: nothing to release."""

@@ -16,6 +16,7 @@ Collectives issued in different orders on different ranks would deadlock or mix 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import load_per_param_state_by_name, per_param_state_by_name
-from shardwise.zero._strategy import ModelStateBytes, StepResult, clip_by_total_norm_
+from shardwise.zero._strategy import GRAD_KEY, MASTER_KEY, ModelStateBytes, StepResult, clip_by_total_norm_
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class Stage0Strategy:
         self._attach_grad_views()
         for p in self.trainable:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p._shardwise_strategy = weakref.ref(self)
 
     # -- construction -----------------------------------------------------------------
 
@@ -306,3 +308,54 @@ class Stage0Strategy:
         with torch.no_grad():
             for p, master in self._master.items():
                 master.copy_(p)
+
+    # -- one parameter's state (see ZeroStrategy; nothing is sharded here) --------------
+
+    def _param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
+        if param not in self._bucket_of:
+            return None
+        master = self._master.get(param, param)
+        if key == MASTER_KEY:
+            return master.detach()
+        if key == GRAD_KEY:
+            return param.grad
+        return self.optimizer.state.get(master, {}).get(key) if self.optimizer is not None else None
+
+    def full_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
+        """``param``'s ``key``, whole (a copy; fp32 for the master)."""
+        value = self._param_state(param, key)
+        return None if value is None else value.detach().clone()
+
+    def local_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
+        """This rank holds all of ``param``: its ``key`` flattened."""
+        value = self.full_param_state(param, key)
+        return None if value is None else value.reshape(-1)
+
+    def set_param_state(self, param: nn.Parameter, key: str, value: torch.Tensor, *, local: bool) -> None:
+        """Write ``value`` into ``param``'s ``key`` (a new master also updates ``param``)."""
+        del local  # the local part is the whole parameter
+        target = self._param_state(param, key)
+        if target is None:
+            raise KeyError(f"no {key!r} is held for this parameter (not trained, or no optimizer state yet)")
+        with torch.no_grad():
+            target.copy_(value.reshape(target.shape))
+            if key == MASTER_KEY and param in self._master:
+                param.copy_(target)
+
+    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        return [v for state in self.optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1]
+
+    def state_tensors(self, kind: str) -> list[torch.Tensor]:
+        """The tensors holding ``kind`` of state (see ZeroStrategy)."""
+        tensors = {"optim_states": self._optimizer_state_tensors(),
+                   "hp_params": [t for m in self._master.values() for t in (m, m.grad) if t is not None],
+                   "lp_params": list(self.module.parameters()),
+                   "lp_grads": [b.buffer for b in self.buckets],
+                   "contiguous_grad_buffer": []}
+        return tensors[kind]
+
+    def release_gathered(self) -> None:
+        """Nothing is gathered beyond use at stage 0."""

@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardwise.config import ConfigError
 from shardwise.offload import to_device
+from shardwise.zero._leaf import get_z3_leaf_modules
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy, _Bucket
@@ -113,6 +114,8 @@ class Stage3Strategy(ShardedStrategy):
                 if p is not None:
                     owners.setdefault(p, []).append(module)
         owner = {p: (mods[0] if len(mods) == 1 else root) for p, mods in owners.items()}
+        for leaf in reversed(get_z3_leaf_modules(root)):  # outer leaves come last: they win
+            owner.update({p: leaf for p in leaf.parameters() if p in owner and len(owners[p]) == 1})
         sharers = {p: mods for p, mods in owners.items() if len(mods) > 1}
         return owner, sharers
 
@@ -549,6 +552,13 @@ class Stage3Strategy(ShardedStrategy):
             module.register_forward_hook(self._post_forward)
         if unit not in self._units_of[module]:
             self._units_of[module].append(unit)
+
+    def release_gathered(self) -> None:
+        """Free every non-persistent unit still gathered (e.g. by evaluation outside the
+        engine's step)."""
+        for unit in self.buckets:
+            if not unit.persistent and (getattr(unit, "gathered", False) or self._gathering(unit)):
+                self._reshard(unit, force=True)
 
     def gather_units(self, units) -> None:
         """Gather the given units (collective); see ``GatheredParameters``."""

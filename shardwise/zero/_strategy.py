@@ -64,6 +64,8 @@ MASTER_KEY = "__master__"
 """The ``ShardBlock.key`` of a bucket's fp32 master weights."""
 PARAM_KEY = "__param__"
 """The ``ShardBlock.key`` of a bucket's parameters (the module's own weights)."""
+GRAD_KEY = "__grad__"
+"""For ``full_param_state``: a parameter's reduced gradient."""
 
 
 class ZeroStrategy(Protocol):
@@ -72,6 +74,19 @@ class ZeroStrategy(Protocol):
     Lifecycle per micro-step: ``pre_backward(boundary=..., sync=...)`` before the loss's
     backward, gradient hooks fire during it, ``finalize_backward()`` after it; at the
     accumulation boundary ``step()`` updates the parameters.
+
+    One parameter's state (``shardwise.zero.safe_get_full_fp32_param`` and friends):
+    ``full_param_state(param, key)`` gives the whole tensor of ``key`` (``MASTER_KEY``: the
+    fp32 master, ``GRAD_KEY``: the reduced gradient as held, loss-scaled under fp16; else
+    an optimizer state key) and is collective; ``local_param_state`` gives this rank's
+    part of it, flattened; ``set_param_state`` writes either form back. Every trainable
+    parameter points to its strategy through ``param._shardwise_strategy`` (a weakref).
+
+    ``state_tensors(kind)`` lists the tensors holding one kind of state, by DeepSpeed's
+    ``OffloadStateTypeEnum`` names (``optim_states``, ``hp_params``: fp32 masters that are
+    copies, ``lp_params``: the module's parameters, ``lp_grads``, ``contiguous_grad_buffer``),
+    for ``engine.offload_states``. ``release_gathered()`` frees parameters held gathered
+    beyond their use (stage 3; nothing elsewhere).
     """
 
     optimizer: torch.optim.Optimizer
@@ -113,3 +128,13 @@ class ZeroStrategy(Protocol):
     def module_state_dict(self) -> dict: ...
 
     def load_module_state_dict(self, state: dict, *, strict: bool): ...
+
+    def full_param_state(self, param, key: str) -> torch.Tensor | None: ...
+
+    def local_param_state(self, param, key: str) -> torch.Tensor | None: ...
+
+    def set_param_state(self, param, key: str, value: torch.Tensor, *, local: bool) -> None: ...
+
+    def state_tensors(self, kind: str) -> list[torch.Tensor]: ...
+
+    def release_gathered(self) -> None: ...
