@@ -48,7 +48,7 @@ def _aliases(module) -> dict[str, str]:
 
 
 def _check_tag_agrees(engine, tag: str) -> None:
-    mode = engine.config.checkpoint.tag_validation
+    mode = engine.train_config.checkpoint.tag_validation
     if mode == "Ignore" or engine.comm.world_size == 1:
         return
     digest = int(hashlib.sha1(tag.encode()).hexdigest()[:12], 16)
@@ -96,7 +96,7 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
         manifest = {
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-            "layout": {"zero_stage": engine.config.zero.stage, "dp_world_size": comm.world_size,
+            "layout": {"zero_stage": engine.train_config.zero.stage, "dp_world_size": comm.world_size,
                        "param_dtype": str(engine.policy.param_dtype).removeprefix("torch.")},
             "skeletons": skeletons,
         }

@@ -24,8 +24,8 @@ class ProgressReporter:
     def __init__(self, engine, *, enabled: bool):
         self.engine = engine
         self.enabled = enabled
-        self.every = engine.config.steps_per_print
-        self.breakdown = engine.config.wall_clock_breakdown
+        self.every = engine.train_config.steps_per_print
+        self.breakdown = engine.train_config.wall_clock_breakdown
         self._loss_sum = torch.zeros((), dtype=torch.float64)
         self._loss_count = 0
         self._timings: dict[str, float] = defaultdict(float)

@@ -32,6 +32,26 @@ class DistributedLoader:
         return self.loader.dataset
 
 
+class RepeatingLoader:
+    """Iterate ``loader`` forever: when it is exhausted it is restarted (a new epoch for a
+    :class:`DistributedLoader`). DeepSpeed's ``RepeatingLoader``, for loops that count
+    steps rather than epochs, and for the pipeline engine's data iterators."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
 def deepspeed_io(dataset, *, batch_size: int, rank: int, world_size: int, pin_memory: bool = False,
                  data_sampler=None, collate_fn=None, num_workers: int = 0, drop_last: bool = False,
                  seed: int = 0) -> DistributedLoader:

@@ -18,6 +18,8 @@ from shardwise.accelerator import get_accelerator
 from shardwise.comm import Communicator
 from shardwise.precision import LossScaler, PrecisionPolicy
 from shardwise.runtime import _checkpointing
+from shardwise.runtime._deepspeed_names import DeepSpeedNames
+from shardwise.runtime._offload_states import StateOffloader
 from shardwise.runtime._progress import ProgressReporter
 from shardwise.runtime.data import deepspeed_io
 from shardwise.zero import ModelStateBytes, StepResult, build_strategy
@@ -35,7 +37,7 @@ def _to_compute_device(model: nn.Module) -> None:
     model.to(device)
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedNames, nn.Module):
     """Wraps a model for data-parallel training as configured by a ``TrainConfig``.
 
     Built by :func:`shardwise.initialize`; use ``engine(batch)`` for forward,
@@ -47,12 +49,16 @@ class Engine(nn.Module):
                  model_parameters=None, lr_scheduler=None, training_data=None, collate_fn=None):
         super().__init__()
         self.module = model
-        self.config = config
+        self.train_config = config
+        self.config = dict(config.raw)
+        """The config dict as given (DeepSpeed's ``engine.config``); ``train_config`` is the
+        validated ``TrainConfig``."""
         self.comm = comm
         self.policy = PrecisionPolicy.from_config(config)
         _to_compute_device(model)
         self.loss_scaler = LossScaler.from_config(config.fp16) if self.policy.loss_scaling else None
         self.strategy = build_strategy(model, config=config, comm=comm, policy=self.policy)
+        self._client_optimizer = optimizer
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
@@ -65,43 +71,44 @@ class Engine(nn.Module):
         self._no_sync = False
         self._last_result: StepResult | None = None
         self._progress = ProgressReporter(self, enabled=comm.rank == 0)
+        self._offloader = StateOffloader(self.strategy, get_accelerator().device())
 
     # -- construction ---------------------------------------------------------------------
 
     def _configure_optimizer(self, client_optimizer, model_parameters):
         from shardwise.optim import build_optimizer
 
-        if client_optimizer is not None and self.config.optimizer is not None:
+        if client_optimizer is not None and self.train_config.optimizer is not None:
             raise ValueError("an optimizer was passed to initialize() and the config has an "
                              "'optimizer' section; keep only one of them")
         params = model_parameters if model_parameters is not None else self.module.parameters()
         params = [p for p in params] if not isinstance(params, list) else params
-        if client_optimizer is None and self.config.optimizer is None:
+        if client_optimizer is None and self.train_config.optimizer is None:
             return None
         if isinstance(client_optimizer, torch.optim.Optimizer):
             return self.strategy.adopt_client_optimizer(client_optimizer)
         mapped = self.strategy.optimizer_params(params)
         optimizer = client_optimizer(mapped) if callable(client_optimizer) \
-            else build_optimizer(self.config.optimizer, mapped)
+            else build_optimizer(self.train_config.optimizer, mapped)
         return self.strategy.adopt_client_optimizer(optimizer)
 
     def _configure_lr_scheduler(self, client_scheduler):
         from shardwise.runtime.lr_schedules import build_lr_scheduler
 
         if client_scheduler is not None:
-            if self.config.scheduler is not None:
+            if self.train_config.scheduler is not None:
                 logger.warning("both a client lr_scheduler and a config 'scheduler' section "
                                "were given; using the client scheduler as DeepSpeed does")
             if isinstance(client_scheduler, torch.optim.lr_scheduler.LRScheduler) or \
                     hasattr(client_scheduler, "state_dict") and hasattr(client_scheduler, "step"):
                 return client_scheduler
             return client_scheduler(self.optimizer)
-        if self.config.scheduler is None:
+        if self.train_config.scheduler is None:
             return None
         if self.optimizer is None:
             raise ValueError("the config has a 'scheduler' section but no optimizer was given; "
                              "add an 'optimizer' section or pass optimizer= to initialize()")
-        return build_lr_scheduler(self.config.scheduler, self.optimizer)
+        return build_lr_scheduler(self.train_config.scheduler, self.optimizer)
 
     # -- the training step ------------------------------------------------------------------
 
@@ -146,7 +153,7 @@ class Engine(nn.Module):
             raise RuntimeError("engine.step() needs an optimizer: add an 'optimizer' section "
                                "to the config or pass optimizer= to initialize()")
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        result = self.strategy.step(max_grad_norm=self.config.gradient_clipping, loss_scale=scale)
+        result = self.strategy.step(max_grad_norm=self.train_config.gradient_clipping, loss_scale=scale)
         self._last_result = result
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=not result.applied)
@@ -187,13 +194,13 @@ class Engine(nn.Module):
         self._boundary_override = bool(is_boundary)
 
     def train_batch_size(self) -> int:
-        return self.config.batch.train_batch_size
+        return self.train_config.batch.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.batch.train_micro_batch_size_per_gpu
+        return self.train_config.batch.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.batch.gradient_accumulation_steps
+        return self.train_config.batch.gradient_accumulation_steps
 
     def get_lr(self) -> list[float]:
         return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
@@ -219,16 +226,16 @@ class Engine(nn.Module):
         return self.strategy.model_state_bytes()
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
+        return self.train_config.zero.stage
 
     def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
+        return self.train_config.fp16.enabled
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
+        return self.train_config.bf16.enabled
 
     def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
+        return self.train_config.gradient_clipping
 
     @property
     def global_rank(self) -> int:
@@ -287,8 +294,69 @@ class Engine(nn.Module):
 
     save_fp16_model = save_16bit_model
 
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        """The module's full state dict (collective at stage 3, which gathers it)."""
+        del destination, keep_vars
+        state = self.strategy.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {prefix + k: v for k, v in state.items()}
+
+    def load_module_state_dict(self, checkpoint: dict, strict=True, custom_load_fn=None, fetch_z3_params=False,
+                               z3_params_to_fetch=None, allowed_missing_keys=None):
+        """Load ``checkpoint["module"]`` (a full state dict) into the model at any stage;
+        with ``custom_load_fn(src=state, dst=module)`` that function does the copying
+        (inside ``GatheredParameters`` of the listed or, with ``fetch_z3_params``, all
+        parameters at stage 3) and the fp32 masters are refreshed from the result."""
+        state = checkpoint["module"]
+        if custom_load_fn is None:
+            result = self.strategy.load_module_state_dict(state, strict=strict and allowed_missing_keys is None)
+            unexpected_missing = set(result.missing_keys) - set(allowed_missing_keys or ())
+            if strict and allowed_missing_keys is not None and (unexpected_missing or result.unexpected_keys):
+                raise RuntimeError(f"module state does not match the model: missing {sorted(unexpected_missing)}, "
+                                   f"unexpected {sorted(result.unexpected_keys)}")
+            return result
+        from shardwise.zero import GatheredParameters
+
+        fetch = list(z3_params_to_fetch) if z3_params_to_fetch is not None else \
+            list(self.module.parameters()) if fetch_z3_params else []
+        with GatheredParameters(fetch, modifier_rank=0):
+            custom_load_fn(src=state, dst=self.module)
+        self.strategy.reset_master_from_params()
+        return None
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:
+        """The full state dict in the training dtype on global rank 0, ``{}`` elsewhere
+        (collective; what Hugging Face saves under ZeRO-3)."""
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        if self.global_rank != 0:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+
+    # -- moving state off the device ------------------------------------------------------
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
+        """Move the state kinds in ``include`` (DeepSpeed's ``OffloadStateTypeEnum``:
+        ``optim_states``, ``hp_params``, ``lp_params``, ``lp_grads``,
+        ``contiguous_grad_buffer``; None: all) to host memory, freeing their device memory.
+        Call ``reload_states()`` before training again. See [Note: offloading by storage]
+        in ``runtime/_offload_states.py``."""
+        if self.train_config.zero.offload_param.enabled:
+            raise ValueError("offload_states() is not supported with offload_param: the parameters live "
+                             "off the device already")
+        self._offloader.offload(include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what ``offload_states`` moved, into the same tensors."""
+        self._offloader.reload(non_blocking=non_blocking)
+
     def __repr__(self) -> str:  # the module repr is long; keep the engine's short
-        return (f"Engine(zero_stage={self.config.zero.stage}, dtype={self.policy.param_dtype}, "
+        return (f"Engine(zero_stage={self.train_config.zero.stage}, dtype={self.policy.param_dtype}, "
                 f"dp_world_size={self.comm.world_size}, module={type(self.module).__name__})")
 
 
+DeepSpeedEngine = Engine
+"""DeepSpeed's name for the engine class (``deepspeed.runtime.engine.DeepSpeedEngine``)."""

@@ -399,6 +399,10 @@ SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosine
                                            LRRangeTest)}
 
 
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+"""The schedule names a config's ``scheduler.type`` may take (DeepSpeed's list)."""
+
+
 def build_lr_scheduler(config, optimizer):
     """The schedule ``config.type`` names over ``optimizer``, with ``config.params``.
 

@@ -121,7 +121,7 @@ def _check(rank, world_size, cases, nvme_root):
                 params_in_memory=sum(m.numel() for m in masters),
                 pinned_numel=sum(masters[i].numel() for i in swapper.pinned),
                 read_buffers=getattr(strategy, "peak_param_buffers", 0),
-                buffer_count=engine.config.zero.offload_param.buffer_count)
+                buffer_count=engine.train_config.zero.offload_param.buffer_count)
             swapper.close()
             result["folder_removed"] = not swapper.folder.exists()
         report[name] = result

@@ -1,0 +1,144 @@
+"""DeepSpeed's engine methods that only report or adjust settings, kept apart from the
+engine's training logic. Each returns what DeepSpeed's method of the same name returns.
+
+The engine keeps its validated config as ``engine.train_config`` (a ``TrainConfig``);
+``engine.config`` is the config dict as given, as in DeepSpeed (Hugging Face reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import torch
+
+from shardwise.accelerator import get_accelerator
+from shardwise.config._components import BatchConfig
+
+
+class DeepSpeedNames:
+    """Mixed into :class:`~shardwise.runtime.engine.Engine`."""
+
+    # -- batch sizes ------------------------------------------------------------------------
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        batch = self.train_config.batch
+        return batch.train_batch_size, batch.train_micro_batch_size_per_gpu, batch.gradient_accumulation_steps
+
+    def _set_batch(self, micro: int, accumulation: int) -> None:
+        batch = BatchConfig(train_batch_size=micro * accumulation * self.dp_world_size,
+                            train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
+        self.train_config = dataclasses.replace(self.train_config, batch=batch)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the number of accumulated micro-batches
+        (the micro-batch size stays). Raises ValueError unless it divides evenly."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size % per_step != 0:
+            raise ValueError(f"train batch size {train_batch_size} must be divisible by micro-batch size x "
+                             f"data-parallel size = {per_step}")
+        self._set_batch(self.train_micro_batch_size_per_gpu(), train_batch_size // per_step)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro-batch size, keeping the accumulation steps (the global batch
+        changes with it). Loaders already built keep their batch size, as in DeepSpeed."""
+        self._set_batch(int(micro_batch_size), self.gradient_accumulation_steps())
+
+    # -- settings -----------------------------------------------------------------------------
+
+    def steps_per_print(self) -> int | None:
+        return self.train_config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.train_config.wall_clock_breakdown
+
+    def loss_scale(self) -> float:
+        """The configured static fp16 loss scale (0: dynamic); ``get_loss_scale()`` gives the current one."""
+        return self.train_config.fp16.loss_scale
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.train_config.fp16.loss_scale == 0
+
+    def optimizer_name(self) -> str | None:
+        """The client optimizer's class name, else the config's optimizer type."""
+        if self._client_optimizer is not None:
+            return type(self._client_optimizer).__name__
+        return None if self.train_config.optimizer is None else self.train_config.optimizer.type
+
+    def postscale_gradients(self) -> bool:
+        return not self.train_config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return self.train_config.gradient_predivide_factor
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: the config's, else the training dtype."""
+        names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        chosen = self.train_config.communication_data_type
+        return names[chosen] if chosen is not None else self.policy.param_dtype
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """``(model dtype, gradient accumulation dtype)``: the same dtype here."""
+        return self.policy.param_dtype, self.policy.param_dtype
+
+    def zero_optimization(self) -> bool:
+        return self.train_config.zero.stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.train_config.zero.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.train_config.zero.stage >= 3
+
+    def zero_offload_optimizer(self):
+        """The ``offload_optimizer`` config (``.device``: "none", "cpu" or "nvme")."""
+        return self.train_config.zero.offload_optimizer
+
+    def zero_offload_param(self):
+        """The ``offload_param`` config."""
+        return self.train_config.zero.offload_param
+
+    def zero_cpu_offload(self) -> bool:
+        offload = self.train_config.zero.offload_optimizer
+        return offload.enabled and offload.device == "cpu"
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        offload = self.train_config.zero.offload_optimizer
+        return offload.enabled and offload.device in ("cpu", "nvme")
+
+    def zero_reduce_bucket_size(self) -> int:
+        return self.train_config.zero.reduce_bucket_size
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self.train_config.zero.allgather_bucket_size
+
+    def zero_sub_group_size(self) -> int:
+        return self.train_config.zero.sub_group_size
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.train_config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def zero_allow_untested_optimizer(self) -> bool:
+        return self.train_config.zero_allow_untested_optimizer
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def empty_partition_cache(self) -> None:
+        """Release parameters stage 3 holds gathered (e.g. after evaluation) and the
+        allocator's cached blocks; other stages keep whole parameters by design."""
+        self.strategy.release_gathered()
+        gc.collect()
+        get_accelerator().empty_cache()
+
+    def destroy(self) -> None:
+        """Release what the engine holds outside the model: swap files and their I/O
+        threads, gathered stage-3 parameters, cached device memory. The engine must not
+        be used afterwards."""
+        self.strategy.release_gathered()
+        swapper = getattr(self.strategy, "swapper", None)
+        if swapper is not None:
+            swapper.close()
+        gc.collect()
+        get_accelerator().empty_cache()

@@ -1,0 +1,6 @@
+"""DeepSpeed's ``deepspeed.runtime.dataloader`` names (the code is in ``runtime/data.py``)."""
+
+from shardwise.runtime.data import DistributedLoader as DeepSpeedDataLoader
+from shardwise.runtime.data import RepeatingLoader
+
+__all__ = ["DeepSpeedDataLoader", "RepeatingLoader"]
