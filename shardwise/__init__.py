@@ -1,20 +1,18 @@
 """shardwise: fast, memory-efficient large-model training on PyTorch.
 
 Accepts DeepSpeed's config schema and API: ``import shardwise as deepspeed`` runs a
-DeepSpeed training script unchanged.
+DeepSpeed training script unchanged (and ``shardwise.install_as_deepspeed()`` lets
+libraries that import ``deepspeed`` themselves, like Hugging Face's, use shardwise).
 """
 
-from shardwise import _logging, ops, zero
-from shardwise._initialize import add_config_arguments, initialize
+from shardwise import _logging, checkpointing, comm, moe, ops, utils, zero
+from shardwise._initialize import add_config_arguments, initialize, tp_model_init
 from shardwise.comm import init_distributed
-from shardwise.runtime.engine import Engine
+from shardwise.runtime.config import DeepSpeedConfig
+from shardwise.runtime.engine import DeepSpeedEngine, Engine
+from shardwise.version import __version__
 
-__version__ = "0.1.0"
-
-DeepSpeedEngine = Engine
-"""Alias for scripts that type-check against DeepSpeed's engine class name."""
-
-__all__ = ["DeepSpeedEngine", "Engine", "__version__", "add_config_arguments", "init_distributed", "ops", "zero",
-           "initialize"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "Engine", "__version__", "add_config_arguments", "checkpointing",
+           "comm", "init_distributed", "initialize", "moe", "ops", "tp_model_init", "utils", "zero"]
 
 _logging.install_default_handler()

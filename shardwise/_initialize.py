@@ -100,3 +100,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale_config", default=None, type=str,
                        help="deprecated spelling of --deepspeed_config")
     return parser
+
+
+def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
+    """DeepSpeed's AutoTP training entry point. Tensor parallelism is not available in
+    this version of shardwise: calling this raises ``NotImplementedError``."""
+    raise NotImplementedError(f"tp_model_init(tp_size={tp_size}): tensor parallelism is not available in this "
+                              "version of shardwise yet; train with data parallelism (ZeRO) instead")

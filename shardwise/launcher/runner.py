@@ -23,6 +23,8 @@ from pathlib import Path
 
 from shardwise.launcher.environment import ERROR_DIR_ENV, NO_LOCAL_RANK_ENV, export_prefix, exports
 
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
+"""DeepSpeed's name for its environment file (read too; see ``environment.ENV_FILES``)."""
 _STOP_GRACE_S = 5.0
 NODE_RANK_PLACEHOLDER = {"pdsh": "%n", "slurm": "$SLURM_NODEID", "mpi": "$OMPI_COMM_WORLD_RANK"}
 """How each multi-node launcher tells a node its rank (expanded on the node)."""

@@ -1,6 +1,6 @@
 """DeepSpeed's ``deepspeed.ops`` names, so scripts that build these optimizers directly
 run unchanged (``import shardwise as deepspeed``)."""
 
-from shardwise.ops import adam
+from shardwise.ops import adagrad, adam, lion
 
-__all__ = ["adam"]
+__all__ = ["adagrad", "adam", "lion"]
