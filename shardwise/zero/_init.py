@@ -78,10 +78,25 @@ def _partition_param(param: nn.Parameter, comm: Communicator, dtype: torch.dtype
         flat = torch.zeros(padded, dtype=full.dtype, device=full.device)
         flat[:full.numel()].copy_(full.reshape(-1))
         local = flat[comm.rank * shard:(comm.rank + 1) * shard].clone().to(shard_device or full.device)
-    shape = param.shape
-    param._shardwise_init = InitShard(local, shape, comm)
+    _mark_partitioned(param, InitShard(local, param.shape, comm))
     param.data = torch.empty(0, dtype=full.dtype, device=full.device)
-    param.ds_shape, param.ds_numel, param.ds_tensor = shape, shape.numel(), local  # DeepSpeed's names
+
+
+def _mark_partitioned(param: nn.Parameter, shard: InitShard) -> None:
+    param._shardwise_init = shard
+    param.ds_shape, param.ds_numel, param.ds_tensor = shard.shape, shard.numel, shard.local  # DeepSpeed's names
+    # copy.deepcopy looks __deepcopy__ up on the instance; torch's Parameter copy would drop
+    # the slice (nn.TransformerEncoder deep-copies its layer under zero.Init)
+    param.__deepcopy__ = functools.partial(_deepcopy_partitioned, param)
+
+
+def _deepcopy_partitioned(param: nn.Parameter, memo: dict) -> nn.Parameter:
+    """A copy of a partitioned parameter: empty, with a copy of this rank's slice."""
+    shard = init_shard(param)
+    copy = nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), requires_grad=param.requires_grad)
+    memo[id(param)] = copy
+    _mark_partitioned(copy, InitShard(shard.local.clone(), shard.shape, shard.comm))
+    return copy
 
 
 def gather_init_params(params) -> None:

@@ -22,6 +22,18 @@ def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if z3_leaf_module(m)]
 
 
+_READS_CHILD_PARAMS = (nn.MultiheadAttention,)
+"""torch modules whose forward reads a child's parameters without calling the child
+(``MultiheadAttention`` passes ``out_proj.weight`` to a functional call): stage 3 treats
+them as leaves always, or the child's parameters would never be gathered."""
+
+
+def unit_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` whose whole subtree stage 3 gathers as one unit: the
+    marked leaves and the torch modules of ``_READS_CHILD_PARAMS``."""
+    return [m for m in model.modules() if z3_leaf_module(m) or isinstance(m, _READS_CHILD_PARAMS)]
+
+
 def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
     """Mark (or unmark) one module."""
     model._z3_leaf = flag

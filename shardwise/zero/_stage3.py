@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardwise.config import ConfigError
 from shardwise.offload import to_device
-from shardwise.zero._leaf import get_z3_leaf_modules
+from shardwise.zero._leaf import unit_roots
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy, _Bucket
@@ -79,6 +79,7 @@ class Stage3Strategy(ShardedStrategy):
             for p in frozen:
                 p.data = p.data.clone()
                 del p._shardwise_init, p.ds_tensor
+                p.__dict__.pop("__deepcopy__", None)
         super().__init__(module, stage=3, **kwargs)
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -114,7 +115,7 @@ class Stage3Strategy(ShardedStrategy):
                 if p is not None:
                     owners.setdefault(p, []).append(module)
         owner = {p: (mods[0] if len(mods) == 1 else root) for p, mods in owners.items()}
-        for leaf in reversed(get_z3_leaf_modules(root)):  # outer leaves come last: they win
+        for leaf in reversed(unit_roots(root)):  # outer leaves come last: they win
             owner.update({p: leaf for p in leaf.parameters() if p in owner and len(owners[p]) == 1})
         sharers = {p: mods for p, mods in owners.items() if len(mods) > 1}
         return owner, sharers
@@ -179,6 +180,7 @@ class Stage3Strategy(ShardedStrategy):
                 p.data = flat[off:off + shape.numel()].view(shape)
         for p in built_partitioned:
             del p._shardwise_init, p.ds_tensor
+            p.__dict__.pop("__deepcopy__", None)
         unit = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat, shapes=shapes)
         unit.persistent, unit.gathered, unit.calls = persistent, True, []
         self._count_live(unit, +1)
