@@ -6,6 +6,7 @@ libraries that import ``deepspeed`` themselves, like Hugging Face's, use shardwi
 """
 
 from shardwise import _logging, checkpointing, comm, moe, ops, utils, zero
+from shardwise._as_deepspeed import install_as_deepspeed
 from shardwise._initialize import add_config_arguments, initialize, tp_model_init
 from shardwise.comm import init_distributed
 from shardwise.runtime.config import DeepSpeedConfig
@@ -13,6 +14,7 @@ from shardwise.runtime.engine import DeepSpeedEngine, Engine
 from shardwise.version import __version__
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "Engine", "__version__", "add_config_arguments", "checkpointing",
-           "comm", "init_distributed", "initialize", "moe", "ops", "tp_model_init", "utils", "zero"]
+           "comm", "init_distributed", "initialize", "install_as_deepspeed", "moe", "ops", "tp_model_init", "utils",
+           "zero"]
 
 _logging.install_default_handler()

@@ -22,6 +22,9 @@ from shardwise.runtime._deepspeed_names import DeepSpeedNames
 from shardwise.runtime._offload_states import StateOffloader
 from shardwise.runtime._progress import ProgressReporter
 from shardwise.runtime.data import deepspeed_io
+# imported here also so that ``deepspeed.runtime.lr_schedules`` is an attribute after
+# ``import deepspeed``, as in DeepSpeed (Accelerate reads VALID_LR_SCHEDULES that way)
+from shardwise.runtime.lr_schedules import build_lr_scheduler
 from shardwise.zero import ModelStateBytes, StepResult, build_strategy
 
 logger = logging.getLogger(__name__)
@@ -93,8 +96,6 @@ class Engine(DeepSpeedNames, nn.Module):
         return self.strategy.adopt_client_optimizer(optimizer)
 
     def _configure_lr_scheduler(self, client_scheduler):
-        from shardwise.runtime.lr_schedules import build_lr_scheduler
-
         if client_scheduler is not None:
             if self.train_config.scheduler is not None:
                 logger.warning("both a client lr_scheduler and a config 'scheduler' section "
@@ -266,7 +267,8 @@ class Engine(DeepSpeedNames, nn.Module):
                             rank=self.comm.rank, world_size=self.comm.world_size,
                             pin_memory=pin_memory and self.device.type == "cuda",
                             data_sampler=data_sampler, collate_fn=collate_fn,
-                            num_workers=num_local_io_workers or 0)
+                            num_workers=num_local_io_workers or 0,
+                            drop_last=self.train_config.dataloader_drop_last)
 
     # -- checkpoints ----------------------------------------------------------------------
 
