@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
 
-OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lamb")
+OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
@@ -36,7 +36,7 @@ class OptimizerConfig:
     """``optimizer``: which optimizer the engine builds and its parameters."""
 
     type: str
-    """Canonical lower-case name: adam, adamw, sgd, adagrad or lamb."""
+    """Canonical lower-case name: adam, adamw, sgd, adagrad, lamb or lion."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Constructor arguments with DeepSpeed's names (lr, betas, eps, weight_decay, ...)."""
 

@@ -100,8 +100,6 @@ NO_EFFECT: dict[str, dict[str, tuple[Any, str]]] = {
 # path -> key -> (kind, accepted values, the feature a different value asks for)
 UNBUILT: dict[str, dict[str, tuple[Any, tuple, str]]] = {
     "": {
-        "dataloader_drop_last": ("bool", (False,), "dropping the last incomplete batch of the loader "
-                                                   "initialize() returns"),
         "managed_gradient_accumulation": ("bool", (True,), "client-managed accumulation boundaries"),
         "gradient_allreduce_op": ("str", ("mean",), "summed (unaveraged) gradients"),
         "memory_breakdown": ("bool", (False,), "the memory breakdown printout"),

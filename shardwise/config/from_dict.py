@@ -44,7 +44,7 @@ _AUTO_FIELDS = {"fp16": {"enabled"}, "bf16": {"enabled"}, "zero_optimization": {
     "sub_group_size", "overlap_comm", "contiguous_gradients"}}
 _UNBUILT_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam",
                        "onebitlamb": "OneBitLamb", "muadam": "MuAdam", "muadamw": "MuAdamW",
-                       "musgd": "MuSGD", "lion": "Lion", "adafactor": "Adafactor",
+                       "musgd": "MuSGD", "adafactor": "Adafactor",
                        "cpuadam": "DeepSpeedCPUAdam", "fusedadam": "FusedAdam"}
 
 
@@ -114,7 +114,7 @@ def _optimizer(section: Any) -> OptimizerConfig:
     key = name.lower()
     if key in _UNBUILT_OPTIMIZERS:
         raise ConfigError(f"optimizer.type {name!r} is not available in this version of shardwise yet; "
-                          f"available: Adam, AdamW, SGD, Adagrad, Lamb")
+                          f"available: Adam, AdamW, SGD, Adagrad, Lamb, Lion")
     canonical = as_choice("optimizer.type", name, OPTIMIZERS)
     return OptimizerConfig(type=canonical, params=_drop_auto(section.get("params"), "optimizer.params"))
 

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from shardwise.optim.lamb import Lamb
+from shardwise.optim.lion import Lion
 
 logger = logging.getLogger("shardwise")
 
@@ -24,6 +25,7 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
                + _TORCH_KNOBS,
     "lamb": ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay",
              "max_coeff", "min_coeff", "amsgrad"),
+    "lion": ("lr", "betas", "weight_decay", "set_grad_none"),
 }
 # Optimizers whose torch implementation has fused CUDA and CPU kernels we select by default
 # (on CPU, fused AdamW steps about 5x faster than the multi-tensor path: bench/README.md).
@@ -103,13 +105,13 @@ def build_optimizer(config, params) -> torch.optim.Optimizer:
     ``adam`` and ``adamw`` follow DeepSpeed's engine: weight decay is decoupled
     (torch.optim.AdamW) unless the type is ``adam`` with ``adam_w_mode: false``
     (torch.optim.Adam, L2 decay); ``torch_adam`` only changes the default weight decay to
-    torch's. ``lamb`` builds :class:`~shardwise.optim.Lamb`. When every tensor is on CUDA,
+    torch's. ``lamb`` builds :class:`~shardwise.optim.Lamb`, ``lion`` :class:`~shardwise.optim.Lion`. When every tensor is on CUDA,
     or every tensor is on the CPU (as with offload_optimizer), Adam/AdamW/SGD/Adagrad use
     torch's fused kernels, otherwise the multi-tensor (foreach) ones, unless ``fused`` or
     ``foreach`` is given. Nothing is allocated until the first step.
 
     Args:
-        config: has ``type`` (adam, adamw, sgd, adagrad, lamb) and ``params`` (a mapping
+        config: has ``type`` (adam, adamw, sgd, adagrad, lamb, lion) and ``params`` (a mapping
             of the optimizer's parameters, DeepSpeed names).
         params: what the optimizer updates: tensors, (name, tensor) pairs or param-group
             dicts; per-group values override ``config.params``.
@@ -129,6 +131,10 @@ def build_optimizer(config, params) -> torch.optim.Optimizer:
         kwargs["betas"] = tuple(kwargs["betas"])
     if name == "lamb":
         return Lamb(params, **kwargs)
+    if name == "lion":
+        kwargs.pop("set_grad_none", None)
+        kwargs.setdefault("betas", (0.9, 0.999))  # DeepSpeed's FusedLion default
+        return Lion(params, **kwargs)
     if name in ("adam", "adamw"):
         return _adam(name, params, kwargs)
     kwargs.update(_fast_path(name, params, kwargs))
