@@ -40,7 +40,8 @@ def capture_rng_state() -> dict[str, Any]:
                           "key": torch.from_numpy(key.astype(numpy.int64)),
                           "pos": int(pos), "has_gauss": int(has_gauss),
                           "cached_gaussian": float(cached)}
-    # The accelerator abstraction has no RNG API yet; CUDA is touched only if already in use.
+    # All devices' generators (the accelerator's RNG calls address one device); CUDA is
+    # touched only if already in use, so a CPU job never initialises it.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
