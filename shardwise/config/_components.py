@@ -110,10 +110,13 @@ class BF16Config:
     """Train in bf16."""
     immediate_grad_update: bool = False
     """Accepted for compatibility; gradients are always applied at the step."""
+    check_grad_overflow: bool = True
+    """Skip a step whose gradients are not finite (inf/nan) instead of applying it."""
 
     def __post_init__(self) -> None:
         as_bool("bf16.enabled", self.enabled)
         as_bool("bf16.immediate_grad_update", self.immediate_grad_update)
+        as_bool("bf16.check_grad_overflow", self.check_grad_overflow)
 
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")

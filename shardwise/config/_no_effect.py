@@ -126,7 +126,6 @@ UNBUILT: dict[str, dict[str, tuple[Any, tuple, str]]] = {
         "bf16_master_weights_and_grads": ("bool", (False,), "bf16 master weights and gradients (shardwise "
                                                             "keeps fp32 master weights)"),
         "bf16_optimizer_states": ("bool", (False,), "bf16 optimizer states (shardwise keeps them in fp32)"),
-        "check_grad_overflow": ("bool", (False,), "skipping bf16 steps whose gradients are not finite"),
     },
 }
 """Keys of unbuilt features: accepted off, refused on; see [Note: keys with no effect]."""

@@ -22,6 +22,9 @@ class PrecisionPolicy:
     auto_cast_inputs: bool = False
     """Cast floating-point forward inputs to ``param_dtype`` (``fp16.auto_cast``)."""
     master_dtype: torch.dtype = torch.float32
+    skip_nonfinite: bool = False
+    """Skip (not apply) an optimizer step whose gradient norm is inf/nan: always with fp16
+    loss scaling, with bf16 unless ``bf16.check_grad_overflow`` is false (as DeepSpeed)."""
 
     @property
     def needs_master_copy(self) -> bool:
@@ -31,9 +34,10 @@ class PrecisionPolicy:
     def from_config(cls, config) -> "PrecisionPolicy":
         """Read ``fp16`` / ``bf16`` from a TrainConfig."""
         if config.fp16.enabled:
-            return cls(torch.float16, loss_scaling=True, auto_cast_inputs=config.fp16.auto_cast)
+            return cls(torch.float16, loss_scaling=True, auto_cast_inputs=config.fp16.auto_cast,
+                       skip_nonfinite=True)
         if config.bf16.enabled:
-            return cls(torch.bfloat16)
+            return cls(torch.bfloat16, skip_nonfinite=config.bf16.check_grad_overflow)
         return cls()
 
     def cast_inputs(self, value):

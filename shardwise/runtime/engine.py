@@ -164,9 +164,9 @@ class Engine(DeepSpeedNames, nn.Module):
         else:
             self.skipped_steps += 1
             if self.comm.rank == 0:
-                logger.info("step %d: fp16 gradient overflow (norm %s); skipped the update, "
-                            "loss scale %g -> %g", self.global_steps + 1, result.grad_norm,
-                            scale, self.loss_scaler.scale)
+                after = self.loss_scaler.scale if self.loss_scaler is not None else scale
+                logger.info("step %d: gradient overflow (norm %s); skipped the update, "
+                            "loss scale %g -> %g", self.global_steps + 1, result.grad_norm, scale, after)
         self.global_steps += 1
 
     def zero_grad(self) -> None:

@@ -376,7 +376,7 @@ class ShardedStrategy:
         total = local.to(device, torch.float64).reshape(1)  # the collective runs on the model's device
         self.comm.all_reduce(total, tag="gradient norm").wait()
         norm = total.sqrt()
-        if self.policy.loss_scaling and not torch.isfinite(norm):
+        if self.policy.skip_nonfinite and not torch.isfinite(norm):
             self.zero_grad()
             return StepResult(False, float(norm))
         if max_grad_norm > 0:

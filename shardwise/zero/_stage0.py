@@ -266,7 +266,7 @@ class Stage0Strategy:
         grads = self._grads_for_optimizer(1.0 / loss_scale)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         norm_value = float(norm)
-        if self.policy.loss_scaling and not torch.isfinite(norm):
+        if self.policy.skip_nonfinite and not torch.isfinite(norm):
             self.zero_grad()
             return StepResult(False, norm_value)
         if max_grad_norm > 0:

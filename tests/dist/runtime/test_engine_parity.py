@@ -154,3 +154,32 @@ def test_fp16_overflow_skips_step_everywhere(tmp_path):
         assert scale == 2 ** 7
         assert skipped == 1 and steps == 1
         assert lr_kept
+
+
+def _bf16_nonfinite(rank, world_size, stage, check):
+    model = TinyMLP(seed=1)
+    config = _config(1, dtype="bf16", extra={"bf16": {"enabled": True, "check_grad_overflow": check},
+                                             "zero_optimization": {"stage": stage}})
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=rank)[0]
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    loss = engine(tokens, targets)
+    if rank == 1:
+        loss = loss * float("nan")
+    engine.backward(loss)
+    engine.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
+    return unchanged, finite, engine.was_step_applied(), engine.skipped_steps
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bf16_nonfinite_gradients_skip_the_step_as_deepspeed(tmp_path, stage):
+    # DeepSpeed's bf16.check_grad_overflow (default true): the step is skipped on every rank
+    for unchanged, finite, applied, skipped in run_distributed(
+            _bf16_nonfinite, world_size=2, tmp_path=tmp_path, stage=stage, check=True):
+        assert unchanged and finite and not applied and skipped == 1
+    # switched off, the nan is applied (what the key asks for)
+    for unchanged, finite, applied, skipped in run_distributed(
+            _bf16_nonfinite, world_size=2, tmp_path=tmp_path, stage=stage, check=False):
+        assert not finite and applied and skipped == 0

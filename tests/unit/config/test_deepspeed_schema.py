@@ -133,7 +133,6 @@ def test_field_names_of_stage3_keys_are_read():
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
      "bf16.bf16_master_weights_and_grads=true asks for bf16 master weights"),
     ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16 optimizer states"),
-    ({"bf16": {"enabled": True, "check_grad_overflow": True}}, "skipping bf16 steps"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO++ hierarchical partitioning"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "ZeRO++ quantized gradients"),
