@@ -364,21 +364,16 @@ def recv(tensor, src=None, group=None, tag=0, *, prof=False, log_name="recv", de
 
 
 def isend(tensor, dst, group=None, tag=0, *, prof=False, log_name="isend", debug=None):
-    """Start sending ``tensor`` to ``dst``; returns a handle to ``wait()`` on.
-
-    DeepSpeed's isend blocks and returns None; this one is asynchronous as torch's, and
-    waiting on its handle gives the same ordering.
-    """
-    del log_name, debug
-    _unprofiled(prof)
-    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+    """Send ``tensor`` to ``dst`` and return None once it is sent: DeepSpeed's ``isend``
+    is a blocking send despite its name, and scripts written for it may reuse the tensor
+    right after the call. For an asynchronous send use ``torch.distributed.isend``."""
+    return send(tensor, dst, group, tag, prof=prof, log_name=log_name, debug=debug)
 
 
 def irecv(tensor, src=None, group=None, tag=0, *, prof=False, log_name="irecv", debug=None):
-    """Start receiving into ``tensor`` from ``src``; returns a handle to ``wait()`` on."""
-    del log_name, debug
-    _unprofiled(prof)
-    return dist.irecv(tensor, src=src, group=group, tag=tag)
+    """Receive into ``tensor`` and return the sender once it has arrived (DeepSpeed's
+    ``irecv`` is a blocking receive; see ``isend``)."""
+    return recv(tensor, src, group, tag, prof=prof, log_name=log_name, debug=debug)
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, prof=False, log_name="gather",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from shardwise.offload import HostCopies, copy_from_host_
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
-from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes
+from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes, optimizer_state_tensors
 from shardwise.zero._strategy import (
     GRAD_KEY,
     MASTER_KEY,
@@ -73,6 +74,15 @@ class _Bucket:
 
     def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard:(rank + 1) * self.shard]
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's ``defaults`` that its constructor takes (torch's AdamW records
+    ``decoupled_weight_decay`` there but does not accept it)."""
+    accepted = inspect.signature(type(optimizer)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 class ShardedStrategy:
@@ -220,7 +230,7 @@ class ShardedStrategy:
                 raise ValueError("a client optimizer that already holds state cannot be sharded by "
                                  "ZeRO; pass it before its first step")
             groups = [dict(g) for g in optimizer.param_groups]
-            optimizer = type(optimizer)(self.optimizer_params(groups), **optimizer.defaults)
+            optimizer = type(optimizer)(self.optimizer_params(groups), **_constructor_defaults(optimizer))
         self.optimizer = optimizer
         if self.offload is not None and self.offload.device == "nvme":
             from shardwise.offload import build_optimizer_swapper
@@ -684,16 +694,10 @@ class ShardedStrategy:
         if key == MASTER_KEY:
             self._gather_params()
 
-    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
-        if self.optimizer is None:
-            return []
-        return [v for state in self.optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.numel() > 1]
-
     def state_tensors(self, kind: str) -> list[torch.Tensor]:
         """The tensors holding ``kind`` of state (see ZeroStrategy)."""
         self._ensure_layout()
-        tensors = {"optim_states": self._optimizer_state_tensors(),
+        tensors = {"optim_states": optimizer_state_tensors(self.optimizer),
                    "hp_params": [b.master for b in self.buckets if self._master_is_copy(b)],
                    "lp_params": [b.flat_param for b in self.buckets],
                    "lp_grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None],

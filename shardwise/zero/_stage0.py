@@ -47,6 +47,14 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                for v in state.values() if isinstance(v, torch.Tensor))
 
 
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The optimizer's per-element state tensors (not its scalar ``step`` counters)."""
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1]
+
+
 def broadcast_module_state(module: nn.Module, comm: Communicator) -> None:
     """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
     tensors = list(module.parameters()) + list(module.buffers())
@@ -342,15 +350,9 @@ class Stage0Strategy:
             if key == MASTER_KEY and param in self._master:
                 param.copy_(target)
 
-    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
-        if self.optimizer is None:
-            return []
-        return [v for state in self.optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.numel() > 1]
-
     def state_tensors(self, kind: str) -> list[torch.Tensor]:
         """The tensors holding ``kind`` of state (see ZeroStrategy)."""
-        tensors = {"optim_states": self._optimizer_state_tensors(),
+        tensors = {"optim_states": optimizer_state_tensors(self.optimizer),
                    "hp_params": [t for m in self._master.values() for t in (m, m.grad) if t is not None],
                    "lp_params": list(self.module.parameters()),
                    "lp_grads": [b.buffer for b in self.buckets],

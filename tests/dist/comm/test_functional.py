@@ -77,11 +77,11 @@ def _script_like(rank, world_size):
     if rank == 0:
         dist.send(msg + 40, peer)
         got = torch.empty(1)
-        dist.irecv(got, peer).wait()
+        out["irecv_from"] = dist.irecv(got, peer)  # DeepSpeed's irecv blocks and returns the sender
     else:
         got = torch.empty(1)
         out["recv_from"] = dist.recv(got, peer)
-        dist.isend(msg + 50, peer).wait()
+        out["isend_returns"] = dist.isend(msg + 50, peer)  # DeepSpeed's isend blocks and returns None
     out["p2p"] = got.tolist()
 
     objs = [None, None]
@@ -131,4 +131,5 @@ def test_deepspeed_style_script_on_two_ranks(tmp_path):
         assert out["world_group_is_world"] is True
     assert results[0]["reduce_on_0"] == [3.0]
     assert results[0]["gather_on_0"] == [[0.5], [1.5]]
-    assert results[1]["recv_from"] == 0
+    assert results[1]["recv_from"] == 0 and results[0]["irecv_from"] == 1
+    assert results[1]["isend_returns"] is None
