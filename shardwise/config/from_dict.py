@@ -199,6 +199,8 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
     scalars = {k: raw[k] for k in _TOP_SCALARS if k in raw}
     if scalars.get("gradient_clipping") == AUTO:
         del scalars["gradient_clipping"]
+    if scalars.get("steps_per_print") == float("inf"):  # DeepSpeed's "never" (Accelerate sets it)
+        scalars["steps_per_print"] = None
     for key, value in scalars.items():
         if value == AUTO:
             raise ConfigError(f'{key} does not accept "auto"; give a value')

@@ -123,6 +123,27 @@ class DeepSpeedNames:
     def zero_allow_untested_optimizer(self) -> bool:
         return self.train_config.zero_allow_untested_optimizer
 
+    # -- saving -----------------------------------------------------------------------------
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:
+        """The full state dict in the training dtype on global rank 0, ``{}`` elsewhere
+        (collective; what Hugging Face saves under ZeRO-3). A parameter reachable under
+        several keys (tied embeddings) is one tensor under all of them, as in DeepSpeed, so
+        ``save_pretrained`` recognises the tie and writes it once."""
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        if self.global_rank != 0:
+            return {}
+        first_key: dict[int, str] = {}
+        consolidated = {}
+        for key, tensor in self.module.state_dict(keep_vars=True).items():
+            if key not in state:
+                continue
+            owner = first_key.setdefault(id(tensor), key)
+            consolidated[key] = consolidated[owner] if owner != key else state[key].detach().cpu().clone()
+        return consolidated
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+
     # -- memory -------------------------------------------------------------------------------
 
     def empty_partition_cache(self) -> None:

@@ -328,16 +328,6 @@ class Engine(DeepSpeedNames, nn.Module):
         self.strategy.reset_master_from_params()
         return None
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:
-        """The full state dict in the training dtype on global rank 0, ``{}`` elsewhere
-        (collective; what Hugging Face saves under ZeRO-3)."""
-        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-        if self.global_rank != 0:
-            return {}
-        return {k: v.detach().cpu().clone() for k, v in state.items()}
-
-    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
-
     # -- moving state off the device ------------------------------------------------------
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
