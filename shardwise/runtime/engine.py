@@ -64,6 +64,8 @@ class Engine(DeepSpeedNames, nn.Module):
         self._client_optimizer = optimizer
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
+        if self.optimizer is not None:
+            self.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
                                     if training_data is not None else None)
         self.global_steps = 0
@@ -156,6 +158,7 @@ class Engine(DeepSpeedNames, nn.Module):
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         result = self.strategy.step(max_grad_norm=self.train_config.gradient_clipping, loss_scale=scale)
         self._last_result = result
+        self.optimizer.overflow = not result.applied
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=not result.applied)
         if result.applied:
