@@ -84,3 +84,42 @@ def test_accelerator_with_deepspeed_plugin_matches_pytorch(tmp_path, stage):
         assert checks["distributed_type"] and checks["engine"] and checks["unwrapped"]
         assert checks["processes"] == 2 and checks["steps"] == STEPS and checks["skipped"] is False
     assert results[0][2]["weights"] < 1e-3
+
+
+_LAUNCH = ("import sys, shardwise; shardwise.install_as_deepspeed(); "
+           "from accelerate.commands.launch import main; sys.exit(main())")
+"""``accelerate launch`` with the alias installed in the launcher process (which checks
+that DeepSpeed is installed); the launched script installs it again for itself."""
+
+_SCRIPT = """
+import shardwise
+shardwise.install_as_deepspeed()
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+model = torch.nn.Linear(4, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+for x in loader:
+    accelerator.backward(model(x).pow(2).mean())
+    optimizer.step()
+line = f"{accelerator.num_processes} {type(model).__name__} {model.zero_optimization_stage()} {model.global_steps}"
+open(f"result{accelerator.process_index}", "w").write(line)
+"""
+
+
+def test_accelerate_launch_use_deepspeed(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _LAUNCH, "--use_deepspeed", "--zero_stage", "2", "--num_processes",
+                           "2", "--gradient_accumulation_steps", "1", "--mixed_precision", "no",
+                           "--main_process_port", "0", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(tmp_path / f"result{rank}").read_text() for rank in (0, 1)] == ["2 Engine 2 2"] * 2
