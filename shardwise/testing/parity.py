@@ -4,6 +4,7 @@ ranks on the same global batches, then compare parameters."""
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
@@ -25,18 +26,45 @@ def param_groups(model, *, split: bool, lr: float, weight_decay: float):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr / 2}]
 
 
-def reference_train(model, batches, *, lr: float, weight_decay: float, clip: float, split_groups: bool):
-    """Train a copy of ``model`` on full global batches with torch.optim.AdamW; returns it."""
+@dataclass(frozen=True)
+class ReferenceRun:
+    """What single-process training did: the trained copy, its starting point and the
+    global gradient norm of every step (``clip_grad_norm_``'s value, before clipping)."""
+
+    model: torch.nn.Module
+    initial: list[torch.Tensor]
+    norms: list[float]
+
+    def movement(self) -> float:
+        """Largest distance training moved any element: a tolerance below a fraction of
+        it fails an engine that never updates the parameters."""
+        return max((p.detach() - q).abs().max().item() for p, q in zip(self.model.parameters(), self.initial))
+
+
+def reference_run(model, batches, *, lr: float, clip: float, weight_decay: float = 0.0,
+                  split_groups: bool = False, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                  **optimizer_options) -> ReferenceRun:
+    """Train a copy of ``model`` on full global batches with ``optimizer`` (torch's AdamW by
+    default; SGD is sensitive to the gradient's scale, which AdamW hides); clip at ``clip``
+    when positive. ``optimizer_options`` go to its constructor."""
     model = copy.deepcopy(model)
+    initial = [p.detach().clone() for p in model.parameters()]
     groups = param_groups(model, split=split_groups, lr=lr, weight_decay=weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    step = optimizer(groups, lr=lr, weight_decay=weight_decay, **optimizer_options)
+    norms = []
     for tokens, targets in batches:
         model(tokens, targets).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
+        # an infinite max_norm measures without clipping
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))))
+        step.step()
+        step.zero_grad()
+    return ReferenceRun(model, initial, norms)
+
+
+def reference_train(model, batches, *, lr: float, weight_decay: float, clip: float, split_groups: bool):
+    """Train a copy of ``model`` on full global batches with torch.optim.AdamW; returns it."""
+    return reference_run(model, batches, lr=lr, weight_decay=weight_decay, clip=clip,
+                         split_groups=split_groups).model
 
 
 def engine_train(engine, batches, *, rank: int, world_size: int, micro: int) -> list[float]:
@@ -59,3 +87,19 @@ def max_param_diff(reference, module) -> float:
     with GatheredParameters(list(module.parameters())):
         return max((a.detach() - b.detach().float()).abs().max().item()
                    for a, b in zip(reference.parameters(), module.parameters()))
+
+
+def grad_bytes_outside(module, counted: list[torch.Tensor]) -> int:
+    """Bytes of the storages behind the module parameters' ``.grad`` that are not among
+    ``counted`` (the strategy's own gradient buffers): what ``model_state_bytes`` would
+    miss if a stage left full gradients on the parameters."""
+    known = {t.untyped_storage().data_ptr() for t in counted}
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.grad is None:
+            continue
+        storage = p.grad.untyped_storage()
+        if storage.data_ptr() not in known and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

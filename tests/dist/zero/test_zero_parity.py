@@ -1,4 +1,6 @@
-"""ZeRO stages 1, 2 and 3 on 2 and 4 ranks match single-process training on the same batches."""
+"""ZeRO stages 1, 2 and 3 on 2 and 4 ranks match single-process training on the same batches
+(AdamW with per-group options; plain SGD, whose update scales with the gradient, at stages
+0-3 with accumulation, fp16, bf16 and an fp16 overflow the training recovers from)."""
 
 import copy
 
@@ -9,7 +11,7 @@ import shardwise
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 from shardwise.testing.parity import (STAGE3_PARTITION_ALL, engine_train, max_param_diff, param_groups,
-                                      reference_train)
+                                      reference_run, reference_train)
 
 MICRO, STEPS, LR, WD = 2, 4, 1e-2, 0.01
 # fp32 differs only by reduction order. bf16/fp16 compute with 8/11-bit mantissas on fp32
@@ -80,6 +82,83 @@ def test_zero_stages_match_single_process(tmp_path, world_size):
                 assert buckets >= 3, f"{name}: expected several buckets, got {buckets}"
             assert diff < TOLERANCE[dtype], f"rank {rank} {name}: max |diff| {diff}"
     assert all(r == reports[0] for r in reports)  # every rank holds the same parameters
+
+
+# Plain SGD: a gradient off by a factor (loss scale, accumulation count, world size) moves
+# the weights by that factor, which AdamW's normalised update would hide. lr 2 moves some
+# weight by ~0.12 in 4 steps, so mixed-precision tolerances can sit far below that
+# movement: an engine that never updated the weights would be off by all of it.
+SGD_LR, SGD_STEPS = 2.0, 4
+OF_MOVEMENT = {"fp32": 1e-4, "fp16": 0.02, "bf16": 0.1}
+"""Largest |diff| allowed, as a fraction of the reference's largest movement (measured:
+fp16 0.003, bf16 0.029)."""
+NORM_RTOL = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 1e-2}
+"""Relative tolerance of ``get_global_grad_norm()`` against ``clip_grad_norm_``'s value."""
+
+# (name, stage, gas, clip, dtype[, rank 0's first micro-step overflows])
+SGD_CASES = [(f"s{stage} {dtype} gas2", stage, 2, 0.0, dtype) for stage in (0, 1, 2, 3)
+             for dtype in ("fp32", "fp16", "bf16")]
+SGD_CASES += [("s2 fp32 gas3 clip", 2, 3, 0.2, "fp32"), ("s3 fp32 gas1 clip", 3, 1, 0.2, "fp32")]
+SGD_CASES += [(f"s{stage} fp16 overflow, then recovers", stage, 2, 0.0, "fp16", True) for stage in (0, 1, 2, 3)]
+
+
+def _sgd_config(stage, gas, clip, dtype):
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+              "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}}, "gradient_clipping": clip,
+              "steps_per_print": 1000, "zero_optimization": {
+                  "stage": stage, "reduce_bucket_size": 300, **(STAGE3_PARTITION_ALL if stage == 3 else {})}}
+    if dtype == "fp16":  # a short window: the scale regrows within the test after an overflow
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}
+    elif dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _check_sgd(rank, world_size, cases):
+    report = {}
+    for name, stage, gas, clip, dtype, *overflow in cases:
+        overflow = bool(overflow and overflow[0])
+        model = TinyMLP(seed=1)
+        batches = token_batches(num_steps=SGD_STEPS + overflow, batch=MICRO * gas * world_size, seed=2)
+        # the overflowed step is skipped: the reference never sees its batch
+        reference = reference_run(model, batches[overflow:], lr=SGD_LR, clip=clip, optimizer=torch.optim.SGD)
+        engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_sgd_config(stage, gas, clip, dtype))
+        norms, grads_left = [], 0
+        for tokens, targets in batches:
+            for micro_step in range(gas):
+                start = (micro_step * world_size + rank) * MICRO
+                loss = engine(tokens[start:start + MICRO], targets[start:start + MICRO])
+                if overflow and rank == 0 and engine.global_steps == 0 and micro_step == 0:
+                    loss = loss * float("inf")
+                engine.backward(loss)
+                # stages 2 and 3 hold gradient shards only: autograd's .grad must be released
+                grads_left += sum(p.grad is not None for p in engine.module.parameters())
+                engine.step()
+            norms.append(engine.get_global_grad_norm())
+        report[name] = {"diff": max_param_diff(reference.model, engine.module), "moved": reference.movement(),
+                        "norms": norms[overflow:], "reference_norms": reference.norms, "grads_left": grads_left,
+                        "skipped": engine.skipped_steps, "scale": engine.get_loss_scale()}
+    return report
+
+
+def test_sgd_matches_single_process_at_every_stage(tmp_path):
+    reports = run_distributed(_check_sgd, world_size=2, tmp_path=tmp_path, cases=SGD_CASES)
+    for rank, report in enumerate(reports):
+        for name, stage, gas, clip, dtype, *overflow in SGD_CASES:
+            r = report[name]
+            where = f"rank {rank} {name}: max |diff| {r['diff']:.3g}, reference moved {r['moved']:.3g}"
+            assert r["diff"] < OF_MOVEMENT[dtype] * r["moved"], where
+            for step, (got, expected) in enumerate(zip(r["norms"], r["reference_norms"])):
+                assert abs(got - expected) <= NORM_RTOL[dtype] * expected, \
+                    f"rank {rank} {name}: step {step} gradient norm {got}, clip_grad_norm_ {expected}"
+            if clip:  # clipping must have scaled at least one step, or the case tests nothing
+                assert max(r["reference_norms"]) > clip, where
+            if stage >= 2:
+                assert r["grads_left"] == 0, f"{name}: {r['grads_left']} parameters kept a .grad after backward"
+            if overflow:  # one skipped step, then every step applied and the scale regrown
+                assert r["skipped"] == 1, f"rank {rank} {name}: {r['skipped']} steps skipped, expected 1"
+                assert r["scale"] == 2 ** 9, f"rank {rank} {name}: loss scale {r['scale']}, expected 2**9"
+    assert all(r == reports[0] for r in reports)
 
 
 class _ExternalUse(torch.nn.Module):
