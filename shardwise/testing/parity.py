@@ -40,6 +40,20 @@ class ReferenceRun:
         it fails an engine that never updates the parameters."""
         return max((p.detach() - q).abs().max().item() for p, q in zip(self.model.parameters(), self.initial))
 
+    def update_error(self, module) -> float:
+        """``|module - reference| / |reference - initial|`` over all parameters together
+        (gathered if partitioned): how far the engine's update is from the reference's, as
+        a fraction of it (1.0 for an engine that never updated). Unlike the largest
+        element difference it is not dominated by the few near-zero gradients that Adam
+        turns into full-size updates of either sign under 16-bit rounding."""
+        from shardwise.zero import GatheredParameters
+
+        with GatheredParameters(list(module.parameters())):
+            got = [p.detach().float() for p in module.parameters()]
+            off = sum((g - r.detach()).pow(2).sum() for g, r in zip(got, self.model.parameters()))
+        moved = sum((r.detach() - q).pow(2).sum() for r, q in zip(self.model.parameters(), self.initial))
+        return float((off / moved).sqrt())
+
 
 def reference_run(model, batches, *, lr: float, clip: float, weight_decay: float = 0.0,
                   split_groups: bool = False, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
