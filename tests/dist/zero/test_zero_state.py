@@ -7,7 +7,7 @@ import shardwise
 from shardwise.testing import run_distributed
 from shardwise.zero import GatheredParameters
 from shardwise.testing.models import TinyMLP, token_batches
-from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train
+from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train, grad_bytes_outside
 
 MICRO = 2
 GLOBAL_BATCH = 8
@@ -28,9 +28,14 @@ def _memory(rank, world_size):
         engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1),
                                                config=_config(stage, world_size))
         engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
+        tokens, targets = batches[0]
+        engine.backward(engine(tokens[:MICRO], targets[:MICRO]))  # gradients as they stand after backward
+        # the live tensors, not only the strategy's own count: a .grad the strategy does not
+        # know about (a full gradient left on a parameter) is memory too
+        outside = grad_bytes_outside(engine.module, engine.strategy.state_tensors("lp_grads"))
         out[stage] = (engine.model_state_bytes(), len(getattr(engine.strategy, "buckets", [])),
                       sum(p.numel() for p in engine.module.parameters()),
-                      len(list(engine.module.parameters())))
+                      len(list(engine.module.parameters())), outside)
     engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1),
                                            config=_config(3, world_size, bf16={"enabled": True}))
     engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
@@ -45,7 +50,11 @@ def test_optimizer_state_and_gradients_are_one_nth(tmp_path, world_size):
 
 
 def _check_memory(out, world_size):
-    (s0, _, numel, tensors), (s1, b1, _, _), (s2, b2, _, _), (s3, b3, _, _) = out[0], out[1], out[2], out[3]
+    (s0, _, numel, tensors, _), (s1, b1, _, _, _), (s2, b2, _, _, _), (s3, b3, _, _, _) = (out[0], out[1], out[2],
+                                                                                          out[3])
+    # after backward every gradient byte is in the strategy's buffers (stages 0 and 1: the
+    # .grad are views into them; stages 2 and 3: no .grad at all)
+    assert [out[stage][4] for stage in range(4)] == [0, 0, 0, 0], "gradient bytes outside the strategy's buffers"
     assert s0.optimizer_state == 8 * numel + 4 * tensors  # two fp32 moments + a step per tensor
     # stage 1/2: two fp32 moments of each bucket shard (padding < world_size per bucket) + steps
     for state, buckets in ((s1, b1), (s2, b2)):
