@@ -1,6 +1,7 @@
 """offload_optimizer (cpu and nvme) at stages 1-3 and offload_param (cpu and nvme) at stage
-3 on 1, 2 and 4 ranks: the same parameters as the run without offload at the same stage,
-no optimizer state (nor, with offload_param nvme, parameter shards) left in memory,
+3 on 1, 2 and 4 ranks: the same parameters as single-process PyTorch with the same
+optimizer, bit-identical to the run without offload at the same stage, gradient shards
+that really went to the host, no optimizer state (nor, with offload_param nvme, parameter shards) left in memory,
 checked swap files, clear errors for a bad nvme_path, and checkpoints that resume."""
 
 import copy
@@ -16,7 +17,7 @@ from shardwise.runtime import _checkpointing as checkpointing
 from shardwise.offload import SwapFileError, SwapPathError, make_swap_dir, state_tensors_per_param
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
-from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train, max_param_diff, reference_train
+from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train, max_param_diff, reference_run
 from shardwise.zero import GatheredParameters
 
 MICRO, GAS, STEPS, LR, WD, CLIP = 2, 2, 3, 1e-2, 0.01, 0.2
@@ -77,8 +78,8 @@ def _check(rank, world_size, cases, nvme_root):
     report = {}
     model = TinyMLP(seed=1)
     batches = token_batches(num_steps=STEPS, batch=MICRO * GAS * world_size, seed=2)
-    reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=CLIP, split_groups=False)
     for name, stage, device, dtype, knobs in cases:
+        optimizer_config = knobs.get("optimizer", ADAMW)
         late = knobs.pop("late_copies", False)
         same_layout = {k: v for k, v in knobs.items() if k not in ("offload", "offload_param")}
         plain, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(stage, dtype, **same_layout))
@@ -94,9 +95,19 @@ def _check(rank, world_size, cases, nvme_root):
         norms = engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
         masters = [b.master for b in strategy.buckets]
         same = all(torch.equal(a, b) for a, b in zip(_params(plain.module), _params(engine.module)))
-        result = {"same": same, "fused": optimizer.defaults.get("fused"), "clipped": max(norms) > CLIP,
-                  "skipped": engine.skipped_steps, "vs_reference": max_param_diff(reference, engine.module),
-                  "on_cpu": all(m.device.type == "cpu" for m in masters)}
+        # single-process PyTorch with the same optimizer (bugs the run without offload
+        # shares cancel in ``same``); fp16's skipped steps are its first ones
+        options = dict(optimizer_config["params"])
+        reference = reference_run(model, batches[engine.skipped_steps:], clip=CLIP,
+                                  optimizer=getattr(torch.optim, optimizer_config["type"]), **options)
+        result = {"same": same, "clipped": max(norms) > CLIP, "skipped": engine.skipped_steps,
+                  "vs_reference": max_param_diff(reference.model, engine.module),
+                  "update_error": reference.update_error(engine.module),
+                  # every reduced gradient shard went to the host through the copy queue
+                  # (see [Note: host copies]); on a CPU machine nothing else tells offload apart
+                  "copied_to_host": strategy._host_copies is not None,
+                  "separate_grad_shard": any(b.grad_full is None or b.grad_shard.untyped_storage().data_ptr()
+                                             != b.grad_full.untyped_storage().data_ptr() for b in strategy.buckets)}
         if late:
             copies = strategy._host_copies
             result.update(late_landed=copies.landed, late_pending=copies.pending,
@@ -176,9 +187,16 @@ def test_offloaded_training_matches_the_same_stage_without_offload(tmp_path, wor
             r = report[name]
             where = f"rank {rank} {name}: {r}"
             assert r["same"], where  # bit-identical to the same stage without offload
-            assert r["fused"] and r["on_cpu"] and r["clipped"], where
-            if dtype == "fp32" and "instead of AdamW" not in name:  # the reference trains with AdamW
+            assert r["clipped"], where
+            if dtype == "fp32":
                 assert r["vs_reference"] < 2e-5, where
+            else:  # the update as a whole (1.0 for none; measured: 0.078 at most)
+                assert r["update_error"] < 0.15, where
+            # a gradient shard separate from the parameters' own gradients (stage 2 and 3, or
+            # an fp32 shard of 16-bit gradients) is filled through copies to the host; at stage
+            # 1 in fp32 on a CPU machine the shard is the gradient buffer itself: nothing to copy
+            assert r["copied_to_host"] == r["separate_grad_shard"], where
+            assert r["separate_grad_shard"] or (stage == 1 and dtype == "fp32"), where
             if dtype == "fp16":
                 assert r["skipped"] >= 1, where
             if "land late" in name:  # every copy folded in by the end of backward, a bounded few in flight
