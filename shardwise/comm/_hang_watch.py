@@ -16,20 +16,23 @@ own NCCL watchdog ends it, but within ``comm.timeout_s`` and naming the bucket o
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Callable
+
+from shardwise.comm._exit import exit_now
 
 logger = logging.getLogger(__name__)
 
 
 def _end_process(message: str) -> None:
-    """Log the diagnosis and end the process (the training thread cannot be interrupted)."""
+    """Log the diagnosis, leave it for ``shardwise run`` to report, and end the process
+    (the training thread cannot be interrupted)."""
+    from shardwise.launcher._entry import record_error
+
     logger.critical("%s", message)
-    for handler in logging.getLogger().handlers + logger.handlers:
-        handler.flush()
-    os._exit(1)
+    record_error(f"CollectiveError: {message}")
+    exit_now(1)
 
 
 class HangWatch:

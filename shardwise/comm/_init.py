@@ -9,17 +9,16 @@ as a world of one.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import re
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from shardwise.accelerator import get_accelerator
+from shardwise.comm._exit import install_exit_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +105,12 @@ def init_distributed(
 ) -> None:
     """Initialise the default process group (DeepSpeed's ``init_distributed``).
 
-    Does nothing if torch.distributed is already initialised. The backend is NCCL when
-    CUDA is available and gloo otherwise; a process started without any launcher joins a
-    world of one through an in-memory store, so no port is opened.
+    If torch.distributed is already initialised (by the caller, Accelerate, ...) it only
+    installs the exit hooks. The backend is NCCL when CUDA is available and gloo otherwise;
+    a process started without any launcher joins a world of one through an in-memory
+    store, so no port is opened. At exit, a rank that succeeded waits for the others and
+    destroys the process group; a rank that failed exits at once (see [Note: exit after a
+    failure] in ``_exit.py``).
 
     Args:
         dist_backend: ``"nccl"``, ``"gloo"`` or None to pick from the accelerator.
@@ -123,7 +125,10 @@ def init_distributed(
         world_size: explicit world size.
     """
     del config
-    if dist_init_required is False or dist.is_initialized():
+    if dist.is_initialized():
+        install_exit_hooks()  # whoever initialised the group: see [Note: exit barrier]
+        return
+    if dist_init_required is False:
         return
     accelerator = get_accelerator()
     backend = dist_backend or accelerator.backend
@@ -146,32 +151,8 @@ def init_distributed(
         os.environ.setdefault("MASTER_PORT", str(launch.master_port or distributed_port))
         dist.init_process_group(backend, init_method=init_method or "env://", rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
-    atexit.register(_shutdown_at_exit)
+    install_exit_hooks()
     if verbose and launch.rank == 0:
         logger.info("initialised %s process group of %d ranks (launched by %s)",
                     backend, launch.world_size, launch.source)
 
-
-_EXIT_BARRIER_TIMEOUT = timedelta(seconds=60)
-
-
-def _shutdown_at_exit() -> None:
-    """Tear the process group down when the script ends, after the other ranks arrive.
-
-    Scripts written for DeepSpeed rarely call destroy_process_group(). Without it, a rank
-    whose peers already exited can abort in gloo's teardown (SIGABRT) although training
-    succeeded. After an unhandled exception the barrier is skipped, so a failing rank
-    exits at once and the launcher stops the others.
-    """
-    if not dist.is_initialized():
-        return
-    failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
-    try:
-        if not failed and dist.get_world_size() > 1:
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
-            else:
-                dist.barrier()
-        dist.destroy_process_group()
-    except Exception as exc:  # a peer that died already: nothing left to coordinate with
-        logger.debug("process group shutdown at exit: %s", exc)

@@ -29,14 +29,24 @@ def main() -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            _record(f"SystemExit({exc.code!r})")
+            record_error(f"SystemExit({exc.code!r})")
+            _note_failure(exc.code if isinstance(exc.code, int) else 1)
         raise
     except BaseException:
-        _record(traceback.format_exc())
+        record_error(traceback.format_exc())
         raise
 
 
-def _record(message: str) -> None:
+def _note_failure(status: int) -> None:
+    # A failing rank skips the exit barrier (see [Note: exit after a failure] in
+    # comm/_exit.py); an uncaught exception is seen there by itself, a SystemExit is not.
+    if "shardwise.comm._exit" in sys.modules:
+        sys.modules["shardwise.comm._exit"].note_failure(status)
+
+
+def record_error(message: str) -> None:
+    """Write this rank's error for the launcher (which prints the earliest one); nothing
+    when the process was not started by ``shardwise run``."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
         return
