@@ -16,7 +16,8 @@ job hanging silently until a 30-minute default timeout.
 
 [Note: stream-ordered waits]
 A CPU (gloo) collective is done when its wait returns, so that wait blocks, with the
-deadline above. An NCCL collective runs on a stream of its own; waiting for it with a
+deadline above (enforced for every collective kind: see [Note: deadlines on every
+collective] in ``_deadline.py``). An NCCL collective runs on a stream of its own; waiting for it with a
 deadline would hold the Python thread until it has finished, so the thread could queue no
 more compute meanwhile and the GPU would drain its queue at every bucket and every
 stage-3 gather. On NCCL a wait therefore only makes the current stream wait for the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,11 +40,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.comm._deadline import DeadlineWaiter
+from shardwise.comm._exit import note_failure
 from shardwise.comm._hang_watch import HangWatch
 
 logger = logging.getLogger(__name__)
 
 _DIAG_PREFIX = "shardwise/diag"
+_DIAG_GRACE_S = 5.0
+"""The longest a failing rank waits for its peers' states (half the deadline if shorter):
+a peer stuck in another collective reaches its own deadline within about the skew of
+their starts, and the job's exit waits on this grace."""
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -84,20 +92,25 @@ class Handle:
         self._comm, self._work, self._record = comm, work, record
 
     def wait(self) -> None:
-        """Wait for the collective: see [Note: stream-ordered waits] for NCCL."""
+        """Wait for the collective: see [Note: stream-ordered waits] for NCCL and [Note:
+        deadlines on every collective] in ``_deadline.py`` for the others."""
         if self._work is None:
             return
         work, self._work = self._work, None
-        if not self._comm.blocking_wait:
+        comm = self._comm
+        if not comm.blocking_wait:
             work.wait()  # the current stream waits; this thread goes on
-            self._comm.watch_stream_ordered(self._record)
+            comm.watch_stream_ordered(self._record)
             return
         try:
-            completed = work.wait(timeout=self._comm.timeout)
+            if comm.native_deadline:
+                completed = work.wait(timeout=comm.timeout)
+            else:
+                completed = comm.waiter.wait(work, comm.timeout.total_seconds())
         except RuntimeError as exc:
-            raise self._comm.diagnose(self._record, exc) from exc
+            raise comm.diagnose(self._record, exc) from exc
         if completed is False:
-            raise self._comm.diagnose(self._record, None)
+            raise comm.diagnose(self._record, None)
 
 
 _DONE = Handle(None, None, None)
@@ -122,9 +135,15 @@ class Communicator:
         self.timeout = timedelta(seconds=timeout_s)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.blocking_wait = blocking_wait(dist.get_backend(group), os.environ)
+        backend = dist.get_backend(group)
+        self.blocking_wait = blocking_wait(backend, os.environ)
         """Whether :meth:`Handle.wait` blocks this thread, with the deadline and diagnosis
         (see [Note: stream-ordered waits])."""
+        self.native_deadline = backend == "nccl"
+        """Whether ``work.wait(timeout)`` bounds every collective kind (NCCL's blocking
+        waits do); otherwise waits go through :attr:`waiter` (see [Note: deadlines on
+        every collective])."""
+        self.waiter = DeadlineWaiter()
         self._hang_watch: HangWatch | None = None
         self.calls: Counter[str] = Counter()
         """Number of collectives issued, by op name."""
@@ -179,17 +198,32 @@ class Communicator:
         self.all_reduce(token, tag=tag or "barrier").wait()
         token.item()
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, *, tag: str = "") -> list:
         """Every rank's picklable ``obj``, indexed by group rank (small metadata only).
 
-        Pickle travels between this job's own ranks here; nothing read from disk is
-        unpickled."""
+        Two all-gathers (sizes, then the padded pickles) under the same deadline as every
+        collective; they count as one ``all_gather_object`` call. Pickle travels between
+        this job's own ranks here; nothing read from disk is unpickled."""
         if self.world_size == 1:
             return [obj]
         self.calls["all_gather_object"] += 1
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        device = self._device()
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+        self._uncounted(_all_gather_single, sizes, torch.tensor([payload.numel()], device=device),
+                        op="all_gather_object sizes", tag=tag).wait()
+        sizes = sizes.tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        padded[:payload.numel()] = payload
+        gathered = torch.empty(self.world_size * padded.numel(), dtype=torch.uint8, device=device)
+        self._uncounted(_all_gather_single, gathered, padded, op="all_gather_object", tag=tag).wait()
+        rows = gathered.cpu().view(self.world_size, -1)
+        return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]
+
+    def _uncounted(self, start, output: torch.Tensor, input: torch.Tensor, *, op: str, tag: str) -> Handle:
+        self._seq += 1
+        record = CollectiveRecord(self._seq, op, output.numel(), output.dtype, tag)
+        return Handle(self, start(output, input, group=self.group, async_op=True), record)
 
     def all_reduce_scalars(self, values: list[float], *, op=dist.ReduceOp.SUM, tag: str = "",
                            device=None) -> list[float]:
@@ -214,11 +248,16 @@ class Communicator:
         return torch.device("cpu")
 
     def diagnose(self, record: CollectiveRecord, exc: BaseException | None) -> CollectiveError:
-        """Build the error for a failed collective. See [Note: hang diagnosis]."""
+        """Build the error for a failed collective. See [Note: hang diagnosis].
+
+        This process counts as failed from here on, even if the caller catches the error:
+        see [Note: exit after a failure] in ``_exit.py``."""
+        note_failure(1)
         global_rank = dist.get_rank()
         mine = f"{self.name} group rank {self.rank}: {record.describe()}"
         peers = _exchange_diagnosis(global_rank, dist.get_world_size(), mine,
-                                    grace_s=min(10.0, self.timeout.total_seconds())) if self.check_hangs else {}
+                                    grace_s=min(_DIAG_GRACE_S, self.timeout.total_seconds() / 2)
+                                    ) if self.check_hangs else {}
         reason = str(exc).splitlines()[0][:300] if exc is not None else ""
         if exc is None or "timed out" in reason.lower():
             cause = "did not complete within %g s" % self.timeout.total_seconds()
