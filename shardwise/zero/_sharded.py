@@ -316,9 +316,9 @@ class ShardedStrategy:
         source = bucket.grad_full if self.stage == 1 else bucket.staging
         if self.predivide_factor != 1.0:
             source.div_(self.predivide_factor)
-        bucket.out = torch.empty(bucket.shard, dtype=source.dtype, device=source.device)
-        bucket.handle = self.comm.reduce_scatter_tensor(bucket.out, source,
-                                                        tag=f"gradient bucket {bucket.index}")
+        # the source is scratch: the staging buffer is dropped after, and at stage 1 the
+        # full gradients are zeroed at the step (only this rank's slice is read)
+        bucket.handle, bucket.out = self.comm.reduce_scatter_scratch(source, tag=f"gradient bucket {bucket.index}")
         self._in_flight.append(bucket)
         if self.stage >= 2 and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
@@ -409,12 +409,8 @@ class ShardedStrategy:
 
     def _gather_params(self) -> None:
         """All-gather every bucket from each rank's slice."""
-        handles = []
-        with torch.no_grad():
-            for bucket in self.buckets:
-                local = bucket.local(bucket.flat_param, self.comm.rank)
-                handles.append(self.comm.all_gather_into_tensor(
-                    bucket.flat_param, local.clone(), tag=f"parameter bucket {bucket.index}"))
+        handles = [self.comm.all_gather_scratch(bucket.flat_param, tag=f"parameter bucket {bucket.index}")
+                   for bucket in self.buckets]
         for handle in handles:
             handle.wait()
 
