@@ -345,6 +345,7 @@ def load_state_dict(module: nn.Module, state_dict: dict | None, *, strict: bool 
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    comm = Communicator(name="zero.load_state_dict") if world > 1 else None
     if rank == src and state_dict is None:
         raise ValueError(f"load_state_dict: rank {src} (the source) must be given the state dict")
     expected: set[str] = set()
@@ -367,14 +368,13 @@ def load_state_dict(module: nn.Module, state_dict: dict | None, *, strict: bool 
             if rank == src and name in state_dict:
                 with torch.no_grad():
                     _copy_checked(b, state_dict[name], name, problems)
-            if world > 1:
-                dist.broadcast(b.data, src)
+            if comm is not None:
+                comm.broadcast(b.data, src=src, tag=f"buffer {name}").wait()
     missing = sorted(expected - set(state_dict)) if rank == src else []
     unexpected = sorted(set(state_dict) - expected) if rank == src else []
-    if world > 1:  # every rank raises the same error (a raise on one rank would hang the rest)
-        box = [(missing, unexpected, problems)]
-        dist.broadcast_object_list(box, src)
-        missing, unexpected, problems = box[0]
+    if comm is not None:  # every rank raises the same error (a raise on one rank would hang the rest)
+        missing, unexpected, problems = comm.all_gather_object((missing, unexpected, problems),
+                                                               tag="load_state_dict result")[src]
     if problems:
         raise ValueError("load_state_dict: " + "; ".join(problems[:10]))
     if strict and (missing or unexpected):
