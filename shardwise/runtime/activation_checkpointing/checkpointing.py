@@ -111,9 +111,17 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     _tracker.add(_MODEL_PARALLEL_RNG, seed + 2718)
 
 
-def checkpoint(function, *args):
-    """``function(*args)`` whose activations are recomputed in backward. Outputs and
-    gradients equal the un-checkpointed call's (RNG state restored for the recompute)."""
+def checkpoint(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` whose activations are recomputed in backward. Outputs
+    and gradients equal the un-checkpointed call's (RNG state restored for the recompute);
+    tensors passed by keyword take part in autograd like positional ones."""
+    if kwargs:
+        names, positional = tuple(kwargs), len(args)
+
+        def call(*values, run=function):
+            return run(*values[:positional], **dict(zip(names, values[positional:])))
+
+        function, args = call, args + tuple(kwargs.values())
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
 
 

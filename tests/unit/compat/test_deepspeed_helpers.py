@@ -78,6 +78,15 @@ def test_activation_checkpoint_gives_the_same_gradients_with_dropout():
     assert all(torch.equal(a, p.grad) for a, p in zip(recomputed, layer.parameters()))
 
 
+def test_activation_checkpoint_passes_keyword_tensors_through_autograd():
+    layer = nn.Linear(4, 4)
+    x, scale = torch.randn(2, 4, requires_grad=True), torch.tensor(3.0, requires_grad=True)
+    checkpoint(lambda h, *, scale: layer(h) * scale, x, scale=scale).sum().backward()
+    expected = (layer(x.detach()).sum()).detach()
+    assert scale.grad is not None and torch.allclose(scale.grad, expected)
+    assert x.grad is not None
+
+
 def test_checkpoint_configure_refuses_what_it_cannot_do():
     configure(None, deepspeed_config={"activation_checkpointing": {"number_checkpoints": 4}})
     with pytest.raises(NotImplementedError, match="partition_activations"):
