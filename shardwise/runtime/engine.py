@@ -313,7 +313,8 @@ class Engine(DeepSpeedNames, nn.Module):
         """Load ``checkpoint["module"]`` (a full state dict) into the model at any stage;
         with ``custom_load_fn(src=state, dst=module)`` that function does the copying
         (inside ``GatheredParameters`` of the listed or, with ``fetch_z3_params``, all
-        parameters at stage 3) and the fp32 masters are refreshed from the result."""
+        parameters at stage 3) and the fp32 masters are refreshed from the result. Returns
+        None, as DeepSpeed's does."""
         state = checkpoint["module"]
         if custom_load_fn is None:
             result = self.strategy.load_module_state_dict(state, strict=strict and allowed_missing_keys is None)
@@ -321,7 +322,7 @@ class Engine(DeepSpeedNames, nn.Module):
             if strict and allowed_missing_keys is not None and (unexpected_missing or result.unexpected_keys):
                 raise RuntimeError(f"module state does not match the model: missing {sorted(unexpected_missing)}, "
                                    f"unexpected {sorted(result.unexpected_keys)}")
-            return result
+            return None
         from shardwise.zero import GatheredParameters
 
         fetch = list(z3_params_to_fetch) if z3_params_to_fetch is not None else \

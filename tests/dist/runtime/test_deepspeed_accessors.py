@@ -1,0 +1,64 @@
+"""DeepSpeed's engine accessors and adjusters on 2 ranks: batch sizes changed mid-run,
+settings read back, and module weights loaded at stage 3 (partitioned) as DeepSpeed's
+load_module_state_dict does."""
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.testing import run_distributed
+from shardwise.testing.models import TinyMLP, token_batches
+from shardwise.testing.parity import STAGE3_PARTITION_ALL
+
+
+def _accessors(rank, world_size):
+    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}})
+    out = {"info": engine.get_batch_info(), "zero": (engine.zero_optimization(),
+                                                     engine.zero_optimization_partition_gradients(),
+                                                     engine.zero_optimization_partition_weights()),
+           "dtype": engine.communication_data_type, "name": engine.optimizer_name(),
+           "print": engine.steps_per_print(), "scale": engine.loss_scale(), "dynamic": engine.dynamic_loss_scale(),
+           "offload": engine.zero_offload_optimizer().device, "config": engine.config["train_micro_batch_size_per_gpu"]}
+    with pytest.raises(ValueError, match="must be divisible by micro-batch size x data-parallel size = 4"):
+        engine.set_train_batch_size(6)
+    engine.set_train_batch_size(8)  # two micro-batches per step now
+    out["after_batch"] = engine.get_batch_info()
+    tokens, targets = token_batches(num_steps=1, batch=2, seed=rank)[0]
+    steps = []
+    for _ in range(4):
+        engine.backward(engine(tokens, targets))
+        engine.step()
+        steps.append(engine.global_steps)
+    out["steps"] = steps
+    engine.set_train_micro_batch_size(1)
+    out["after_micro"] = engine.get_batch_info()
+
+    # load_module_state_dict: full weights into the partitioned model; returns None
+    source = TinyMLP(seed=7)
+    out["returned"] = engine.load_module_state_dict({"module": source.state_dict()})
+    with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
+        out["loaded"] = all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), source.parameters()))
+    # custom_load_fn copies inside GatheredParameters; the masters follow
+    other = TinyMLP(seed=8)
+
+    def copy_in(src, dst):
+        with torch.no_grad():
+            for name, p in dst.named_parameters():
+                p.copy_(src[name])
+    engine.load_module_state_dict({"module": other.state_dict()}, custom_load_fn=copy_in, fetch_z3_params=True)
+    out["custom"] = all(torch.equal(shardwise.utils.safe_get_full_fp32_param(p), other.get_parameter(n))
+                        for n, p in engine.module.named_parameters())
+    return out
+
+
+def test_deepspeed_accessors_and_load_module_state_dict(tmp_path):
+    for r in run_distributed(_accessors, world_size=2, tmp_path=tmp_path):
+        assert r["info"] == (4, 2, 1) and r["zero"] == (True, True, True)
+        assert r["dtype"] == torch.float32 and r["name"] == "adamw" and r["print"] == 1000
+        assert r["scale"] == 0.0 and r["dynamic"] and r["offload"] == "none" and r["config"] == 2
+        assert r["after_batch"] == (8, 2, 2) and r["steps"] == [0, 1, 1, 2]
+        assert r["after_micro"] == (4, 1, 2)
+        assert r["returned"] is None and r["loaded"] and r["custom"]
