@@ -127,19 +127,22 @@ class DeepSpeedNames:
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:
         """The full state dict in the training dtype on global rank 0, ``{}`` elsewhere
-        (collective; what Hugging Face saves under ZeRO-3). A parameter reachable under
-        several keys (tied embeddings) is one tensor under all of them, as in DeepSpeed, so
-        ``save_pretrained`` recognises the tie and writes it once."""
-        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-        if self.global_rank != 0:
-            return {}
+        (collective; what Hugging Face saves under ZeRO-3). Stage 3 gathers it a unit at a
+        time (``module_state_pieces``), so only rank 0 ever holds all of it. A parameter
+        reachable under several keys (tied embeddings) is one tensor under all of them, as
+        in DeepSpeed, so ``save_pretrained`` recognises the tie and writes it once."""
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad} \
+            if exclude_frozen_parameters else set()
+        holders = self.module.state_dict(keep_vars=True)
+        rank0 = self.global_rank == 0
         first_key: dict[int, str] = {}
         consolidated = {}
-        for key, tensor in self.module.state_dict(keep_vars=True).items():
-            if key not in state:
-                continue
-            owner = first_key.setdefault(id(tensor), key)
-            consolidated[key] = consolidated[owner] if owner != key else state[key].detach().cpu().clone()
+        for piece in self.strategy.module_state_pieces():  # every rank takes every piece
+            for key, tensor in piece.items() if rank0 else ():
+                if key in frozen:
+                    continue
+                owner = first_key.setdefault(id(holders[key]), key)
+                consolidated[key] = consolidated[owner] if owner in consolidated else tensor.detach().cpu().clone()
         return consolidated
 
     _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
