@@ -20,8 +20,8 @@ deadline above (enforced for every collective kind: see [Note: deadlines on ever
 collective] in ``_deadline.py``). An NCCL collective runs on a stream of its own;
 waiting for it with a deadline would hold the Python thread until it has finished, so
 the thread could queue no more compute meanwhile and the GPU would drain its queue at
-every bucket and every stage-3 gather. On NCCL a wait therefore only makes the current stream wait for the
-collective, as PyTorch's ``work.wait()`` does by default, and hands it to a hang watch
+every bucket and every stage-3 gather. On NCCL a wait therefore only makes the current
+stream wait for the collective, as PyTorch's ``work.wait()`` does by default, and hands it to a hang watch
 that diagnoses it as above if it is still running ``comm.timeout_s`` later (see [Note:
 watching stream-ordered collectives] in ``_hang_watch.py``). ``TORCH_NCCL_BLOCKING_WAIT=1``
 restores blocking waits, at the cost of that overlap, as it does in PyTorch.
