@@ -33,6 +33,10 @@ def _accessors(rank, world_size):
         engine.step()
         steps.append(engine.global_steps)
     out["steps"] = steps
+    with pytest.raises(ValueError, match="device='nvme'.* is not supported; offload to 'cpu'"):
+        engine.offload_states(device="nvme")
+    with pytest.raises(ValueError, match="not trained by a shardwise engine"):
+        shardwise.utils.safe_set_full_fp32_param(torch.nn.Parameter(torch.zeros(2)), torch.ones(2))
     engine.set_train_micro_batch_size(1)
     out["after_micro"] = engine.get_batch_info()
 

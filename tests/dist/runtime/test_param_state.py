@@ -98,10 +98,11 @@ def _params(rank, world_size, stage, optimizer, tmp, bf16=False):
     return out
 
 
-@pytest.mark.parametrize("stage,optimizer,bf16", [(0, "AdamW", False), (1, "SGD", False), (2, "AdamW", False),
-                                                 (2, "SGD", True), (3, "AdamW", False), (3, "SGD", False)])
-def test_safe_get_set_and_zero_to_fp32_match_pytorch(tmp_path, stage, optimizer, bf16):
-    results = run_distributed(_params, world_size=2, tmp_path=tmp_path, stage=stage, optimizer=optimizer,
+@pytest.mark.parametrize("stage,optimizer,bf16,world_size", [
+    (0, "AdamW", False, 2), (1, "SGD", False, 2), (2, "AdamW", False, 2), (2, "SGD", True, 2),
+    (3, "AdamW", False, 2), (3, "SGD", False, 2), (2, "SGD", False, 4), (3, "AdamW", False, 4)])
+def test_safe_get_set_and_zero_to_fp32_match_pytorch(tmp_path, stage, optimizer, bf16, world_size):
+    results = run_distributed(_params, world_size=world_size, tmp_path=tmp_path, stage=stage, optimizer=optimizer,
                               tmp=tmp_path, bf16=bf16)
     for r in results:
         # same global batches as single-process PyTorch: fp32 round-off only (bf16: its rounding,
