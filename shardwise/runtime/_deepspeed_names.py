@@ -21,6 +21,15 @@ class DeepSpeedNames:
 
     # -- batch sizes ------------------------------------------------------------------------
 
+    def train_batch_size(self) -> int:
+        return self.train_config.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.train_config.batch.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.train_config.batch.gradient_accumulation_steps
+
     def get_batch_info(self) -> tuple[int, int, int]:
         """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
         batch = self.train_config.batch
@@ -46,6 +55,18 @@ class DeepSpeedNames:
         self._set_batch(int(micro_batch_size), self.gradient_accumulation_steps())
 
     # -- settings -----------------------------------------------------------------------------
+
+    def zero_optimization_stage(self) -> int:
+        return self.train_config.zero.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.train_config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.train_config.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.train_config.gradient_clipping
 
     def steps_per_print(self) -> int | None:
         return self.train_config.steps_per_print

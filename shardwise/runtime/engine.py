@@ -197,15 +197,6 @@ class Engine(DeepSpeedNames, nn.Module):
         """Override the boundary decision for the current micro-step."""
         self._boundary_override = bool(is_boundary)
 
-    def train_batch_size(self) -> int:
-        return self.train_config.batch.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.train_config.batch.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.train_config.batch.gradient_accumulation_steps
-
     def get_lr(self) -> list[float]:
         return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
@@ -228,18 +219,6 @@ class Engine(DeepSpeedNames, nn.Module):
     def model_state_bytes(self) -> ModelStateBytes:
         """Exact bytes of parameters, gradients, master weights and optimizer state here."""
         return self.strategy.model_state_bytes()
-
-    def zero_optimization_stage(self) -> int:
-        return self.train_config.zero.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.train_config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.train_config.bf16.enabled
-
-    def gradient_clipping(self) -> float:
-        return self.train_config.gradient_clipping
 
     @property
     def global_rank(self) -> int:
