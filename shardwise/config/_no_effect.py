@@ -62,7 +62,6 @@ NO_EFFECT: dict[str, dict[str, tuple[Any, str]]] = {
         "use_multi_rank_bucket_allreduce": ("bool", "gradients are reduce-scattered per bucket"),
         "round_robin": ("bool", "an offload copy-order optimisation"),
         "log_trace_cache_warnings": ("bool", "the module order is recorded without a trace cache"),
-        "stage3_gather_16bit_weights_on_model_save": ("bool", "save_16bit_model always gathers"),
         "stage3_model_persistence_threshold": (
             "int", "every parameter under stage3_param_persistence_threshold stays whole; lower that instead"),
         "stage3_use_all_reduce_for_fetch_params": ("bool", "parameters are always all-gathered"),
