@@ -7,8 +7,10 @@ import logging
 
 import torch.distributed as dist
 
-from shardwise.comm import Communicator, init_distributed
+from shardwise.comm import init_distributed
 from shardwise.config import load_config
+from shardwise.parallel import ParallelGrid
+from shardwise.utils import groups
 
 logger = logging.getLogger("shardwise")
 
@@ -49,7 +51,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         model_parameters: parameters or param-group dicts to optimize (default: all).
         training_data: a Dataset; a distributed loader over it is returned.
         lr_scheduler: a scheduler object, or a callable taking the optimizer.
-        mpu: model-parallel unit (not supported yet: tensor/pipeline parallelism).
+        mpu: a Megatron-style model-parallel unit (``get_data_parallel_group/rank/world_size``,
+            ``get_tensor_model_parallel_*``, optionally ``get_pipeline_model_parallel_*``) or
+            a :class:`shardwise.parallel.ParallelGrid`: ZeRO then partitions and reduces over
+            its data-parallel group, and the gradient norm is summed over its tensor and
+            pipeline groups. Without one, every rank is a data-parallel replica.
         dist_init_required: False when the caller initialises torch.distributed.
         collate_fn: collate function for the returned loader.
         config: a dict or a path to a DeepSpeed-style JSON config.
@@ -62,23 +68,26 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     if model is None:
         raise ValueError("initialize() needs model=<torch.nn.Module>")
-    if mpu is not None:
-        raise NotImplementedError("mpu= (Megatron-style model parallelism) is not available in "
-                                  "this version of shardwise yet; train with data parallelism")
     source = _config_source(args, config, config_params)
     init_distributed(dist_init_required=dist_init_required)
     if not dist.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call torch.distributed.init_process_group() first")
-    cfg = load_config(source, world_size=dist.get_world_size())
+    grid = ParallelGrid.from_mpu(mpu) if mpu is not None else None
+    data_parallel_size = grid.data if grid is not None else dist.get_world_size()
+    cfg = load_config(source, world_size=data_parallel_size)
+    if grid is None:
+        grid = ParallelGrid.build()
+    grid.configure_comms(timeout_s=cfg.comm.timeout_s, check_hangs=cfg.comm.check_hangs)
     if dist.get_rank() == 0:
-        logger.info("shardwise: %d rank(s), micro-batch %d x accumulation %d = batch %d",
-                    dist.get_world_size(), cfg.batch.train_micro_batch_size_per_gpu,
-                    cfg.batch.gradient_accumulation_steps, cfg.batch.train_batch_size)
-    comm = Communicator(timeout_s=cfg.comm.timeout_s, name="data-parallel", check_hangs=cfg.comm.check_hangs)
-    engine = Engine(model=model, config=cfg, comm=comm, optimizer=optimizer,
+        logger.info("shardwise: %d rank(s) (pipe %d x data %d x tensor %d), micro-batch %d x accumulation %d "
+                    "= batch %d", dist.get_world_size(), grid.pipe, grid.data, grid.tensor,
+                    cfg.batch.train_micro_batch_size_per_gpu, cfg.batch.gradient_accumulation_steps,
+                    cfg.batch.train_batch_size)
+    engine = Engine(model=model, config=cfg, grid=grid, mpu=mpu, optimizer=optimizer,
                     model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                     training_data=training_data, collate_fn=collate_fn)
+    groups._set_grid(grid)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -47,6 +47,18 @@ def _aliases(module) -> dict[str, str]:
     return aliases
 
 
+def _refuse_model_parallel(engine, what: str) -> None:
+    """Checkpoints name each tensor once with its full shape; a layout that splits one
+    parameter across tensor ranks or stages is not written that way yet: refuse it
+    rather than let tensor ranks write different slices under one name."""
+    grid = engine.grid
+    if grid.tensor > 1 or grid.pipe > 1:
+        raise NotImplementedError(f"{what} with tensor or pipeline parallelism (grid pipe {grid.pipe} x data "
+                                  f"{grid.data} x tensor {grid.tensor}) is not available in this version of "
+                                  "shardwise yet; save the module with engine.module_state_dict() on each tensor "
+                                  "rank in the meantime")
+
+
 def _check_tag_agrees(engine, tag: str) -> None:
     mode = engine.train_config.checkpoint.tag_validation
     if mode == "Ignore" or engine.comm.world_size == 1:
@@ -63,6 +75,7 @@ def _check_tag_agrees(engine, tag: str) -> None:
 
 def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> bool:
     """Write a checkpoint of ``engine`` (collective: every rank calls it)."""
+    _refuse_model_parallel(engine, "save_checkpoint")
     comm = engine.comm
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_tag_agrees(engine, tag)
@@ -237,6 +250,7 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     an error: a warning is logged and ``(None, None)`` returned, so "resume if possible"
     scripts work. Anything wrong with a checkpoint that does exist raises CheckpointError.
     """
+    _refuse_model_parallel(engine, "load_checkpoint")
     if tag is None and not (Path(load_dir) / "latest").is_file():
         logger.warning("no 'latest' file in %s: nothing to resume from, starting fresh "
                        "(pass tag= to load a specific checkpoint)", load_dir)
@@ -293,6 +307,7 @@ def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
     ``pytorch_model.bin``) a ``torch.save`` file, which is what Hugging Face loaders read
     and which needs the whole state on rank 0. Collective: every rank calls it.
     """
+    _refuse_model_parallel(engine, "save_16bit_model")
     comm, strategy = engine.comm, engine.strategy
     path = Path(save_dir) / save_filename
     tmp = path.with_name(f".{path.name}.tmp")

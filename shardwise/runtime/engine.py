@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from shardwise.accelerator import get_accelerator
-from shardwise.comm import Communicator
+from shardwise.parallel import ParallelGrid
 from shardwise.precision import LossScaler, PrecisionPolicy
 from shardwise.runtime import _checkpointing
 from shardwise.runtime._deepspeed_names import DeepSpeedNames
@@ -48,7 +48,7 @@ class Engine(DeepSpeedNames, nn.Module):
     on every ``gradient_accumulation_steps``-th call of ``step()`` (the boundary).
     """
 
-    def __init__(self, *, model: nn.Module, config, comm: Communicator, optimizer=None,
+    def __init__(self, *, model: nn.Module, config, grid: ParallelGrid, mpu=None, optimizer=None,
                  model_parameters=None, lr_scheduler=None, training_data=None, collate_fn=None):
         super().__init__()
         self.module = model
@@ -56,11 +56,16 @@ class Engine(DeepSpeedNames, nn.Module):
         self.config = dict(config.raw)
         """The config dict as given (DeepSpeed's ``engine.config``); ``train_config`` is the
         validated ``TrainConfig``."""
-        self.comm = comm
+        self.grid = grid
+        """The process grid (see [Note: the grid is the spine] in ``parallel/grid.py``)."""
+        self.mpu = mpu if mpu is not None else grid
+        """The ``mpu`` given to ``initialize`` (the grid when none was)."""
+        self.comm = comm = grid.data_comm
+        """Collectives over the data-parallel group."""
         self.policy = PrecisionPolicy.from_config(config)
         _to_compute_device(model)
         self.loss_scaler = LossScaler.from_config(config.fp16) if self.policy.loss_scaling else None
-        self.strategy = build_strategy(model, config=config, comm=comm, policy=self.policy)
+        self.strategy = build_strategy(model, config=config, comm=comm, policy=self.policy, grid=grid)
         self._client_optimizer = optimizer
         self.optimizer = self._configure_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
@@ -75,7 +80,7 @@ class Engine(DeepSpeedNames, nn.Module):
         self._boundary_override: bool | None = None
         self._no_sync = False
         self._last_result: StepResult | None = None
-        self._progress = ProgressReporter(self, enabled=comm.rank == 0)
+        self._progress = ProgressReporter(self, enabled=grid.global_rank == 0)
         self._offloader = StateOffloader(self.strategy, get_accelerator().device())
 
     # -- construction ---------------------------------------------------------------------
@@ -166,7 +171,7 @@ class Engine(DeepSpeedNames, nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
             self.skipped_steps += 1
-            if self.comm.rank == 0:
+            if self.grid.global_rank == 0:
                 after = self.loss_scaler.scale if self.loss_scaler is not None else scale
                 logger.info("step %d: gradient overflow (norm %s); skipped the update, "
                             "loss scale %g -> %g", self.global_steps + 1, result.grad_norm, scale, after)

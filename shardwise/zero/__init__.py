@@ -28,7 +28,7 @@ from shardwise.zero._param_state import (safe_get_full_fp32_param, safe_get_full
 from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._stage0 import Stage0Strategy
 from shardwise.zero._stage3 import Stage3Strategy
-from shardwise.zero._strategy import ModelStateBytes, StepResult, ZeroStrategy
+from shardwise.zero._strategy import ModelParallel, ModelStateBytes, StepResult, ZeroStrategy
 
 logger = logging.getLogger("shardwise")
 
@@ -82,8 +82,9 @@ def _warn_ignored(config, comm) -> None:
                        "backward; stage 3 units are whole modules)", ", ".join(ignored))
 
 
-def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
-    """Pick and build the ZeRO strategy ``config.zero`` asks for."""
+def build_strategy(module, *, config, comm, policy, grid=None) -> ZeroStrategy:
+    """Pick and build the ZeRO strategy ``config.zero`` asks for; ``comm`` is the
+    data-parallel communicator, ``grid`` the process grid (None: data parallel only)."""
     zero = config.zero
     _refuse_unbuilt(config, policy)
     _warn_ignored(config, comm)
@@ -91,7 +92,8 @@ def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
     element_size = policy.param_dtype.itemsize
     bucket_numel = zero.reduce_bucket_size if user_set else DEFAULT_DP_BUCKET_BYTES // element_size
     predivide = comm.world_size if config.prescale_gradients else config.gradient_predivide_factor
-    offload = dict(offload=zero.offload_optimizer, aio=config.aio, sub_group_size=zero.sub_group_size)
+    offload = dict(offload=zero.offload_optimizer, aio=config.aio, sub_group_size=zero.sub_group_size,
+                   model_parallel=ModelParallel.from_grid(grid))
     if zero.stage == 3:
         return Stage3Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel, **offload,
                               predivide_factor=predivide, prefetch_numel=zero.stage3_prefetch_bucket_size,
@@ -102,4 +104,4 @@ def build_strategy(module, *, config, comm, policy) -> ZeroStrategy:
         return ShardedStrategy(module, comm=comm, policy=policy, stage=zero.stage, **offload,
                                bucket_numel=bucket_numel, predivide_factor=predivide)
     return Stage0Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel,
-                          predivide_factor=predivide)
+                          predivide_factor=predivide, model_parallel=ModelParallel.from_grid(grid))

@@ -39,6 +39,7 @@ from shardwise.zero._strategy import (
     GRAD_KEY,
     MASTER_KEY,
     PARAM_KEY,
+    ModelParallel,
     ModelStateBytes,
     ShardBlock,
     StepResult,
@@ -104,8 +105,9 @@ class ShardedStrategy:
 
     def __init__(self, module: nn.Module, *, comm: Communicator, policy: PrecisionPolicy, stage: int,
                  bucket_numel: int, predivide_factor: float = 1.0, offload=None, aio=None,
-                 sub_group_size: int = 1_000_000_000):
+                 sub_group_size: int = 1_000_000_000, model_parallel: ModelParallel = ModelParallel()):
         self.module, self.comm, self.policy, self.stage = module, comm, policy, stage
+        self.model_parallel = model_parallel
         self.bucket_numel, self.predivide_factor = bucket_numel, predivide_factor
         self.offload = offload if offload is not None and offload.enabled else None
         self.aio, self.sub_group_size = aio, sub_group_size
@@ -381,11 +383,13 @@ class ShardedStrategy:
         grads = [b.grad_shard for b in self.buckets]
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        local = torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads else torch.zeros(())
+        # see [Note: the global norm over the grid] in _strategy.py
+        local = self.model_parallel.local_square(grads, self._replicated_grad_views())
         device = self.buckets[0].flat_param.device if self.buckets else local.device
         total = local.to(device, torch.float64).reshape(1)  # the collective runs on the model's device
         self.comm.all_reduce(total, tag="gradient norm").wait()
-        norm = total.sqrt()
+        self.model_parallel.reduce_(total)
+        norm = total.clamp_min(0).sqrt()
         if self.policy.skip_nonfinite and not torch.isfinite(norm):
             self.zero_grad()
             return StepResult(False, float(norm))
@@ -399,6 +403,20 @@ class ShardedStrategy:
         self._gather_params()
         self.zero_grad()
         return StepResult(True, float(norm))
+
+    def _replicated_grad_views(self) -> list[torch.Tensor]:
+        """The parts of this rank's gradient shards that belong to parameters every tensor
+        rank holds a copy of (none without tensor parallelism)."""
+        if self.model_parallel.tensor == 1:
+            return []
+        views, rank = [], self.comm.rank
+        for bucket in self.buckets:
+            low = rank * bucket.shard
+            for p, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
+                start, end = max(offset, low), min(offset + shape.numel(), low + bucket.shard)
+                if start < end and self.model_parallel.replicated(p):
+                    views.append(bucket.grad_shard[start - low:end - low])
+        return views
 
     def _copy_masters_to_params(self, buckets: list[_Bucket]) -> None:
         """Write updated masters into this rank's slice of the parameters (when they are copies)."""

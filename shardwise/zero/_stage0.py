@@ -25,7 +25,8 @@ from torch import nn
 from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import load_per_param_state_by_name, per_param_state_by_name
-from shardwise.zero._strategy import GRAD_KEY, MASTER_KEY, ModelStateBytes, StepResult, clip_by_total_norm_
+from shardwise.zero._strategy import (GRAD_KEY, MASTER_KEY, ModelParallel, ModelStateBytes, StepResult,
+                                      clip_by_total_norm_)
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,9 @@ class Stage0Strategy:
     """
 
     def __init__(self, module: nn.Module, *, comm: Communicator, policy: PrecisionPolicy,
-                 bucket_numel: int, predivide_factor: float = 1.0):
+                 bucket_numel: int, predivide_factor: float = 1.0, model_parallel: ModelParallel = ModelParallel()):
         self.module, self.comm, self.policy = module, comm, policy
+        self.model_parallel = model_parallel
         self.predivide_factor = predivide_factor
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
@@ -272,7 +274,14 @@ class Stage0Strategy:
     def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult:
         """Unscale, check for overflow, clip and apply the optimizer to the reduced grads."""
         grads = self._grads_for_optimizer(1.0 / loss_scale)
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if self.model_parallel.comms:  # see [Note: the global norm over the grid] in _strategy.py
+            mp = self.model_parallel
+            square = mp.local_square(grads, [g for p, g in zip(self.trainable, grads) if mp.replicated(p)])
+            square = square.to(grads[0].device if grads else square.device).reshape(1)
+            mp.reduce_(square)
+            norm = square.clamp_min(0).sqrt()[0]
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         norm_value = float(norm)
         if self.policy.skip_nonfinite and not torch.isfinite(norm):
             self.zero_grad()

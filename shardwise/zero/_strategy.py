@@ -18,6 +18,60 @@ def clip_by_total_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: 
         torch._foreach_mul_(grads, coef)
 
 
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is one tensor-parallel rank's slice of a larger parameter (marked
+    ``tensor_model_parallel`` by shardwise's and Megatron's layers, ``model_parallel`` by
+    older DeepSpeed code), rather than a copy every tensor rank holds."""
+    return bool(getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False))
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """What a ZeRO strategy needs of the grid's axes beyond data parallelism: the global
+    gradient norm.
+
+    [Note: the global norm over the grid]
+    The norm clipping and the overflow check use is the norm of the whole model's
+    gradient, each element counted once. A strategy sums the squares it holds, reduces
+    them over its data-parallel group when it holds shards, and then over ``comms`` (the
+    tensor and pipeline groups of size > 1). Tensor-parallel slices are distinct on each
+    tensor rank and count fully; parameters every tensor rank holds a copy of (LayerNorm
+    weights, row-parallel biases) would count ``tensor`` times, so their squares are
+    weighted ``1 / tensor`` before the sum. An infinite or NaN gradient anywhere makes the
+    sum non-finite on every rank, so every rank of the grid skips the same fp16 step.
+    """
+
+    tensor: int = 1
+    comms: tuple = ()
+    """Communicators over the tensor and pipeline groups with more than one rank."""
+
+    @classmethod
+    def from_grid(cls, grid) -> "ModelParallel":
+        if grid is None:
+            return cls()
+        comms = tuple(c for size, c in ((grid.tensor, "tensor_comm"), (grid.pipe, "pipe_comm")) if size > 1)
+        return cls(tensor=grid.tensor, comms=tuple(getattr(grid, c) for c in comms))
+
+    def replicated(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a copy held by every tensor rank (weighted ``1/tensor``)."""
+        return self.tensor > 1 and not is_tensor_parallel(param)
+
+    def local_square(self, grads: list[torch.Tensor], replicated: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of squares of ``grads`` (fp64), the elements also in ``replicated`` (views
+        into them) weighted ``1 / tensor``."""
+        total = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() if grads \
+            else torch.zeros((), dtype=torch.float64)
+        if replicated and self.tensor > 1:
+            copies = torch.stack(torch._foreach_norm(replicated)).double().pow(2).sum()
+            total = total - (1.0 - 1.0 / self.tensor) * copies.to(total.device)
+        return total
+
+    def reduce_(self, square: torch.Tensor) -> None:
+        """Sum ``square`` (a one-element tensor) over the tensor and pipeline groups."""
+        for comm in self.comms:
+            comm.all_reduce(square, tag="gradient norm").wait()
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step did."""
