@@ -8,6 +8,7 @@ from shardwise.runtime.activation_checkpointing.checkpointing import (
     get_cuda_rng_tracker,
     is_configured,
     model_parallel_cuda_manual_seed,
+    model_parallel_reconfigure_tp_seed,
     non_reentrant_checkpoint,
     partition_activations_in_checkpoint,
     reset,
@@ -15,5 +16,5 @@ from shardwise.runtime.activation_checkpointing.checkpointing import (
 )
 
 __all__ = ["CudaRNGStatesTracker", "checkpoint", "configure", "get_cuda_rng_tracker", "is_configured",
-           "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint", "partition_activations_in_checkpoint",
-           "reset", "set_num_layers"]
+           "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint",
+           "partition_activations_in_checkpoint", "reset", "set_num_layers"]

@@ -355,6 +355,37 @@ class DataTypesConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: what ``deepspeed.checkpointing.checkpoint`` stores for
+    backward. As in DeepSpeed, it takes effect when the script calls
+    ``deepspeed.checkpointing.configure(mpu, deepspeed_config=...)``; the engine does not
+    call it, and ``torch.utils.checkpoint`` (Hugging Face's gradient checkpointing) does
+    not read it."""
+
+    partition_activations: bool = False
+    """Store each rank's 1/tp slice of every checkpointed floating-point input and
+    all-gather it across the tensor-parallel group for the recompute."""
+    cpu_checkpointing: bool = False
+    """Keep the stored inputs (or their slices) in host memory until the recompute."""
+    contiguous_memory_optimization: bool = False
+    """Store the slices in one preallocated buffer per input position, with
+    number_checkpoints slots (needs partition_activations and number_checkpoints)."""
+    number_checkpoints: int | None = None
+    """checkpoint() calls per forward (the slots of the contiguous buffers)."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device at the start and end of each checkpoint's forward and backward."""
+    profile: bool = False
+    """Log the time of each checkpoint's forward and of its backward (recompute included)."""
+
+    def __post_init__(self) -> None:
+        for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                     "synchronize_checkpoint_boundary", "profile"):
+            as_bool(f"activation_checkpointing.{name}", getattr(self, name))
+        if self.number_checkpoints is not None:
+            as_int("activation_checkpointing.number_checkpoints", self.number_checkpoints, minimum=1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CommConfig:
     """``comm`` (shardwise extension): collective deadlines."""
 

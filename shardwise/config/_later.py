@@ -25,9 +25,6 @@ LATER_SECTIONS: dict[str, set[str] | None] = {
               "experiment_key", "online", "mode"},
     "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth",
                        "top_modules", "detailed", "output_file"},
-    "activation_checkpointing": {"partition_activations", "cpu_checkpointing",
-                                 "contiguous_memory_optimization", "number_checkpoints",
-                                 "synchronize_checkpoint_boundary", "profile"},
     "comms_logger": {"enabled", "verbose", "prof_all", "debug", "prof_ops"},
     "amp": None,
     "pipeline": None, "sparse_attention": None, "compression_training": None,
@@ -84,13 +81,6 @@ def check_later_section(key: str, value: Any) -> None:
     if key in _ALWAYS_ON and value:
         raise ConfigError(f"{_ALWAYS_ON[key]} ('{key}') is not available in this version of "
                           f"shardwise yet; remove the '{key}' section")
-    if key == "activation_checkpointing":
-        for flag in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
-            if value.get(flag):
-                raise ConfigError(f"activation_checkpointing.{flag} is not available in this "
-                                  "version of shardwise yet; set it to false (use "
-                                  "torch.utils.checkpoint for plain activation checkpointing)")
-        return
     if key == "pipeline":
         if value:
             logger.warning("the 'pipeline' section only applies to PipelineModule models, which "

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from shardwise.config._components import (AioConfig, BatchConfig, BF16Config, CheckpointConfig, CommConfig,
-                                          DataTypesConfig, FP16Config, OptimizerConfig,
+from shardwise.config._components import (ActivationCheckpointingConfig, AioConfig, BatchConfig, BF16Config,
+                                          CheckpointConfig, CommConfig, DataTypesConfig, FP16Config, OptimizerConfig,
                                           SchedulerConfig, ZeroConfig)
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
 
@@ -45,6 +45,8 @@ class TrainConfig:
     """Collective deadlines (shardwise extension)."""
     aio: AioConfig = field(default_factory=AioConfig)
     """Swap-file I/O for the nvme offload tier."""
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    """What ``deepspeed.checkpointing.checkpoint`` stores (read by ``checkpointing.configure``)."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

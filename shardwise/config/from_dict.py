@@ -12,9 +12,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from shardwise.config._components import (OPTIMIZERS, AioConfig, BatchConfig, BF16Config, CheckpointConfig,
-                                          CommConfig, DataTypesConfig, FP16Config, OffloadOptimizerConfig,
-                                          OffloadParamConfig, OptimizerConfig, SchedulerConfig, ZeroConfig)
+from shardwise.config._components import (OPTIMIZERS, ActivationCheckpointingConfig, AioConfig, BatchConfig,
+                                          BF16Config, CheckpointConfig, CommConfig, DataTypesConfig, FP16Config,
+                                          OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig,
+                                          SchedulerConfig, ZeroConfig)
 from shardwise.config._errors import AUTO, ConfigError, as_bool, as_choice, as_int, check_keys, unknown_key_error
 from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
 from shardwise.config._no_effect import known_keys, log_no_effect, take_special_keys
@@ -22,9 +23,10 @@ from shardwise.config._train import TrainConfig
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _SECTIONS = {"optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "checkpoint",
-             "data_types", "comm", "aio"}
+             "data_types", "comm", "aio", "activation_checkpointing"}
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
-    "batch", "optimizer", "scheduler", "fp16", "bf16", "zero", "checkpoint", "data_types", "comm", "aio", "raw"}
+    "batch", "optimizer", "scheduler", "fp16", "bf16", "zero", "checkpoint", "data_types", "comm", "aio", "raw",
+    "activation_checkpointing"}
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
                 "allgather_size": "allgather_bucket_size"}
@@ -215,11 +217,26 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         checkpoint=_checkpoint(raw.get("checkpoint", {}), noted),
         data_types=_section(DataTypesConfig, "data_types", raw.get("data_types", {}), noted),
         comm=_section(CommConfig, "comm", raw.get("comm", {}), noted),
+        activation_checkpointing=_activation_checkpointing(raw),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )
     log_no_effect(noted)
     return config
+
+
+def activation_checkpointing_config(config: Any) -> ActivationCheckpointingConfig:
+    """The validated ``activation_checkpointing`` section of a DeepSpeed-style config (dict,
+    JSON path or TrainConfig); the rest of the config is not read, so a file that holds
+    only this section is enough (``deepspeed.checkpointing.configure`` reads it this way)."""
+    if isinstance(config, TrainConfig):
+        return config.activation_checkpointing
+    return _activation_checkpointing(_read(config))
+
+
+def _activation_checkpointing(raw: dict) -> ActivationCheckpointingConfig:
+    section = raw.get("activation_checkpointing")
+    return _section(ActivationCheckpointingConfig, "activation_checkpointing", {} if section is None else section, [])
 
 
 def _zero(section: Any, noted: list[str]) -> ZeroConfig:

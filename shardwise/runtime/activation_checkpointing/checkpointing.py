@@ -1,120 +1,185 @@
-"""Activation checkpointing: recompute a block's forward during backward instead of
-keeping its activations, with DeepSpeed's ``deepspeed.checkpointing`` functions.
+"""Activation checkpointing with DeepSpeed's API (``deepspeed.checkpointing``): recompute a
+block's forward during backward instead of keeping its activations.
 
-The recomputation is ``torch.utils.checkpoint``'s, which restores the CPU and device RNG
-state so dropout masks match the first forward. Megatron's model-parallel RNG tracker
-(``get_cuda_rng_tracker``) keeps named RNG states for code written against it.
+Typical use (Megatron-DeepSpeed)::
 
-DeepSpeed's memory options need model parallelism or are not built here yet:
-``partition_activations``, ``contiguous_memory_optimization`` and ``cpu_checkpointing``
-set to True are refused by ``configure`` with an error naming them, never ignored.
+    deepspeed.checkpointing.configure(mpu, deepspeed_config=args.deepspeed_config)
+    deepspeed.checkpointing.model_parallel_cuda_manual_seed(seed)
+    for layer in layers:
+        hidden = deepspeed.checkpointing.checkpoint(layer, hidden, mask)
+
+``checkpoint`` keeps only the block's inputs, replays every random stream for the
+recompute (dropout masks match the first forward, inside ``get_cuda_rng_tracker().fork()``
+too; see [Note: checkpoint RNG replay]) and can keep those inputs partitioned across the
+tensor-parallel group and/or in host memory (see [Note: partitioned activations]).
+The engine does not call ``configure`` (DeepSpeed's does not either): the config's
+``activation_checkpointing`` section applies once the script passes the config to it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import warnings
 
 import torch
 import torch.utils.checkpoint
 
+from shardwise.accelerator import get_accelerator
+from shardwise.config import (ActivationCheckpointingConfig, ConfigError, TrainConfig,
+                              activation_checkpointing_config)
+from shardwise.runtime.activation_checkpointing._function import CheckpointFunction
+from shardwise.runtime.activation_checkpointing._rng import (MODEL_PARALLEL_RNG, TENSOR_SEED_OFFSET, TRACKER,
+                                                             CudaRNGStatesTracker, seed_model_parallel)
+from shardwise.runtime.activation_checkpointing._settings import SETTINGS
+from shardwise.utils._logging import log_dist
+
 logger = logging.getLogger("shardwise")
 
-_MODEL_PARALLEL_RNG = "model-parallel-rng"
-_settings: dict = {"configured": False, "num_checkpoints": None, "synchronize": False, "profile": False}
+__all__ = ["CudaRNGStatesTracker", "checkpoint", "configure", "get_cuda_rng_tracker", "is_configured",
+           "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint",
+           "partition_activations_in_checkpoint", "reset", "set_num_layers"]
 
 
-def _device_rng_get():
-    return torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+def _section(deepspeed_config) -> tuple[ActivationCheckpointingConfig, float | None]:
+    """The ``activation_checkpointing`` section (and ``comm.timeout_s`` where known) of a
+    dict, JSON path, TrainConfig, DeepSpeedConfig or the section itself."""
+    from shardwise.runtime.config import DeepSpeedConfig
+
+    if deepspeed_config is None:
+        return ActivationCheckpointingConfig(), None
+    if isinstance(deepspeed_config, ActivationCheckpointingConfig):
+        return deepspeed_config, None
+    if isinstance(deepspeed_config, DeepSpeedConfig):
+        deepspeed_config = deepspeed_config.config
+    if isinstance(deepspeed_config, TrainConfig):
+        return deepspeed_config.activation_checkpointing, deepspeed_config.comm.timeout_s
+    return activation_checkpointing_config(deepspeed_config), None
 
 
-def _device_rng_set(state) -> None:
-    if state is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state)
+def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
+              num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> None:
+    """Set how ``checkpoint`` stores inputs, as DeepSpeed's ``configure``.
+
+    Every option starts from its default, then takes the config's
+    ``activation_checkpointing`` section, then the arguments that are not None.
+
+    Args:
+        mpu_: Megatron-style model-parallel object: its tensor-parallel group
+            (``get_tensor_model_parallel_group/rank/world_size``, else
+            ``get_model_parallel_*``) partitions activations and seeds
+            ``model_parallel_cuda_manual_seed``. None keeps the one given before (DeepSpeed's rule).
+        deepspeed_config: dict, JSON path, TrainConfig or DeepSpeedConfig; only its
+            ``activation_checkpointing`` section is read.
+        partition_activations: keep each rank's 1/tp slice of every floating-point input;
+            all-gathered for the recompute. With no mpu_ or a 1-rank group inputs stay whole
+            (as in DeepSpeed), with a warning.
+        contiguous_checkpointing: write the slices into one preallocated buffer per input
+            position (``contiguous_memory_optimization``); needs partition_activations
+            and num_checkpoints.
+        num_checkpoints: checkpoint calls per forward (``number_checkpoints``).
+        checkpoint_in_cpu: keep the stored inputs in host memory (``cpu_checkpointing``).
+        synchronize: synchronize the device at the start and end of each checkpoint's
+            forward and backward (``synchronize_checkpoint_boundary``).
+        profile: log each checkpoint's forward and backward time (``profile``).
+
+    Raises:
+        ConfigError: contiguous_checkpointing without partition_activations or
+            num_checkpoints, or a bad config section.
+    """
+    section, timeout_s = _section(deepspeed_config)
+    mpu = mpu_ if mpu_ is not None else SETTINGS.mpu
+
+    def pick(argument, from_config):
+        return from_config if argument is None else argument
+
+    partition = bool(pick(partition_activations, section.partition_activations))
+    contiguous = bool(pick(contiguous_checkpointing, section.contiguous_memory_optimization))
+    slots = pick(num_checkpoints, section.number_checkpoints)
+    if contiguous and not partition:
+        raise ConfigError("activation checkpointing: contiguous_memory_optimization lays out activation "
+                          "partitions and needs partition_activations=true; enable it or turn the option off")
+    if contiguous and slots is None:
+        raise ConfigError("activation checkpointing: contiguous_memory_optimization needs number_checkpoints "
+                          "(checkpoint() calls per forward, e.g. the layer count); set it in the config, pass "
+                          "num_checkpoints= to configure() or call set_num_layers()")
+    SETTINGS.reset()
+    SETTINGS.mpu, SETTINGS.partition_activations, SETTINGS.contiguous_memory_optimization = mpu, partition, contiguous
+    SETTINGS.num_checkpoints = slots
+    SETTINGS.cpu_checkpointing = bool(pick(checkpoint_in_cpu, section.cpu_checkpointing))
+    SETTINGS.synchronize = bool(pick(synchronize, section.synchronize_checkpoint_boundary))
+    SETTINGS.profile = bool(pick(profile, section.profile))
+    if timeout_s is not None:
+        SETTINGS.comm_timeout_s = timeout_s
+    SETTINGS.connect()
+    SETTINGS.configured = True
+    log_dist(f"activation checkpointing: partition_activations={partition} (tensor-parallel ranks: "
+             f"{SETTINGS.tensor_comm.world_size if SETTINGS.tensor_comm else 1}), cpu_checkpointing="
+             f"{SETTINGS.cpu_checkpointing}, contiguous_memory_optimization={contiguous} (number_checkpoints="
+             f"{slots}), synchronize={SETTINGS.synchronize}, profile={SETTINGS.profile}", ranks=[0])
 
 
-class CudaRNGStatesTracker:
-    """Named RNG states to fork into (Megatron's tracker): ``with tracker.fork(name):``
-    draws from ``name``'s generator state and leaves the default one where it was. On a
-    machine without CUDA the CPU generator is tracked instead."""
-
-    def __init__(self):
-        self.states_: dict = {}
-        self.seeds_: set = set()
-
-    def reset(self) -> None:
-        self.states_, self.seeds_ = {}, set()
-
-    def get_states(self) -> dict:
-        return dict(self.states_)
-
-    def set_states(self, states: dict) -> None:
-        self.states_ = dict(states)
-
-    def add(self, name: str, seed: int) -> None:
-        """Start a named state from ``seed`` (each name and each seed once)."""
-        if seed in self.seeds_:
-            raise ValueError(f"seed {seed} already exists in the RNG tracker")
-        if name in self.states_:
-            raise ValueError(f"RNG state {name!r} already exists in the RNG tracker")
-        self.seeds_.add(seed)
-        saved = self._get()
-        self._seed(seed)
-        self.states_[name] = self._get()
-        self._set(saved)
-
-    @contextlib.contextmanager
-    def fork(self, name: str = _MODEL_PARALLEL_RNG):
-        """Draw from ``name``'s state inside the block; it advances, the default does not."""
-        if name not in self.states_:
-            raise KeyError(f"RNG state {name!r} is not added to the tracker; call add() first")
-        saved = self._get()
-        self._set(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = self._get()
-            self._set(saved)
-
-    @staticmethod
-    def _get():
-        return _device_rng_get() if torch.cuda.is_available() else torch.get_rng_state()
-
-    @staticmethod
-    def _set(state) -> None:
-        if torch.cuda.is_available():
-            _device_rng_set(state)
-        else:
-            torch.set_rng_state(state)
-
-    @staticmethod
-    def _seed(seed: int) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
+def is_configured() -> bool:
+    """Whether ``configure`` has been called."""
+    return SETTINGS.configured
 
 
-_tracker = CudaRNGStatesTracker()
+def reset() -> None:
+    """Drop the contiguous buffers being filled (DeepSpeed's ``reset``): call it after
+    forwards that had no backward, e.g. evaluation with grad enabled. Options stay."""
+    SETTINGS.buffers.clear()
+
+
+def set_num_layers(nlayers: int) -> None:
+    """Set ``number_checkpoints`` (the contiguous buffers' slots; buffers being filled are
+    dropped, as their layout changes)."""
+    SETTINGS.num_checkpoints = nlayers
+    SETTINGS.buffers.clear()
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """Switch ``partition_activations`` on or off, keeping the other options."""
+    SETTINGS.partition_activations = bool(partition_activation)
+    SETTINGS.connect()
 
 
 def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
-    """The process's RNG tracker."""
-    return _tracker
+    """The process's RNG tracker (Megatron's ``get_cuda_rng_tracker``)."""
+    return TRACKER
 
 
-def model_parallel_cuda_manual_seed(seed: int) -> None:
+def model_parallel_cuda_manual_seed(seed: int, *, tensor_rank: int | None = None) -> None:
     """Seed the default generator with ``seed`` and the tracker's model-parallel state with
-    ``seed + 2718 + tensor-parallel rank`` (rank 0: no tensor parallelism here yet)."""
-    _tracker.reset()
-    CudaRNGStatesTracker._seed(seed)
-    _tracker.add(_MODEL_PARALLEL_RNG, seed + 2718)
+    ``seed + 2718 + tensor_rank``: dropout inside ``get_cuda_rng_tracker().fork()`` differs
+    across tensor ranks, outside it is the same on all of them.
+
+    Args:
+        seed: the base seed (the same on every rank of a tensor group).
+        tensor_rank: this rank's tensor-parallel index; None takes it from the mpu given
+            to ``configure`` (0 without one).
+    """
+    rank = SETTINGS.tensor_rank() if tensor_rank is None else tensor_rank
+    seed_model_parallel(seed, tensor_rank=rank)
+    logger.debug("model-parallel RNG: default seed %d, tracker seed %d (tensor rank %d)",
+                 seed, seed + TENSOR_SEED_OFFSET + rank, rank)
+
+
+def model_parallel_reconfigure_tp_seed(seed: int) -> None:
+    """Reseed only the tracker's model-parallel state with ``seed + 2718 + tensor rank``."""
+    with TRACKER.fork(MODEL_PARALLEL_RNG):
+        get_accelerator().manual_seed(seed + TENSOR_SEED_OFFSET + SETTINGS.tensor_rank())
 
 
 def checkpoint(function, *args, **kwargs):
-    """``function(*args, **kwargs)`` whose activations are recomputed in backward. Outputs
-    and gradients equal the un-checkpointed call's (RNG state restored for the recompute);
-    tensors passed by keyword take part in autograd like positional ones."""
+    """``function(*args, **kwargs)`` whose activations are recomputed in backward.
+
+    Outputs and gradients equal the un-checkpointed call's (every random stream is
+    replayed, the tracker's named states included). Only the inputs are kept between
+    forward and backward, stored as ``configure`` set (see [Note: partitioned
+    activations]); tensors passed by keyword take part in autograd like positional ones.
+    Reentrant, as DeepSpeed's: the parameters get gradients only if some tensor input
+    requires grad (else use ``non_reentrant_checkpoint``). Under ``torch.no_grad()`` the
+    function just runs and nothing is stored.
+    """
     if kwargs:
         names, positional = tuple(kwargs), len(args)
 
@@ -122,58 +187,26 @@ def checkpoint(function, *args, **kwargs):
             return run(*values[:positional], **dict(zip(names, values[positional:])))
 
         function, args = call, args + tuple(kwargs.values())
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+    if not torch.is_grad_enabled():
+        return function(*args)
+    if not any(torch.is_tensor(a) and a.requires_grad for a in args):
+        warnings.warn("deepspeed.checkpointing.checkpoint: no input tensor requires grad, so the checkpointed "
+                      "block's parameters get no gradients; make an input require grad (Hugging Face: "
+                      "model.enable_input_require_grads()) or use non_reentrant_checkpoint", stacklevel=2)
+    return CheckpointFunction.apply(function, SETTINGS.options(), *args)
 
 
 def non_reentrant_checkpoint(function, *args):
-    """``checkpoint`` without re-entering autograd (works when no input requires grad)."""
+    """``checkpoint`` without re-entering autograd (``torch.utils.checkpoint``'s
+    non-reentrant form): parameters get gradients even when no input requires grad.
+    It keeps inputs as they are, so it refuses partition_activations and
+    cpu_checkpointing, and warns that synchronize and profile do not apply to it."""
+    asked = [name for name, on in (("partition_activations", SETTINGS.tensor_comm is not None),
+                                   ("cpu_checkpointing", SETTINGS.cpu_checkpointing)) if on]
+    if asked:
+        raise NotImplementedError(f"non_reentrant_checkpoint does not apply {' and '.join(asked)}; use "
+                                  "deepspeed.checkpointing.checkpoint (reentrant), which does")
+    if SETTINGS.synchronize or SETTINGS.profile:
+        warnings.warn("non_reentrant_checkpoint does not synchronize or profile at checkpoint boundaries; "
+                      "deepspeed.checkpointing.checkpoint does", stacklevel=2)
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-
-
-def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
-              num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> None:
-    """Set the options (arguments win over the config's ``activation_checkpointing``
-    section). Memory options this version cannot honour are refused."""
-    section = {}
-    if deepspeed_config is not None:
-        from shardwise.config.from_dict import _read
-
-        section = dict(_read(deepspeed_config).get("activation_checkpointing") or {})
-    given = {"partition_activations": partition_activations,
-             "contiguous_memory_optimization": contiguous_checkpointing,
-             "cpu_checkpointing": checkpoint_in_cpu}
-    for key, value in given.items():
-        if value is None:
-            value = section.get(key, False)
-        if value:
-            raise NotImplementedError(f"activation checkpointing {key}=True is not available in this version "
-                                      "of shardwise (it needs tensor parallelism or is not built yet); "
-                                      "remove it: activations are recomputed without it")
-    if mpu_ is not None:
-        raise NotImplementedError("checkpointing.configure(mpu_=...): model parallelism is not available in "
-                                  "this version of shardwise yet")
-    _settings.update(configured=True,
-                     num_checkpoints=num_checkpoints if num_checkpoints is not None else section.get(
-                         "number_checkpoints"),
-                     synchronize=bool(synchronize if synchronize is not None else section.get(
-                         "synchronize_checkpoint_boundary", False)),
-                     profile=bool(profile if profile is not None else section.get("profile", False)))
-
-
-def is_configured() -> bool:
-    """Whether ``configure`` has been called."""
-    return _settings["configured"]
-
-
-def reset() -> None:
-    """Forget buffers kept between steps (none are kept here); for DeepSpeed scripts."""
-
-
-def set_num_layers(nlayers: int) -> None:
-    _settings["num_checkpoints"] = nlayers
-
-
-def partition_activations_in_checkpoint(partition_activation: bool) -> None:
-    if partition_activation:
-        raise NotImplementedError("partition_activations needs tensor parallelism, not available in this "
-                                  "version of shardwise yet")

@@ -9,6 +9,7 @@ from torch import nn
 
 from shardwise.checkpoint.utils import clone_tensors_for_torch_save
 from shardwise.checkpointing import checkpoint, configure, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from shardwise.config import ConfigError
 from shardwise.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from shardwise.ops.adagrad import DeepSpeedCPUAdagrad
 from shardwise.ops.lion import DeepSpeedCPULion
@@ -87,12 +88,12 @@ def test_activation_checkpoint_passes_keyword_tensors_through_autograd():
     assert x.grad is not None
 
 
-def test_checkpoint_configure_refuses_what_it_cannot_do():
+def test_checkpoint_configure_refuses_an_inconsistent_request():
     configure(None, deepspeed_config={"activation_checkpointing": {"number_checkpoints": 4}})
-    with pytest.raises(NotImplementedError, match="partition_activations"):
-        configure(None, partition_activations=True)
-    with pytest.raises(NotImplementedError, match="cpu_checkpointing"):
-        configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": True}})
+    with pytest.raises(ConfigError, match="needs partition_activations=true"):
+        configure(None, deepspeed_config={"activation_checkpointing": {"contiguous_memory_optimization": True}},
+                  num_checkpoints=2)
+    configure(None)
 
 
 def test_rng_tracker_forks_without_moving_the_default_stream():

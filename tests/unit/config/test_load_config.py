@@ -119,8 +119,6 @@ def test_bad_values_name_path_value_and_allowed(config, message):
                                                                  "is not available"),
     ({"flops_profiler": {"enabled": True}}, "the FLOPs profiler"),
     ({"sparse_attention": {"mode": "fixed"}}, "block-sparse attention"),
-    ({"activation_checkpointing": {"partition_activations": True}},
-     "activation_checkpointing.partition_activations is not available"),
     ({"amp": {"enabled": True}}, 'use "fp16" or "bf16" instead'),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}},
      "optimizer.type 'OneBitAdam' is not available in this version"),
@@ -137,6 +135,20 @@ def test_disabled_later_sections_are_accepted():
                    activation_checkpointing={"partition_activations": False, "number_checkpoints": 4},
                    zero_optimization={"stage": 0, "offload_optimizer": {"device": "none"}})
     assert config.zero.stage == 0
+
+
+def test_activation_checkpointing_is_a_typed_section():
+    config = _load(train_micro_batch_size_per_gpu=1, activation_checkpointing={
+        "partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True,
+        "number_checkpoints": 8.0, "synchronize_checkpoint_boundary": True, "profile": True})
+    section = config.activation_checkpointing
+    assert section.partition_activations and section.cpu_checkpointing and section.contiguous_memory_optimization
+    assert section.number_checkpoints == 8 and section.synchronize_checkpoint_boundary and section.profile
+    assert _load(train_micro_batch_size_per_gpu=1).activation_checkpointing.number_checkpoints is None
+    with pytest.raises(ConfigError, match="activation_checkpointing.number_checkpoints must be a positive integer"):
+        _load(train_micro_batch_size_per_gpu=1, activation_checkpointing={"number_checkpoints": 0})
+    with pytest.raises(ConfigError, match="activation_checkpointing.profile must be true or false"):
+        _load(train_micro_batch_size_per_gpu=1, activation_checkpointing={"profile": "yes"})
 
 
 def test_offload_sections_take_deepspeeds_names_and_defaults():
