@@ -9,7 +9,9 @@ import torch.distributed as dist
 
 from shardwise.comm import init_distributed
 from shardwise.config import load_config
+from shardwise.config._tensor_parallel import check_tensor_parallel
 from shardwise.parallel import ParallelGrid
+from shardwise.tensor_parallel.autotp import apply_autotp, resolve_policy
 from shardwise.utils import groups
 
 logger = logging.getLogger("shardwise")
@@ -73,12 +75,21 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if not dist.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call torch.distributed.init_process_group() first")
-    grid = ParallelGrid.from_mpu(mpu) if mpu is not None else None
-    data_parallel_size = grid.data if grid is not None else dist.get_world_size()
-    cfg = load_config(source, world_size=data_parallel_size)
-    if grid is None:
-        grid = ParallelGrid.build()
+    tp_section = _raw_config(source).get("tensor_parallel")
+    tp_size = check_tensor_parallel(tp_section)
+    if tp_size > 1 and mpu is not None:
+        raise ValueError(f"both mpu= and tensor_parallel.autotp_size={tp_size} were given: the mpu's groups already "
+                         "decide the tensor parallelism (its layers are split by the model's code); remove one")
+    if tp_size > 1 and dist.get_world_size() % tp_size:
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} does not divide the {dist.get_world_size()} "
+                         "rank(s): each tensor-parallel group needs autotp_size ranks; change autotp_size or the "
+                         "number of processes")
+    grid = ParallelGrid.from_mpu(mpu) if mpu is not None else ParallelGrid.build(tensor=max(tp_size, 1))
+    cfg = load_config(source, world_size=grid.data)
     grid.configure_comms(timeout_s=cfg.comm.timeout_s, check_hangs=cfg.comm.check_hangs)
+    if tp_size > 1:
+        replaced = apply_autotp(model, grid.tensor_comm, policy=resolve_policy(model, tp_section))
+        model_parameters = _remap_parameters(replaced, optimizer, model_parameters)
     if dist.get_rank() == 0:
         logger.info("shardwise: %d rank(s) (pipe %d x data %d x tensor %d), micro-batch %d x accumulation %d "
                     "= batch %d", dist.get_world_size(), grid.pipe, grid.data, grid.tensor,
@@ -89,6 +100,35 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                     training_data=training_data, collate_fn=collate_fn)
     groups._set_grid(grid)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _remap_parameters(replaced: dict, optimizer, model_parameters):
+    """Point an optimizer or parameter list built before ``initialize`` at the shards AutoTP
+    put in place of the full parameters (``replaced``: old parameter -> new)."""
+    import torch
+
+    def swap(params):
+        return [replaced.get(p, p) for p in params]
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError("tensor_parallel.autotp_size: the optimizer passed to initialize() already has state "
+                             "for the full parameters AutoTP splits; build it before its first step, or pass it as "
+                             "a callable (params -> optimizer)")
+        for group in optimizer.param_groups:
+            group["params"] = swap(group["params"])
+    if model_parameters is not None:
+        model_parameters = [dict(g, params=swap(g["params"])) if isinstance(g, dict) else replaced.get(g, g)
+                            for g in model_parameters]
+    return model_parameters
+
+
+def _raw_config(source) -> dict:
+    """The config as a dict, for the sections read before the config is validated."""
+    from shardwise.config import TrainConfig
+    from shardwise.config.from_dict import _read
+
+    return dict(source.raw) if isinstance(source, TrainConfig) else _read(source)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from shardwise.config._errors import ConfigError, check_keys
+from shardwise.config._tensor_parallel import check_tensor_parallel
 
 logger = logging.getLogger("shardwise")
 
@@ -50,7 +51,7 @@ _NAMES = {"tensorboard": "the TensorBoard monitor", "wandb": "the Weights & Bias
           "autotuning": "the autotuner", "nebula": "Nebula checkpointing",
           "eigenvalue": "eigenvalue computation", "quantize_training": "quantized training",
           "hybrid_engine": "the hybrid engine", "torch_autocast": "torch autocast",
-          "compile": "DeepCompile (torch.compile integration)", "tensor_parallel": "tensor parallelism",
+          "compile": "DeepCompile (torch.compile integration)",
           "weight_quantization": "weight quantization", "expert_parallel": "expert parallelism (AutoEP)"}
 _ON_BY_DEFAULT = {"weight_quantization"}  # DeepSpeed enables it when the section is present
 
@@ -63,7 +64,7 @@ def _any_enabled(value: Any) -> bool:
 
 
 # sections switched on by a key other than "enabled": section -> (key, values that leave it off)
-_SWITCHES = {"compile": ("deepcompile", (False,)), "tensor_parallel": ("autotp_size", (0, 1))}
+_SWITCHES = {"compile": ("deepcompile", (False,))}
 
 
 def _not_available(feature: str, key: str) -> ConfigError:
@@ -81,6 +82,9 @@ def check_later_section(key: str, value: Any) -> None:
     if key in _ALWAYS_ON and value:
         raise ConfigError(f"{_ALWAYS_ON[key]} ('{key}') is not available in this version of "
                           f"shardwise yet; remove the '{key}' section")
+    if key == "tensor_parallel":  # built: training AutoTP (tensor_parallel/autotp.py)
+        check_tensor_parallel(value)
+        return
     if key == "pipeline":
         if value:
             logger.warning("the 'pipeline' section only applies to PipelineModule models, which "

@@ -147,7 +147,7 @@ def test_field_names_of_stage3_keys_are_read():
     ({"use_data_before_expert_parallelism": True}, "expert parallelism"),
     ({"graph_harvesting": True}, "graph_harvesting=true"),
     ({"expert_parallel": {"enabled": True, "autoep_size": 4}}, "expert parallelism (AutoEP)"),
-    ({"tensor_parallel": {"autotp_size": 4}}, "tensor parallelism ('tensor_parallel.autotp_size'=4)"),
+    ({"tensor_parallel": {"autotp_size": 4, "tp": {"tp_grain_size": 64}}}, "uneven splits are not available"),
     ({"compile": {"deepcompile": True}}, "DeepCompile"),
     ({"weight_quantization": {"post_init_quant": {}}}, "weight quantization"),
     ({"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}}}, "compression"),
