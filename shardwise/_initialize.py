@@ -76,7 +76,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "call torch.distributed.init_process_group() first")
     tp_section = _raw_config(source).get("tensor_parallel")
-    tp_size = check_tensor_parallel(tp_section)
+    tp_size = _merge_tp_model_init(model, check_tensor_parallel(tp_section))
     if tp_size > 1 and mpu is not None:
         raise ValueError(f"both mpu= and tensor_parallel.autotp_size={tp_size} were given: the mpu's groups already "
                          "decide the tensor parallelism (its layers are split by the model's code); remove one")
@@ -123,6 +123,17 @@ def _remap_parameters(replaced: dict, optimizer, model_parameters):
     return model_parameters
 
 
+def _merge_tp_model_init(model, config_size: int) -> int:
+    """The tensor-parallel size: the config's, or the one ``tp_model_init`` recorded."""
+    recorded = getattr(model, "_shardwise_tp_model_init", None)
+    if recorded is None:
+        return config_size
+    if config_size > 1 and config_size != recorded["tp_size"]:
+        raise ValueError(f"tp_model_init(tp_size={recorded['tp_size']}) and the config's "
+                         f"tensor_parallel.autotp_size={config_size} disagree; make them equal or drop one")
+    return recorded["tp_size"]
+
+
 def _raw_config(source) -> dict:
     """The config as a dict, for the sections read before the config is validated."""
     from shardwise.config import TrainConfig
@@ -152,7 +163,21 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
-    """DeepSpeed's AutoTP training entry point. Tensor parallelism is not available in
-    this version of shardwise: calling this raises ``NotImplementedError``."""
-    raise NotImplementedError(f"tp_model_init(tp_size={tp_size}): tensor parallelism is not available in this "
-                              "version of shardwise yet; train with data parallelism (ZeRO) instead")
+    """DeepSpeed's ``tp_model_init``: record that ``model`` is to be trained with tensor
+    parallelism of ``tp_size`` and return it unchanged; :func:`initialize` splits it (as
+    ``tensor_parallel.autotp_size`` would; a config that sets a different size is an
+    error). The training dtype comes from the config's ``fp16`` / ``bf16`` sections;
+    ``dtype`` is recorded only. The tensor group is the grid's, so ``tp_group=`` is
+    refused."""
+    del config
+    if kwargs.get("tp_group") is not None:
+        raise NotImplementedError("tp_model_init(tp_group=...): shardwise builds the tensor-parallel groups from its "
+                                  "grid (tensor innermost); leave tp_group out, or pass your groups as initialize(mpu=...) "
+                                  "with Megatron-style layers")
+    unknown = set(kwargs) - {"tp_group"}
+    if unknown:
+        raise TypeError(f"tp_model_init() got unexpected keyword arguments {sorted(unknown)}")
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_model_init: tp_size must be a positive integer, got {tp_size!r}")
+    model._shardwise_tp_model_init = {"tp_size": tp_size, "dtype": dtype}
+    return model

@@ -213,6 +213,12 @@ def _custom_and_errors(rank, world_size):
     grid = shardwise.parallel.ParallelGrid.build(tensor=2)
     out["mpu and autotp"] = error(lambda: shardwise.initialize(model=_model("llama"), mpu=grid, config={
         **base, "tensor_parallel": {"autotp_size": 2}}))
+    recorded = shardwise.tp_model_init(_model("gpt_neox"), tp_size=2, dtype=torch.float32)
+    engine, *_ = shardwise.initialize(model=recorded, config=base)  # DeepSpeed's older entry point
+    out["tp_model_init"] = (engine.grid.tensor, tuple(engine.module.gpt_neox.layers[0].mlp.dense_h_to_4h.weight.shape))
+    out["tp_model_init mismatch"] = error(lambda: shardwise.initialize(
+        model=shardwise.tp_model_init(_model("llama"), tp_size=2, dtype=torch.float32),
+        config={**base, "tensor_parallel": {"autotp_size": 4}}))
     engine, *_ = shardwise.initialize(model=_model("llama"), config={**base, "tensor_parallel": {"autotp_size": 2}})
     ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(rank))  # differs by rank
     out["different batches"] = error(lambda: engine(input_ids=ids, labels=ids))
@@ -231,3 +237,5 @@ def test_autotp_custom_policy_and_clear_errors(tmp_path):
         assert "num_key_value_heads (1)" in report["kv heads"]
         assert "both mpu= and tensor_parallel.autotp_size=2" in report["mpu and autotp"]
         assert "were given different inputs" in report["different batches"]
+        assert report["tp_model_init"] == (2, (32, 32))  # intermediate 64 split in two
+        assert "disagree" in report["tp_model_init mismatch"]

@@ -67,5 +67,7 @@ def test_unbuilt_features_raise_when_called_not_at_import():
 
     with pytest.raises(NotImplementedError, match="mixture of experts"):
         MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        shardwise.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)
+    model = torch.nn.Linear(2, 2)  # tp_model_init records the size; initialize() splits the model
+    assert shardwise.tp_model_init(model, tp_size=2, dtype=torch.float32) is model
+    with pytest.raises(NotImplementedError, match="tp_group"):
+        shardwise.tp_model_init(model, tp_size=2, dtype=torch.float32, tp_group=object())
