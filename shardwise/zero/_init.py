@@ -125,12 +125,12 @@ def release_init_params(params, *, modifier_rank: int | None) -> None:
             p.data = torch.empty(0, dtype=shard.local.dtype, device=p.device)
 
 
-def _read_config(config):
+def _read_config(config, group=None):
     if config is None:
         return None
     from shardwise.config import load_config
 
-    return load_config(config, world_size=dist.get_world_size())
+    return load_config(config, world_size=dist.get_world_size(group))
 
 
 def _config_dtype(config) -> torch.dtype | None:
@@ -175,13 +175,16 @@ class Init:
         remote_device: "cpu" or "nvme" keep each rank's slices in CPU memory while the model
             is built (``initialize()`` then places them as ``offload_param`` says: with
             nvme, in swap files); None/"none": on the compute device.
-        pin_memory, mem_efficient_linear, mpu: accepted for DeepSpeed compatibility.
+        mpu: a Megatron-style model-parallel unit or shardwise grid: the parameters are
+            partitioned over its data-parallel group (as ``initialize(mpu=...)`` will
+            train them) unless ``data_parallel_group`` is given.
+        pin_memory, mem_efficient_linear: accepted for DeepSpeed compatibility.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
                  remote_device=None, pin_memory: bool = False, config_dict_or_path=None, config=None,
                  enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, **unused):
-        del mem_efficient_linear, pin_memory, mpu
+        del mem_efficient_linear, pin_memory
         unknown = sorted(set(unused) - {"zero_param_parallel_group", "zero_quantized_weights",
                                         "zero_quantized_nontrainable_weights", "sequence_data_parallel_group",
                                         "param_swapper"})
@@ -198,7 +201,9 @@ class Init:
         from shardwise.comm import init_distributed
 
         init_distributed(verbose=False)
-        config = _read_config(config if config is not None else config_dict_or_path)
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        config = _read_config(config if config is not None else config_dict_or_path, data_parallel_group)
         self.dtype = dtype if dtype is not None else _config_dtype(config)
         timeout_s = config.comm.timeout_s if config is not None else 1800.0
         self.comm = Communicator(data_parallel_group, timeout_s=timeout_s, name="zero.Init")

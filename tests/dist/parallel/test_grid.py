@@ -103,6 +103,7 @@ def test_grid_groups_follow_the_layout(tmp_path):
 # changes the update; the norm check fails if copies held by both tensor ranks were
 # counted twice (a factor sqrt(2)).
 CASES = [(stage, gas, clip) for stage in (0, 1, 2, 3) for gas, clip in ((1, 0.0), (2, 0.2))]
+CASES += [("3 under zero.Init(mpu=...)", 1, 0.0)]
 
 
 def _train_with_mpu(rank, world_size):
@@ -110,14 +111,25 @@ def _train_with_mpu(rank, world_size):
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.dp
     out = {}
     for stage, gas, clip in CASES:
-        model = TinyMLP(seed=3)
+        if isinstance(stage, str):  # built already partitioned over the mpu's data group
+            config_stage = 3
+            with shardwise.zero.Init(mpu=mpu, config_dict_or_path={"train_micro_batch_size_per_gpu": MICRO,
+                                                                  "zero_optimization": {"stage": 3}}):
+                model = TinyMLP(seed=3)
+            reference_model = TinyMLP(seed=3)  # the same values, whole
+            local = [p.ds_tensor.numel() for p in model.parameters()]
+            full = [p.ds_numel for p in model.parameters()]
+            assert all(loc * dp >= n and (loc - 1) * dp < n for loc, n in zip(local, full)), (local, full)
+        else:
+            config_stage = stage
+            model = reference_model = TinyMLP(seed=3)
         batches = token_batches(num_steps=STEPS, batch=MICRO * gas * dp, seed=4)
-        reference = reference_run(model, batches, lr=LR, clip=clip, optimizer=torch.optim.SGD)
+        reference = reference_run(reference_model, batches, lr=LR, clip=clip, optimizer=torch.optim.SGD)
         config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
                   "gradient_clipping": clip, "optimizer": {"type": "SGD", "params": {"lr": LR}},
                   "steps_per_print": 1000,
-                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
-                                        **(STAGE3_PARTITION_ALL if stage == 3 else {})}}
+                  "zero_optimization": {"stage": config_stage, "reduce_bucket_size": 300,
+                                        **(STAGE3_PARTITION_ALL if config_stage == 3 else {})}}
         engine, *_ = shardwise.initialize(model=copy.deepcopy(model), config=config, mpu=mpu)
         norms = engine_train(engine, batches, rank=dp_rank, world_size=dp, micro=MICRO)
         shards = [b.grad_shard.numel() * dp == b.padded for b in getattr(engine.strategy, "buckets", [])
@@ -156,5 +168,5 @@ def test_zero_reduces_over_the_data_group_of_an_mpu(tmp_path, world_size):
                 assert max(reference_norms) > clip, f"{case}: clipping never happened"
             dp_size, tp_size, same_mpu, halves, buckets, groups_dp, groups_tp = got["split"]
             assert (dp_size, tp_size, same_mpu, groups_dp, groups_tp) == (2, 2, True, 2, 2)
-            if stage >= 2:  # each data rank holds half of every gradient bucket (not a quarter)
+            if stage != 0 and stage != 1:  # each data rank holds half of every gradient bucket (not a quarter)
                 assert halves and buckets >= 2, f"{case}: {buckets} buckets, halves {halves}"
