@@ -76,11 +76,16 @@ class CheckpointSettings:
         self.tensor_comm = None
         if not self.partition_activations:
             return
-        group, _, world_size = tensor_group_of(self.mpu) if self.mpu is not None else (None, 0, 1)
+        if self.mpu is None:  # issue 15: "partition_activations without a tensor group" is an error
+            self.partition_activations = False
+            raise ValueError("activation checkpointing: partition_activations=True needs a tensor-parallel group to "
+                             "split the checkpointed inputs across; pass mpu_ (your Megatron mpu, or engine.grid) to "
+                             "shardwise.checkpointing.configure(), or set partition_activations to false")
+        group, _, world_size = tensor_group_of(self.mpu)
         if world_size > 1:
             self.tensor_comm = Communicator(group, timeout_s=self.comm_timeout_s, name="tensor-parallel")
             return
-        where = "no mpu_" if self.mpu is None else "a tensor-parallel group of 1 rank"
+        where = "a tensor-parallel group of 1 rank"
         layout = (", and contiguous_memory_optimization has no partitions to lay out"
                   if self.contiguous_memory_optimization else "")
         log_dist(f"activation checkpointing: partition_activations=True with {where}: each rank keeps its "

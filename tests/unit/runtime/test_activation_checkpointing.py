@@ -139,9 +139,22 @@ def test_integer_inputs_and_parameters_are_kept_by_reference():
     assert weight.grad is not None
 
 
-def test_partition_activations_without_a_tensor_group_keeps_inputs_whole_and_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="shardwise"):
+def test_partition_activations_needs_a_tensor_group_and_keeps_inputs_whole_on_one_rank(caplog):
+    with pytest.raises(ValueError, match="needs a tensor-parallel group"):
         checkpointing.configure(None, partition_activations=True)
+
+    class OneRank:  # an mpu whose tensor-parallel group is this rank alone
+        def get_tensor_model_parallel_group(self):
+            return None
+
+        def get_tensor_model_parallel_rank(self):
+            return 0
+
+        def get_tensor_model_parallel_world_size(self):
+            return 1
+
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        checkpointing.configure(OneRank(), partition_activations=True)
     assert "nothing to divide" in caplog.text and "pass an mpu_" in caplog.text
     x = torch.randn(4, 8, requires_grad=True)
     saved, _ = _saved(lambda: checkpointing.checkpoint(nn.Linear(8, 8), x))
