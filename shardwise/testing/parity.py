@@ -117,3 +117,26 @@ def grad_bytes_outside(module, counted: list[torch.Tensor]) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def full_parameters(engine) -> dict[str, torch.Tensor]:
+    """Every parameter of ``engine.module`` as a single-process model holds it (collective):
+    ZeRO-3 partitions gathered, tensor-parallel shards all-gathered over the grid's tensor
+    group and put back in the original layout (``shardwise.tensor_parallel.autotp.full_tensor``)."""
+    import torch.distributed as dist
+
+    from shardwise.tensor_parallel import shard_info
+    from shardwise.tensor_parallel.autotp import full_tensor
+    from shardwise.zero import GatheredParameters
+
+    group = engine.grid.get_tensor_model_parallel_group()
+    out = {}
+    with GatheredParameters(list(engine.module.parameters())):
+        for name, p in engine.module.named_parameters():
+            value = p.detach().clone()
+            if shard_info(p) is not None:
+                pieces = [torch.empty_like(value) for _ in range(engine.grid.tensor)]
+                dist.all_gather(pieces, value.contiguous(), group=group)
+                value = full_tensor(pieces, p)
+            out[name] = value
+    return out

@@ -11,7 +11,7 @@ import transformers
 
 import shardwise
 from shardwise.testing import run_distributed
-from shardwise.testing.parity import STAGE3_PARTITION_ALL
+from shardwise.testing.parity import STAGE3_PARTITION_ALL, full_parameters
 
 MICRO, STEPS, VOCAB, SEQ = 2, 3, 64, 8
 OF_MOVEMENT = {"SGD": 1e-4, "AdamW": 2e-3}
@@ -65,27 +65,6 @@ def _reference(model, batches, *, lr, clip, optimizer):
     return model, norms
 
 
-def _full_state(engine) -> dict:
-    """Every parameter as the single-process model holds it: ZeRO-3 partitions gathered,
-    tensor-parallel shards all-gathered over the tensor group and put back in Hugging
-    Face's layout."""
-    from shardwise.tensor_parallel import shard_info
-    from shardwise.tensor_parallel.autotp import full_tensor
-    from shardwise.zero import GatheredParameters
-
-    group = engine.grid.get_tensor_model_parallel_group()
-    out = {}
-    with GatheredParameters(list(engine.module.parameters())):
-        for name, p in engine.module.named_parameters():
-            value = p.detach().clone()
-            if shard_info(p) is not None:
-                pieces = [torch.empty_like(value) for _ in range(engine.grid.tensor)]
-                dist.all_gather(pieces, value.contiguous(), group=group)
-                value = full_tensor(pieces, p)
-            out[name] = value
-    return out
-
-
 def _train(engine, batches, *, gas):
     dp, dp_rank = engine.grid.data, engine.grid.get_data_parallel_rank()
     norms = []
@@ -118,7 +97,7 @@ def _case(family, *, stage, gas, clip, tp, opt="SGD", extra=None):
     split = {n: (local_numel[n], full_numel[n]) for n, p in engine.module.named_parameters()
              if getattr(p, "tensor_model_parallel", False)}
     norms = _train(engine, batches, gas=gas)
-    got = _full_state(engine)
+    got = full_parameters(engine)
     ref = dict(reference.named_parameters())
     initial = dict(model.named_parameters())
     diff = max((got[n] - ref[n].detach()).abs().max().item() for n in ref)
@@ -188,7 +167,7 @@ def _custom_and_errors(rank, world_size):
     for tokens, targets in batches:
         engine.backward(engine(tokens, targets))
         engine.step()
-    got = _full_state(engine)
+    got = full_parameters(engine)
     out["custom"] = (max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()),
                      max((p.detach() - q.detach()).abs().max().item()
                          for p, q in zip(reference.parameters(), model.parameters())),
