@@ -99,12 +99,25 @@ def _train(rank, world_size):
             diff = max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
             out[(sp, stage)] = (diff, moved, norms, ref_norms, tuple(engine.module.fc1.weight.shape)
                                 if stage != 3 else tuple(engine.module.fc1.weight.ds_shape))
+    # fp16: an overflow on one tensor rank's shard only makes every rank skip the step
+    engine, *_ = shardwise.initialize(model=Megatron(Plain(), grid, sequence_parallel=False), mpu=grid, config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "fp16": {"enabled": True, "initial_scale_power": 4}, "steps_per_print": 1000})
+    tokens, targets = token_batches(num_steps=1, batch=MICRO, seq=S, vocab=V, seed=9)[0]
+    engine.backward(engine(tokens, targets))
+    if grid.tensor_rank == 1:
+        with torch.no_grad():
+            engine.module.fc1.weight.grad[0, 0] = float("inf")  # after the data-parallel all-reduce
+    engine.step()
+    out["overflow"] = (engine.was_step_applied(), engine.get_loss_scale())
     return out
 
 
 def test_megatron_layers_train_under_every_zero_stage(tmp_path):
     reports = run_distributed(_train, world_size=4, tmp_path=tmp_path)
     for rank, report in enumerate(reports):
+        # skipped everywhere (hysteresis 2 keeps the scale at 2**4 after one overflow)
+        assert report.pop("overflow") == (False, 16.0), f"rank {rank}: the overflow on tensor rank 1 was not agreed"
         for (sp, stage), (diff, moved, norms, ref_norms, fc1_shape) in report.items():
             case = f"rank {rank} sequence_parallel={sp} stage {stage}"
             assert diff < 1e-4 * moved, f"{case}: max |diff| {diff:.3g}, training moved {moved:.3g}"
