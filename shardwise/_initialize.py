@@ -66,6 +66,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``; the last three may be None.
     """
+    from shardwise.pipe.engine import PipelineEngine
+    from shardwise.pipe.module import PipelineModule
     from shardwise.runtime.engine import Engine
 
     if model is None:
@@ -84,7 +86,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError(f"tensor_parallel.autotp_size={tp_size} does not divide the {dist.get_world_size()} "
                          "rank(s): each tensor-parallel group needs autotp_size ranks; change autotp_size or the "
                          "number of processes")
-    grid = ParallelGrid.from_mpu(mpu) if mpu is not None else ParallelGrid.build(tensor=max(tp_size, 1))
+    pipeline = isinstance(model, PipelineModule)
+    if pipeline and (mpu is not None or tp_size > 1):
+        raise ValueError("a PipelineModule brings its own grid (num_stages= / topology=); give tensor parallelism "
+                         "through its topology's 'model' axis, not mpu= or tensor_parallel.autotp_size")
+    if pipeline:
+        grid = model.mpu()
+    else:
+        grid = ParallelGrid.from_mpu(mpu) if mpu is not None else ParallelGrid.build(tensor=max(tp_size, 1))
     cfg = load_config(source, world_size=grid.data)
     grid.configure_comms(timeout_s=cfg.comm.timeout_s, check_hangs=cfg.comm.check_hangs)
     if tp_size > 1:
@@ -95,7 +104,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                     "= batch %d", dist.get_world_size(), grid.pipe, grid.data, grid.tensor,
                     cfg.batch.train_micro_batch_size_per_gpu, cfg.batch.gradient_accumulation_steps,
                     cfg.batch.train_batch_size)
-    engine = Engine(model=model, config=cfg, grid=grid, mpu=mpu, optimizer=optimizer,
+    engine_type = PipelineEngine if pipeline else Engine
+    engine = engine_type(model=model, config=cfg, grid=grid, mpu=mpu, optimizer=optimizer,
                     model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                     training_data=training_data, collate_fn=collate_fn)
     groups._set_grid(grid)

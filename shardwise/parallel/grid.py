@@ -181,9 +181,13 @@ class ParallelGrid:
     # -- communicators ----------------------------------------------------------------------
 
     def configure_comms(self, *, timeout_s: float, check_hangs: bool) -> None:
-        """Set the deadline and diagnosis of the communicators not created yet (the config
-        is read after a grid from an ``mpu`` is built)."""
+        """Set the deadline and diagnosis of the communicators to be created (the config
+        is read after a grid from an ``mpu`` is built) and of those created already."""
+        from datetime import timedelta
+
         self._comm_options = {"timeout_s": timeout_s, "check_hangs": check_hangs}
+        for comm in self._comms.values():
+            comm.timeout, comm.check_hangs = timedelta(seconds=timeout_s), check_hangs
 
     def _comm(self, axis: str, label: str) -> Communicator:
         if axis not in self._comms:

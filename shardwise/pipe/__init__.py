@@ -1,9 +1,14 @@
-"""``deepspeed.pipe``: pipeline parallelism's public names.
+"""``deepspeed.pipe``: pipeline parallelism.
 
-The process topologies live in ``shardwise.parallel`` (the grid every parallelism shares);
-they are re-exported here where DeepSpeed's users import them.
+``PipelineModule`` / ``LayerSpec`` / ``TiedLayerSpec`` describe the model as a list of
+layers cut into stages (``module.py``); schedules are pure action lists (``schedules.py``);
+``PipelineEngine`` executes them (``engine.py``). The process topologies live in
+``shardwise.parallel`` (the grid every parallelism shares) and are re-exported here where
+DeepSpeed's users import them.
 """
 
 from shardwise.parallel.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+from shardwise.pipe.module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec
 
-__all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "ProcessTopology"]
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineError",
+           "PipelineModule", "ProcessTopology", "TiedLayerSpec"]

@@ -404,18 +404,19 @@ class ShardedStrategy:
         self.zero_grad()
         return StepResult(True, float(norm))
 
-    def _replicated_grad_views(self) -> list[torch.Tensor]:
-        """The parts of this rank's gradient shards that belong to parameters every tensor
-        rank holds a copy of (none without tensor parallelism)."""
-        if self.model_parallel.tensor == 1:
+    def _replicated_grad_views(self) -> list[tuple[torch.Tensor, float]]:
+        """The parts of this rank's gradient shards whose parameters other ranks hold
+        copies of (see ``ModelParallel.weight``), with their weight; none without tensor
+        parallelism or tied pipeline weights."""
+        if not self.model_parallel.comms:
             return []
         views, rank = [], self.comm.rank
         for bucket in self.buckets:
             low = rank * bucket.shard
             for p, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 start, end = max(offset, low), min(offset + shape.numel(), low + bucket.shard)
-                if start < end and self.model_parallel.replicated(p):
-                    views.append(bucket.grad_shard[start - low:end - low])
+                if start < end and (weight := self.model_parallel.weight(p)) != 1.0:
+                    views.append((bucket.grad_shard[start - low:end - low], weight))
         return views
 
     def _copy_masters_to_params(self, buckets: list[_Bucket]) -> None:

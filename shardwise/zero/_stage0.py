@@ -276,7 +276,8 @@ class Stage0Strategy:
         grads = self._grads_for_optimizer(1.0 / loss_scale)
         if self.model_parallel.comms:  # see [Note: the global norm over the grid] in _strategy.py
             mp = self.model_parallel
-            square = mp.local_square(grads, [g for p, g in zip(self.trainable, grads) if mp.replicated(p)])
+            square = mp.local_square(grads, [(g, w) for p, g in zip(self.trainable, grads)
+                                             if (w := mp.weight(p)) != 1.0])
             square = square.to(grads[0].device if grads else square.device).reshape(1)
             mp.reduce_(square)
             norm = square.clamp_min(0).sqrt()[0]

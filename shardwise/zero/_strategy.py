@@ -37,7 +37,9 @@ class ModelParallel:
     tensor and pipeline groups of size > 1). Tensor-parallel slices are distinct on each
     tensor rank and count fully; parameters every tensor rank holds a copy of (LayerNorm
     weights, row-parallel biases) would count ``tensor`` times, so their squares are
-    weighted ``1 / tensor`` before the sum. An infinite or NaN gradient anywhere makes the
+    weighted ``1 / tensor`` before the sum; likewise a tied weight held by ``k`` pipeline
+    stages (``param.pipe_copies``, set by the pipeline engine) is weighted ``1 / k``. An
+    infinite or NaN gradient anywhere makes the
     sum non-finite on every rank, so every rank of the grid skips the same fp16 step.
     """
 
@@ -52,18 +54,21 @@ class ModelParallel:
         comms = tuple(c for size, c in ((grid.tensor, "tensor_comm"), (grid.pipe, "pipe_comm")) if size > 1)
         return cls(tensor=grid.tensor, comms=tuple(getattr(grid, c) for c in comms))
 
-    def replicated(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is a copy held by every tensor rank (weighted ``1/tensor``)."""
-        return self.tensor > 1 and not is_tensor_parallel(param)
+    def weight(self, param: torch.Tensor) -> float:
+        """How much ``param``'s squares count: ``1 / tensor`` for a copy every tensor rank
+        holds, ``1 / k`` for a tied weight held by ``k`` pipeline stages, else 1."""
+        weight = 1.0 / self.tensor if self.tensor > 1 and not is_tensor_parallel(param) else 1.0
+        return weight / getattr(param, "pipe_copies", 1)
 
-    def local_square(self, grads: list[torch.Tensor], replicated: list[torch.Tensor]) -> torch.Tensor:
-        """Sum of squares of ``grads`` (fp64), the elements also in ``replicated`` (views
-        into them) weighted ``1 / tensor``."""
+    def local_square(self, grads: list[torch.Tensor], weighted: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+        """Sum of squares of ``grads`` (fp64), the elements also in ``weighted`` (views
+        into them, with their weight below 1) counted at that weight."""
         total = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() if grads \
             else torch.zeros((), dtype=torch.float64)
-        if replicated and self.tensor > 1:
-            copies = torch.stack(torch._foreach_norm(replicated)).double().pow(2).sum()
-            total = total - (1.0 - 1.0 / self.tensor) * copies.to(total.device)
+        if weighted:
+            norms = torch.stack(torch._foreach_norm([v for v, _ in weighted])).double().pow(2)
+            factors = torch.tensor([1.0 - w for _, w in weighted], dtype=torch.float64, device=norms.device)
+            total = total - (factors * norms).sum().to(total.device)
         return total
 
     def reduce_(self, square: torch.Tensor) -> None:

@@ -1,5 +1,7 @@
 """``deepspeed.runtime.pipe``: see ``shardwise.pipe``."""
 
 from shardwise.parallel.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+from shardwise.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
-__all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "ProcessTopology"]
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
+           "ProcessTopology", "TiedLayerSpec"]

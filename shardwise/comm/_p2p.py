@@ -1,0 +1,26 @@
+"""Point-to-point transfers with the same deadline and diagnosis as the collectives.
+
+A send or receive between pipeline stages goes through the pipe axis' Communicator: it
+is numbered, counted and waited on with ``comm.timeout`` like any collective, so a peer
+that died or diverged is named instead of the job hanging (see [Note: deadlines on every
+collective] in ``_deadline.py``). ``peer`` is a global rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm._collectives import Communicator, Handle
+
+
+def send(comm: Communicator, tensor: torch.Tensor, peer: int, *, tag: str = "") -> Handle:
+    """Start sending ``tensor`` (contiguous) to global rank ``peer``."""
+    record = comm._record("send", tensor, f"to rank {peer}" + (f", {tag}" if tag else ""))
+    return Handle(comm, dist.isend(tensor, dst=peer, group=comm.group), record)
+
+
+def recv(comm: Communicator, tensor: torch.Tensor, peer: int, *, tag: str = "") -> Handle:
+    """Start receiving into ``tensor`` (contiguous) from global rank ``peer``."""
+    record = comm._record("recv", tensor, f"from rank {peer}" + (f", {tag}" if tag else ""))
+    return Handle(comm, dist.irecv(tensor, src=peer, group=comm.group), record)

@@ -1,0 +1,95 @@
+"""Sending a stage's outputs (any pytree) to a neighbour stage, and gradients back.
+
+[Note: pytree transfers with a shape handshake]
+What flows between stages may be a tensor, a tuple, a dict, tensors that need no
+gradient and non-tensor values, and its shapes may change between micro-batches (a
+variable sequence length). Each transfer starts with a two-element header: whether the
+description of the payload (tree structure, each leaf's shape / dtype / requires_grad,
+non-tensor leaves' values) differs from the previous transfer on this channel, and the
+byte length of the new description, which then follows. The tensors follow one by one.
+So a steady run of equal shapes costs one 16-byte header per transfer, and a new shape
+one extra small message. Sends are asynchronous and their handles are waited on before
+the batch ends (a stage never blocks on its own send, which could deadlock two stages
+sending to each other); receives are waited on when their data is needed. The peers are
+the job's own ranks (the description is pickled, as ``all_gather_object`` does).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
+
+from shardwise.comm import Communicator, Handle
+from shardwise.comm._p2p import recv, send
+
+
+def _describe(leaves) -> tuple:
+    return tuple(("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."), bool(x.requires_grad))
+                 if isinstance(x, torch.Tensor) else ("value", x) for x in leaves)
+
+
+class Channel:
+    """One direction between this stage and one neighbour (``peer``, a global rank)."""
+
+    def __init__(self, comm: Communicator, peer: int, *, what: str, device: torch.device):
+        self.comm, self.peer, self.what, self.device = comm, peer, what, device
+        self._sent_meta = None
+        self._received_meta = None
+        self.pending: list[tuple[Handle, object]] = []
+        """Sends in flight with the tensors they read (kept alive until waited on)."""
+
+    def send(self, obj, *, tag: str) -> None:
+        leaves, spec = tree_flatten(obj)
+        meta = (treespec_dumps(spec), _describe(leaves))
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        blob = None
+        if meta != self._sent_meta:
+            blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(self.device)
+            header[0], header[1] = 1, blob.numel()
+            self._sent_meta = meta
+        self._send(header, tag)
+        if blob is not None:
+            self._send(blob, tag)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                self._send(leaf.detach().contiguous(), tag)
+
+    def _send(self, tensor: torch.Tensor, tag: str) -> None:
+        self.pending.append((send(self.comm, tensor, self.peer, tag=f"{self.what} {tag}"), tensor))
+
+    def recv(self, *, tag: str):
+        """The next object sent on this channel; floating tensors the sender had requiring
+        grad come back requiring grad (leaves of this stage's graph)."""
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        recv(self.comm, header, self.peer, tag=f"{self.what} {tag}").wait()
+        if int(header[0]):
+            blob = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
+            recv(self.comm, blob, self.peer, tag=f"{self.what} {tag}").wait()
+            self._received_meta = pickle.loads(blob.cpu().numpy().tobytes())
+        if self._received_meta is None:
+            raise RuntimeError(f"{self.what} from rank {self.peer}: no payload description was received")
+        spec, described = self._received_meta
+        spec = treespec_loads(spec)
+        leaves, handles, tensors = [], [], []
+        for item in described:
+            if item[0] == "value":
+                leaves.append(item[1])
+                continue
+            _, shape, dtype, requires_grad = item
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            handles.append(recv(self.comm, tensor, self.peer, tag=f"{self.what} {tag}"))
+            tensors.append((len(leaves), requires_grad))
+            leaves.append(tensor)
+        for handle in handles:
+            handle.wait()
+        for index, requires_grad in tensors:
+            leaves[index].requires_grad_(requires_grad and leaves[index].is_floating_point())
+        return tree_unflatten(leaves, spec)
+
+    def finish(self) -> None:
+        """Wait for every send in flight."""
+        for handle, _ in self.pending:
+            handle.wait()
+        self.pending.clear()

@@ -1,0 +1,379 @@
+"""The pipeline engine: runs a schedule's actions for one batch on this stage.
+
+[Note: one batch on one stage]
+``train_batch`` builds this stage's action list from the schedule (a pure function, see
+``schedules.py``) and executes it: the first and the last stage read each micro-batch
+``(inputs, labels)`` from the data iterator (inputs feed the first stage, labels the loss
+on the last); activations and gradients travel as pytrees over the pipe axis (see [Note:
+pytree transfers with a shape handshake] in ``_transfer.py``). Each backward goes
+through the ZeRO strategy like the ordinary engine's, with the last micro-batch's
+backward as the accumulation boundary, so gradients are reduced over the data-parallel
+group once per batch, overlapped with that backward. The loss of every micro-batch is
+divided by their number, so the step sees the batch's mean gradient.
+
+Tied weights (``TiedLayerSpec``) are used on several stages. Their gradients must be
+summed across those stages before the optimizer sees them, but a stage cannot wait for
+another inside its backward without stalling the schedule. So each stage routes a tied
+weight through :class:`_CaptureGrad`, which keeps that weight's gradient aside instead
+of giving it to the parameter; after the last micro-batch the kept gradients are summed
+over the stages holding the weight and fed to the parameter in one extra backward, which
+is then the accumulation boundary. Every copy gets the same gradient, so they stay equal;
+the global norm counts each copy ``1 / copies`` (see [Note: the global norm over the
+grid] in ``zero/_strategy.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shardwise.accelerator import get_accelerator
+from shardwise.comm import Communicator
+from shardwise.pipe import schedules as sched
+from shardwise.pipe._transfer import Channel
+from shardwise.pipe.module import PipelineError, PipelineModule
+from shardwise.runtime.engine import Engine
+
+logger = logging.getLogger("shardwise")
+
+
+class _CaptureGrad(torch.autograd.Function):
+    """Identity forward; backward adds the gradient to ``store`` and passes none on."""
+
+    @staticmethod
+    def forward(ctx, weight, store):
+        ctx.store = store
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        store = ctx.store
+        store["grad"] = grad.detach().clone() if store.get("grad") is None else store["grad"] + grad
+        return None, None
+
+
+class PipelineEngine(Engine):
+    """The engine ``initialize(model=PipelineModule(...))`` returns (DeepSpeed's
+    ``PipelineEngine``): train with :meth:`train_batch`, evaluate with :meth:`eval_batch`."""
+
+    def __init__(self, *, model: PipelineModule, config, grid, **kwargs):
+        super().__init__(model=model, config=config, grid=grid, **kwargs)
+        self.num_stages, self.stage_id = grid.pipe, grid.stage_id
+        self.micro_batches = self.gradient_accumulation_steps()
+        section = config.raw.get("pipeline") or {}
+        self.schedule_name = section.get("schedule", "1f1b")
+        self.schedule_options = {k: section[k] for k in ("virtual_stages",) if k in section}
+        device = get_accelerator().device()
+        pipe = grid.pipe_comm
+        self._to_next = self._from_next = self._to_prev = self._from_prev = None
+        if not self.is_last_stage():
+            nxt = grid.stage_to_global(self.stage_id + 1)
+            self._to_next = Channel(pipe, nxt, what="activation", device=device)
+            self._from_next = Channel(pipe, nxt, what="gradient", device=device)
+        if not self.is_first_stage():
+            prev = grid.stage_to_global(self.stage_id - 1)
+            self._from_prev = Channel(pipe, prev, what="activation", device=device)
+            self._to_prev = Channel(pipe, prev, what="gradient", device=device)
+        self._tied = []
+        for key, param, ranks, group in model.tied_weights():
+            comm = Communicator(group, timeout_s=config.comm.timeout_s, name=f"tied weight {key}")
+            with torch.no_grad():
+                comm.broadcast(param.data, src=0, tag=f"tied weight {key}").wait()  # the first stage's copy
+            param.pipe_copies = len(ranks)
+            self._tied.append((key, param, comm, {"grad": None}))
+        self._install_tied_capture()
+        self.data_iterator = None
+        self.agg_train_loss: torch.Tensor | None = None
+
+    # -- stages -----------------------------------------------------------------------------
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator) -> None:
+        """The iterator ``train_batch`` / ``eval_batch`` read when not given one."""
+        self.data_iterator = iterator
+
+    # -- what the ordinary engine does and a pipeline does not ------------------------------
+
+    def forward(self, *args, **kwargs):
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) or "
+                            "engine.eval_batch(data_iter) instead of engine(...)")
+
+    def backward(self, *args, **kwargs):
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch(data_iter); it does "
+                            "the backward and the step")
+
+    def step(self, *args, **kwargs):
+        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch(data_iter); it does "
+                            "the backward and the step")
+
+    # -- training ---------------------------------------------------------------------------
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """Run one batch of ``gradient_accumulation_steps`` micro-batches through the
+        pipeline, reduce and step; returns the batch's mean loss on every rank."""
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        actions = sched.build_schedule(self.schedule_name, self.num_stages, self.micro_batches, self.stage_id,
+                                       **self.schedule_options)
+        run = _BatchRun(self, training=True)
+        with self._progress.timer("forward"):
+            for action in actions:
+                run.execute(action)
+        run.finish()
+        if not run.stepped:
+            self._reduce_and_step()
+        self.agg_train_loss = self._batch_loss(run.losses)
+        self._progress.record_loss(self.agg_train_loss)
+        self._progress.after_model_step()
+        return self.agg_train_loss
+
+    def _reduce_and_step(self) -> None:
+        if self._tied:
+            self._feed_tied_gradients()
+        self._take_model_step(None)
+        self.micro_steps += self.micro_batches
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.micro_batches * self.comm.world_size
+
+    def _install_tied_capture(self) -> None:
+        """Make every use of a tied weight on this stage go through :class:`_CaptureGrad`."""
+        from functools import partial
+
+        funcs = self.module.forward_funcs
+        for key, param, _, store in self._tied:
+            module = self.module.tied_modules[key]
+            name = next(n for n, p in module.named_parameters() if p is param)
+            owner, attr = _owner(module, name)
+            for index, fn in enumerate(funcs):
+                if fn is module or (isinstance(fn, partial) and fn.args and fn.args[0] is module):
+                    funcs[index] = _CapturedCall(fn, owner, attr, store)
+
+    def _feed_tied_gradients(self) -> None:
+        """Sum the kept tied-weight gradients over the stages holding them and give them to
+        the parameters in one backward, the accumulation boundary (see [Note: one batch on
+        one stage])."""
+        outputs, grads = [], []
+        for key, param, comm, store in self._tied:
+            grad = store["grad"] if store["grad"] is not None else torch.zeros_like(param)
+            store["grad"] = None
+            comm.all_reduce(grad, tag=f"tied weight {key} gradient").wait()
+            outputs.append(param * 1.0)
+            grads.append(grad)
+        self.strategy.pre_backward(boundary=True, sync=True)
+        torch.autograd.backward(outputs, grads)
+        self.strategy.finalize_backward()
+
+    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The batch's mean loss: averaged over micro-batches and data-parallel ranks on the
+        last stage, then broadcast to every stage (DeepSpeed's ``agg_train_loss``)."""
+        device = get_accelerator().device()
+        loss = torch.stack([x.float() for x in losses]).mean().reshape(1) if losses \
+            else torch.zeros(1, device=device)
+        loss = loss.to(device)
+        if self.is_last_stage() and self.comm.world_size > 1:
+            self.comm.all_reduce(loss, tag="batch loss").wait()
+            loss /= self.comm.world_size
+        if self.num_stages > 1:
+            self.grid.pipe_comm.broadcast(loss, src=self.num_stages - 1, tag="batch loss").wait()
+        return loss[0]
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg"):
+        """Forward ``gradient_accumulation_steps`` micro-batches without gradients; returns
+        the mean loss (``reduce_output="avg"``) or the list of losses (None), and with
+        ``return_logits`` also the last stage's outputs (``(loss, logits)``)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self.set_dataiterator(data_iter)
+        self.module.eval()
+        run = _BatchRun(self, training=False, compute_loss=compute_loss)
+        with torch.no_grad():
+            for action in sched.build_schedule("eval", self.num_stages, self.micro_batches, self.stage_id):
+                run.execute(action)
+        run.finish()
+        self.module.train()
+        if reduce_output is None:
+            result = run.losses if compute_loss else run.logits
+        else:
+            result = self._batch_loss(run.losses) if compute_loss else None
+        if return_logits:
+            return result, (run.logits if self.is_last_stage() else None)
+        return result
+
+
+class _BatchRun:
+    """The state of one batch on this stage while its actions execute."""
+
+    def __init__(self, engine: PipelineEngine, *, training: bool, compute_loss: bool = True):
+        self.e, self.training, self.compute_loss = engine, training, compute_loss
+        self.inputs: dict[int, object] = {}
+        self.outputs: dict[int, object] = {}
+        self.labels: dict[int, object] = {}
+        self.grads_in: dict[int, object] = {}
+        self.grads_out: dict[int, object] = {}
+        self.losses: list[torch.Tensor] = []
+        self.logits: list = []
+        self.backwards = 0
+        self.stepped = False
+        self.read = 0
+
+    def execute(self, action) -> None:
+        kind = type(action).__name__
+        handler = getattr(self, "_" + kind, None)
+        if handler is None:
+            raise PipelineError(f"the pipeline runtime has no handler for schedule action {action!r}")
+        handler(action)
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def _next_micro_batch(self, mb: int):
+        e = self.e
+        if e.data_iterator is None:
+            raise PipelineError("train_batch() needs a data iterator: pass one or call set_dataiterator() (or give "
+                                "initialize(training_data=...))")
+        try:
+            batch = next(e.data_iterator)
+        except StopIteration:
+            raise PipelineError(f"the data iterator ran out inside a batch: {self.read} of {e.micro_batches} "
+                                "micro-batches were read (gradient_accumulation_steps micro-batches per "
+                                "train_batch)") from None
+        self.read += 1
+        device = get_accelerator().device()
+        batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise PipelineError(f"micro-batch {mb}: a pipeline data iterator yields (inputs, labels) pairs, got "
+                                f"{type(batch).__name__}")
+        return batch
+
+    # -- actions --------------------------------------------------------------------------------
+
+    def _RecvActivation(self, a) -> None:  # noqa: N802 -- named after the action
+        self.inputs[a.micro_batch] = self.e._from_prev.recv(tag=f"micro-batch {a.micro_batch}")
+
+    def _SendActivation(self, a) -> None:  # noqa: N802
+        self.e._to_next.send(self.outputs[a.micro_batch], tag=f"micro-batch {a.micro_batch}")
+        if not self.training:
+            self.outputs.pop(a.micro_batch)
+
+    def _RecvGrad(self, a) -> None:  # noqa: N802
+        self.grads_in[a.micro_batch] = self.e._from_next.recv(tag=f"micro-batch {a.micro_batch}")
+
+    def _SendGrad(self, a) -> None:  # noqa: N802
+        self.e._to_prev.send(self.grads_out.pop(a.micro_batch), tag=f"micro-batch {a.micro_batch}")
+
+    def _Forward(self, a) -> None:  # noqa: N802
+        e, mb = self.e, a.micro_batch
+        first, last = e.is_first_stage(), e.is_last_stage()
+        if first or last:
+            inputs, labels = self._next_micro_batch(mb)
+            if first:
+                self.inputs[mb] = inputs
+            self.labels[mb] = labels
+        x = self.inputs[mb]
+        if self.training and first:  # the first stage's inputs need no gradient
+            x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x)
+        out = e.module(*e.policy.cast_inputs(x if isinstance(x, tuple) else (x,)))
+        if last:
+            if self.compute_loss:
+                loss_fn = e.module.loss_fn
+                loss = loss_fn(out, self.labels.pop(mb)) if loss_fn is not None else out
+                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                    raise PipelineError("the last stage's loss is not a scalar tensor: give PipelineModule a "
+                                        "loss_fn(outputs, labels), or make the last layer return the loss")
+                self.losses.append(loss.detach())
+                out_for_backward = loss
+            else:
+                out_for_backward = out
+            if not self.training:
+                self.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
+            self.outputs[mb] = out_for_backward
+        else:
+            self.outputs[mb] = out
+        if not self.training:  # nothing is kept for a backward
+            self.inputs.pop(mb, None)
+            if last:
+                self.outputs.pop(mb, None)
+
+    def _Backward(self, a) -> None:  # noqa: N802
+        self._backward(a.micro_batch)
+
+    def _BackwardInput(self, a) -> None:  # noqa: N802 -- the combined backward does both halves
+        self._backward(a.micro_batch)
+
+    def _BackwardWeight(self, a) -> None:  # noqa: N802 -- done with its BackwardInput
+        pass
+
+    def _backward(self, mb: int) -> None:
+        e = self.e
+        self.backwards += 1
+        boundary = self.backwards == e.micro_batches and not e._tied
+        with e._progress.timer("backward"):
+            e.strategy.pre_backward(boundary=boundary, sync=True)
+            out = self.outputs.pop(mb)
+            if e.is_last_stage():
+                scaled = out.float() / e.micro_batches
+                if e.loss_scaler is not None:
+                    scaled = scaled * e.loss_scaler.scale
+                scaled.backward()
+            else:
+                grads = self.grads_in.pop(mb)
+                outs, _ = tree_flatten(out)
+                gs, _ = tree_flatten(grads)
+                pairs = [(o, g) for o, g in zip(outs, gs)
+                         if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            e.strategy.finalize_backward()
+        if not e.is_first_stage():
+            x = self.inputs.pop(mb)
+            self.grads_out[mb] = tree_map(
+                lambda t: (t.grad if t.grad is not None else torch.zeros_like(t))
+                if isinstance(t, torch.Tensor) and t.requires_grad else None, x)
+        else:
+            self.inputs.pop(mb, None)
+
+    def _ReduceGrads(self, a) -> None:  # noqa: N802 -- reduced with the boundary backward
+        pass
+
+    def _OptimizerStep(self, a) -> None:  # noqa: N802
+        self.finish()
+        self.e._reduce_and_step()
+        self.stepped = True
+
+    def finish(self) -> None:
+        """Wait for the sends still in flight."""
+        for channel in (self.e._to_next, self.e._to_prev):
+            if channel is not None:
+                channel.finish()
+
+
+def _owner(module: torch.nn.Module, dotted: str):
+    *path, name = dotted.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, name
+
+
+class _CapturedCall:
+    """Call ``fn`` with ``owner.<attr>`` seen as ``_CaptureGrad(param)`` for the call."""
+
+    def __init__(self, fn, owner: torch.nn.Module, attr: str, store: dict):
+        self.fn, self.owner, self.attr, self.store = fn, owner, attr, store
+
+    def __call__(self, x):
+        param = self.owner._parameters.pop(self.attr)
+        try:
+            self.owner.__dict__[self.attr] = _CaptureGrad.apply(param, self.store)
+            return self.fn(x)
+        finally:
+            self.owner.__dict__.pop(self.attr, None)
+            self.owner._parameters[self.attr] = param

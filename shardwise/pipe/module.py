@@ -1,0 +1,372 @@
+"""``PipelineModule``: a model given as a list of layers, cut into pipeline stages.
+
+[Note: a stage builds only its own layers]
+Every rank holds the whole list of layer *specs* (``LayerSpec``: a class and its
+arguments, cheap to keep) but builds only the layers of its stage, so no rank ever
+materialises another stage's parameters. Layers are registered under their global index
+(``"3.weight"``) and tied layers under ``tied_modules.<key>``, the names DeepSpeed uses:
+a parameter's name says which layer it belongs to, not which stage holds it, so
+checkpoints and exports read the same on any number of stages.
+
+Tied layers (``TiedLayerSpec`` with one ``key``: an embedding reused as the output head)
+are built once per stage that uses them; the first such stage's weights are broadcast
+to the others at start, and their gradients are summed over the stages holding them
+before every optimizer step, so the copies stay identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("shardwise")
+
+
+class PipelineError(Exception):
+    """A pipeline model or schedule is set up wrongly."""
+
+
+class LayerSpec:
+    """A layer to build later, on the stage that owns it: ``typename(*args, **kwargs)``."""
+
+    def __init__(self, typename: type, *module_args, **module_kwargs):
+        if not isinstance(typename, type) or not issubclass(typename, nn.Module):
+            raise PipelineError(f"LayerSpec needs an nn.Module class, got {typename!r}")
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def build(self, log: bool = False) -> nn.Module:
+        if log:
+            logger.info("building %r", self)
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+    def __repr__(self) -> str:
+        args = [repr(a) for a in self.module_args] + [f"{k}={v!r}" for k, v in self.module_kwargs.items()]
+        return f"{self.typename.__name__}({', '.join(args)})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose weights are shared by every use of the same ``key`` (DeepSpeed's).
+
+    Args:
+        key: uses with the same key share one module (and, across stages, its weights).
+        typename, module_args, module_kwargs: as :class:`LayerSpec`.
+        forward_fn: called as ``forward_fn(module, x)`` instead of ``module(x)`` (the
+            output head that reuses an embedding's weight).
+        tied_weight_attr: the attribute(s) of the module that are tied across stages.
+    """
+
+    def __init__(self, key: str, typename: type, *module_args, forward_fn: Callable | None = None,
+                 tied_weight_attr: str | Sequence[str] = "weight", **module_kwargs):
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """Boundaries ``[0, ..., num_items]`` cutting ``num_items`` into ``num_parts`` runs
+    whose lengths differ by at most one (longer runs first)."""
+    base, extra = divmod(num_items, num_parts)
+    bounds = [0]
+    for part in range(num_parts):
+        bounds.append(bounds[-1] + base + (1 if part < extra else 0))
+    return bounds
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
+    """Boundaries cutting ``weights`` into ``num_parts`` contiguous runs that minimise the
+    heaviest run (bisection over the heaviest run's weight with a greedy packing; every
+    part gets at least one item)."""
+    n = len(weights)
+    if n < num_parts:
+        raise PipelineError(f"{n} layer(s) cannot fill {num_parts} pipeline stages; give at least one layer "
+                            "per stage")
+
+    def pack(limit: float) -> list[int]:
+        bounds, total = [0], 0.0
+        for i, w in enumerate(weights):
+            if total + w > limit and i > bounds[-1]:
+                bounds.append(i)
+                total = 0.0
+            total += w
+        return bounds + [n]
+
+    low, high = float(max(weights, default=0.0)), float(sum(weights))
+    for _ in range(100):
+        if high - low <= 1e-9 * max(1.0, high):
+            break
+        mid = (low + high) / 2
+        if len(pack(mid)) - 1 <= num_parts:
+            high = mid
+        else:
+            low = mid
+    bounds = pack(high)
+    while len(bounds) - 1 < num_parts:  # fewer runs than parts: split the longest (no run gets heavier)
+        k = max(range(len(bounds) - 1), key=lambda j: bounds[j + 1] - bounds[j])
+        bounds.insert(k + 1, (bounds[k] + bounds[k + 1] + 1) // 2)
+    return bounds
+
+
+def _param_count(layer) -> int:
+    """Trainable parameters of one entry of the layer list, counted without allocating."""
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters() if p.requires_grad)
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):
+            module = layer.build()
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return 0
+
+
+def _type_name(layer) -> str:
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if isinstance(layer, nn.Module):
+        return type(layer).__name__
+    return getattr(layer, "__name__", type(layer).__name__)
+
+
+class PipelineModule(nn.Module):
+    """DeepSpeed's ``PipelineModule``: ``layers`` run one after another, cut into stages.
+
+    torch.distributed must be started (``shardwise.init_distributed()``) before building
+    one: the stage boundaries and the grid are decided here.
+
+    Args:
+        layers: ``LayerSpec`` / ``TiedLayerSpec`` (built on the owning stage only),
+            ``nn.Module`` objects, or plain callables (e.g. a lambda reshaping the input).
+        num_stages: pipeline stages (the world must divide into them); or give ``topology``.
+        topology: a ``ProcessTopology`` with a ``pipe`` axis (and ``data``, ``model``).
+        loss_fn: ``loss_fn(outputs, labels)`` on the last stage; None: the last layer's
+            output is the loss.
+        seed_layers / seed_fn / base_seed: seed ``base_seed + layer index`` before building
+            each layer (with ``seed_fn``, or ``torch.manual_seed``), so a layer's initial
+            weights do not depend on the number of stages.
+        partition_method: ``"parameters"`` (balance trainable parameters), ``"uniform"``
+            (balance layer counts), ``"type:<regex>"`` (balance layers whose class name
+            matches), or explicit boundaries (a list of ``num_stages + 1`` layer indices).
+        activation_checkpoint_interval: recompute every this many layers in backward (0: off).
+        activation_checkpoint_func: the checkpoint function (``shardwise.checkpointing.checkpoint``).
+        checkpointable_layers: class names that may be checkpointed (None: all).
+    """
+
+    def __init__(self, layers, num_stages: int | None = None, topology=None, loss_fn=None, seed_layers: bool = False,
+                 seed_fn=None, base_seed: int = 1234, partition_method="parameters",
+                 activation_checkpoint_interval: int = 0, activation_checkpoint_func=None,
+                 checkpointable_layers=None):
+        super().__init__()
+        from shardwise.parallel import ParallelGrid
+
+        if num_stages is None and topology is None:
+            raise PipelineError("PipelineModule needs num_stages= or topology=")
+        if topology is not None:
+            grid = ParallelGrid.from_topology(topology)
+            if num_stages is not None and num_stages != grid.pipe:
+                raise PipelineError(f"num_stages={num_stages} disagrees with the topology's pipe axis ({grid.pipe})")
+        else:
+            import torch.distributed as dist
+
+            if not isinstance(num_stages, int) or num_stages < 1 or dist.get_world_size() % num_stages:
+                raise PipelineError(f"num_stages={num_stages!r} must be a positive integer dividing the "
+                                    f"{dist.get_world_size()} rank(s)")
+            grid = ParallelGrid.build(pipe=num_stages)
+        self._grid = grid
+        self.num_stages = grid.pipe
+        self.stage_id = grid.stage_id
+        self._layer_specs = list(layers)
+        if len(self._layer_specs) < self.num_stages:
+            raise PipelineError(f"{len(self._layer_specs)} layer(s) cannot fill {self.num_stages} pipeline stages")
+        self.loss_fn = loss_fn
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        if activation_checkpoint_func is None:
+            from shardwise.runtime.activation_checkpointing.checkpointing import checkpoint
+
+            activation_checkpoint_func = checkpoint
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = checkpointable_layers
+        self.parts = self._partition(partition_method)
+        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.forward_funcs: list = []
+        self._build()
+        self._tied_groups = self._tie_across_stages()
+
+    # -- partitioning ---------------------------------------------------------------------
+
+    def _partition(self, method) -> list[int]:
+        n, p = len(self._layer_specs), self.num_stages
+        if isinstance(method, (list, tuple)):
+            bounds = [int(b) for b in method]
+            if len(bounds) != p + 1 or bounds[0] != 0 or bounds[-1] != n or any(
+                    b <= a for a, b in zip(bounds, bounds[1:])):
+                raise PipelineError(f"partition_method={list(method)}: explicit boundaries must be {p + 1} increasing "
+                                    f"layer indices from 0 to {n}")
+            return bounds
+        if not isinstance(method, str):
+            raise PipelineError(f"partition_method must be a string or a list of boundaries, got {method!r}")
+        lowered = method.lower()
+        if lowered == "uniform":
+            return partition_uniform(n, p)
+        if lowered == "parameters":
+            return partition_balanced([_param_count(layer) for layer in self._layer_specs], p)
+        if lowered.startswith("type:"):
+            pattern = method.split(":", 1)[1]
+            weights = [1 if re.search(pattern, _type_name(layer), re.IGNORECASE) else 0
+                       for layer in self._layer_specs]
+            if not any(weights):
+                raise PipelineError(f"partition_method={method!r} matches no layer; the layer types are "
+                                    f"{sorted({_type_name(layer) for layer in self._layer_specs})}")
+            return partition_balanced(weights, p)
+        raise PipelineError(f"partition_method={method!r} is not one of 'parameters', 'uniform', 'type:<regex>' "
+                            "or a list of boundaries")
+
+    # -- building -------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        tied_shapes: dict[str, dict[str, tuple]] = {}
+        for index in range(self._local_start, self._local_stop):
+            layer = self._layer_specs[index]
+            if self.seed_layers:
+                (self.seed_fn or torch.manual_seed)(self.base_seed + index)
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    self.tied_modules[layer.key] = layer.build()
+                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+                module = self.tied_modules[layer.key]
+                self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
+                tied_shapes.setdefault(layer.key, {a: tuple(_getattr(module, a).shape)
+                                                   for a in layer.tied_weight_attr})
+            elif isinstance(layer, LayerSpec):
+                module = layer.build()
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+            elif isinstance(layer, nn.Module):
+                self.add_module(str(index), layer)
+                self.forward_funcs.append(layer)
+            elif callable(layer):
+                self.forward_funcs.append(layer)
+            else:
+                raise PipelineError(f"layer {index} is {layer!r}: give LayerSpecs, modules or callables")
+        self._tied_shapes = tied_shapes
+
+    def _tie_across_stages(self) -> dict[str, tuple[list[int], object]]:
+        """For every tied key used on more than one stage: the stages using it and the
+        group of ranks (same data and tensor coordinates) holding a copy. Collective."""
+        import torch.distributed as dist
+
+        grid = self._grid
+        users: dict[str, list[int]] = {}
+        for stage in range(self.num_stages):
+            for layer in self._layer_specs[self.parts[stage]:self.parts[stage + 1]]:
+                if isinstance(layer, TiedLayerSpec) and stage not in users.setdefault(layer.key, []):
+                    users[layer.key].append(stage)
+        shapes = grid.pipe_comm.all_gather_object(self._tied_shapes, tag="tied layer shapes")
+        for key in users:
+            seen = {str(s[key]) for s in shapes if key in s}
+            if len(seen) > 1:
+                raise PipelineError(f"tied key {key!r} has different shapes on different stages: {sorted(seen)}; "
+                                    "every TiedLayerSpec with one key must build the same weights")
+        groups = {}
+        for key, stages in sorted(users.items()):
+            if len(stages) < 2:
+                continue
+            mine = None
+            for data in range(grid.data):
+                for tensor in range(grid.tensor):
+                    ranks = [grid.topology().get_rank(pipe=s, data=data, model=tensor) for s in stages]
+                    group = dist.new_group(ranks)
+                    if grid.global_rank in ranks:
+                        mine = (ranks, group)
+            if mine is not None:
+                groups[key] = (stages, mine)
+        return groups
+
+    # -- running --------------------------------------------------------------------------
+
+    def forward(self, inputs):
+        """Run this stage's layers on ``inputs`` (what the previous stage produced)."""
+        x = inputs
+        interval = self.activation_checkpoint_interval
+        funcs = self.forward_funcs
+        if interval <= 0 or not torch.is_grad_enabled():
+            return _run_range(funcs)(*_as_args(x))
+        for start in range(0, len(funcs), interval):
+            chunk = funcs[start:start + interval]
+            args = _as_args(x)
+            # a reentrant recompute needs an input that requires grad (not the token ids)
+            needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
+            run = self.activation_checkpoint_func if needs_grad and self._checkpointable(chunk) else _call_directly
+            x = run(_run_range(chunk), *args)
+        return x
+
+    def _checkpointable(self, funcs) -> bool:
+        if self.checkpointable_layers is None:
+            return any(isinstance(f, nn.Module) and any(p.requires_grad for p in f.parameters()) for f in funcs)
+        return any(type(getattr(f, "func", f)).__name__ in self.checkpointable_layers for f in funcs)
+
+    # -- tied weights -----------------------------------------------------------------------
+
+    def tied_weights(self) -> list[tuple[str, nn.Parameter, list[int], object]]:
+        """``(key, parameter, ranks, group)`` of every tied weight this stage shares with others."""
+        out = []
+        for key, (_, (ranks, group)) in self._tied_groups.items():
+            for attr in self.tied_weight_attrs[key]:
+                out.append((key, _getattr(self.tied_modules[key], attr), ranks, group))
+        return out
+
+    # -- DeepSpeed's accessors --------------------------------------------------------------
+
+    def topology(self):
+        return self._grid.topology()
+
+    def mpu(self):
+        return self._grid
+
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+    def partitions(self) -> list[int]:
+        return list(self.parts)
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The stage that holds layer ``layer_idx``."""
+        if not 0 <= layer_idx < len(self._layer_specs):
+            raise PipelineError(f"layer {layer_idx} is not in this model of {len(self._layer_specs)} layers")
+        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        self.activation_checkpoint_interval = interval
+
+
+def _getattr(module: nn.Module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _as_args(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _call_directly(fn, *args):
+    return fn(*args)
+
+
+def _run_range(funcs):
+    """Run ``funcs`` in order; each takes the previous output as its one argument (a tuple
+    stays a tuple), as DeepSpeed's layers do."""
+    def run(*inputs):
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for fn in funcs:
+            x = fn(x)
+        return x
+    return run
