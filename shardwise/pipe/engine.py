@@ -40,7 +40,8 @@ logger = logging.getLogger("shardwise")
 
 
 class _CaptureGrad(torch.autograd.Function):
-    """Identity forward; backward adds the gradient to ``store`` and passes none on."""
+    """Identity forward; backward adds the gradient to ``store`` and passes zeros on (so
+    the parameter's gradient hooks, which the ZeRO strategies count on, still fire)."""
 
     @staticmethod
     def forward(ctx, weight, store):
@@ -51,7 +52,7 @@ class _CaptureGrad(torch.autograd.Function):
     def backward(ctx, grad):
         store = ctx.store
         store["grad"] = grad.detach().clone() if store.get("grad") is None else store["grad"] + grad
-        return None, None
+        return torch.zeros_like(grad), None
 
 
 class PipelineEngine(Engine):
@@ -77,6 +78,10 @@ class PipelineEngine(Engine):
             self._from_prev = Channel(pipe, prev, what="activation", device=device)
             self._to_prev = Channel(pipe, prev, what="gradient", device=device)
         self._tied = []
+        if model.tied_weights() and config.zero.stage == 3:
+            raise NotImplementedError("tied layers across pipeline stages (TiedLayerSpec) with ZeRO stage 3 are not "
+                                      "available in this version of shardwise yet; use ZeRO stage 0, 1 or 2, or "
+                                      "untie the layers")
         for key, param, ranks, group in model.tied_weights():
             comm = Communicator(group, timeout_s=config.comm.timeout_s, name=f"tied weight {key}")
             with torch.no_grad():

@@ -143,7 +143,9 @@ class PipelineModule(nn.Module):
         layers: ``LayerSpec`` / ``TiedLayerSpec`` (built on the owning stage only),
             ``nn.Module`` objects, or plain callables (e.g. a lambda reshaping the input).
         num_stages: pipeline stages (the world must divide into them); or give ``topology``.
-        topology: a ``ProcessTopology`` with a ``pipe`` axis (and ``data``, ``model``).
+        topology: a ``ProcessTopology`` with a ``pipe`` axis (and ``data``, ``model``), or
+            a ``ParallelGrid`` built beforehand (so tensor-parallel layer specs can be
+            given its groups: ``LayerSpec(ColumnParallelLinear, ..., group=grid)``).
         loss_fn: ``loss_fn(outputs, labels)`` on the last stage; None: the last layer's
             output is the loss.
         seed_layers / seed_fn / base_seed: seed ``base_seed + layer index`` before building
@@ -166,7 +168,11 @@ class PipelineModule(nn.Module):
 
         if num_stages is None and topology is None:
             raise PipelineError("PipelineModule needs num_stages= or topology=")
-        if topology is not None:
+        if isinstance(topology, ParallelGrid):  # a grid built first, so layer specs can name its groups
+            grid = topology
+            if num_stages is not None and num_stages != grid.pipe:
+                raise PipelineError(f"num_stages={num_stages} disagrees with the grid's pipe axis ({grid.pipe})")
+        elif topology is not None:
             grid = ParallelGrid.from_topology(topology)
             if num_stages is not None and num_stages != grid.pipe:
                 raise PipelineError(f"num_stages={num_stages} disagrees with the topology's pipe axis ({grid.pipe})")

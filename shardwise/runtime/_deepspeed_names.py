@@ -19,6 +19,17 @@ from shardwise.config._components import BatchConfig
 class DeepSpeedNames:
     """Mixed into :class:`~shardwise.runtime.engine.Engine`."""
 
+    # -- the pipeline engine's entry points, on an engine that is not one -------------------
+
+    def train_batch(self, data_iter=None):
+        raise RuntimeError("train_batch() runs a pipeline: the model passed to initialize() must be a "
+                           "shardwise.pipe.PipelineModule; for other models call engine(batch), "
+                           "engine.backward(loss) and engine.step()")
+
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg"):
+        raise RuntimeError("eval_batch() runs a pipeline: the model passed to initialize() must be a "
+                           "shardwise.pipe.PipelineModule; for other models call engine(batch) under torch.no_grad()")
+
     # -- batch sizes ------------------------------------------------------------------------
 
     def train_batch_size(self) -> int:

@@ -74,7 +74,8 @@ def _batches(gbs):
             for _ in range(STEPS)]
 
 
-def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b", interval=0, blocks=4, opt="SGD"):
+def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b", interval=0, blocks=4, opt="SGD",
+          extra=None):
     specs = _specs(blocks, tied)
     reference = Reference(specs)
     initial = copy.deepcopy(reference)
@@ -95,7 +96,7 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
               "optimizer": {"type": opt, "params": {"lr": LR} if opt == "SGD" else {"lr": 1e-2, "weight_decay": 0.0}},
               "steps_per_print": 1000, "pipeline": {"schedule": schedule},
-              "zero_optimization": {"stage": zero, "reduce_bucket_size": 300}}
+              "zero_optimization": {"stage": zero, "reduce_bucket_size": 300}, **(extra or {})}
     engine, *_ = shardwise.initialize(model=model, config=config)
     dp_rank = engine.grid.get_data_parallel_rank()
     losses = []
@@ -170,6 +171,7 @@ TWO_RANKS = {
 FOUR_RANKS = {
     **{f"pp2 dp2 zero{z}": dict(stages=2, gas=4, zero=z) for z in (0, 1, 2, 3)},
     "pp2 dp2 tied zero1": dict(stages=2, gas=4, zero=1, tied=True),
+    "pp2 dp2 tied zero2": dict(stages=2, gas=4, zero=2, tied=True),
     "pp4 tied": dict(stages=4, gas=4, tied=True, blocks=4),
 }
 
@@ -180,3 +182,122 @@ def test_pipeline_two_stages_match_single_process(tmp_path):
 
 def test_pipeline_with_data_parallel_zero_and_four_stages(tmp_path):
     _check(run_distributed(_run, world_size=4, tmp_path=tmp_path, cases=FOUR_RANKS), FOUR_RANKS)
+
+
+def _errors(rank, world_size, failure):
+    from shardwise.pipe import PipelineError
+
+    def error(build):
+        try:
+            build()
+        except (PipelineError, ValueError, RuntimeError, NotImplementedError) as exc:
+            return str(exc)
+        return None
+
+    specs = _specs(2, tied=False)
+    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+    out = {
+        "stages": error(lambda: PipelineModule(specs, num_stages=3)),
+        "few layers": error(lambda: PipelineModule(specs[:1], num_stages=2)),
+        "method": error(lambda: PipelineModule(specs, num_stages=2, partition_method="balanced")),
+        "regex": error(lambda: PipelineModule(specs, num_stages=2, partition_method="type:Transformer")),
+        "tied shapes": error(lambda: PipelineModule(
+            [TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1), LayerSpec(Block, H),
+             TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1, forward_fn=head)], num_stages=2,
+            partition_method=[0, 2, 3])),
+        "tied zero3": error(lambda: shardwise.initialize(model=PipelineModule(_specs(2, tied=True), num_stages=2,
+                                                                               loss_fn=_loss),
+                                                          config={**base, "zero_optimization": {"stage": 3}})),
+    }
+    tokens = torch.randint(0, V, (MICRO, S))
+    plain, *_ = shardwise.initialize(model=nn.Linear(2, 2), config=base)
+    out["not a pipeline"] = error(lambda: plain.train_batch(iter([])))
+    # last: a failure inside a batch parts the stages (the other stage then waits in vain
+    # for its peer, a short deadline later)
+    timeout = {**base, "comm": {"timeout_s": 5}}
+    if failure == "no loss":
+        engine, *_ = shardwise.initialize(model=PipelineModule(specs, num_stages=2), config=timeout)
+        out["forward"] = error(lambda: engine(tokens))
+        out["failure"] = error(lambda: engine.train_batch(iter([(tokens, tokens)] * 2)))
+    else:
+        engine, *_ = shardwise.initialize(model=PipelineModule(specs, num_stages=2, loss_fn=_loss), config=timeout)
+        out["failure"] = error(lambda: engine.train_batch(iter([(tokens, tokens)])))
+    return out
+
+
+@pytest.mark.parametrize("failure", ["no loss", "ran out"])
+def test_pipeline_bad_input_is_named(tmp_path, failure):
+    reports = run_distributed(_errors, world_size=2, tmp_path=tmp_path, failure=failure)
+    for rank, got in enumerate(reports):
+        assert "must be a positive integer dividing the 2 rank(s)" in got["stages"]
+        assert "cannot fill 2 pipeline stages" in got["few layers"]
+        assert "is not one of 'parameters', 'uniform'" in got["method"]
+        assert "matches no layer" in got["regex"] and "Block" in got["regex"]
+        assert "different shapes on different stages" in got["tied shapes"]
+        assert "ZeRO stage 3" in got["tied zero3"]
+        assert "must be a shardwise.pipe.PipelineModule" in got["not a pipeline"]
+        if failure == "no loss":
+            assert "a pipeline engine runs whole batches" in got["forward"]
+            if rank == 1:  # the last stage finds no loss; the first then waits for gradients in vain
+                assert "loss is not a scalar tensor" in got["failure"]
+            else:
+                assert "recv" in got["failure"] and "from rank 1" in got["failure"]
+        elif rank == 0:  # the first stage runs out; the last then waits for its activation in vain
+            assert "ran out inside a batch: 1 of 2 micro-batches were read" in got["failure"]
+        else:
+            assert "recv" in got["failure"] and "from rank 0" in got["failure"]
+
+
+class TPBlock(nn.Module):
+    """``Block``'s shape with its MLP split over the tensor group (Megatron-style)."""
+
+    def __init__(self, width, group=None):
+        super().__init__()
+        from shardwise.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        self.norm = nn.LayerNorm(width)
+        self.up = ColumnParallelLinear(width, 2 * width, gather_output=False, group=group) if group is not None \
+            else nn.Linear(width, 2 * width)
+        self.down = RowParallelLinear(2 * width, width, input_is_parallel=True, group=group) if group is not None \
+            else nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def _pipe_and_tensor(rank, world_size):
+    from shardwise.parallel import ParallelGrid, PipeModelDataParallelTopology
+
+    grid = ParallelGrid.from_topology(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))
+    def specs(group):
+        return [LayerSpec(nn.Embedding, V, H)] + [LayerSpec(TPBlock, H, group=group) for _ in range(2)] + \
+            [LayerSpec(nn.Linear, H, V)]
+    reference = Reference(specs(None))
+    batches = _batches(MICRO * 4)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    ref_losses = []
+    for tokens, labels in batches:
+        loss = _loss(reference(tokens), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(loss.item())
+    model = PipelineModule(specs(grid), topology=grid, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
+                           partition_method="uniform")
+    engine, *_ = shardwise.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "steps_per_print": 1000})
+    losses = [float(engine.train_batch(iter([(t[m * MICRO:(m + 1) * MICRO], y[m * MICRO:(m + 1) * MICRO])
+                                             for m in range(4)]))) for t, y in batches]
+    up = [p for n, p in engine.module.named_parameters() if n.endswith("up.weight")]
+    return losses, ref_losses, [tuple(p.shape) for p in up], engine.grid.stage_id
+
+
+def test_pipeline_with_tensor_parallel_stages(tmp_path):
+    for rank, (losses, ref_losses, up_shapes, stage) in enumerate(
+            run_distributed(_pipe_and_tensor, world_size=4, tmp_path=tmp_path)):
+        for mine, ref in zip(losses, ref_losses):
+            assert abs(mine - ref) <= 1e-5 * abs(ref), f"rank {rank}: loss {mine} vs {ref}"
+        assert up_shapes == [(H, H)], f"rank {rank} (stage {stage}): up projections {up_shapes}, want one of ({H}, {H})"
