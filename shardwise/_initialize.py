@@ -90,6 +90,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if pipeline and (mpu is not None or tp_size > 1):
         raise ValueError("a PipelineModule brings its own grid (num_stages= / topology=); give tensor parallelism "
                          "through its topology's 'model' axis, not mpu= or tensor_parallel.autotp_size")
+    if not pipeline and _raw_config(source).get("pipeline"):
+        logger.warning("the config's 'pipeline' section applies to shardwise.pipe.PipelineModule models only; "
+                       "it has no effect on %s", type(model).__name__)
     if pipeline:
         grid = model.mpu()
     else:

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from shardwise.config._errors import ConfigError, check_keys
+from shardwise.config._pipeline import check_pipeline
 from shardwise.config._tensor_parallel import check_tensor_parallel
 
 logger = logging.getLogger("shardwise")
@@ -85,10 +86,8 @@ def check_later_section(key: str, value: Any) -> None:
     if key == "tensor_parallel":  # built: training AutoTP (tensor_parallel/autotp.py)
         check_tensor_parallel(value)
         return
-    if key == "pipeline":
-        if value:
-            logger.warning("the 'pipeline' section only applies to PipelineModule models, which "
-                           "this version of shardwise does not provide yet; it has no effect")
+    if key == "pipeline":  # built: the pipeline engine (pipe/engine.py) reads it
+        check_pipeline(value)
         return
     if key == "compression_training":
         if _any_enabled(value):

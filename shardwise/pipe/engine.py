@@ -65,7 +65,9 @@ class PipelineEngine(Engine):
         self.micro_batches = self.gradient_accumulation_steps()
         section = config.raw.get("pipeline") or {}
         self.schedule_name = section.get("schedule", "1f1b")
-        self.schedule_options = {k: section[k] for k in ("virtual_stages",) if k in section}
+        self.schedule_options = {}
+        if section.get("activation_checkpoint_interval"):  # the config's wins, as in DeepSpeed
+            model.set_checkpoint_interval(section["activation_checkpoint_interval"])
         device = get_accelerator().device()
         pipe = grid.pipe_comm
         self._to_next = self._from_next = self._to_prev = self._from_prev = None

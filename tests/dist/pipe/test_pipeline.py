@@ -68,19 +68,21 @@ class Reference(nn.Module):
         return x
 
 
-def _batches(gbs):
+def _batches(gbs, seqs=None):
+    """``STEPS`` global batches; ``seqs`` gives each step its own sequence length."""
     g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, V, (gbs, S), generator=g), torch.randint(0, V, (gbs, S), generator=g))
-            for _ in range(STEPS)]
+    seqs = seqs or [S] * STEPS
+    return [(torch.randint(0, V, (gbs, seq), generator=g), torch.randint(0, V, (gbs, seq), generator=g))
+            for seq in seqs]
 
 
 def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b", interval=0, blocks=4, opt="SGD",
-          extra=None):
+          extra=None, seqs=None):
     specs = _specs(blocks, tied)
     reference = Reference(specs)
     initial = copy.deepcopy(reference)
     dp = world_size // stages
-    batches = _batches(MICRO * gas * dp)
+    batches = _batches(MICRO * gas * dp, seqs)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR) if opt == "SGD" else \
         torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
     ref_losses = []
@@ -167,6 +169,8 @@ TWO_RANKS = {
     "pp2 gpipe": dict(stages=2, gas=4, schedule="gpipe"),
     "pp2 zero bubble": dict(stages=2, gas=4, schedule="zero_bubble"),
     "pp2 checkpointed": dict(stages=2, gas=4, interval=1),
+    "pp2 checkpointed by config": dict(stages=2, gas=2, extra={"pipeline": {"activation_checkpoint_interval": 2}}),
+    "pp2 variable sequence length": dict(stages=2, gas=2, seqs=[6, 3, 9]),
 }
 FOUR_RANKS = {
     **{f"pp2 dp2 zero{z}": dict(stages=2, gas=4, zero=z) for z in (0, 1, 2, 3)},

@@ -1,0 +1,29 @@
+"""The ``pipeline`` config section: DeepSpeed's keys and the schedule choice."""
+
+import pytest
+
+from shardwise.config import load_config
+from shardwise.config._errors import ConfigError
+
+
+def _load(pipeline):
+    return load_config({"train_micro_batch_size_per_gpu": 1, "pipeline": pipeline}, world_size=1)
+
+
+def test_deepspeed_keys_and_schedules_load():
+    _load({"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 2,
+           "pipe_partitioned": True, "grad_partitioned": True, "schedule": "zero_bubble"})
+    for schedule in ("1f1b", "gpipe"):
+        _load({"schedule": schedule})
+
+
+@pytest.mark.parametrize("pipeline, message", [
+    ({"schedule": "interleaved", "virtual_stages": 2}, "does not hold several model chunks"),
+    ({"virtual_stages": 2}, "does not hold several model chunks"),
+    ({"schedule": "looped"}, "is not one of"),
+    ({"activation_checkpoint_interval": -1}, "non-negative integer"),
+    ({"stage": 2}, "pipeline"),
+])
+def test_what_the_engine_cannot_honour_is_refused(pipeline, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(pipeline)
