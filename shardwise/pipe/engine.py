@@ -92,6 +92,10 @@ class PipelineEngine(Engine):
             self._tied.append((key, param, comm, {"grad": None}))
         self._install_tied_capture()
         self.data_iterator = None
+        if self.training_dataloader is not None:  # initialize(training_data=...): read it forever, as DeepSpeed
+            from shardwise.runtime.data import RepeatingLoader
+
+            self.set_dataiterator(RepeatingLoader(self.training_dataloader))
         self.agg_train_loss: torch.Tensor | None = None
 
     # -- stages -----------------------------------------------------------------------------
