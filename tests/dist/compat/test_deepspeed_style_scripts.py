@@ -78,7 +78,8 @@ def test_bert_style_script_resumes_exactly(tmp_path):
 
 
 def test_pipeline_style_script(tmp_path):
-    r, _ = _launch("shardwise", "pipeline_style.py", ["--steps", "8"], tmp_path)
-    assert r["stages"] == 2 and r["first"] and r["gas"] == 4 and r["global_steps"] == 8
+    r, _ = _launch("shardwise", "pipeline_style.py", ["--steps", "40"], tmp_path)
+    assert r["stages"] == 2 and r["first"] and r["gas"] == 4 and r["global_steps"] == 40
     assert r["layers"] == ["0"]  # by parameters: stage 0 holds layers 0-1 (1088), stage 1 layers 2-4 (4420)
-    assert r["losses"][-1] < 0.5 * r["losses"][0], r["losses"]
+    first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
+    assert last < 0.5 * first, r["losses"]
