@@ -55,7 +55,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardwise.comm._deadline import DeadlineWaiter
+from shardwise.comm._deadline import DeadlineWaiter, note_group_timeout
 from shardwise.comm._exit import note_failure
 from shardwise.comm._hang_watch import HangWatch
 
@@ -104,10 +104,15 @@ def blocking_wait(backend: str, environ) -> bool:
 
 
 class Handle:
-    """An in-flight collective; :meth:`wait` blocks until done or raises CollectiveError."""
+    """An in-flight collective; :meth:`wait` blocks until done or raises CollectiveError.
 
-    def __init__(self, comm: "Communicator | None", work, record: CollectiveRecord | None):
+    ``honours_timeout``: the work's own ``wait(timeout)`` bounds it (see [Note: deadlines on
+    every collective]), so a blocking wait needs no helper thread."""
+
+    def __init__(self, comm: "Communicator | None", work, record: CollectiveRecord | None, *,
+                 honours_timeout: bool = False):
         self._comm, self._work, self._record = comm, work, record
+        self._honours_timeout = honours_timeout
 
     def wait(self) -> None:
         """Wait for the collective: see [Note: stream-ordered waits] for NCCL and [Note:
@@ -121,7 +126,7 @@ class Handle:
             comm.watch_stream_ordered(self._record)
             return
         try:
-            if comm.native_deadline:
+            if comm.native_deadline or self._honours_timeout:
                 completed = work.wait(timeout=comm.timeout)
             else:
                 completed = comm.waiter.wait(work, comm.timeout.total_seconds())
@@ -151,6 +156,7 @@ class Communicator:
         self.name = name
         self.check_hangs = check_hangs
         self.timeout = timedelta(seconds=timeout_s)
+        note_group_timeout(group, self.timeout)  # see [Note: the deadline of a process group]
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         backend = dist.get_backend(group)

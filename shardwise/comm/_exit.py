@@ -14,9 +14,20 @@ A failure is: an exception no one caught in the main thread (seen by a chained
 ``sys.excepthook``, and by ``sys.last_value`` / ``sys.last_exc`` if another library
 replaced the hook without chaining), a ``CollectiveError`` raised in this process even
 if the script caught it (its collective may still be in flight), or a non-zero
-``SystemExit`` the launcher's entry wrapper saw. An exception that ends only a
-background thread is not one: the process goes on, and if the main thread then waits
-for a peer, the deadline catches that.
+``SystemExit`` that ends the main thread (see [Note: seeing a SystemExit]). An exception
+that ends only a background thread is not one: the process goes on, and if the main
+thread then waits for a peer, the deadline catches that.
+
+[Note: seeing a SystemExit]
+Python handles an uncaught ``SystemExit`` before ``sys.excepthook`` and keeps its status
+from every hook an exit handler can read (before Python 3.12 nothing short of tracing
+every call sees it go by). Under ``shardwise run`` the entry wrapper catches it around
+the script. Under plain ``torchrun`` the hooks wrap ``sys.exit`` (which ``argparse``
+errors and ``sys.exit(main())`` go through): a call from the main thread records its
+status, which counts at exit if the main thread's outermost frame ended by an exception
+rather than by returning, i.e. if no one caught that ``SystemExit``. A status of 0 or
+None is the clean path. ``raise SystemExit(n)`` and the builtin ``exit(n)`` bypass
+``sys.exit``: under plain torchrun they take the clean path, exit barrier included.
 
 [Note: exit barrier]
 After success the hook waits until every rank has finished (a monitored barrier on
@@ -30,6 +41,8 @@ early return too, e.g. when Accelerate initialised the group first).
 
 from __future__ import annotations
 
+import dis
+import functools
 import logging
 import os
 import sys
@@ -42,7 +55,8 @@ logger = logging.getLogger(__name__)
 
 EXIT_BARRIER_TIMEOUT = timedelta(seconds=60)
 
-_state = {"installed": False, "failure_status": None}
+_state = {"installed": False, "failure_status": None, "exit_status": None, "main_frame": None}
+_RETURNS = frozenset(dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST") if name in dis.opmap)
 _lock = threading.Lock()
 
 
@@ -60,7 +74,35 @@ def failure_status() -> int | None:
         return _state["failure_status"]
     if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
         return 1
-    return None
+    return _uncaught_exit_status()
+
+
+def _uncaught_exit_status() -> int | None:
+    """The non-zero status of a ``sys.exit`` that ends the main thread, or None (see [Note:
+    seeing a SystemExit])."""
+    status, frame = _state["exit_status"], _state["main_frame"]
+    if status is None or status == 0:
+        return None
+    if frame is not None and 0 <= frame.f_lasti < len(frame.f_code.co_code) \
+            and frame.f_code.co_code[frame.f_lasti] in _RETURNS:
+        return None  # the main thread went on after the SystemExit and returned
+    return status if isinstance(status, int) else 1
+
+
+def _noting_status(exit_fn):
+    @functools.wraps(exit_fn)
+    def exit(status=None, /):
+        if threading.current_thread() is threading.main_thread():
+            _state["exit_status"] = status
+        exit_fn(status)
+    return exit
+
+
+def _outermost_frame_of_main_thread():
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and frame.f_back is not None:
+        frame = frame.f_back
+    return frame
 
 
 def install_exit_hooks() -> None:
@@ -81,14 +123,17 @@ def install_exit_hooks() -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
+    sys.exit = _noting_status(sys.exit)  # see [Note: seeing a SystemExit]
+    _state["main_frame"] = _outermost_frame_of_main_thread()
     atexit.register(shutdown_at_exit)
 
 
 def shutdown_at_exit() -> None:
     """Leave the job: see [Note: exit after a failure] and [Note: exit barrier]."""
+    status = failure_status()
+    _state["main_frame"] = None
     if not dist.is_initialized():
         return
-    status = failure_status()
     if status is not None and dist.get_world_size() > 1:
         exit_now(status)
     try:

@@ -8,8 +8,26 @@ torch.distributed call on the default group unless ``group`` is given.
 
 DeepSpeed's profiling keywords (``prof``, ``log_name``, ``debug``) are accepted
 keyword-only; this module does not time collectives, so ``prof=True`` logs a warning once.
-The library's own code uses :class:`shardwise.comm.Communicator`, which counts collectives
-and names the one a rank hangs in; this module is the veneer for user scripts.
+The library's own code uses :class:`shardwise.comm.Communicator`; this module is the
+veneer for user scripts, and its synchronous collectives wait through one (see [Note:
+deadlines in the functional API]).
+
+[Note: deadlines in the functional API]
+A synchronous call (``async_op=False``, and the calls that have no ``async_op``) starts
+torch's collective with ``async_op=True`` and waits for it through a Communicator of its
+group (one per group, built on first use), so it gets the library's deadline and
+diagnosis: a collective that does not complete in time raises ``CollectiveError`` naming
+it (``all_reduce #3 (16 x float32)``, with ``log_name`` as the tag when it is not the
+default), and the rank then exits at once (see [Note: exit after a failure] in
+``_exit.py``). The deadline is the group's: see [Note: the deadline of a process group] in
+``_deadline.py`` (the engine's ``comm.timeout_s``, else the timeout the group was created
+with). On gloo the wait stays on the calling thread, since gloo's works honour
+``wait(timeout)``, except for the reduce-scatters, which go through the helper thread of
+[Note: deadlines on every collective]; so a small ``all_reduce`` costs a few
+microseconds more than torch's own. The same torch collective is issued either way, so
+ranks that mix synchronous and asynchronous calls still match. An asynchronous call
+returns torch's ``Work`` as DeepSpeed's does; waiting on it is the caller's, bounded by
+the group's own timeout.
 
 [Note: initialised means torch.distributed is initialised]
 DeepSpeed tracks its own backend object and asserts it exists in get_rank, get_world_size,
@@ -24,11 +42,16 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
+import weakref
 from enum import Enum
 
+import torch
 import torch.distributed as dist
 
 from shardwise.accelerator import get_accelerator
+from shardwise.comm._collectives import Communicator, Handle
+from shardwise.comm._deadline import group_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +117,58 @@ def get_world_rank_from_launcher() -> int:
 def get_world_size_from_launcher() -> int:
     """WORLD_SIZE (or Open MPI's world size) from the environment; 1 when unset."""
     return _launcher_int(("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"), 1)
+
+
+# -- waits with the group's deadline (see [Note: deadlines in the functional API]) ---------
+
+_communicators: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""ProcessGroup -> (the Communicator this module waits through, whether the group is gloo)."""
+_IGNORES_WAIT_TIMEOUT = frozenset({"reduce_scatter", "reduce_scatter_tensor"})
+"""The collectives whose gloo work ignores ``wait(timeout)`` (see [Note: deadlines on
+every collective] in ``_deadline.py``); the others are waited for without the helper."""
+_NO_PAYLOAD = torch.empty(0)
+
+
+def _group_entry(group) -> tuple[Communicator, bool]:
+    """The Communicator for ``group`` (None: the default group), with the group's current
+    deadline, and whether the group is gloo."""
+    pg = dist.group.WORLD if group is None else group
+    if pg is None:  # as torch's collectives do before init_process_group
+        raise ValueError("shardwise.comm needs an initialised process group; call "
+                         "deepspeed.init_distributed() (shardwise.init_distributed()) first")
+    entry = _communicators.get(pg)
+    if entry is None:
+        name = "world" if group is None else f"ranks {dist.get_process_group_ranks(pg)}"
+        comm = Communicator(group, timeout_s=_own_timeout_s(pg), name=name)
+        entry = _communicators[pg] = (comm, dist.get_backend(group) == "gloo")
+    entry[0].timeout = group_timeout(pg) or entry[0].timeout
+    return entry
+
+
+def _communicator(group) -> Communicator:
+    return _group_entry(group)[0]
+
+
+def _own_timeout_s(pg) -> float:
+    """The timeout ``pg`` was created with (torch's default if its backend hides it)."""
+    try:
+        return pg._get_backend(pg._device_types[0]).options._timeout.total_seconds()
+    except (AttributeError, IndexError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
+
+
+def _wait(work, op: str, tensor, group, log_name: str) -> None:
+    """Wait for ``work`` (None: this rank is not in ``group``) with the group's deadline."""
+    if work is None:
+        return None
+    comm, gloo = _group_entry(group)
+    record = comm._record(op, tensor, "" if log_name == op else log_name)
+    Handle(comm, work, record, honours_timeout=gloo and op not in _IGNORES_WAIT_TIMEOUT).wait()
+    return None
+
+
+def _not_member(group) -> bool:
+    return group is not None and group == dist.GroupMember.NON_GROUP_MEMBER
 
 
 # -- process group state ----------------------------------------------------------------
@@ -166,6 +241,10 @@ def initialize_mesh_device(mesh_shape, mesh_dim_names):
 
 def destroy_process_group(group=None) -> None:
     """Destroy ``group``, or the default group and all others when None."""
+    if group is None:
+        _communicators.clear()
+    else:
+        _communicators.pop(group, None)
     return dist.destroy_process_group(group=group)
 
 
@@ -183,6 +262,10 @@ class _WorkList:
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
 
+    def wait_with_deadline(self, op: str, tensors, group, log_name: str) -> None:
+        for work, tensor in zip(self._works, tensors):
+            _wait(work, op, tensor, group, log_name)
+
 
 # -- collectives ------------------------------------------------------------------------
 
@@ -192,9 +275,10 @@ def barrier(group=None, async_op=False, device_ids=None, *, prof=False, log_name
     ``device_ids`` is accepted and, as in DeepSpeed, not forwarded (torch uses it only to
     pick an NCCL device, which ``set_device`` already did).
     """
-    del log_name, debug, device_ids
+    del debug, device_ids
     _unprofiled(prof)
-    return dist.barrier(group=group, async_op=async_op)
+    work = dist.barrier(group=group, async_op=True)
+    return work if async_op else _wait(work, "barrier", _NO_PAYLOAD, group, log_name)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, *, prof=False,
@@ -208,9 +292,10 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, *, prof=Fa
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
                log_name="all_reduce", debug=None):
     """Reduce ``tensor`` in place across ``group``; every rank gets the result."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.all_reduce(tensor, op=_torch_op(op), group=group, async_op=async_op)
+    work = dist.all_reduce(tensor, op=_torch_op(op), group=group, async_op=True)
+    return work if async_op else _wait(work, "all_reduce", tensor, group, log_name)
 
 
 def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
@@ -220,11 +305,12 @@ def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
     ``async_op`` is accepted and ignored, as in DeepSpeed: the reduction always completes
     before the call returns.
     """
-    del log_name, debug, async_op
+    del debug, async_op
     _unprofiled(prof)
     if dist.get_world_size(group=group) <= 1:
         return tensor
-    return dist.all_reduce(tensor, op=_torch_op(op), group=group)
+    work = dist.all_reduce(tensor, op=_torch_op(op), group=group, async_op=True)
+    return _wait(work, "all_reduce", tensor, group, log_name)
 
 
 def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
@@ -233,57 +319,88 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, *
 
     torch's ``all_reduce_coalesced`` is deprecated, so this issues one all-reduce per tensor.
     """
-    del log_name, debug
+    del debug
     _unprofiled(prof)
     handle = _WorkList([dist.all_reduce(t, op=_torch_op(op), group=group, async_op=True) for t in tensors])
     if async_op:
         return handle
-    handle.wait()
+    handle.wait_with_deadline("all_reduce", tensors, group, log_name)
     return None
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name="reduce",
            debug=None):
     """Reduce ``tensor`` onto global rank ``dst`` (other ranks' tensors are unspecified after)."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.reduce(tensor, dst=dst, op=_torch_op(op), group=group, async_op=async_op)
+    work = dist.reduce(tensor, dst=dst, op=_torch_op(op), group=group, async_op=True)
+    return work if async_op else _wait(work, "reduce", tensor, group, log_name)
 
 
 def broadcast(tensor, src, group=None, async_op=False, *, prof=False, log_name="broadcast", debug=None):
     """Copy global rank ``src``'s ``tensor`` into every rank's ``tensor``."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    return work if async_op else _wait(work, "broadcast", tensor, group, log_name)
 
 
 def broadcast_object_list(object_list, src, group=None, device=None):
-    """Replace ``object_list``'s items on every rank with rank ``src``'s (pickled) items."""
-    return dist.broadcast_object_list(object_list, src=src, group=group, device=device)
+    """Replace ``object_list``'s items on every rank with rank ``src``'s (pickled) items.
+
+    Two broadcasts (sizes, then the pickles, on ``device`` or this backend's device), each
+    with the group's deadline. Pickle travels between this job's own ranks only."""
+    if _not_member(group):
+        return None
+    comm = _communicator(group)
+    group_src = src if group is None else dist.get_group_rank(group, src)
+    device = torch.device(device) if device is not None else comm._device()
+    pickles = [pickle.dumps(obj) for obj in object_list] if comm.rank == group_src else None
+    sizes = torch.tensor([len(p) for p in pickles] if pickles else [0] * len(object_list), device=device)
+    comm.broadcast(sizes, src=group_src, tag="broadcast_object_list sizes").wait()
+    if pickles:
+        payload = torch.frombuffer(bytearray(b"".join(pickles)), dtype=torch.uint8).to(device)
+    else:
+        payload = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=device)
+    comm.broadcast(payload, src=group_src, tag="broadcast_object_list").wait()
+    if pickles is None:
+        data, start = payload.cpu().numpy().tobytes(), 0
+        for i, size in enumerate(sizes.tolist()):
+            object_list[i] = pickle.loads(data[start:start + size])
+            start += size
+    return None
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False, *, prof=False, log_name="all_gather",
                debug=None):
     """Fill ``tensor_list[r]`` with rank r's ``tensor`` on every rank."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    work = dist.all_gather(tensor_list, tensor, group=group, async_op=True)
+    return work if async_op else _wait(work, "all_gather", tensor, group, log_name)
 
 
 def all_gather_object(object_list, obj, group=None, *, prof=False, log_name="all_gather_object",
                       debug=None):
-    """Fill ``object_list[r]`` with rank r's picklable ``obj`` on every rank."""
-    del log_name, debug
+    """Fill ``object_list[r]`` with rank r's picklable ``obj`` on every rank (with the
+    group's deadline: see :meth:`Communicator.all_gather_object`)."""
+    del debug
     _unprofiled(prof)
-    return dist.all_gather_object(object_list, obj, group=group)
+    if _not_member(group):
+        return None
+    tag = "" if log_name == "all_gather_object" else log_name
+    for rank, value in enumerate(_communicator(group).all_gather_object(obj, tag=tag)):
+        object_list[rank] = value
+    return None
 
 
 def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, *, prof=False,
                            log_name="all_gather_into_tensor", debug=None):
     """Concatenate every rank's ``tensor`` along dim 0 into ``output_tensor``, in rank order."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    work = dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=True)
+    return work if async_op else _wait(work, "all_gather_into_tensor", output_tensor, group, log_name)
 
 
 def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=None):
@@ -303,25 +420,26 @@ def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=Fal
     handle = _WorkList(works)
     if async_op:
         return handle
-    handle.wait()
+    handle.wait_with_deadline("all_gather_into_tensor", output_tensors, group, "all_gather_into_tensor")
     return None
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
                    log_name="reduce_scatter", debug=None):
     """Reduce ``input_list[r]`` across ranks into rank r's ``output``."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.reduce_scatter(output, input_list, op=_torch_op(op), group=group, async_op=async_op)
+    work = dist.reduce_scatter(output, input_list, op=_torch_op(op), group=group, async_op=True)
+    return work if async_op else _wait(work, "reduce_scatter", output, group, log_name)
 
 
 def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
                           prof=False, log_name="reduce_scatter_tensor", debug=None):
     """Reduce ``tensor`` across ranks; rank r keeps the r-th dim-0 chunk in ``output_tensor``."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.reduce_scatter_tensor(output_tensor, tensor, op=_torch_op(op), group=group,
-                                      async_op=async_op)
+    work = dist.reduce_scatter_tensor(output_tensor, tensor, op=_torch_op(op), group=group, async_op=True)
+    return work if async_op else _wait(work, "reduce_scatter_tensor", tensor, group, log_name)
 
 
 def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
@@ -335,10 +453,11 @@ def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_
 def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None,
                       async_op=False, *, prof=False, log_name="all_to_all_single", debug=None):
     """Split ``tensor`` along dim 0, send split r to rank r, concatenate what arrives in ``output``."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
-                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+    work = dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
+                                  input_split_sizes=input_split_sizes, group=group, async_op=True)
+    return work if async_op else _wait(work, "all_to_all_single", tensor, group, log_name)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -346,21 +465,34 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
 
     The gloo backend has no all_to_all; torch raises there.
     """
-    return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+    work = dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=True)
+    first = input_tensor_list[0] if input_tensor_list else _NO_PAYLOAD
+    return work if async_op else _wait(work, "all_to_all", first, group, "all_to_all")
 
 
 def send(tensor, dst, group=None, tag=0, *, prof=False, log_name="send", debug=None):
     """Send ``tensor`` to global rank ``dst``; blocks until it is sent."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.send(tensor, dst=dst, group=group, tag=tag)
+    if dst == dist.get_rank():
+        raise ValueError(f"send to rank {dst}, the rank of this process: send to another rank")
+    return _wait(dist.isend(tensor, dst=dst, group=group, tag=tag), "send", tensor, group, log_name)
 
 
 def recv(tensor, src=None, group=None, tag=0, *, prof=False, log_name="recv", debug=None):
-    """Receive into ``tensor`` from global rank ``src`` (any rank when None); returns the sender."""
-    del log_name, debug
+    """Receive into ``tensor`` from global rank ``src`` (any rank when None); returns the
+    sender, or -1 if this rank is not in ``group``."""
+    del debug
     _unprofiled(prof)
-    return dist.recv(tensor, src=src, group=group, tag=tag)
+    if src == dist.get_rank():
+        raise ValueError(f"recv from rank {src}, the rank of this process: receive from another rank")
+    work = dist.irecv(tensor, src=src, group=group, tag=tag)
+    if work is None:
+        return -1
+    _wait(work, "recv", tensor, group, log_name)
+    if src is not None:
+        return src
+    return work._source_rank() if group is None else dist.get_global_rank(group, work._source_rank())
 
 
 def isend(tensor, dst, group=None, tag=0, *, prof=False, log_name="isend", debug=None):
@@ -379,17 +511,19 @@ def irecv(tensor, src=None, group=None, tag=0, *, prof=False, log_name="irecv", 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, prof=False, log_name="gather",
            debug=None):
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (None elsewhere)."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
+    work = dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=True)
+    return work if async_op else _wait(work, "gather", tensor, group, log_name)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, *, prof=False,
             log_name="scatter", debug=None):
     """Copy ``scatter_list[r]`` on rank ``src`` into rank r's ``tensor``."""
-    del log_name, debug
+    del debug
     _unprofiled(prof)
-    return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
+    work = dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=True)
+    return work if async_op else _wait(work, "scatter", tensor, group, log_name)
 
 
 # -- capability probes (DeepSpeed's code paths for old torch versions) -------------------

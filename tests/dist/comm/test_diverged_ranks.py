@@ -3,7 +3,10 @@
 The last rank runs one training step more than rank 0, which then stalls (as a rank stuck
 in data loading would). The waiting rank must raise CollectiveError naming the collective
 within ``comm.timeout_s``, exit at once (no exit barrier, no teardown of a group with a
-collective in flight), and the launcher must then stop rank 0.
+collective in flight), and the launcher must then stop rank 0. The same holds for a
+collective a user script issues through the functional API (``dist.all_reduce``), and a
+rank that leaves with ``sys.exit(3)`` ends the job at once, while ``sys.exit(0)`` keeps
+the clean exit through the exit barrier.
 """
 
 import os
@@ -25,6 +28,15 @@ a hang, not a speed: without the fix the job ends only when rank 0's stall (STAL
 does, or never."""
 STALL_S = 150
 KILL_AFTER_S = 120
+USER_SCRIPT = Path(__file__).with_name("user_script.py")
+USER_MARGIN_S = 30
+"""For the user script under torchrun: start-up of two ranks on a loaded 2-core machine
+(~5 s when quiet), the grace for the peers' states (half the deadline) and torchrun
+stopping rank 0. Without the functional API's deadline the diverged rank waits for gloo's
+timeout (30 min by default, and for ever in a reduce-scatter); a rank that left with
+sys.exit(3) through the exit barrier waits until rank 0's stall ends (USER_STALL_S)."""
+USER_STALL_S = 90
+USER_KILL_AFTER_S = 60
 
 
 def _free_port():
@@ -40,23 +52,53 @@ def _env():
     return env
 
 
-def _run_diverged(launcher, tmp_path, *script_args):
+def _launch(launcher, tmp_path, script, *script_args, kill_after_s):
     port = str(_free_port())
     if launcher == "shardwise run":
         cmd = [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", port]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", port, "--max_restarts", "0"]
-    cmd += [str(SCRIPT), "--timeout_s", str(TIMEOUT_S), "--stall_s", str(STALL_S), *script_args]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*cmd, str(script), *script_args], cwd=tmp_path, env=_env(), text=True,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        out, _ = proc.communicate(timeout=KILL_AFTER_S)
+        out, _ = proc.communicate(timeout=kill_after_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # torchrun starts each rank in a session of its own: kill them by ancestry.
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         out, _ = proc.communicate()
     return proc.returncode, out, time.monotonic() - start
+
+
+def _descendants(pid):
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _run_diverged(launcher, tmp_path, *script_args):
+    return _launch(launcher, tmp_path, SCRIPT, "--timeout_s", str(TIMEOUT_S), "--stall_s", str(STALL_S),
+                   *script_args, kill_after_s=KILL_AFTER_S)
+
+
+def _run_user_script(tmp_path, *script_args):
+    return _launch("torchrun", tmp_path, USER_SCRIPT, "--stall_s", str(USER_STALL_S), *script_args,
+                   kill_after_s=USER_KILL_AFTER_S)
 
 
 def _check(code, out, elapsed, kind):
@@ -79,3 +121,32 @@ def test_diverged_ranks_fail_fast_under_torchrun(tmp_path, stage, offload, kind)
     code, out, elapsed = _run_diverged("torchrun", tmp_path, "--stage", str(stage),
                                        *(["--offload"] if offload else []))
     _check(code, out, elapsed, kind)
+
+
+@pytest.mark.parametrize("op, deadline_from", [("all_reduce", "engine"), ("all_reduce", "group"),
+                                                ("reduce_scatter_tensor", "engine")])
+def test_a_diverged_functional_collective_fails_the_job_within_the_deadline(tmp_path, op, deadline_from):
+    # The deadline comes from the engine's comm.timeout_s (the group keeps torch's 30 min,
+    # which gloo would wait for, and which its reduce-scatter ignores) or from the group's
+    # own timeout (which gloo enforces too, but without naming the collective).
+    source = "--engine_timeout_s" if deadline_from == "engine" else "--group_timeout_s"
+    code, out, elapsed = _run_user_script(tmp_path, "--op", op, source, str(TIMEOUT_S))
+    assert code != 0, out[-3000:]
+    assert (f"CollectiveError: rank 1 waited in world group rank 1: {op} #2 (4 x float32) which did "
+            f"not complete within {TIMEOUT_S} s." in out), out[-3000:]
+    assert elapsed < TIMEOUT_S + USER_MARGIN_S, f"the job took {elapsed:.1f} s:\n{out[-3000:]}"
+
+
+def test_sys_exit_with_a_failure_status_on_one_rank_ends_the_job_at_once(tmp_path):
+    code, out, elapsed = _run_user_script(tmp_path, "--exit", "3")
+    assert code != 0 and "exitcode  : 3" in out, out[-3000:]
+    assert "rank 1 passed the exit barrier" not in out, out[-3000:]
+    assert elapsed < USER_MARGIN_S, f"the job took {elapsed:.1f} s:\n{out[-3000:]}"
+
+
+def test_sys_exit_0_on_one_rank_leaves_through_the_exit_barrier(tmp_path):
+    code, out, _ = _run_user_script(tmp_path, "--exit", "0", "--stall_s", "3")
+    assert code == 0, out[-3000:]
+    assert "rank 0 done" in out and "rank 0 passed the exit barrier" in out, out[-3000:]
+    assert out.index("rank 0 done") < out.index("rank 1 passed the exit barrier"), out[-3000:]
+    assert "terminate called" not in out and "SIGABRT" not in out, out[-3000:]

@@ -1,5 +1,7 @@
 """DeepSpeed's functional comm API on 2 gloo ranks, called the way a DeepSpeed script does."""
 
+from datetime import timedelta
+
 import torch
 
 from shardwise.testing import run_distributed
@@ -97,6 +99,31 @@ def _script_like(rank, world_size):
     mesh = dist.initialize_mesh_device((world_size,), ("dp",))
     out["mesh"] = (tuple(mesh.shape), mesh.mesh_dim_names)
     out["world_group_is_world"] = dist.get_world_group() is torch.distributed.group.WORLD
+
+    # Synchronous calls return None as DeepSpeed's do, asynchronous ones torch's Work.
+    out["sync_returns"] = [
+        dist.all_reduce(torch.ones(1)), dist.broadcast(torch.ones(1), 0), dist.barrier(),
+        dist.all_gather_into_tensor(torch.empty(world_size), torch.ones(1)),
+        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world_size)),
+        dist.all_gather_object([None] * world_size, rank), dist.broadcast_object_list([rank], 0)]
+    works = [dist.all_reduce(torch.ones(1), async_op=True), dist.barrier(async_op=True),
+             dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world_size), async_op=True)]
+    out["async_returns_work"] = [isinstance(work, torch.distributed.Work) for work in works]
+    for work in works:
+        work.wait()
+    # The deadline: the group's own timeout (the harness's 60 s), then the shortest timeout
+    # of a Communicator built over the group (as the engine's, from comm.timeout_s).
+    from shardwise.comm import Communicator, _functional
+
+    world = _functional._communicator(None)
+    out["counted"] = {op: world.calls[op] for op in ("barrier", "all_reduce", "reduce_scatter_tensor")}
+    out["deadline_of_group"] = world.timeout.total_seconds()
+    Communicator(timeout_s=7.0, name="engine-like")
+    dist.barrier()
+    out["deadline_after_communicator"] = world.timeout.total_seconds()
+    sub = torch.distributed.new_group([0, 1], timeout=timedelta(seconds=11))
+    dist.all_reduce(torch.ones(1), group=sub)
+    out["subgroup"] = (_functional._communicator(sub).timeout.total_seconds(), _functional._communicator(sub).name)
     return out
 
 
@@ -133,3 +160,10 @@ def test_deepspeed_style_script_on_two_ranks(tmp_path):
     assert results[0]["gather_on_0"] == [[0.5], [1.5]]
     assert results[1]["recv_from"] == 0 and results[0]["irecv_from"] == 1
     assert results[1]["isend_returns"] is None
+    for out in results:
+        assert out["sync_returns"] == [None] * 7 and out["async_returns_work"] == [True] * 3
+        # barrier: 2 calls; all_reduce: 2 + inference 1 + coalesced 2 + 1; reduce_scatter_tensor:
+        # 2 + reduce_scatter_fn 1 (the async calls are not counted)
+        assert out["counted"] == {"barrier": 2, "all_reduce": 6, "reduce_scatter_tensor": 3}
+        assert (out["deadline_of_group"], out["deadline_after_communicator"]) == (60.0, 7.0)
+        assert out["subgroup"] == (11.0, "ranks [0, 1]")

@@ -5,6 +5,7 @@ import logging
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as torch_dist
 
 import shardwise.comm as dist
@@ -57,6 +58,10 @@ def test_state_before_init():
     assert dist.is_available() is True
     with pytest.raises(AssertionError, match="new_group"):
         dist.new_group([0])
+    for collective in (lambda: dist.all_reduce(torch.ones(1)), lambda: dist.barrier(),
+                       lambda: dist.all_gather_object([None], 1), lambda: dist.broadcast_object_list([1], 0)):
+        with pytest.raises(ValueError, match="init"):
+            collective()
 
 
 def test_launcher_env(monkeypatch):
