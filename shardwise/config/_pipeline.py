@@ -7,9 +7,9 @@ from typing import Any
 
 from shardwise.config._errors import ConfigError, check_keys
 
-SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
-"""Schedules the pipeline engine runs (``shardwise.pipe.schedules`` also defines
-``interleaved``, whose virtual stages the engine does not hold yet)."""
+SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved")
+"""Schedules the pipeline engine runs (``interleaved`` with ``virtual_stages`` model
+chunks per stage, which ``PipelineModule(virtual_stages=...)`` must also have)."""
 
 
 def check_pipeline(section: Any) -> None:
@@ -17,10 +17,12 @@ def check_pipeline(section: Any) -> None:
     check_keys("pipeline", section, {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
                                      "pipe_partitioned", "grad_partitioned", "schedule", "virtual_stages"})
     schedule = section.get("schedule", "1f1b")
-    if schedule == "interleaved" or section.get("virtual_stages", 1) not in (1, None):
-        raise ConfigError("pipeline.schedule 'interleaved' / virtual_stages > 1: the schedule exists "
-                          "(shardwise.pipe.schedules) but the pipeline engine does not hold several model chunks "
-                          f"per stage yet; use one of {list(SCHEDULES)}")
+    virtual = section.get("virtual_stages", 2 if schedule == "interleaved" else 1)
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+        raise ConfigError(f"pipeline.virtual_stages must be a positive integer, got {virtual!r}")
+    if (schedule == "interleaved") != (virtual > 1):
+        raise ConfigError(f"pipeline.virtual_stages={virtual} with schedule {schedule!r}: model chunks per stage "
+                          "(virtual_stages > 1) go with the 'interleaved' schedule only")
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={schedule!r} is not one of {list(SCHEDULES)}")
     interval = section.get("activation_checkpoint_interval", 0)

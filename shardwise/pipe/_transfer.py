@@ -33,8 +33,8 @@ def _describe(leaves) -> tuple:
 class Channel:
     """One direction between this stage and one neighbour (``peer``, a global rank)."""
 
-    def __init__(self, comm: Communicator, peer: int, *, what: str, device: torch.device):
-        self.comm, self.peer, self.what, self.device = comm, peer, what, device
+    def __init__(self, comm: Communicator, peer: int, *, what: str, device: torch.device, stream: int = 0):
+        self.comm, self.peer, self.what, self.device, self.stream = comm, peer, what, device, stream
         self._sent_meta = None
         self._received_meta = None
         self.pending: list[tuple[Handle, object]] = []
@@ -57,16 +57,17 @@ class Channel:
                 self._send(leaf.detach().contiguous(), tag)
 
     def _send(self, tensor: torch.Tensor, tag: str) -> None:
-        self.pending.append((send(self.comm, tensor, self.peer, tag=f"{self.what} {tag}"), tensor))
+        self.pending.append((send(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream),
+                             tensor))
 
     def recv(self, *, tag: str):
         """The next object sent on this channel; floating tensors the sender had requiring
         grad come back requiring grad (leaves of this stage's graph)."""
         header = torch.empty(2, dtype=torch.int64, device=self.device)
-        recv(self.comm, header, self.peer, tag=f"{self.what} {tag}").wait()
+        recv(self.comm, header, self.peer, tag=f"{self.what} {tag}", stream=self.stream).wait()
         if int(header[0]):
             blob = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
-            recv(self.comm, blob, self.peer, tag=f"{self.what} {tag}").wait()
+            recv(self.comm, blob, self.peer, tag=f"{self.what} {tag}", stream=self.stream).wait()
             self._received_meta = pickle.loads(blob.cpu().numpy().tobytes())
         if self._received_meta is None:
             raise RuntimeError(f"{self.what} from rank {self.peer}: no payload description was received")
@@ -79,7 +80,7 @@ class Channel:
                 continue
             _, shape, dtype, requires_grad = item
             tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            handles.append(recv(self.comm, tensor, self.peer, tag=f"{self.what} {tag}"))
+            handles.append(recv(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream))
             tensors.append((len(leaves), requires_grad))
             leaves.append(tensor)
         for handle in handles:

@@ -65,20 +65,17 @@ class PipelineEngine(Engine):
         self.micro_batches = self.gradient_accumulation_steps()
         section = config.raw.get("pipeline") or {}
         self.schedule_name = section.get("schedule", "1f1b")
-        self.schedule_options = {}
+        self.virtual_stages = model.virtual_stages
+        configured = section.get("virtual_stages", 2 if self.schedule_name == "interleaved" else 1)
+        if configured != model.virtual_stages:
+            raise PipelineError(f"the config's pipeline schedule {self.schedule_name!r} runs {configured} model chunk(s) "
+                                f"per stage but the PipelineModule has virtual_stages={model.virtual_stages}; the "
+                                "interleaved schedule and PipelineModule(virtual_stages=...) go together")
+        self.schedule_options = {"virtual_stages": model.virtual_stages} if model.virtual_stages > 1 else {}
         if section.get("activation_checkpoint_interval"):  # the config's wins, as in DeepSpeed
             model.set_checkpoint_interval(section["activation_checkpoint_interval"])
-        device = get_accelerator().device()
-        pipe = grid.pipe_comm
-        self._to_next = self._from_next = self._to_prev = self._from_prev = None
-        if not self.is_last_stage():
-            nxt = grid.stage_to_global(self.stage_id + 1)
-            self._to_next = Channel(pipe, nxt, what="activation", device=device)
-            self._from_next = Channel(pipe, nxt, what="gradient", device=device)
-        if not self.is_first_stage():
-            prev = grid.stage_to_global(self.stage_id - 1)
-            self._from_prev = Channel(pipe, prev, what="activation", device=device)
-            self._to_prev = Channel(pipe, prev, what="gradient", device=device)
+        self._device = get_accelerator().device()
+        self._channels: dict[tuple[str, int], Channel] = {}
         self._tied = []
         if model.tied_weights() and config.zero.stage == 3:
             raise NotImplementedError("tied layers across pipeline stages (TiedLayerSpec) with ZeRO stage 3 are not "
@@ -97,6 +94,15 @@ class PipelineEngine(Engine):
 
             self.set_dataiterator(RepeatingLoader(self.training_dataloader))
         self.agg_train_loss: torch.Tensor | None = None
+
+    def _channel(self, kind: str, stage: int) -> Channel:
+        """The channel carrying ``kind`` ("activation" or "gradient") between this stage and
+        ``stage``, one message stream per kind (so the two never interleave)."""
+        key = (kind, stage)
+        if key not in self._channels:
+            self._channels[key] = Channel(self.grid.pipe_comm, self.grid.stage_to_global(stage), what=kind,
+                                          device=self._device, stream=0 if kind == "activation" else 1)
+        return self._channels[key]
 
     # -- stages -----------------------------------------------------------------------------
 
@@ -157,14 +163,14 @@ class PipelineEngine(Engine):
         """Make every use of a tied weight on this stage go through :class:`_CaptureGrad`."""
         from functools import partial
 
-        funcs = self.module.forward_funcs
         for key, param, _, store in self._tied:
             module = self.module.tied_modules[key]
             name = next(n for n, p in module.named_parameters() if p is param)
             owner, attr = _owner(module, name)
-            for index, fn in enumerate(funcs):
-                if fn is module or (isinstance(fn, partial) and fn.args and fn.args[0] is module):
-                    funcs[index] = _CapturedCall(fn, owner, attr, store)
+            for funcs in self.module.chunk_funcs.values():
+                for index, fn in enumerate(funcs):
+                    if fn is module or (isinstance(fn, partial) and fn.args and fn.args[0] is module):
+                        funcs[index] = _CapturedCall(fn, owner, attr, store)
 
     def _feed_tied_gradients(self) -> None:
         """Sum the kept tied-weight gradients over the stages holding them and give them to
@@ -208,7 +214,8 @@ class PipelineEngine(Engine):
         self.module.eval()
         run = _BatchRun(self, training=False, compute_loss=compute_loss)
         with torch.no_grad():
-            for action in sched.build_schedule("eval", self.num_stages, self.micro_batches, self.stage_id):
+            for action in sched.build_schedule("eval", self.num_stages, self.micro_batches, self.stage_id,
+                                               **self.schedule_options):
                 run.execute(action)
         run.finish()
         self.module.train()
@@ -268,31 +275,39 @@ class _BatchRun:
     # -- actions --------------------------------------------------------------------------------
 
     def _RecvActivation(self, a) -> None:  # noqa: N802 -- named after the action
-        self.inputs[a.micro_batch] = self.e._from_prev.recv(tag=f"micro-batch {a.micro_batch}")
+        self.inputs[(a.micro_batch, a.chunk)] = self.e._channel("activation", a.from_stage).recv(
+            tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
 
     def _SendActivation(self, a) -> None:  # noqa: N802
-        self.e._to_next.send(self.outputs[a.micro_batch], tag=f"micro-batch {a.micro_batch}")
+        key = (a.micro_batch, a.chunk)
+        self.e._channel("activation", a.to_stage).send(self.outputs[key], tag=f"micro-batch {a.micro_batch} "
+                                                                              f"chunk {a.chunk + 1}")
         if not self.training:
-            self.outputs.pop(a.micro_batch)
+            self.outputs.pop(key)
 
     def _RecvGrad(self, a) -> None:  # noqa: N802
-        self.grads_in[a.micro_batch] = self.e._from_next.recv(tag=f"micro-batch {a.micro_batch}")
+        self.grads_in[(a.micro_batch, a.chunk)] = self.e._channel("gradient", a.from_stage).recv(
+            tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
 
     def _SendGrad(self, a) -> None:  # noqa: N802
-        self.e._to_prev.send(self.grads_out.pop(a.micro_batch), tag=f"micro-batch {a.micro_batch}")
+        self.e._channel("gradient", a.to_stage).send(self.grads_out.pop((a.micro_batch, a.chunk)),
+                                                     tag=f"micro-batch {a.micro_batch} chunk {a.chunk - 1}")
 
     def _Forward(self, a) -> None:  # noqa: N802
-        e, mb = self.e, a.micro_batch
-        first, last = e.is_first_stage(), e.is_last_stage()
+        e, mb, chunk = self.e, a.micro_batch, a.chunk
+        first, last = chunk == 0, chunk == e.module.num_chunks - 1
         if first or last:
             inputs, labels = self._next_micro_batch(mb)
             if first:
-                self.inputs[mb] = inputs
-            self.labels[mb] = labels
-        x = self.inputs[mb]
+                self.inputs[(mb, chunk)] = inputs
+            if last:
+                self.labels[mb] = labels
+        key = (mb, chunk)
+        x = self.inputs[key]
         if self.training and first:  # the first stage's inputs need no gradient
             x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x)
-        out = e.module(*e.policy.cast_inputs(x if isinstance(x, tuple) else (x,)))
+        args = e.policy.cast_inputs(x if isinstance(x, tuple) else (x,))
+        out = e.module(args[0] if len(args) == 1 else args, chunk=chunk)
         if last:
             if self.compute_loss:
                 loss_fn = e.module.loss_fn
@@ -306,51 +321,49 @@ class _BatchRun:
                 out_for_backward = out
             if not self.training:
                 self.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
-            self.outputs[mb] = out_for_backward
+            self.outputs[key] = out_for_backward
         else:
-            self.outputs[mb] = out
+            self.outputs[key] = out
         if not self.training:  # nothing is kept for a backward
-            self.inputs.pop(mb, None)
+            self.inputs.pop(key, None)
             if last:
-                self.outputs.pop(mb, None)
+                self.outputs.pop(key, None)
 
     def _Backward(self, a) -> None:  # noqa: N802
-        self._backward(a.micro_batch)
+        self._backward(a.micro_batch, a.chunk)
 
     def _BackwardInput(self, a) -> None:  # noqa: N802 -- the combined backward does both halves
-        self._backward(a.micro_batch)
+        self._backward(a.micro_batch, a.chunk)
 
     def _BackwardWeight(self, a) -> None:  # noqa: N802 -- done with its BackwardInput
         pass
 
-    def _backward(self, mb: int) -> None:
+    def _backward(self, mb: int, chunk: int) -> None:
         e = self.e
+        key = (mb, chunk)
         self.backwards += 1
-        boundary = self.backwards == e.micro_batches and not e._tied
+        boundary = self.backwards == e.micro_batches * e.virtual_stages and not e._tied
         with e._progress.timer("backward"):
             e.strategy.pre_backward(boundary=boundary, sync=True)
-            out = self.outputs.pop(mb)
-            if e.is_last_stage():
+            out = self.outputs.pop(key)
+            if chunk == e.module.num_chunks - 1:
                 scaled = out.float() / e.micro_batches
                 if e.loss_scaler is not None:
                     scaled = scaled * e.loss_scaler.scale
                 scaled.backward()
             else:
-                grads = self.grads_in.pop(mb)
                 outs, _ = tree_flatten(out)
-                gs, _ = tree_flatten(grads)
+                gs, _ = tree_flatten(self.grads_in.pop(key))
                 pairs = [(o, g) for o, g in zip(outs, gs)
                          if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             e.strategy.finalize_backward()
-        if not e.is_first_stage():
-            x = self.inputs.pop(mb)
-            self.grads_out[mb] = tree_map(
+        x = self.inputs.pop(key)
+        if chunk > 0:
+            self.grads_out[key] = tree_map(
                 lambda t: (t.grad if t.grad is not None else torch.zeros_like(t))
                 if isinstance(t, torch.Tensor) and t.requires_grad else None, x)
-        else:
-            self.inputs.pop(mb, None)
 
     def _ReduceGrads(self, a) -> None:  # noqa: N802 -- reduced with the boundary backward
         pass
@@ -362,9 +375,8 @@ class _BatchRun:
 
     def finish(self) -> None:
         """Wait for the sends still in flight."""
-        for channel in (self.e._to_next, self.e._to_prev):
-            if channel is not None:
-                channel.finish()
+        for channel in self.e._channels.values():
+            channel.finish()
 
 
 def _owner(module: torch.nn.Module, dotted: str):

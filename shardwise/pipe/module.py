@@ -157,12 +157,16 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: recompute every this many layers in backward (0: off).
         activation_checkpoint_func: the checkpoint function (``shardwise.checkpointing.checkpoint``).
         checkpointable_layers: class names that may be checkpointed (None: all).
+        virtual_stages: model chunks per stage for the interleaved schedule (shardwise's
+            addition): the layers are cut into ``num_stages * virtual_stages`` chunks and
+            stage ``s`` holds chunks ``s, s + num_stages, ...`` (see [Note: pipeline chunks]
+            in ``_actions.py``). The config's ``pipeline.virtual_stages`` must agree.
     """
 
     def __init__(self, layers, num_stages: int | None = None, topology=None, loss_fn=None, seed_layers: bool = False,
                  seed_fn=None, base_seed: int = 1234, partition_method="parameters",
                  activation_checkpoint_interval: int = 0, activation_checkpoint_func=None,
-                 checkpointable_layers=None):
+                 checkpointable_layers=None, *, virtual_stages: int = 1):
         super().__init__()
         from shardwise.parallel import ParallelGrid
 
@@ -187,8 +191,15 @@ class PipelineModule(nn.Module):
         self.num_stages = grid.pipe
         self.stage_id = grid.stage_id
         self._layer_specs = list(layers)
-        if len(self._layer_specs) < self.num_stages:
-            raise PipelineError(f"{len(self._layer_specs)} layer(s) cannot fill {self.num_stages} pipeline stages")
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise PipelineError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+        if virtual_stages > 1 and self.num_stages == 1:
+            raise PipelineError("virtual_stages > 1 needs at least 2 pipeline stages")
+        self.virtual_stages = virtual_stages
+        self.num_chunks = self.num_stages * virtual_stages
+        if len(self._layer_specs) < self.num_chunks:
+            raise PipelineError(f"{len(self._layer_specs)} layer(s) cannot fill {self.num_stages} pipeline stages"
+                                + (f" x {virtual_stages} virtual stages" if virtual_stages > 1 else ""))
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
@@ -199,17 +210,24 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
         self.parts = self._partition(partition_method)
+        """Layer boundaries of the chunks: chunk ``c`` is layers ``parts[c]:parts[c + 1]``
+        (one chunk per stage without virtual stages)."""
+        self.chunks = tuple(range(self.stage_id, self.num_chunks, self.num_stages))
+        """The chunks this stage holds."""
         self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.forward_funcs: list = []
-        self._build()
+        self.chunk_funcs: dict[int, list] = {}
+        for chunk in self.chunks:
+            self.chunk_funcs[chunk] = self._build(self.parts[chunk], self.parts[chunk + 1])
+        self.forward_funcs = self.chunk_funcs[self.stage_id]
+        self._tied_shapes = self._tied_shape_record()
         self._tied_groups = self._tie_across_stages()
 
     # -- partitioning ---------------------------------------------------------------------
 
     def _partition(self, method) -> list[int]:
-        n, p = len(self._layer_specs), self.num_stages
+        n, p = len(self._layer_specs), self.num_chunks
         if isinstance(method, (list, tuple)):
             bounds = [int(b) for b in method]
             if len(bounds) != p + 1 or bounds[0] != 0 or bounds[-1] != n or any(
@@ -237,9 +255,10 @@ class PipelineModule(nn.Module):
 
     # -- building -------------------------------------------------------------------------
 
-    def _build(self) -> None:
-        tied_shapes: dict[str, dict[str, tuple]] = {}
-        for index in range(self._local_start, self._local_stop):
+    def _build(self, start: int, stop: int) -> list:
+        """Build layers ``start:stop`` (registered on this module) and return their calls."""
+        funcs = []
+        for index in range(start, stop):
             layer = self._layer_specs[index]
             if self.seed_layers:
                 (self.seed_fn or torch.manual_seed)(self.base_seed + index)
@@ -248,21 +267,23 @@ class PipelineModule(nn.Module):
                     self.tied_modules[layer.key] = layer.build()
                     self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
                 module = self.tied_modules[layer.key]
-                self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
-                tied_shapes.setdefault(layer.key, {a: tuple(_getattr(module, a).shape)
-                                                   for a in layer.tied_weight_attr})
+                funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
             elif isinstance(layer, LayerSpec):
                 module = layer.build()
                 self.add_module(str(index), module)
-                self.forward_funcs.append(module)
+                funcs.append(module)
             elif isinstance(layer, nn.Module):
                 self.add_module(str(index), layer)
-                self.forward_funcs.append(layer)
+                funcs.append(layer)
             elif callable(layer):
-                self.forward_funcs.append(layer)
+                funcs.append(layer)
             else:
                 raise PipelineError(f"layer {index} is {layer!r}: give LayerSpecs, modules or callables")
-        self._tied_shapes = tied_shapes
+        return funcs
+
+    def _tied_shape_record(self) -> dict[str, dict[str, tuple]]:
+        return {key: {a: tuple(_getattr(module, a).shape) for a in self.tied_weight_attrs[key]}
+                for key, module in self.tied_modules.items()}
 
     def _tie_across_stages(self) -> dict[str, tuple[list[int], object]]:
         """For every tied key used on more than one stage: the stages using it and the
@@ -271,8 +292,9 @@ class PipelineModule(nn.Module):
 
         grid = self._grid
         users: dict[str, list[int]] = {}
-        for stage in range(self.num_stages):
-            for layer in self._layer_specs[self.parts[stage]:self.parts[stage + 1]]:
+        for chunk in range(self.num_chunks):
+            stage = chunk % self.num_stages
+            for layer in self._layer_specs[self.parts[chunk]:self.parts[chunk + 1]]:
                 if isinstance(layer, TiedLayerSpec) and stage not in users.setdefault(layer.key, []):
                     users[layer.key].append(stage)
         shapes = grid.pipe_comm.all_gather_object(self._tied_shapes, tag="tied layer shapes")
@@ -298,11 +320,12 @@ class PipelineModule(nn.Module):
 
     # -- running --------------------------------------------------------------------------
 
-    def forward(self, inputs):
-        """Run this stage's layers on ``inputs`` (what the previous stage produced)."""
+    def forward(self, inputs, chunk: int | None = None):
+        """Run this stage's layers (of ``chunk``, with virtual stages) on ``inputs``, what
+        the previous stage produced."""
         x = inputs
         interval = self.activation_checkpoint_interval
-        funcs = self.forward_funcs
+        funcs = self.forward_funcs if chunk is None else self.chunk_funcs[chunk]
         if interval <= 0 or not torch.is_grad_enabled():
             return _run_range(funcs)(*_as_args(x))
         for start in range(0, len(funcs), interval):
@@ -347,7 +370,8 @@ class PipelineModule(nn.Module):
         """The stage that holds layer ``layer_idx``."""
         if not 0 <= layer_idx < len(self._layer_specs):
             raise PipelineError(f"layer {layer_idx} is not in this model of {len(self._layer_specs)} layers")
-        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        return next(c for c in range(self.num_chunks) if self.parts[c] <= layer_idx < self.parts[c + 1]) \
+            % self.num_stages
 
     def set_checkpoint_interval(self, interval: int) -> None:
         self.activation_checkpoint_interval = interval

@@ -15,11 +15,13 @@ def test_deepspeed_keys_and_schedules_load():
            "pipe_partitioned": True, "grad_partitioned": True, "schedule": "zero_bubble"})
     for schedule in ("1f1b", "gpipe"):
         _load({"schedule": schedule})
+    _load({"schedule": "interleaved", "virtual_stages": 2})
 
 
 @pytest.mark.parametrize("pipeline, message", [
-    ({"schedule": "interleaved", "virtual_stages": 2}, "does not hold several model chunks"),
-    ({"virtual_stages": 2}, "does not hold several model chunks"),
+    ({"schedule": "interleaved", "virtual_stages": 1}, "go with the 'interleaved' schedule only"),
+    ({"virtual_stages": 2}, "go with the 'interleaved' schedule only"),
+    ({"schedule": "interleaved", "virtual_stages": 0}, "positive integer"),
     ({"schedule": "looped"}, "is not one of"),
     ({"activation_checkpoint_interval": -1}, "non-negative integer"),
     ({"stage": 2}, "pipeline"),
