@@ -167,6 +167,11 @@ class Communicator:
         """Whether ``work.wait(timeout)`` bounds every collective kind (NCCL's blocking
         waits do); otherwise waits go through :attr:`waiter` (see [Note: deadlines on
         every collective])."""
+        self.gloo_waits_natively = backend == "gloo"
+        """Whether gloo's own ``wait(timeout)`` bounds this group's all-reduces, broadcasts,
+        all-gathers and point-to-point transfers (it does not bound its reduce-scatter), so
+        they are waited on this thread, without the helper thread's hand-off (about 200 us
+        per collective on a loaded 2-core machine); see [Note: deadlines on every collective]."""
         self.scratch_by_all_reduce = backend == "gloo"
         """Whether ``reduce_scatter_scratch`` runs as an all-reduce, and
         ``all_gather_scratch`` from ``scratch_gather_min_numel`` elements (see [Note: gloo
@@ -191,7 +196,8 @@ class Communicator:
         if self.world_size == 1:
             return _DONE
         record = self._record("all_reduce", tensor, tag)
-        return Handle(self, dist.all_reduce(tensor, op=op, group=self.group, async_op=True), record)
+        return Handle(self, dist.all_reduce(tensor, op=op, group=self.group, async_op=True), record,
+                      honours_timeout=self.gloo_waits_natively)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, tag: str = "") -> Handle:
         """Start an in-place broadcast from group rank ``src``."""
@@ -199,7 +205,8 @@ class Communicator:
             return _DONE
         record = self._record("broadcast", tensor, tag)
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return Handle(self, dist.broadcast(tensor, src_global, group=self.group, async_op=True), record)
+        return Handle(self, dist.broadcast(tensor, src_global, group=self.group, async_op=True), record,
+                      honours_timeout=self.gloo_waits_natively)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "") -> Handle:
         """Start gathering every rank's ``input`` into ``output`` (rank-major)."""
@@ -208,7 +215,7 @@ class Communicator:
             return _DONE
         record = self._record("all_gather", output, tag)
         work = _all_gather_single(output, input, group=self.group, async_op=True)
-        return Handle(self, work, record)
+        return Handle(self, work, record, honours_timeout=self.gloo_waits_natively)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, *,
                               op=dist.ReduceOp.SUM, tag: str = "") -> Handle:
@@ -233,7 +240,8 @@ class Communicator:
             out = torch.empty(shard, dtype=buffer.dtype, device=buffer.device)
             return self.reduce_scatter_tensor(out, buffer, tag=tag), out
         record = self._record("reduce_scatter", buffer, tag)
-        return Handle(self, dist.all_reduce(buffer, group=self.group, async_op=True), record), local
+        return Handle(self, dist.all_reduce(buffer, group=self.group, async_op=True), record,
+                      honours_timeout=self.gloo_waits_natively), local
 
     def all_gather_scratch(self, buffer: torch.Tensor, *, tag: str = "") -> Handle:
         """Start filling ``buffer`` (``world_size`` equal slices) with every rank's slice,
@@ -249,7 +257,8 @@ class Communicator:
         with torch.no_grad():
             buffer[:low].zero_()
             buffer[high:].zero_()
-        return Handle(self, dist.all_reduce(buffer, group=self.group, async_op=True), record)
+        return Handle(self, dist.all_reduce(buffer, group=self.group, async_op=True), record,
+                      honours_timeout=self.gloo_waits_natively)
 
     def barrier(self, *, tag: str = "") -> None:
         """Block until every rank of the group arrives (implemented as a tiny all-reduce,
