@@ -25,12 +25,12 @@ grid] in ``zero/_strategy.py``).
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise.accelerator import get_accelerator
-from shardwise.comm import Communicator
 from shardwise.pipe import schedules as sched
 from shardwise.pipe._transfer import Channel
 from shardwise.pipe.module import PipelineError, PipelineModule
@@ -81,10 +81,8 @@ class PipelineEngine(Engine):
             raise NotImplementedError("tied layers across pipeline stages (TiedLayerSpec) with ZeRO stage 3 are not "
                                       "available in this version of shardwise yet; use ZeRO stage 0, 1 or 2, or "
                                       "untie the layers")
-        for key, param, ranks, group in model.tied_weights():
-            comm = Communicator(group, timeout_s=config.comm.timeout_s, name=f"tied weight {key}")
-            with torch.no_grad():
-                comm.broadcast(param.data, src=0, tag=f"tied weight {key}").wait()  # the first stage's copy
+        for key, param, ranks, comm in model.tied_weights():  # the module made the copies equal
+            comm.timeout = timedelta(seconds=config.comm.timeout_s)
             param.pipe_copies = len(ranks)
             self._tied.append((key, param, comm, {"grad": None}))
         self._install_tied_capture()

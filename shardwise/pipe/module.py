@@ -223,6 +223,7 @@ class PipelineModule(nn.Module):
         self.forward_funcs = self.chunk_funcs[self.stage_id]
         self._tied_shapes = self._tied_shape_record()
         self._tied_groups = self._tie_across_stages()
+        self._synchronize_tied_weights()
 
     # -- partitioning ---------------------------------------------------------------------
 
@@ -318,6 +319,19 @@ class PipelineModule(nn.Module):
                 groups[key] = (stages, mine)
         return groups
 
+    def _synchronize_tied_weights(self) -> None:
+        """Give every stage's copy of a tied weight the first stage's values (collective
+        over each tied group), before any optimizer or fp32 master copy is made of them."""
+        from shardwise.comm import Communicator
+
+        self._tied_comms = {}
+        for key, (_, (ranks, group)) in self._tied_groups.items():
+            comm = self._tied_comms[key] = Communicator(group, name=f"tied weight {key}")
+            with torch.no_grad():
+                for attr in self.tied_weight_attrs[key]:
+                    comm.broadcast(_getattr(self.tied_modules[key], attr).data, src=0,
+                                   tag=f"tied weight {key}").wait()
+
     # -- running --------------------------------------------------------------------------
 
     def forward(self, inputs, chunk: int | None = None):
@@ -345,11 +359,12 @@ class PipelineModule(nn.Module):
     # -- tied weights -----------------------------------------------------------------------
 
     def tied_weights(self) -> list[tuple[str, nn.Parameter, list[int], object]]:
-        """``(key, parameter, ranks, group)`` of every tied weight this stage shares with others."""
+        """``(key, parameter, ranks, comm)`` of every tied weight this stage shares with
+        others; ``comm`` is the Communicator over the stages holding it."""
         out = []
-        for key, (_, (ranks, group)) in self._tied_groups.items():
+        for key, (_, (ranks, _group)) in self._tied_groups.items():
             for attr in self.tied_weight_attrs[key]:
-                out.append((key, _getattr(self.tied_modules[key], attr), ranks, group))
+                out.append((key, _getattr(self.tied_modules[key], attr), ranks, self._tied_comms[key]))
         return out
 
     # -- DeepSpeed's accessors --------------------------------------------------------------
