@@ -98,7 +98,8 @@ class PipelineEngine(Engine):
         ``stage``, one message stream per kind (so the two never interleave)."""
         key = (kind, stage)
         if key not in self._channels:
-            self._channels[key] = Channel(self.grid.pipe_comm, self.grid.stage_to_global(stage), what=kind,
+            self._channels[key] = Channel(self.grid.pipe_comm, self.grid.stage_to_global(stage),
+                                          what=f"pipeline stage {self.stage_id} <-> stage {stage} {kind}",
                                           device=self._device, stream=0 if kind == "activation" else 1)
         return self._channels[key]
 
