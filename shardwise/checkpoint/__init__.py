@@ -16,13 +16,15 @@ Public API:
     read_manifest, read_tensors, capture_rng_state, restore_rng_state, validate_tag,
     FORMAT_VERSION, consolidate (an engine checkpoint -> one full state dict), and for a
     file that several ranks write in place: tensor_file_layout, create_tensor_file,
-    write_into, seal_tensor_file.
+    write_into, write_slice_into, seal_tensor_file; TensorSplit (where a tensor-parallel
+    slice sits in the full tensor a checkpoint stores).
 """
 
 from shardwise.checkpoint._flatten import flatten_state, unflatten_state
 from shardwise.checkpoint._format import FORMAT_VERSION, CheckpointError, validate_tag
 from shardwise.checkpoint._read import list_tags, read_manifest, read_tensors, resolve_tag
 from shardwise.checkpoint._rng import capture_rng_state, restore_rng_state
+from shardwise.checkpoint._tensor_split import TensorSplit
 from shardwise.checkpoint.layout import consolidate
 from shardwise.checkpoint._write import (
     begin_checkpoint,
@@ -32,13 +34,15 @@ from shardwise.checkpoint._write import (
     seal_tensor_file,
     tensor_file_layout,
     write_into,
+    write_slice_into,
     write_checkpoint,
     write_files,
     write_latest,
 )
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "begin_checkpoint", "capture_rng_state", "consolidate",
-           "create_tensor_file", "seal_tensor_file", "tensor_file_layout", "write_into",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "TensorSplit", "begin_checkpoint", "capture_rng_state",
+           "consolidate", "create_tensor_file", "seal_tensor_file", "tensor_file_layout", "write_into",
+           "write_slice_into",
            "finalize_checkpoint", "flatten_state", "list_tags", "read_manifest", "read_tensors",
            "remove_stale_staging", "resolve_tag", "restore_rng_state", "unflatten_state", "validate_tag",
            "write_checkpoint", "write_files", "write_latest"]

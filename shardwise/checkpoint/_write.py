@@ -44,6 +44,7 @@ from shardwise.checkpoint._format import (
     validate_file_name,
     validate_tag,
 )
+from shardwise.checkpoint._tensor_split import TensorSplit
 
 _RESERVED_KEYS = ("format", "format_version", "files")
 _STAGING_SUFFIX = ".staging"
@@ -255,23 +256,61 @@ def create_tensor_file(path: str | os.PathLike, entries) -> dict[str, int]:
 def write_into(path: str | os.PathLike, offset: int, tensor: torch.Tensor) -> None:
     """Write ``tensor``'s bytes at byte ``offset`` of the file ``path`` (no copy of a
     contiguous CPU tensor)."""
-    tensor = tensor.detach().cpu().contiguous()
-    # the bytes through ctypes, not .numpy(): that would make the tensor's storage
-    # non-resizable for good, and ZeRO-3 frees and re-allocates parameter storage
-    nbytes = tensor.numel() * tensor.element_size()
-    data = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B") if nbytes else b""
+    fd = _open_for_writing(path)
     try:
-        fd = os.open(path, os.O_WRONLY)
+        _pwrite_tensor(fd, tensor.detach().cpu().contiguous(), offset)
+    finally:
+        os.close(fd)
+
+
+_POSITIONS_CHUNK = 1 << 20
+"""Elements of a slice mapped to stored positions at once by ``write_slice_into`` (bounds
+its index tensors to a few tens of MiB)."""
+
+
+def write_slice_into(path: str | os.PathLike, offset: int, split: TensorSplit, start: int,
+                     data: torch.Tensor) -> None:
+    """Write elements ``[start, start + data.numel())`` of a tensor-parallel slice (in the
+    slice's row-major order; ``split`` says which slice) where they belong in the full
+    tensor stored at byte ``offset`` of ``path``. Consecutive positions go out as one
+    write each: a contiguous chunk is one write, a column block one per stored row. See
+    [Note: tensor-parallel slices of stored tensors] in ``_tensor_split.py``."""
+    data = data.detach().cpu().reshape(-1)
+    itemsize = data.element_size()
+    fd = _open_for_writing(path)
+    try:
+        for low in range(0, data.numel(), _POSITIONS_CHUNK):
+            piece = data[low:low + _POSITIONS_CHUNK]
+            where = split.positions(start + low, start + low + piece.numel())
+            if where.numel() > 1 and not bool((where[1:] > where[:-1]).all()):
+                order = torch.argsort(where)  # write in stored order: longer runs (a transposed slice)
+                where, piece = where[order], piece[order]
+            breaks = (torch.nonzero(where[1:] - where[:-1] != 1).flatten() + 1).tolist()
+            bounds = [0, *breaks, where.numel()]
+            for a, b in zip(bounds, bounds[1:]):
+                _pwrite_tensor(fd, piece[a:b].contiguous(), offset + int(where[a]) * itemsize)
+    finally:
+        os.close(fd)
+
+
+def _open_for_writing(path: str | os.PathLike) -> int:
+    try:
+        return os.open(path, os.O_WRONLY)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path} does not exist here: the rank that creates it (create_tensor_file) "
                               "writes to another file system; every rank must see the same save_dir "
                               "(a shared file system across machines)") from exc
-    try:
-        done = 0
-        while done < len(data):  # short writes are legal; finish the request
-            done += os.pwrite(fd, data[done:done + (1 << 26)], offset + done)
-    finally:
-        os.close(fd)
+
+
+def _pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    """Write the bytes of the contiguous CPU ``tensor`` at ``offset`` of the open file ``fd``."""
+    # the bytes through ctypes, not .numpy(): that would make the tensor's storage
+    # non-resizable for good, and ZeRO-3 frees and re-allocates parameter storage
+    nbytes = tensor.numel() * tensor.element_size()
+    data = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B") if nbytes else b""
+    done = 0
+    while done < len(data):  # short writes are legal; finish the request
+        done += os.pwrite(fd, data[done:done + (1 << 26)], offset + done)
 
 
 def seal_tensor_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -6,8 +6,9 @@ parameter name and, under fp16/bf16, the fp32 master weights), ``engine_state.sa
 ``rng_rank<R>.safetensors``. At ZeRO stages 1-3 the sharded tensors continue in parts
 (``model-00001.safetensors``, ``optimizer-00001.safetensors``... listed in the manifest's
 ``skeletons.module_files`` and ``skeletons.optimizer_files``), still one whole tensor per
-name. Because every tensor is stored whole under its name,
-consolidation needs no knowledge of the world size or ZeRO stage that saved it.
+name, tensor-parallel parameters included (as the model without tensor parallelism holds
+them). Because every tensor is stored whole under its name, consolidation needs no
+knowledge of the world size, ZeRO stage or tensor-parallel degree that saved it.
 """
 
 from __future__ import annotations

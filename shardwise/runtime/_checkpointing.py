@@ -1,16 +1,31 @@
 """What the engine saves and restores; the file format itself lives in shardwise.checkpoint.
 
-Layout of one checkpoint directory (every tensor is stored under a parameter name, never
-a rank or an optimizer index, so any later layout can read it):
-- ``model.safetensors``: the module's state_dict; at ZeRO stages 1-3 the parameters are
-  in ``model-00001.safetensors`` and on, each rank writing its shards into place.
+Layout of one checkpoint directory (every tensor is stored whole under a parameter name,
+never a rank or an optimizer index, so any later layout can read it):
+- ``model.safetensors``: the module's state_dict; the parameters of ZeRO buckets (stages
+  1-3) and of tensor-parallel layers are in ``model-00001.safetensors`` and on, each rank
+  writing its elements into place (see [Note: shards written in place] in
+  ``_checkpoint_parts.py``).
 - ``optimizer.safetensors``: optimizer state per parameter name, plus fp32 master
-  weights when the module trains in fp16/bf16. The per-element tensors of sharded stages
-  are in ``optimizer-00001.safetensors`` and on, each rank writing its shards into place
-  (see [Note: shards written in place]).
+  weights when the module trains in fp16/bf16; the per-element tensors of sharded stages
+  and of tensor-parallel parameters are in ``optimizer-00001.safetensors`` and on.
 - ``engine_state.safetensors``: tensors of the LR scheduler, loss scaler and client state.
-- ``rng_rank<R>.safetensors``: each rank's random number generator states.
+- ``rng_rank<R>.safetensors``: each rank's random number generator states (R: global rank).
 - ``manifest.json``: counters, layout, and the structure (skeleton) of each state above.
+
+[Note: tensor parallelism in checkpoints]
+A tensor-parallel parameter is stored as the full tensor of the model without tensor
+parallelism (a Hugging Face model's own state dict: Conv1D weights ``[in, out]``,
+stacked q|k|v in q, k, v order), its optimizer state and fp32 master likewise; each
+tensor rank writes its slice into place (``TensorSplit``, see [Note: tensor-parallel
+slices of stored tensors] in ``checkpoint/_tensor_split.py``) and tensor rank 0 writes
+what every tensor rank holds alike. So the format has no tensor-parallel keys at all:
+consolidation and a load without tensor parallelism read it as any checkpoint, and a
+load into a tensor-parallel layout cuts each rank's slice out of the full tensors
+(``_module_to_layout``, ``_optimizer_to_layout``), checking every shape against the
+model before anything is loaded. ``engine.module_state_dict()`` and
+``save_16bit_model`` gather the slices over the tensor group into the same full tensors,
+and ``load_module_state_dict`` cuts them like a checkpoint load.
 """
 
 from __future__ import annotations
@@ -23,8 +38,10 @@ from pathlib import Path
 import torch
 
 from shardwise import checkpoint as ckpt
+from shardwise.checkpoint import CheckpointError, TensorSplit
 from shardwise.checkpoint import layout as ckpt_layout
-from shardwise.zero._strategy import MASTER_KEY, PARAM_KEY, ShardBlock
+from shardwise.runtime._checkpoint_parts import Writers, block_groups, block_key, whole_group, write_parts
+from shardwise.zero._strategy import MASTER_KEY, is_tensor_parallel
 
 logger = logging.getLogger("shardwise")
 
@@ -32,7 +49,8 @@ _MODEL, _OPTIMIZER, _ENGINE = ckpt_layout.MODEL_FILE, ckpt_layout.OPTIMIZER_FILE
 _rng_file = ckpt_layout.rng_file
 
 CHECKPOINT_PART_BYTES = 1 << 30
-"""Bytes of sharded tensors per part file (see [Note: shards written in place])."""
+"""Bytes of sharded tensors per part file (see [Note: shards written in place] in
+``_checkpoint_parts.py``)."""
 
 
 def _aliases(module) -> dict[str, str]:
@@ -47,26 +65,70 @@ def _aliases(module) -> dict[str, str]:
     return aliases
 
 
-def _refuse_model_parallel(engine, what: str) -> None:
-    """Checkpoints name each tensor once with its full shape; a layout that splits one
-    parameter across tensor ranks or stages is not written that way yet: refuse it
-    rather than let tensor ranks write different slices under one name."""
+def _refuse_pipeline(engine, what: str) -> None:
+    """A pipeline stage holds only its layers; checkpoints do not record stages yet."""
     grid = engine.grid
-    if grid.tensor > 1 or grid.pipe > 1:
-        raise NotImplementedError(f"{what} with tensor or pipeline parallelism (grid pipe {grid.pipe} x data "
-                                  f"{grid.data} x tensor {grid.tensor}) is not available in this version of "
-                                  "shardwise yet; save the module with engine.module_state_dict() on each tensor "
-                                  "rank in the meantime")
+    if grid.pipe > 1:
+        raise NotImplementedError(f"{what} with pipeline parallelism (grid pipe {grid.pipe} x data {grid.data} x "
+                                  f"tensor {grid.tensor}) is not available in this version of shardwise yet; "
+                                  "save the module with engine.module_state_dict() on each stage in the meantime")
+
+
+def tensor_splits(engine) -> dict[str, TensorSplit]:
+    """Each tensor-parallel parameter's slice, by parameter name (see [Note: tensor
+    parallelism in checkpoints]); empty without tensor parallelism."""
+    grid = engine.grid
+    if grid.tensor == 1:
+        return {}
+    return {name: split for name, p in engine.module.named_parameters()
+            if (split := _split_of(name, p, grid)) is not None}
+
+
+def _split_of(name: str, param, grid) -> TensorSplit | None:
+    """Where ``param`` sits in its full tensor, from the marks tensor-parallel layers set
+    (shardwise's ``tensor_parallel_shard``; Megatron's ``partition_dim`` / ``partition_stride``)."""
+    if not is_tensor_parallel(param):
+        return None
+    stride = int(getattr(param, "partition_stride", 1) or 1)
+    transposed = bool(getattr(param, "tensor_parallel_transposed", False))
+    info = getattr(param, "tensor_parallel_shard", None)
+    if info is not None:
+        if (info.parts, info.index) != (grid.tensor, grid.tensor_rank):
+            raise NotImplementedError(f"parameter {name} is slice {info.index} of {info.parts}, but this rank is "
+                                      f"tensor rank {grid.tensor_rank} of {grid.tensor}: checkpoints store slices "
+                                      "split over the grid's tensor group only")
+        return TensorSplit(tuple(info.full_shape), info.dim, info.index, info.parts, stride, transposed)
+    dim = getattr(param, "partition_dim", None)
+    if dim is None:
+        raise NotImplementedError(f"parameter {name} is marked tensor-parallel but has no partition_dim, so a "
+                                  "checkpoint cannot tell where its slice belongs; set param.partition_dim "
+                                  "(and partition_stride) as Megatron's layers do")
+    full = list(getattr(param, "ds_shape", param.shape))
+    full[dim] *= grid.tensor
+    return TensorSplit(tuple(full), dim, grid.tensor_rank, grid.tensor, stride, transposed)
+
+
+def _splits_by_key(engine, splits: dict[str, TensorSplit]) -> dict[str, TensorSplit]:
+    """``splits`` by state-dict key (a tied parameter under each of its keys)."""
+    if not splits:
+        return {}
+    name_of = {id(p): name for name, p in engine.module.named_parameters()}
+    return {key: splits[name_of[id(t)]] for key, t in engine.module.state_dict(keep_vars=True).items()
+            if name_of.get(id(t)) in splits}
 
 
 def _check_tag_agrees(engine, tag: str) -> None:
     mode = engine.train_config.checkpoint.tag_validation
-    if mode == "Ignore" or engine.comm.world_size == 1:
+    comms = [c for c in (engine.comm, Writers.of(engine).tensor) if c is not None and c.world_size > 1]
+    if mode == "Ignore" or not comms:
         return
     digest = int(hashlib.sha1(tag.encode()).hexdigest()[:12], 16)
-    low, high = engine.comm.all_reduce_scalars([-digest, digest], op=torch.distributed.ReduceOp.MAX,
-                                               tag="checkpoint tag check")
-    if -low != high:
+    agree = True
+    for comm in comms:
+        low, high = comm.all_reduce_scalars([-digest, digest], op=torch.distributed.ReduceOp.MAX,
+                                            tag="checkpoint tag check")
+        agree = agree and -low == high
+    if not agree:
         message = f"checkpoint tag {tag!r} differs between ranks; pass the same tag on every rank"
         if mode == "Fail":
             raise ValueError(message)
@@ -75,23 +137,25 @@ def _check_tag_agrees(engine, tag: str) -> None:
 
 def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> bool:
     """Write a checkpoint of ``engine`` (collective: every rank calls it)."""
-    _refuse_model_parallel(engine, "save_checkpoint")
-    comm = engine.comm
+    _refuse_pipeline(engine, "save_checkpoint")
+    writers = Writers.of(engine)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_tag_agrees(engine, tag)
-    if comm.rank == 0:
+    if writers.rank == 0:
         _remove_stale_staging(save_dir, tag)
-    staging = ckpt.begin_checkpoint(save_dir, tag, clean=comm.rank == 0)
-    comm.barrier(tag=f"checkpoint {tag}: staging created")
+    staging = ckpt.begin_checkpoint(save_dir, tag, clean=writers.rank == 0)
+    writers.barrier(tag=f"checkpoint {tag}: staging created")
+    splits = tensor_splits(engine)
     files: dict[str, dict[str, torch.Tensor]] = {}
     skeletons: dict = {}
-    # collective for sharded stages: every rank takes part, rank 0 writes
+    # collective for sharded and tensor-parallel state: every rank takes part
     records = {}
     if engine.optimizer is not None:
-        records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(engine, staging)
-    module_records, skeletons["module"], skeletons["module_files"] = _write_module(engine, staging)
+        records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(engine, staging, writers,
+                                                                                          splits)
+    module_records, skeletons["module"], skeletons["module_files"] = _write_module(engine, staging, writers, splits)
     records.update(module_records)
-    if comm.rank == 0:
+    if writers.rank == 0:
         skeletons["aliases"] = _aliases(engine.module)
         engine_state = {
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -100,22 +164,24 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
         }
         files[_ENGINE], skeletons["engine_state"] = ckpt.flatten_state(engine_state)
     rng_tensors, rng_skeleton = ckpt.flatten_state(ckpt.capture_rng_state())
-    files[_rng_file(comm.rank)] = rng_tensors
+    files[_rng_file(engine.grid.global_rank)] = rng_tensors
     records.update(ckpt.write_files(staging, files))
-    all_records = comm.all_gather_object((records, rng_skeleton))
-    if comm.rank == 0:
-        merged = {name: rec for recs, _ in all_records for name, rec in recs.items()}
-        skeletons["rng"] = {str(rank): skel for rank, (_, skel) in enumerate(all_records)}
+    all_records = writers.all_gather_object((engine.grid.global_rank, records, rng_skeleton),
+                                            tag="checkpoint records")
+    if writers.rank == 0:
+        merged = {name: rec for _, recs, _ in all_records for name, rec in recs.items()}
+        skeletons["rng"] = {str(rank): skel for rank, _, skel in sorted(all_records, key=lambda r: r[0])}
         manifest = {
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-            "layout": {"zero_stage": engine.train_config.zero.stage, "dp_world_size": comm.world_size,
+            "layout": {"zero_stage": engine.train_config.zero.stage, "dp_world_size": engine.comm.world_size,
+                       "tp_degree": engine.grid.tensor,
                        "param_dtype": str(engine.policy.param_dtype).removeprefix("torch.")},
             "skeletons": skeletons,
         }
         ckpt.finalize_checkpoint(save_dir, tag, staging, manifest=manifest, file_records=merged,
                                  save_latest=save_latest)
-    comm.barrier(tag=f"checkpoint {tag}: finalized")
+    writers.barrier(tag=f"checkpoint {tag}: finalized")
     return True
 
 
@@ -129,117 +195,82 @@ def _remove_stale_staging(save_dir, tag: str) -> None:
         logger.warning("left %s, the staging directory of an unfinished save, in place: %s", path, reason)
 
 
-def _write_optimizer(engine, staging) -> tuple[dict, dict, list[str]]:
+def _write_optimizer(engine, staging, writers: Writers, splits: dict[str, TensorSplit]) -> tuple[dict, dict, list[str]]:
     """Write the named optimizer state with no rank gathering it (collective): rank 0
     writes what every rank holds alike (parameter groups, ``step``) to
-    ``optimizer.safetensors``, the shards go into parts (see [Note: shards written in
-    place]). Returns this rank's file records, the state's skeleton and the file names."""
-    comm, strategy = engine.comm, engine.strategy
+    ``optimizer.safetensors``; ZeRO shards and the per-element state of tensor-parallel
+    parameters go into parts (see [Note: shards written in place]). Returns this rank's
+    file records, the state's skeleton and the file names."""
+    strategy = engine.strategy
     records: dict = {}
-    tensors, skeleton = ckpt.flatten_state(strategy.optimizer_state_replicated())
-    if comm.rank == 0:
+    named = strategy.optimizer_state_replicated()
+    sliced = _take_split_state(named, splits)
+    tensors, skeleton = ckpt.flatten_state(named)
+    if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_OPTIMIZER: tensors}))
     blocks = strategy.optimizer_state_blocks()
-    for block in blocks:
-        for name in block.names:
-            ref = {"__tensor__": _block_key(block.key, name)}
-            if block.key == MASTER_KEY:
-                skeleton["master"][name] = ref
-            else:
-                skeleton["state"].setdefault(name, {})[block.key] = ref
-    part_records, parts = _write_blocks(comm, staging, "optimizer", blocks, strategy.optimizer_shards)
+    refs = [(block.key, name) for block in blocks for name in block.names] + [(k, n) for k, n, _ in sliced]
+    for key, name in refs:
+        ref = {"__tensor__": block_key(key, name)}
+        if key == MASTER_KEY:
+            skeleton["master"][name] = ref
+        else:
+            skeleton["state"].setdefault(name, {})[key] = ref
+    groups = block_groups(blocks, strategy.optimizer_shards, splits)
+    groups += [whole_group(block_key(key, name), tensor, splits[name], writers.data.world_size)
+               for key, name, tensor in sliced]
+    part_records, parts = write_parts(writers, staging, "optimizer", groups,
+                                       part_bytes=CHECKPOINT_PART_BYTES)
     records.update(part_records)
     return records, skeleton, [_OPTIMIZER] + parts
 
 
-def _write_module(engine, staging) -> tuple[dict, dict, list[str]]:
+def _take_split_state(named: dict, splits: dict[str, TensorSplit]) -> list[tuple[str, str, torch.Tensor]]:
+    """Remove from the named optimizer state the tensors that are tensor-parallel slices
+    (per-element state and masters of split parameters held whole by every data rank,
+    i.e. stage 0); returns them as ``(state key or MASTER_KEY, name, tensor)``. The dicts
+    are replaced, not changed: they may be the optimizer's own."""
+    taken = []
+    named["state"] = {name: dict(entry) for name, entry in named["state"].items()}
+    named["master"] = dict(named.get("master", {}))
+    for name, split in splits.items():
+        for key, value in list(named["state"].get(name, {}).items()):
+            if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+                continue  # step counters: alike on every tensor rank
+            if tuple(value.shape) != split.held_shape:
+                raise NotImplementedError(f"optimizer state {key!r} of tensor-parallel parameter {name} has shape "
+                                          f"{list(value.shape)}, not the parameter's {list(split.held_shape)}: a "
+                                          "checkpoint can store only per-element state of split parameters")
+            taken.append((key, name, named["state"][name].pop(key)))
+        if name in named.get("master", {}):
+            taken.append((MASTER_KEY, name, named["master"].pop(name)))
+    return taken
+
+
+def _write_module(engine, staging, writers: Writers, splits: dict[str, TensorSplit]) -> tuple[dict, dict, list[str]]:
     """Write the module's state dict the same way: entries every rank holds alike (buffers,
-    parameters outside ZeRO buckets) by rank 0 in ``model.safetensors``, the bucketed
-    parameters by every rank into ``model-00001.safetensors``... under their own names
-    (tied names refer to one tensor). Collective."""
-    comm, strategy = engine.comm, engine.strategy
-    replicated = strategy.module_state_replicated()
-    tensors, flat_skeleton = ckpt.flatten_state(replicated)
-    records: dict = {}
-    if comm.rank == 0:
-        records.update(ckpt.write_files(staging, {_MODEL: tensors}))
-    blocks = strategy.module_state_blocks()
+    parameters outside ZeRO buckets) by rank 0 in ``model.safetensors``, the bucketed and
+    tensor-parallel parameters by every rank into ``model-00001.safetensors``... under
+    their own names (tied names refer to one tensor). Collective."""
+    strategy = engine.strategy
     name_of = {id(p): name for name, p in engine.module.named_parameters()}
+    current = engine.module.state_dict(keep_vars=True)
+    replicated = strategy.module_state_replicated()
+    sliced = {name_of[id(current[k])]: v for k, v in replicated.items() if name_of.get(id(current[k])) in splits}
+    plain = {k: v for k, v in replicated.items() if name_of.get(id(current[k])) not in splits}
+    tensors, flat_skeleton = ckpt.flatten_state(plain)
+    records: dict = {}
+    if writers.rank == 0:
+        records.update(ckpt.write_files(staging, {_MODEL: tensors}))
     skeleton = {}
-    for key, tensor in engine.module.state_dict(keep_vars=True).items():
-        skeleton[key] = flat_skeleton[key] if key in replicated else {"__tensor__": name_of[id(tensor)]}
-    part_records, parts = _write_blocks(comm, staging, "model", blocks, strategy.module_shards)
+    for key, tensor in current.items():
+        skeleton[key] = flat_skeleton[key] if key in plain else {"__tensor__": name_of[id(tensor)]}
+    groups = block_groups(strategy.module_state_blocks(), strategy.module_shards, splits)
+    groups += [whole_group(name, tensor, splits[name], writers.data.world_size) for name, tensor in sliced.items()]
+    part_records, parts = write_parts(writers, staging, "model", groups,
+                                       part_bytes=CHECKPOINT_PART_BYTES)
     records.update(part_records)
     return records, skeleton, [_MODEL] + parts
-
-
-def _write_blocks(comm, staging, stem: str, blocks: list[ShardBlock], open_shards) -> tuple[dict, list[str]]:
-    """Write sharded tensors into part files with no rank gathering them (collective).
-
-    [Note: shards written in place]
-    The blocks are laid out in ``<stem>-00001.safetensors`` and on, about
-    ``CHECKPOINT_PART_BYTES`` each: a block is a bucket's parameters' full tensors back to
-    back, then its padding, so each rank's shard of the bucket is one contiguous byte
-    range. Rank 0 creates the files with their headers; every rank computes the same
-    offsets (``tensor_file_layout`` is a pure function) and writes its shards into place a
-    bucket at a time (``open_shards(bucket)`` holds just that bucket in memory: with nvme
-    offload, only it is swapped in), rank ``r`` starting ``r/N`` of the way through the
-    buckets so that ranks mostly write different files at once (writers of one file queue
-    on its lock); rank ``k % N`` then hashes part ``k``. The parts are
-    ordinary safetensors files whose tensors are named like any other, so loading needs no
-    knowledge of the world size that wrote them.
-
-    Returns this rank's file records and the part names.
-    """
-    parts: list[list[ShardBlock]] = []
-    size = CHECKPOINT_PART_BYTES
-    for block in blocks:
-        nbytes = block.padded * torch.empty(0, dtype=block.dtype).element_size()
-        if size + nbytes > CHECKPOINT_PART_BYTES and size > 0:
-            parts.append([])
-            size = 0
-        parts[-1].append(block)
-        size += nbytes
-    names = [f"{stem}-{k + 1:05d}.safetensors" for k in range(len(parts))]
-    starts: dict[tuple[int, str], tuple[str, int]] = {}  # (bucket, key) -> (file, byte offset of its block)
-    for name, part in zip(names, parts):
-        entries = [entry for block in part for entry in _block_entries(block)]
-        offsets = ckpt.create_tensor_file(staging / name, entries) if comm.rank == 0 \
-            else ckpt.tensor_file_layout(entries)[1]
-        for block in part:
-            starts[(block.bucket, block.key)] = (name, offsets[_block_entries(block)[0][0]])
-    comm.barrier(tag=f"{stem} checkpoint files created")
-    by_bucket: dict[int, list[ShardBlock]] = {}
-    for block in blocks:
-        by_bucket.setdefault(block.bucket, []).append(block)
-    order = list(by_bucket)
-    start = len(order) * comm.rank // comm.world_size  # ranks start apart: mostly different files at once
-    for bucket in order[start:] + order[:start]:
-        bucket_blocks = by_bucket[bucket]
-        with open_shards(bucket) as shards:
-            for block in bucket_blocks:
-                name, start = starts[(bucket, block.key)]
-                shard = shards[block.key]
-                ckpt.write_into(staging / name, start + comm.rank * block.shard * shard.element_size(), shard)
-    comm.barrier(tag=f"{stem} shards written")
-    return {name: ckpt.seal_tensor_file(staging / name)
-            for k, name in enumerate(names) if k % comm.world_size == comm.rank}, names
-
-
-def _block_key(key: str, name: str) -> str:
-    """The tensor key of parameter ``name``'s slice of a block: its own name for module
-    parameters; '/' (never in the dotted keys ``flatten_state`` makes) for optimizer state."""
-    if key == PARAM_KEY:
-        return name
-    return f"master/{name}" if key == MASTER_KEY else f"state/{name}/{key}"
-
-
-def _block_entries(block: ShardBlock) -> list[tuple[str, torch.dtype, list[int]]]:
-    entries = [(_block_key(block.key, name), block.dtype, list(shape))
-               for name, shape in zip(block.names, block.shapes)]
-    padding = block.padded - sum(shape.numel() for shape in block.shapes)
-    entries.append((f"padding/{block.bucket}/{block.key}", block.dtype, [padding]))
-    return entries
 
 
 def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_scheduler: bool,
@@ -248,9 +279,10 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
 
     Like DeepSpeed, asking for the latest checkpoint of a directory that has none is not
     an error: a warning is logged and ``(None, None)`` returned, so "resume if possible"
-    scripts work. Anything wrong with a checkpoint that does exist raises CheckpointError.
+    scripts work. Anything wrong with a checkpoint that does exist raises CheckpointError;
+    what is read is checked against this model and layout before anything is loaded.
     """
-    _refuse_model_parallel(engine, "load_checkpoint")
+    _refuse_pipeline(engine, "load_checkpoint")
     if tag is None and not (Path(load_dir) / "latest").is_file():
         logger.warning("no 'latest' file in %s: nothing to resume from, starting fresh "
                        "(pass tag= to load a specific checkpoint)", load_dir)
@@ -259,24 +291,31 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     path = Path(load_dir) / tag
     manifest = ckpt.read_manifest(path)
     skeletons = manifest["skeletons"]
-    module_state = ckpt_layout.read_module_state(path, manifest, mmap=True)  # copied into the parameters
+    load_optimizer = load_optimizer and not module_only and engine.optimizer is not None
+    if load_optimizer and "optimizer" not in skeletons:
+        raise CheckpointError(f"{path} holds no optimizer state (it was saved without an optimizer); load "
+                              "with load_optimizer_states=False")
+    # mapped, not read: each rank copies out only its slices and shards
+    splits = tensor_splits(engine)
+    where = f"checkpoint {path} (saved at {_saved_layout(manifest)})"
+    module_state = _module_to_layout(engine, ckpt_layout.read_module_state(path, manifest, mmap=True), splits,
+                                     where=where)
+    saved_optimizer = None
+    if load_optimizer:
+        saved_optimizer = _optimizer_to_layout(engine, ckpt_layout.read_optimizer_state(path, manifest, mmap=True),
+                                               splits, where=where)
+    engine_state = ckpt.unflatten_state(ckpt.read_tensors(path, _ENGINE, manifest=manifest),
+                                        skeletons["engine_state"])
     result = engine.strategy.load_module_state_dict(module_state, strict=strict)
     del module_state
     if not strict and (result.missing_keys or result.unexpected_keys):
         logger.warning("checkpoint loaded non-strictly: missing %s, unexpected %s",
                        result.missing_keys, result.unexpected_keys)
-    engine_state = ckpt.unflatten_state(ckpt.read_tensors(path, _ENGINE, manifest=manifest),
-                                        skeletons["engine_state"])
     if module_only:
         return str(path), engine_state["client_state"]
-    if load_optimizer and engine.optimizer is not None:
-        if "optimizer" not in skeletons:
-            raise ckpt.CheckpointError(f"{path} holds no optimizer state (it was saved without an "
-                                       "optimizer); load with load_optimizer_states=False")
-        # mapped, not read: each rank copies out only its shards
-        saved = ckpt_layout.read_optimizer_state(path, manifest, mmap=True)
-        engine.strategy.load_optimizer_state_by_name(saved)
-        del saved
+    if saved_optimizer is not None:
+        engine.strategy.load_optimizer_state_by_name(saved_optimizer)
+        del saved_optimizer
     if load_scheduler and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
     if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
@@ -287,16 +326,82 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     # accumulation steps were (a different world size changes them)
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     engine.skipped_steps = manifest["skipped_steps"]
-    rng_name = _rng_file(engine.comm.rank)
+    rank = engine.grid.global_rank
+    rng_name = _rng_file(rank)
     if rng_name in manifest.get("files", {}):
-        rng = ckpt.unflatten_state(ckpt.read_tensors(path, rng_name, manifest=manifest),
-                                   skeletons["rng"][str(engine.comm.rank)])
+        rng = ckpt.unflatten_state(ckpt.read_tensors(path, rng_name, manifest=manifest), skeletons["rng"][str(rank)])
         ckpt.restore_rng_state(rng)
     else:
-        logger.warning("checkpoint %s has no RNG state for rank %d (saved with %d ranks); "
-                       "random streams start fresh", path, engine.comm.rank,
-                       manifest["layout"]["dp_world_size"])
+        logger.warning("checkpoint %s has no RNG state for rank %d (saved at %s); random streams start fresh",
+                       path, rank, _saved_layout(manifest))
     return str(path), engine_state["client_state"]
+
+
+def _saved_layout(manifest: dict) -> str:
+    layout = manifest.get("layout", {})
+    return (f"ZeRO stage {layout.get('zero_stage', '?')}, data {layout.get('dp_world_size', '?')} x tensor "
+            f"{layout.get('tp_degree', 1)}")
+
+
+def _engine_layout(engine) -> str:
+    return f"ZeRO stage {engine.train_config.zero.stage}, data {engine.grid.data} x tensor {engine.grid.tensor}"
+
+
+def _module_to_layout(engine, state: dict, splits: dict[str, TensorSplit], *, where: str) -> dict:
+    """``state`` (full tensors by state-dict key) with each tensor-parallel parameter's
+    value cut to this rank's slice (a view where the slice is one); every tensor the model
+    holds is checked against its full shape first (see [Note: tensor parallelism in
+    checkpoints])."""
+    by_key = _splits_by_key(engine, splits)
+    out, problems = dict(state), []
+    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+        if key not in state:
+            continue
+        split = by_key.get(key)
+        expected = split.stored_shape if split is not None else tuple(getattr(tensor, "ds_shape", tensor.shape))
+        if tuple(state[key].shape) != tuple(expected):
+            problems.append(_mismatch(key, state[key], expected, split))
+        elif split is not None:
+            out[key] = split.slice_of(state[key])
+    _raise_mismatches(engine, problems, where)
+    return out
+
+
+def _optimizer_to_layout(engine, saved: dict, splits: dict[str, TensorSplit], *, where: str) -> dict:
+    """The named optimizer state with each tensor-parallel parameter's per-element state
+    and master cut to this rank's slice, shapes checked first."""
+    if not splits:
+        return saved
+    state = {name: dict(entry) for name, entry in saved["state"].items()}
+    master = dict(saved.get("master", {}))
+    problems = []
+    for name, split in splits.items():
+        values = [(state[name], key) for key in state.get(name, {})] + ([(master, name)] if name in master else [])
+        for holder, key in values:
+            value = holder[key]
+            if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+                continue
+            if tuple(value.shape) != split.stored_shape:
+                problems.append(_mismatch(f"{name} (optimizer state {key!r})" if holder is not master
+                                          else f"{name} (fp32 master)", value, split.stored_shape, split))
+            else:
+                holder[key] = split.slice_of(value)
+    _raise_mismatches(engine, problems, where)
+    return {**saved, "state": state, "master": master}
+
+
+def _mismatch(what: str, value: torch.Tensor, expected, split: TensorSplit | None) -> str:
+    held = f"; this rank holds {split.describe()}" if split is not None else ""
+    return f"{what}: stored {list(value.shape)}, this model's full tensor is {list(expected)}{held}"
+
+
+def _raise_mismatches(engine, problems: list[str], where: str) -> None:
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(
+            f"{where} does not fit this model at {_engine_layout(engine)}: {shown}. A checkpoint stores full tensors, "
+            "so any ZeRO stage and data x tensor layout loads it, but the model must have the same sizes; nothing "
+            "was loaded")
 
 
 def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
@@ -305,29 +410,34 @@ def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
     ``.safetensors`` names get a safetensors file, written a piece at a time (at stage 3
     a unit at a time: only one unit is ever gathered); anything else (DeepSpeed's default
     ``pytorch_model.bin``) a ``torch.save`` file, which is what Hugging Face loaders read
-    and which needs the whole state on rank 0. Collective: every rank calls it.
+    and which needs the whole state on rank 0. Tensor-parallel parameters are gathered
+    over the tensor group into their full tensors (see [Note: tensor parallelism in
+    checkpoints]). Collective: every rank calls it.
     """
-    _refuse_model_parallel(engine, "save_16bit_model")
-    comm, strategy = engine.comm, engine.strategy
+    _refuse_pipeline(engine, "save_16bit_model")
+    writers, strategy = Writers.of(engine), engine.strategy
+    by_key = _splits_by_key(engine, tensor_splits(engine))
     path = Path(save_dir) / save_filename
     tmp = path.with_name(f".{path.name}.tmp")
-    writer = comm.rank == 0
+    writer = writers.rank == 0
     if writer:
         path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
         current = engine.module.state_dict(keep_vars=True)
-        entries = [(k, v.dtype, list(getattr(v, "ds_shape", v.shape))) for k, v in current.items()]
+        entries = [(k, v.dtype, list(by_key[k].stored_shape if k in by_key else getattr(v, "ds_shape", v.shape)))
+                   for k, v in current.items()]
         prefix, offsets, _ = ckpt.tensor_file_layout(entries)
         if writer:
             with open(tmp, "wb") as handle:
                 handle.write(prefix)
         for piece in strategy.module_state_pieces():
-            if writer:
-                for key, tensor in piece.items():
+            for key, tensor in _gather_slices(writers, piece, by_key).items():
+                if writer:
                     ckpt.write_into(tmp, offsets[key], tensor)
     else:
         state = {}
         for piece in strategy.module_state_pieces():
+            piece = _gather_slices(writers, piece, by_key)
             if writer:
                 state.update({k: v.detach().cpu().clone() for k, v in piece.items()})
         if writer:
@@ -336,5 +446,38 @@ def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         tmp.replace(path)
-    comm.barrier(tag="save_16bit_model")
+    writers.barrier(tag="save_16bit_model")
     return True
+
+
+def _gather_slices(writers: Writers, state: dict, by_key: dict[str, TensorSplit]) -> dict:
+    """``state`` with each tensor-parallel slice replaced by its full tensor, all-gathered
+    over the tensor group (collective there: every tensor rank passes the same keys)."""
+    if not by_key:
+        return state
+    out = {}
+    for key, tensor in state.items():
+        split = by_key.get(key)
+        if split is None:
+            out[key] = tensor
+            continue
+        local = tensor.detach().contiguous().reshape(-1)
+        gathered = torch.empty(writers.tensor_size * local.numel(), dtype=local.dtype, device=local.device)
+        writers.tensor.all_gather_into_tensor(gathered, local, tag=f"full tensor of {key}").wait()
+        out[key] = split.full_from(list(gathered.view(writers.tensor_size, -1)))
+    return out
+
+
+def full_module_state(engine, state: dict) -> dict:
+    """``engine.module_state_dict()``'s result with full tensors for tensor-parallel
+    parameters (collective over the tensor group)."""
+    return _gather_slices(Writers.of(engine), state, _splits_by_key(engine, tensor_splits(engine)))
+
+
+def module_state_for_layout(engine, state: dict) -> dict:
+    """A full state dict (``load_module_state_dict``'s) cut to this rank's tensor-parallel
+    slices, shapes checked as a checkpoint load checks them."""
+    splits = tensor_splits(engine)
+    if not splits:
+        return state
+    return _module_to_layout(engine, state, splits, where="the state dict given to load_module_state_dict")

@@ -284,9 +284,11 @@ class Engine(DeepSpeedNames, nn.Module):
     save_fp16_model = save_16bit_model
 
     def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
-        """The module's full state dict (collective at stage 3, which gathers it)."""
+        """The module's full state dict (collective at stage 3, which gathers it, and under
+        tensor parallelism, whose slices are gathered into the full tensors, as in the model
+        without it)."""
         del destination, keep_vars
-        state = self.strategy.module_state_dict()
+        state = _checkpointing.full_module_state(self, self.strategy.module_state_dict())
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
@@ -297,9 +299,10 @@ class Engine(DeepSpeedNames, nn.Module):
         """Load ``checkpoint["module"]`` (a full state dict) into the model at any stage;
         with ``custom_load_fn(src=state, dst=module)`` that function does the copying
         (inside ``GatheredParameters`` of the listed or, with ``fetch_z3_params``, all
-        parameters at stage 3) and the fp32 masters are refreshed from the result. Returns
+        parameters at stage 3) and the fp32 masters are refreshed from the result. Under
+        tensor parallelism the full tensors are cut to this rank's slices first. Returns
         None, as DeepSpeed's does."""
-        state = checkpoint["module"]
+        state = _checkpointing.module_state_for_layout(self, checkpoint["module"])
         if custom_load_fn is None:
             result = self.strategy.load_module_state_dict(state, strict=strict and allowed_missing_keys is None)
             unexpected_missing = set(result.missing_keys) - set(allowed_missing_keys or ())

@@ -1,7 +1,7 @@
 """``shardwise convert``: one full state-dict file from any shardwise checkpoint.
 
-The checkpoint may come from any world size and ZeRO stage; nothing about the saving job
-is needed. Weights of fp16/bf16 runs come from their fp32 master copies.
+The checkpoint may come from any world size, ZeRO stage and tensor-parallel degree;
+nothing about the saving job is needed. Weights of fp16/bf16 runs come from their fp32 master copies.
 """
 
 from __future__ import annotations

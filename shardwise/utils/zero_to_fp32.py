@@ -1,7 +1,7 @@
 """DeepSpeed's ``zero_to_fp32`` functions over shardwise checkpoints.
 
-A shardwise checkpoint stores every tensor whole under its name whatever the ZeRO stage
-and world size that saved it, so consolidation is reading (see
+A shardwise checkpoint stores every tensor whole under its name whatever the ZeRO stage,
+world size and tensor-parallel degree that saved it, so consolidation is reading (see
 ``shardwise.checkpoint.consolidate``); weights of fp16/bf16 runs come from the fp32
 master copies. ``shardwise convert`` does the same from the command line.
 """

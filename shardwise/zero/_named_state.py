@@ -53,8 +53,10 @@ def load_per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], save
             name_to_index[names.get(p, f"unnamed.{index}")] = index
             index += 1
     check_groups(saved, optimizer, name_to_index)
-    # copies: the saved tensors may map a checkpoint file (read_tensors(mmap=True))
-    state = {name_to_index[n]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+    # contiguous copies: the saved tensors may map a checkpoint file (read_tensors(mmap=True))
+    # or be strided views of one (a tensor-parallel slice)
+    state = {name_to_index[n]: {k: v.clone(memory_format=torch.contiguous_format) if isinstance(v, torch.Tensor)
+                                else v for k, v in s.items()}
              for n, s in saved["state"].items()}
     # torch pairs saved and current parameters by position, so list them in this optimizer's
     # order (the saved order is another layout's); the options come from the checkpoint

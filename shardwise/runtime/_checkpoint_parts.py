@@ -1,0 +1,202 @@
+"""Sharded tensors written into shared part files in place: no rank gathers them to save.
+
+[Note: shards written in place]
+A checkpoint stores each sharded tensor whole, under its name and with its full shape, in
+``<stem>-00001.safetensors`` and on (about ``part_bytes`` each). Rank 0 of the
+grid creates the files with their headers; every rank computes the same offsets
+(``tensor_file_layout`` is a pure function) and writes its own elements into place:
+
+- a ZeRO bucket is a flat range of its parameters' tensors back to back, and data rank
+  ``r`` holds elements ``[r * shard, (r + 1) * shard)``; it writes the part of each tensor
+  its range covers (``open`` gives the shards a bucket at a time: with nvme offload, only
+  that bucket is swapped in);
+- a tensor that every data rank holds whole (stage 0) is written as if sharded: data rank
+  ``r`` writes its ``1 / N`` of it;
+- under tensor parallelism a rank's tensor is its tensor rank's slice of the stored one
+  (a ``TensorSplit``, see [Note: tensor-parallel slices of stored tensors] in
+  ``checkpoint/_tensor_split.py``), so its elements go where the slice sits in the full
+  tensor (``write_slice_into``); tensors every tensor rank holds alike are written by
+  tensor rank 0.
+
+Rank ``r`` starts ``r / N`` of the way through the sources, so ranks mostly write
+different files at once; rank ``k % N`` then hashes part ``k``. The parts are ordinary
+safetensors files whose tensors are named like any other, so loading needs no knowledge
+of the layout that wrote them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from shardwise import checkpoint as ckpt
+from shardwise.checkpoint import TensorSplit
+from shardwise.comm import Communicator
+from shardwise.zero._partition import partition
+from shardwise.zero._strategy import MASTER_KEY, PARAM_KEY, ShardBlock
+
+@dataclass(frozen=True)
+class Writers:
+    """The ranks that save one checkpoint together: the data x tensor grid (a pipeline is
+    refused before a save starts). A collective runs over the data group and then the
+    tensor group, which together reach every rank."""
+
+    data: Communicator
+    tensor: Communicator | None
+    """The tensor group's communicator; None without tensor parallelism."""
+    tensor_rank: int
+    tensor_size: int
+
+    @classmethod
+    def of(cls, engine) -> "Writers":
+        grid = engine.grid
+        if grid.tensor == 1:
+            return cls(engine.comm, None, 0, 1)
+        return cls(engine.comm, grid.tensor_comm, grid.tensor_rank, grid.tensor)
+
+    @property
+    def rank(self) -> int:
+        return self.data.rank * self.tensor_size + self.tensor_rank
+
+    @property
+    def size(self) -> int:
+        return self.data.world_size * self.tensor_size
+
+    def barrier(self, *, tag: str) -> None:
+        self.data.barrier(tag=tag)
+        if self.tensor is not None:
+            self.tensor.barrier(tag=tag)
+
+    def all_gather_object(self, obj, *, tag: str) -> list:
+        """Every rank's ``obj``, indexed by ``rank``."""
+        by_data = self.data.all_gather_object(obj, tag=tag)
+        if self.tensor is None:
+            return by_data
+        by_tensor = self.tensor.all_gather_object(by_data, tag=tag)
+        return [by_tensor[t][d] for d in range(self.data.world_size) for t in range(self.tensor_size)]
+
+
+@dataclass(frozen=True)
+class PartTensor:
+    """One tensor of a part file, and where this rank's elements of it are."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    """As stored: the full tensor."""
+    split: TensorSplit | None
+    """This tensor rank's slice of it; None: every tensor rank holds all of it."""
+    source: str
+    """The key of its source tensor in what ``PartGroup.open`` yields."""
+    offset: int
+    """The element of the source's flat layout where this tensor's elements start."""
+    numel: int
+    """Its elements on this rank (the slice's, under tensor parallelism)."""
+
+
+@dataclass(frozen=True)
+class PartGroup:
+    """Tensors read from one source: a ZeRO bucket's shards, or one whole tensor."""
+
+    tensors: tuple[PartTensor, ...]
+    shard: int
+    """Data rank ``r`` writes elements ``[r * shard, (r + 1) * shard)`` of the source."""
+    open: Callable[[], AbstractContextManager[dict[str, torch.Tensor]]]
+    whole: bool
+    """Whether the source tensors are whole on every data rank (else each holds its shard)."""
+
+
+def block_key(key: str, name: str) -> str:
+    """The tensor key of parameter ``name``'s part of a ``ShardBlock``: its own name for
+    module parameters; '/' (never in the dotted keys ``flatten_state`` makes) for optimizer
+    state."""
+    if key == PARAM_KEY:
+        return name
+    return f"master/{name}" if key == MASTER_KEY else f"state/{name}/{key}"
+
+
+def block_groups(blocks: list[ShardBlock], open_shards, splits: dict[str, TensorSplit]) -> list[PartGroup]:
+    """One group per ZeRO bucket; ``open_shards(bucket)`` yields this rank's shards by
+    block key (``strategy.module_shards`` / ``optimizer_shards``)."""
+    by_bucket: dict[int, list[ShardBlock]] = {}
+    for block in blocks:
+        by_bucket.setdefault(block.bucket, []).append(block)
+    groups = []
+    for bucket, bucket_blocks in by_bucket.items():
+        tensors = []
+        for block in bucket_blocks:
+            offset = 0
+            for name, shape in zip(block.names, block.shapes):
+                split = splits.get(name)
+                stored = split.stored_shape if split is not None else tuple(int(d) for d in shape)
+                tensors.append(PartTensor(block_key(block.key, name), block.dtype, stored, split, block.key,
+                                          offset, shape.numel()))
+                offset += shape.numel()
+        groups.append(PartGroup(tuple(tensors), bucket_blocks[0].shard,
+                                lambda bucket=bucket: open_shards(bucket), whole=False))
+    return groups
+
+
+def whole_group(key: str, tensor: torch.Tensor, split: TensorSplit | None, data_size: int) -> PartGroup:
+    """A tensor every data rank holds whole, written ``1 / data_size`` by each."""
+    stored = split.stored_shape if split is not None else tuple(tensor.shape)
+    flat = tensor.detach().reshape(-1)
+    entry = PartTensor(key, tensor.dtype, stored, split, "whole", 0, flat.numel())
+    return PartGroup((entry,), partition(flat.numel(), data_size)[1],
+                     lambda: contextlib.nullcontext({"whole": flat}), whole=True)
+
+
+def write_parts(writers: Writers, staging, stem: str, groups: list[PartGroup], *,
+                part_bytes: int) -> tuple[dict, list[str]]:
+    """Write ``groups`` into ``<stem>-00001.safetensors``... of about ``part_bytes`` each
+    (collective; see [Note: shards written in place]). Returns this rank's file records
+    and the part names."""
+    tensors = [t for group in groups for t in group.tensors]
+    if not tensors:
+        return {}, []
+    parts: list[list[PartTensor]] = []
+    size = part_bytes
+    for tensor in tensors:
+        nbytes = torch.Size(tensor.shape).numel() * torch.empty(0, dtype=tensor.dtype).element_size()
+        if size + nbytes > part_bytes and size > 0:
+            parts.append([])
+            size = 0
+        parts[-1].append(tensor)
+        size += nbytes
+    names = [f"{stem}-{k + 1:05d}.safetensors" for k in range(len(parts))]
+    where: dict[str, tuple[str, int]] = {}  # tensor key -> (file, byte offset of its data)
+    for name, part in zip(names, parts):
+        entries = [(t.key, t.dtype, list(t.shape)) for t in part]
+        offsets = ckpt.create_tensor_file(staging / name, entries) if writers.rank == 0 \
+            else ckpt.tensor_file_layout(entries)[1]
+        where.update((t.key, (name, offsets[t.key])) for t in part)
+    writers.barrier(tag=f"{stem} checkpoint files created")
+    start = len(groups) * writers.rank // writers.size  # ranks start apart: mostly different files at once
+    for group in groups[start:] + groups[:start]:
+        _write_group(writers, staging, group, where)
+    writers.barrier(tag=f"{stem} shards written")
+    return {name: ckpt.seal_tensor_file(staging / name)
+            for k, name in enumerate(names) if k % writers.size == writers.rank}, names
+
+
+def _write_group(writers: Writers, staging, group: PartGroup, where: dict[str, tuple[str, int]]) -> None:
+    low = writers.data.rank * group.shard
+    high = low + group.shard
+    mine = [t for t in group.tensors if (t.split is not None or writers.tensor_rank == 0)
+            and max(t.offset, low) < min(t.offset + t.numel, high)]
+    if not mine:
+        return
+    with group.open() as sources:
+        for tensor in mine:
+            start, end = max(tensor.offset, low), min(tensor.offset + tensor.numel, high)
+            base = 0 if group.whole else low
+            data = sources[tensor.source][start - base:end - base]
+            name, offset = where[tensor.key]
+            if tensor.split is None:
+                ckpt.write_into(staging / name, offset + (start - tensor.offset) * data.element_size(), data)
+            else:
+                ckpt.write_slice_into(staging / name, offset, tensor.split, start - tensor.offset, data)
