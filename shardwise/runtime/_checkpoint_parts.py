@@ -18,6 +18,11 @@ grid creates the files with their headers; every rank computes the same offsets
   tensor (``write_slice_into``); tensors every tensor rank holds alike are written by
   tensor rank 0.
 
+- under pipeline parallelism each stage writes only its own layers' tensors (a tied
+  weight by the first stage holding it); the stages' lists of tensors are all-gathered
+  over the pipe group and merged in stage order, so every rank computes the same files
+  and offsets, and the parts hold one model's tensors, whatever the number of stages.
+
 Rank ``r`` starts ``r / N`` of the way through the sources, so ranks mostly write
 different files at once; rank ``k % N`` then hashes part ``k``. The parts are ordinary
 safetensors files whose tensors are named like any other, so loading needs no knowledge
@@ -39,45 +44,70 @@ from shardwise.comm import Communicator
 from shardwise.zero._partition import partition
 from shardwise.zero._strategy import MASTER_KEY, PARAM_KEY, ShardBlock
 
+
 @dataclass(frozen=True)
 class Writers:
-    """The ranks that save one checkpoint together: the data x tensor grid (a pipeline is
-    refused before a save starts). A collective runs over the data group and then the
-    tensor group, which together reach every rank."""
+    """The ranks that save one checkpoint together: the pipe x data x tensor grid. A
+    collective runs over the data group, then the tensor group, then the pipe group,
+    which together reach every rank (each waits for the previous ones' members)."""
 
     data: Communicator
     tensor: Communicator | None
     """The tensor group's communicator; None without tensor parallelism."""
     tensor_rank: int
     tensor_size: int
+    pipe: Communicator | None = None
+    """The pipe group's communicator (one rank per stage); None without pipeline parallelism."""
+    stage: int = 0
 
     @classmethod
     def of(cls, engine) -> "Writers":
         grid = engine.grid
-        if grid.tensor == 1:
-            return cls(engine.comm, None, 0, 1)
-        return cls(engine.comm, grid.tensor_comm, grid.tensor_rank, grid.tensor)
+        tensor = (None, 0, 1) if grid.tensor == 1 else (grid.tensor_comm, grid.tensor_rank, grid.tensor)
+        pipe = (None, 0) if grid.pipe == 1 else (grid.pipe_comm, grid.stage_id)
+        return cls(engine.comm, *tensor, *pipe)
+
+    @property
+    def stages(self) -> int:
+        return 1 if self.pipe is None else self.pipe.world_size
 
     @property
     def rank(self) -> int:
-        return self.data.rank * self.tensor_size + self.tensor_rank
+        return (self.stage * self.data.world_size + self.data.rank) * self.tensor_size + self.tensor_rank
 
     @property
     def size(self) -> int:
-        return self.data.world_size * self.tensor_size
+        return self.data.world_size * self.tensor_size * self.stages
 
     def barrier(self, *, tag: str) -> None:
         self.data.barrier(tag=tag)
         if self.tensor is not None:
             self.tensor.barrier(tag=tag)
+        if self.pipe is not None:
+            self.pipe.barrier(tag=tag)
 
     def all_gather_object(self, obj, *, tag: str) -> list:
         """Every rank's ``obj``, indexed by ``rank``."""
         by_data = self.data.all_gather_object(obj, tag=tag)
-        if self.tensor is None:
+        if self.tensor is not None:
+            by_tensor = self.tensor.all_gather_object(by_data, tag=tag)
+            by_data = [by_tensor[t][d] for d in range(self.data.world_size) for t in range(self.tensor_size)]
+        if self.pipe is None:
             return by_data
-        by_tensor = self.tensor.all_gather_object(by_data, tag=tag)
-        return [by_tensor[t][d] for d in range(self.data.world_size) for t in range(self.tensor_size)]
+        return [obj for stage in self.pipe.all_gather_object(by_data, tag=tag) for obj in stage]
+
+    def stage_lists(self, items: list, *, tag: str) -> list:
+        """``items`` of every stage, merged in stage order, the first of equal ones kept
+        (collective over the pipe group; every rank of a stage passes the same list)."""
+        if self.pipe is None:
+            return list(items)
+        merged, seen = [], set()
+        for stage_items in self.pipe.all_gather_object(items, tag=tag):
+            for item in stage_items:
+                if item[0] not in seen:
+                    seen.add(item[0])
+                    merged.append(item)
+        return merged
 
 
 @dataclass(frozen=True)
@@ -96,6 +126,8 @@ class PartTensor:
     """The element of the source's flat layout where this tensor's elements start."""
     numel: int
     """Its elements on this rank (the slice's, under tensor parallelism)."""
+    name: str
+    """The parameter (or state-dict key) it belongs to."""
 
 
 @dataclass(frozen=True)
@@ -134,18 +166,19 @@ def block_groups(blocks: list[ShardBlock], open_shards, splits: dict[str, Tensor
                 split = splits.get(name)
                 stored = split.stored_shape if split is not None else tuple(int(d) for d in shape)
                 tensors.append(PartTensor(block_key(block.key, name), block.dtype, stored, split, block.key,
-                                          offset, shape.numel()))
+                                          offset, shape.numel(), name))
                 offset += shape.numel()
         groups.append(PartGroup(tuple(tensors), bucket_blocks[0].shard,
                                 lambda bucket=bucket: open_shards(bucket), whole=False))
     return groups
 
 
-def whole_group(key: str, tensor: torch.Tensor, split: TensorSplit | None, data_size: int) -> PartGroup:
+def whole_group(key: str, tensor: torch.Tensor, split: TensorSplit | None, data_size: int, *,
+                name: str | None = None) -> PartGroup:
     """A tensor every data rank holds whole, written ``1 / data_size`` by each."""
     stored = split.stored_shape if split is not None else tuple(tensor.shape)
     flat = tensor.detach().reshape(-1)
-    entry = PartTensor(key, tensor.dtype, stored, split, "whole", 0, flat.numel())
+    entry = PartTensor(key, tensor.dtype, stored, split, "whole", 0, flat.numel(), name or key)
     return PartGroup((entry,), partition(flat.numel(), data_size)[1],
                      lambda: contextlib.nullcontext({"whole": flat}), whole=True)
 
@@ -155,25 +188,25 @@ def write_parts(writers: Writers, staging, stem: str, groups: list[PartGroup], *
     """Write ``groups`` into ``<stem>-00001.safetensors``... of about ``part_bytes`` each
     (collective; see [Note: shards written in place]). Returns this rank's file records
     and the part names."""
-    tensors = [t for group in groups for t in group.tensors]
-    if not tensors:
+    entries = writers.stage_lists([(t.key, t.dtype, list(t.shape)) for group in groups for t in group.tensors],
+                                  tag=f"{stem} checkpoint tensors of every stage")
+    if not entries:
         return {}, []
-    parts: list[list[PartTensor]] = []
+    parts: list[list[tuple]] = []
     size = part_bytes
-    for tensor in tensors:
-        nbytes = torch.Size(tensor.shape).numel() * torch.empty(0, dtype=tensor.dtype).element_size()
+    for entry in entries:
+        nbytes = torch.Size(entry[2]).numel() * torch.empty(0, dtype=entry[1]).element_size()
         if size + nbytes > part_bytes and size > 0:
             parts.append([])
             size = 0
-        parts[-1].append(tensor)
+        parts[-1].append(entry)
         size += nbytes
     names = [f"{stem}-{k + 1:05d}.safetensors" for k in range(len(parts))]
     where: dict[str, tuple[str, int]] = {}  # tensor key -> (file, byte offset of its data)
     for name, part in zip(names, parts):
-        entries = [(t.key, t.dtype, list(t.shape)) for t in part]
-        offsets = ckpt.create_tensor_file(staging / name, entries) if writers.rank == 0 \
-            else ckpt.tensor_file_layout(entries)[1]
-        where.update((t.key, (name, offsets[t.key])) for t in part)
+        offsets = ckpt.create_tensor_file(staging / name, part) if writers.rank == 0 \
+            else ckpt.tensor_file_layout(part)[1]
+        where.update((key, (name, offsets[key])) for key, _, _ in part)
     writers.barrier(tag=f"{stem} checkpoint files created")
     start = len(groups) * writers.rank // writers.size  # ranks start apart: mostly different files at once
     for group in groups[start:] + groups[:start]:
@@ -181,6 +214,14 @@ def write_parts(writers: Writers, staging, stem: str, groups: list[PartGroup], *
     writers.barrier(tag=f"{stem} shards written")
     return {name: ckpt.seal_tensor_file(staging / name)
             for k, name in enumerate(names) if k % writers.size == writers.rank}, names
+
+
+def without_names(groups: list[PartGroup], names: set[str]) -> list[PartGroup]:
+    """``groups`` without the tensors of ``names`` (a tied weight another stage writes)."""
+    if not names:
+        return groups
+    return [PartGroup(tuple(t for t in g.tensors if t.name not in names), g.shard, g.open, g.whole)
+            for g in groups]
 
 
 def _write_group(writers: Writers, staging, group: PartGroup, where: dict[str, tuple[str, int]]) -> None:

@@ -26,6 +26,19 @@ load into a tensor-parallel layout cuts each rank's slice out of the full tensor
 model before anything is loaded. ``engine.module_state_dict()`` and
 ``save_16bit_model`` gather the slices over the tensor group into the same full tensors,
 and ``load_module_state_dict`` cuts them like a checkpoint load.
+
+[Note: pipeline stages in checkpoints]
+A pipeline module names its parameters by global layer index (``"3.fc.weight"``) and its
+tied layers ``tied_modules.<key>.<attr>``, names no stage count changes. So a pipeline
+checkpoint is the checkpoint of the whole model: each stage writes its own layers'
+tensors (parameters, buffers, optimizer state, fp32 masters) into the shared part files,
+all of them as parts (``model.safetensors`` and ``optimizer.safetensors`` then hold only
+what is not per parameter), a tied weight once, by the first stage holding it; global
+rank 0 merges the stages' skeletons (``_merge_stage_skeletons``) into one manifest. A
+load at any number of stages reads the names its stage now holds (every copy of a tied
+weight reads the one stored tensor) and ignores the rest; consolidation sees one model.
+``engine.module_state_dict()`` and ``save_16bit_model`` all-gather the stages' state
+dicts over the pipe group, so every rank gets the whole model's (in host memory).
 """
 
 from __future__ import annotations
@@ -35,12 +48,14 @@ import logging
 import os
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import CheckpointError, TensorSplit
 from shardwise.checkpoint import layout as ckpt_layout
-from shardwise.runtime._checkpoint_parts import Writers, block_groups, block_key, whole_group, write_parts
+from shardwise.runtime._checkpoint_parts import (Writers, block_groups, block_key, whole_group, without_names,
+                                                 write_parts)
 from shardwise.zero._strategy import MASTER_KEY, is_tensor_parallel
 
 logger = logging.getLogger("shardwise")
@@ -65,13 +80,48 @@ def _aliases(module) -> dict[str, str]:
     return aliases
 
 
-def _refuse_pipeline(engine, what: str) -> None:
-    """A pipeline stage holds only its layers; checkpoints do not record stages yet."""
-    grid = engine.grid
-    if grid.pipe > 1:
-        raise NotImplementedError(f"{what} with pipeline parallelism (grid pipe {grid.pipe} x data {grid.data} x "
-                                  f"tensor {grid.tensor}) is not available in this version of shardwise yet; "
-                                  "save the module with engine.module_state_dict() on each stage in the meantime")
+def _other_stages_tied(engine) -> set[str]:
+    """Names of the tied weights this stage holds but an earlier stage writes (see [Note:
+    pipeline stages in checkpoints])."""
+    tied = getattr(engine.module, "tied_weights", None)
+    if engine.grid.pipe == 1 or tied is None:
+        return set()
+    name_of = {id(p): name for name, p in engine.module.named_parameters()}
+    return {name_of[id(param)] for _, param, ranks, _ in tied() if engine.grid.global_rank != min(ranks)}
+
+
+def _merge_stage_skeletons(stages: list[dict]) -> dict:
+    """One model's skeletons from each stage's (stage order; see [Note: pipeline stages
+    in checkpoints]): module entries, aliases and per-parameter optimizer state united,
+    each parameter group's names concatenated; everything else is stage 0's."""
+    merged = dict(stages[0])
+    for what in ("module", "aliases"):
+        if what in merged:
+            merged[what] = {k: v for skel in stages for k, v in skel[what].items()}
+    if "optimizer" in merged:
+        optimizer = dict(merged["optimizer"])
+        for what in ("state", "master"):
+            optimizer[what] = {k: v for skel in stages for k, v in skel["optimizer"].get(what, {}).items()}
+        groups = [dict(g, params=[]) for g in optimizer["param_groups"]]
+        for skel in stages:
+            if len(skel["optimizer"]["param_groups"]) != len(groups):
+                raise NotImplementedError("pipeline stages have different numbers of optimizer parameter groups; "
+                                          "a checkpoint needs the same groups on every stage")
+            for group, stage_group in zip(groups, skel["optimizer"]["param_groups"]):
+                group["params"] += [n for n in stage_group["params"] if n not in group["params"]]
+        optimizer["param_groups"] = groups
+        merged["optimizer"] = optimizer
+    return merged
+
+
+def _this_stage_only(engine, state: dict, names) -> dict:
+    """Of a whole model's named optimizer state, what this stage's parameters ``names`` hold."""
+    if engine.grid.pipe == 1:
+        return state
+    names = set(names)
+    return {**state, "state": {n: v for n, v in state["state"].items() if n in names},
+            "master": {n: v for n, v in state.get("master", {}).items() if n in names},
+            "param_groups": [dict(g, params=[n for n in g["params"] if n in names]) for g in state["param_groups"]]}
 
 
 def tensor_splits(engine) -> dict[str, TensorSplit]:
@@ -137,7 +187,6 @@ def _check_tag_agrees(engine, tag: str) -> None:
 
 def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> bool:
     """Write a checkpoint of ``engine`` (collective: every rank calls it)."""
-    _refuse_pipeline(engine, "save_checkpoint")
     writers = Writers.of(engine)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_tag_agrees(engine, tag)
@@ -155,8 +204,8 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
                                                                                           splits)
     module_records, skeletons["module"], skeletons["module_files"] = _write_module(engine, staging, writers, splits)
     records.update(module_records)
+    skeletons["aliases"] = _aliases(engine.module)
     if writers.rank == 0:
-        skeletons["aliases"] = _aliases(engine.module)
         engine_state = {
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
@@ -166,16 +215,20 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
     rng_tensors, rng_skeleton = ckpt.flatten_state(ckpt.capture_rng_state())
     files[_rng_file(engine.grid.global_rank)] = rng_tensors
     records.update(ckpt.write_files(staging, files))
-    all_records = writers.all_gather_object((engine.grid.global_rank, records, rng_skeleton),
-                                            tag="checkpoint records")
+    stage_first = writers.data.rank == 0 and writers.tensor_rank == 0
+    all_records = writers.all_gather_object(
+        (engine.grid.global_rank, records, rng_skeleton, skeletons if stage_first and writers.stages > 1 else None),
+        tag="checkpoint records")
     if writers.rank == 0:
-        merged = {name: rec for _, recs, _ in all_records for name, rec in recs.items()}
-        skeletons["rng"] = {str(rank): skel for rank, _, skel in sorted(all_records, key=lambda r: r[0])}
+        merged = {name: rec for _, recs, _, _ in all_records for name, rec in recs.items()}
+        if writers.stages > 1:  # rank 0's (stage 0's) first, then the other stages' in order
+            skeletons = _merge_stage_skeletons([skel for *_, skel in all_records if skel is not None])
+        skeletons["rng"] = {str(rank): skel for rank, _, skel, _ in sorted(all_records, key=lambda r: r[0])}
         manifest = {
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
             "layout": {"zero_stage": engine.train_config.zero.stage, "dp_world_size": engine.comm.world_size,
-                       "tp_degree": engine.grid.tensor,
+                       "tp_degree": engine.grid.tensor, "pp_degree": engine.grid.pipe,
                        "param_dtype": str(engine.policy.param_dtype).removeprefix("torch.")},
             "skeletons": skeletons,
         }
@@ -205,7 +258,10 @@ def _write_optimizer(engine, staging, writers: Writers, splits: dict[str, Tensor
     records: dict = {}
     named = strategy.optimizer_state_replicated()
     sliced = _take_split_state(named, splits)
+    if writers.stages > 1:
+        sliced += _take_per_param_state(named)
     tensors, skeleton = ckpt.flatten_state(named)
+    skip = _other_stages_tied(engine)
     if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_OPTIMIZER: tensors}))
     blocks = strategy.optimizer_state_blocks()
@@ -217,8 +273,9 @@ def _write_optimizer(engine, staging, writers: Writers, splits: dict[str, Tensor
         else:
             skeleton["state"].setdefault(name, {})[key] = ref
     groups = block_groups(blocks, strategy.optimizer_shards, splits)
-    groups += [whole_group(block_key(key, name), tensor, splits[name], writers.data.world_size)
+    groups += [whole_group(block_key(key, name), tensor, splits.get(name), writers.data.world_size, name=name)
                for key, name, tensor in sliced]
+    groups = without_names(groups, skip)
     part_records, parts = write_parts(writers, staging, "optimizer", groups,
                                        part_bytes=CHECKPOINT_PART_BYTES)
     records.update(part_records)
@@ -247,6 +304,23 @@ def _take_split_state(named: dict, splits: dict[str, TensorSplit]) -> list[tuple
     return taken
 
 
+def _take_per_param_state(named: dict) -> list[tuple[str, str, torch.Tensor]]:
+    """Under pipeline parallelism: remove every tensor left in the named state (the
+    per-parameter state and masters a rank holds whole) for the parts, returned as
+    ``_take_split_state`` returns them, since each stage holds other parameters' state
+    and only one rank writes ``optimizer.safetensors``."""
+    taken = []
+    named["state"] = {name: dict(entry) for name, entry in named["state"].items()}
+    named["master"] = dict(named.get("master", {}))
+    for name, entry in named["state"].items():
+        for key, value in list(entry.items()):
+            if isinstance(value, torch.Tensor):
+                taken.append((key, name, entry.pop(key)))
+    for name in list(named["master"]):
+        taken.append((MASTER_KEY, name, named["master"].pop(name)))
+    return taken
+
+
 def _write_module(engine, staging, writers: Writers, splits: dict[str, TensorSplit]) -> tuple[dict, dict, list[str]]:
     """Write the module's state dict the same way: entries every rank holds alike (buffers,
     parameters outside ZeRO buckets) by rank 0 in ``model.safetensors``, the bucketed and
@@ -256,17 +330,20 @@ def _write_module(engine, staging, writers: Writers, splits: dict[str, TensorSpl
     name_of = {id(p): name for name, p in engine.module.named_parameters()}
     current = engine.module.state_dict(keep_vars=True)
     replicated = strategy.module_state_replicated()
-    sliced = {name_of[id(current[k])]: v for k, v in replicated.items() if name_of.get(id(current[k])) in splits}
-    plain = {k: v for k, v in replicated.items() if name_of.get(id(current[k])) not in splits}
+    piped = writers.stages > 1  # every stage's tensors go to the parts
+    sliced = {name_of.get(id(current[k]), k): v for k, v in replicated.items()
+              if piped or name_of.get(id(current[k])) in splits}
+    plain = {k: v for k, v in replicated.items() if not piped and name_of.get(id(current[k])) not in splits}
     tensors, flat_skeleton = ckpt.flatten_state(plain)
     records: dict = {}
     if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_MODEL: tensors}))
     skeleton = {}
     for key, tensor in current.items():
-        skeleton[key] = flat_skeleton[key] if key in plain else {"__tensor__": name_of[id(tensor)]}
+        skeleton[key] = flat_skeleton[key] if key in plain else {"__tensor__": name_of.get(id(tensor), key)}
     groups = block_groups(strategy.module_state_blocks(), strategy.module_shards, splits)
-    groups += [whole_group(name, tensor, splits[name], writers.data.world_size) for name, tensor in sliced.items()]
+    groups += [whole_group(name, tensor, splits.get(name), writers.data.world_size) for name, tensor in sliced.items()]
+    groups = without_names(groups, _other_stages_tied(engine))
     part_records, parts = write_parts(writers, staging, "model", groups,
                                        part_bytes=CHECKPOINT_PART_BYTES)
     records.update(part_records)
@@ -282,7 +359,6 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     scripts work. Anything wrong with a checkpoint that does exist raises CheckpointError;
     what is read is checked against this model and layout before anything is loaded.
     """
-    _refuse_pipeline(engine, "load_checkpoint")
     if tag is None and not (Path(load_dir) / "latest").is_file():
         logger.warning("no 'latest' file in %s: nothing to resume from, starting fresh "
                        "(pass tag= to load a specific checkpoint)", load_dir)
@@ -298,12 +374,16 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     # mapped, not read: each rank copies out only its slices and shards
     splits = tensor_splits(engine)
     where = f"checkpoint {path} (saved at {_saved_layout(manifest)})"
-    module_state = _module_to_layout(engine, ckpt_layout.read_module_state(path, manifest, mmap=True), splits,
-                                     where=where)
+    module_state = ckpt_layout.read_module_state(path, manifest, mmap=True)
+    if engine.grid.pipe > 1:  # this stage's layers (see [Note: pipeline stages in checkpoints])
+        held = engine.module.state_dict(keep_vars=True)
+        module_state = {k: v for k, v in module_state.items() if k in held}
+    module_state = _module_to_layout(engine, module_state, splits, where=where)
     saved_optimizer = None
     if load_optimizer:
-        saved_optimizer = _optimizer_to_layout(engine, ckpt_layout.read_optimizer_state(path, manifest, mmap=True),
-                                               splits, where=where)
+        saved = ckpt_layout.read_optimizer_state(path, manifest, mmap=True)
+        saved = _this_stage_only(engine, saved, (n for n, _ in engine.module.named_parameters()))
+        saved_optimizer = _optimizer_to_layout(engine, saved, splits, where=where)
     engine_state = ckpt.unflatten_state(ckpt.read_tensors(path, _ENGINE, manifest=manifest),
                                         skeletons["engine_state"])
     result = engine.strategy.load_module_state_dict(module_state, strict=strict)
@@ -339,12 +419,15 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
 
 def _saved_layout(manifest: dict) -> str:
     layout = manifest.get("layout", {})
+    pipe = layout.get("pp_degree", 1)
     return (f"ZeRO stage {layout.get('zero_stage', '?')}, data {layout.get('dp_world_size', '?')} x tensor "
-            f"{layout.get('tp_degree', 1)}")
+            f"{layout.get('tp_degree', 1)}" + (f" x pipe {pipe}" if pipe > 1 else ""))
 
 
 def _engine_layout(engine) -> str:
-    return f"ZeRO stage {engine.train_config.zero.stage}, data {engine.grid.data} x tensor {engine.grid.tensor}"
+    grid = engine.grid
+    return (f"ZeRO stage {engine.train_config.zero.stage}, data {grid.data} x tensor {grid.tensor}"
+            + (f" x pipe {grid.pipe}" if grid.pipe > 1 else ""))
 
 
 def _module_to_layout(engine, state: dict, splits: dict[str, TensorSplit], *, where: str) -> dict:
@@ -412,9 +495,9 @@ def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
     ``pytorch_model.bin``) a ``torch.save`` file, which is what Hugging Face loaders read
     and which needs the whole state on rank 0. Tensor-parallel parameters are gathered
     over the tensor group into their full tensors (see [Note: tensor parallelism in
-    checkpoints]). Collective: every rank calls it.
+    checkpoints]); a pipeline's stages are all-gathered into the whole model's state dict
+    (see [Note: pipeline stages in checkpoints]). Collective: every rank calls it.
     """
-    _refuse_pipeline(engine, "save_16bit_model")
     writers, strategy = Writers.of(engine), engine.strategy
     by_key = _splits_by_key(engine, tensor_splits(engine))
     path = Path(save_dir) / save_filename
@@ -422,7 +505,15 @@ def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
     writer = writers.rank == 0
     if writer:
         path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".safetensors":
+    if writers.stages > 1:
+        state = full_module_state(engine, strategy.module_state_dict())
+        if writer:
+            state = {k: v.detach().cpu().clone() for k, v in state.items()}
+            if path.suffix == ".safetensors":
+                safetensors.torch.save_file(state, str(tmp), metadata={"format": "pt"})
+            else:
+                torch.save(state, tmp)
+    elif path.suffix == ".safetensors":
         current = engine.module.state_dict(keep_vars=True)
         entries = [(k, v.dtype, list(by_key[k].stored_shape if k in by_key else getattr(v, "ds_shape", v.shape)))
                    for k, v in current.items()]
@@ -470,13 +561,28 @@ def _gather_slices(writers: Writers, state: dict, by_key: dict[str, TensorSplit]
 
 def full_module_state(engine, state: dict) -> dict:
     """``engine.module_state_dict()``'s result with full tensors for tensor-parallel
-    parameters (collective over the tensor group)."""
-    return _gather_slices(Writers.of(engine), state, _splits_by_key(engine, tensor_splits(engine)))
+    parameters (collective over the tensor group) and, in a pipeline, every stage's
+    layers in stage order (all-gathered over the pipe group, on every rank, in host
+    memory; a tied weight once)."""
+    writers = Writers.of(engine)
+    state = _gather_slices(writers, state, _splits_by_key(engine, tensor_splits(engine)))
+    if writers.pipe is None:
+        return state
+    mine = {k: v.detach().cpu() for k, v in state.items()}
+    stages = writers.pipe.all_gather_object(mine, tag="module state dict of every stage")
+    merged = {}
+    for stage_state in stages:
+        for key, value in stage_state.items():
+            merged.setdefault(key, value)
+    return merged
 
 
 def module_state_for_layout(engine, state: dict) -> dict:
     """A full state dict (``load_module_state_dict``'s) cut to this rank's tensor-parallel
     slices, shapes checked as a checkpoint load checks them."""
+    if engine.grid.pipe > 1:  # this stage's layers of a whole model's state dict
+        held = engine.module.state_dict(keep_vars=True)
+        state = {k: v for k, v in state.items() if k in held}
     splits = tensor_splits(engine)
     if not splits:
         return state
