@@ -197,13 +197,18 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError("ColumnParallelLinear: sequence_parallel=True needs gather_output=False (the output "
                              "stays sharded for a row-parallel layer)")
         self.gather_output = gather_output
+        self.input_in_region = False
+        """True when the caller put the input into the tensor region already (one
+        ``copy_to_tensor_region`` shared by several column-parallel layers reading the
+        same input, so their input gradients are summed before one all-reduce; see [Note:
+        one input region for sibling layers] in ``autotp.py``)."""
         super().__init__(input_size, output_size, bias=bias, group=group, init_method=init_method,
                          skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.comm)
-        else:
+        elif not self.input_in_region:
             x = copy_to_tensor_region(x, self.comm)
         out = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
         if self.gather_output:

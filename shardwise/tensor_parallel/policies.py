@@ -39,6 +39,10 @@ class TPPolicy:
     """Module class name -> attributes divided by the tensor-parallel size."""
     head_counts: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads")
     """Model-config attributes that must divide by the tensor-parallel size."""
+    shared_inputs: tuple[str, ...] = ()
+    """Module-name patterns of modules whose input (``hidden_states``, or the first
+    argument) is read only by their column-parallel children: the input enters the tensor
+    region once for all of them (see [Note: one input region for sibling layers])."""
 
     def kind(self, module_name: str) -> str | None:
         """"column", "row" or None for the module named ``module_name``."""
@@ -54,7 +58,8 @@ class TPPolicy:
 
 
 _LLAMA_LIKE = dict(column=(r".*\.self_attn\.[qkv]_proj", r".*\.mlp\.(gate|up)_proj"),
-                   row=(r".*\.self_attn\.o_proj", r".*\.mlp\.down_proj"))
+                   row=(r".*\.self_attn\.o_proj", r".*\.mlp\.down_proj"),
+                   shared_inputs=(r".*\.self_attn", r".*\.mlp"))
 
 POLICIES: dict[str, TPPolicy] = {
     "llama": TPPolicy("llama", **_LLAMA_LIKE),
@@ -64,7 +69,7 @@ POLICIES: dict[str, TPPolicy] = {
                      fused={r".*\.attn\.c_attn": 3}, head_attrs={"GPT2Attention": ("num_heads", "split_size")},
                      head_counts=("n_head",)),
     "opt": TPPolicy("opt", column=(r".*\.self_attn\.[qkv]_proj", r".*\.fc1"), row=(r".*\.self_attn\.out_proj", r".*\.fc2"),
-                    head_attrs={"OPTAttention": ("num_heads",)}),
+                    head_attrs={"OPTAttention": ("num_heads",)}, shared_inputs=(r".*\.self_attn",)),
     "gpt_neox": TPPolicy("gpt_neox", column=(r".*\.attention\.query_key_value", r".*\.mlp\.dense_h_to_4h"),
                          row=(r".*\.attention\.dense", r".*\.mlp\.dense_4h_to_h")),
 }

@@ -96,13 +96,15 @@ def _case(family, *, stage, gas, clip, tp, opt="SGD", extra=None):
     local_numel = {n: p.ds_numel if hasattr(p, "ds_numel") else p.numel() for n, p in engine.module.named_parameters()}
     split = {n: (local_numel[n], full_numel[n]) for n, p in engine.module.named_parameters()
              if getattr(p, "tensor_model_parallel", False)}
+    before = engine.grid.tensor_comm.calls["all_reduce"]
     norms = _train(engine, batches, gas=gas)
+    per_step = (engine.grid.tensor_comm.calls["all_reduce"] - before) / len(batches)
     got = full_parameters(engine)
     ref = dict(reference.named_parameters())
     initial = dict(model.named_parameters())
     diff = max((got[n] - ref[n].detach()).abs().max().item() for n in ref)
     moved = max((ref[n].detach() - initial[n].detach()).abs().max().item() for n in ref)
-    return {"diff": diff, "moved": moved, "norms": (norms, ref_norms), "split": split,
+    return {"diff": diff, "moved": moved, "norms": (norms, ref_norms), "split": split, "all_reduces": per_step,
             "shapes_ok": all(got[n].shape == ref[n].shape for n in ref), "names": sorted(got) == sorted(ref)}
 
 
@@ -131,6 +133,10 @@ def _check(reports, cases):
             if case[3]:
                 assert max(ref_norms) > case[3], f"{case}: clipping never happened"
             assert got["split"], f"{case}: no layer was split"
+            if case[:3] == ("llama", 0, 1):  # per layer: o_proj and down_proj forward, one shared input
+                # region each for q/k/v and gate/up backward; plus the gradient norm and, on the
+                # first step only, the same-batch check (2 of them over 3 steps)
+                assert got["all_reduces"] == 2 * 4 + 1 + 2 / STEPS, f"{case}: {got['all_reduces']} all-reduces/step"
             for name, (local, full) in got["split"].items():
                 assert local * 2 == full, f"{case}: {name} holds {local} of {full} elements"
 
