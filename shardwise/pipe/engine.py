@@ -140,9 +140,8 @@ class PipelineEngine(Engine):
         actions = sched.build_schedule(self.schedule_name, self.num_stages, self.micro_batches, self.stage_id,
                                        **self.schedule_options)
         run = _BatchRun(self, training=True)
-        with self._progress.timer("forward"):
-            for action in actions:
-                run.execute(action)
+        for action in actions:
+            run.execute(action)
         run.finish()
         if not run.stepped:
             self._reduce_and_step()
@@ -186,42 +185,51 @@ class PipelineEngine(Engine):
         torch.autograd.backward(outputs, grads)
         self.strategy.finalize_backward()
 
-    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+    def _batch_loss(self, losses: list[torch.Tensor], *, broadcast: bool = True) -> torch.Tensor:
         """The batch's mean loss: averaged over micro-batches and data-parallel ranks on the
-        last stage, then broadcast to every stage (DeepSpeed's ``agg_train_loss``)."""
-        device = get_accelerator().device()
+        last stage, then (``broadcast``) sent to every stage (DeepSpeed's ``agg_train_loss``)."""
         loss = torch.stack([x.float() for x in losses]).mean().reshape(1) if losses \
-            else torch.zeros(1, device=device)
-        loss = loss.to(device)
+            else torch.zeros(1, device=self._device)
+        loss = loss.to(self._device)
         if self.is_last_stage() and self.comm.world_size > 1:
             self.comm.all_reduce(loss, tag="batch loss").wait()
             loss /= self.comm.world_size
-        if self.num_stages > 1:
+        if broadcast and self.num_stages > 1:
             self.grid.pipe_comm.broadcast(loss, src=self.num_stages - 1, tag="batch loss").wait()
         return loss[0]
 
     # -- evaluation -------------------------------------------------------------------------
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: str | None = "avg"):
-        """Forward ``gradient_accumulation_steps`` micro-batches without gradients; returns
-        the mean loss (``reduce_output="avg"``) or the list of losses (None), and with
-        ``return_logits`` also the last stage's outputs (``(loss, logits)``)."""
+                   reduce_output: str | None = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None):
+        """Forward ``num_micro_batches`` (default ``gradient_accumulation_steps``) micro-batches
+        from ``data_iter`` without gradients, as DeepSpeed's ``eval_batch``: returns the mean
+        loss (``reduce_output="avg"``, averaged over data-parallel ranks too; on every stage
+        with ``bcast_loss``, else on the last stage and None elsewhere) or the list of losses
+        (None), and with ``return_logits`` also the last stage's outputs (``(loss, logits)``).
+        The training iterator is restored afterwards."""
         if reduce_output not in ("avg", None):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
+        train_iterator = self.data_iterator
         self.set_dataiterator(data_iter)
         self.module.eval()
         run = _BatchRun(self, training=False, compute_loss=compute_loss)
-        with torch.no_grad():
-            for action in sched.build_schedule("eval", self.num_stages, self.micro_batches, self.stage_id,
-                                               **self.schedule_options):
-                run.execute(action)
-        run.finish()
-        self.module.train()
+        try:
+            with torch.no_grad():
+                for action in sched.build_schedule("eval", self.num_stages, micro_batches, self.stage_id,
+                                                   **self.schedule_options):
+                    run.execute(action)
+            run.finish()
+        finally:
+            self.module.train()
+            self.set_dataiterator(train_iterator)
         if reduce_output is None:
             result = run.losses if compute_loss else run.logits
+        elif compute_loss and (bcast_loss or self.is_last_stage()):
+            result = self._batch_loss(run.losses, broadcast=bcast_loss)
         else:
-            result = self._batch_loss(run.losses) if compute_loss else None
+            result = None
         if return_logits:
             return result, (run.logits if self.is_last_stage() else None)
         return result
@@ -264,7 +272,7 @@ class _BatchRun:
                                 "micro-batches were read (gradient_accumulation_steps micro-batches per "
                                 "train_batch)") from None
         self.read += 1
-        device = get_accelerator().device()
+        device = self.e._device
         batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise PipelineError(f"micro-batch {mb}: a pipeline data iterator yields (inputs, labels) pairs, got "
@@ -293,7 +301,11 @@ class _BatchRun:
                                                      tag=f"micro-batch {a.micro_batch} chunk {a.chunk - 1}")
 
     def _Forward(self, a) -> None:  # noqa: N802
-        e, mb, chunk = self.e, a.micro_batch, a.chunk
+        with self.e._progress.timer("forward"):
+            self._forward(a.micro_batch, a.chunk)
+
+    def _forward(self, mb: int, chunk: int) -> None:
+        e = self.e
         first, last = chunk == 0, chunk == e.module.num_chunks - 1
         if first or last:
             inputs, labels = self._next_micro_batch(mb)

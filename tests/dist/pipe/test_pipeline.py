@@ -116,9 +116,14 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     tokens, labels = batches[0]
     micro = [(tokens[(m * dp + dp_rank) * MICRO:(m * dp + dp_rank + 1) * MICRO],
               labels[(m * dp + dp_rank) * MICRO:(m * dp + dp_rank + 1) * MICRO]) for m in range(gas)]
+    training_iterator = iter([])
+    engine.set_dataiterator(training_iterator)
     eval_loss, logits = engine.eval_batch(iter(micro), return_logits=True)
+    first_only = engine.eval_batch(iter(micro[:1]), num_micro_batches=1, bcast_loss=False)
+    restored = engine.data_iterator is training_iterator  # eval_batch gives the training iterator back
     with torch.no_grad():
         ref_eval = _loss(reference(tokens), labels).item()
+        ref_first = _loss(reference(tokens[:MICRO * dp]), labels[:MICRO * dp]).item()
     # compare this stage's parameters with the reference's layers of the same index
     from shardwise.zero import GatheredParameters
 
@@ -150,7 +155,9 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
             names.append(name)
     moved = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(reference.parameters(),
                                                                              initial.parameters()))
+    first_only = float(first_only) if first_only is not None else None
     return {"losses": (losses, ref_losses), "eval": (float(eval_loss), ref_eval, len(logits or []), engine.is_last_stage()),
+            "eval one micro-batch": (first_only, ref_first, restored),
             "diff": diff, "moved": moved, "names": names,
             "parts": engine.module.parts, "stage": engine.grid.stage_id}
 
@@ -172,6 +179,12 @@ def _check(reports, cases):
             loss_tol = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}[dtype]
             assert abs(eval_loss - ref_eval) <= loss_tol * abs(ref_eval), f"rank {rank} {name}: eval {eval_loss} vs {ref_eval}"
             assert logits == (cases[name]["gas"] if last else 0), f"rank {rank} {name}: {logits} logits returned"
+            first_only, ref_first, restored = got["eval one micro-batch"]
+            assert restored, f"rank {rank} {name}: eval_batch did not restore the training iterator"
+            if last:  # bcast_loss=False: the loss stays on the last stage
+                assert abs(first_only - ref_first) <= loss_tol * abs(ref_first), f"rank {rank} {name}: {first_only}"
+            else:
+                assert first_only is None, f"rank {rank} {name}: bcast_loss=False returned {first_only}"
             # bf16 rounding moves this tanh stack by up to 0.16 of the update at lr 0.5 with or
             # without a pipeline (measured 0.135 at pp2, 0.158 at pp1 x dp2); no update would be 1.0
             tol = {"fp32": 1e-4, "bf16": 0.3, "fp16": 0.05}[dtype] if cases[name].get("opt", "SGD") == "SGD" else 2e-3
