@@ -46,3 +46,31 @@ def token_batches(*, num_steps: int, batch: int, seq: int = 8, vocab: int = 32, 
     generator = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (batch, seq), generator=generator),
              torch.randint(0, vocab, (batch, seq), generator=generator)) for _ in range(num_steps)]
+
+
+class PipelineBlock(nn.Module):
+    """A residual LayerNorm -> Linear -> tanh block, the unit of the pipeline tests' stacks."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+def tied_head(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    """An output head reusing ``embedding``'s weight (a ``TiedLayerSpec`` ``forward_fn``)."""
+    return x @ embedding.weight.t()
+
+
+def pipeline_specs(num_blocks: int, *, tied: bool, vocab: int, width: int) -> list:
+    """Embedding, ``num_blocks`` :class:`PipelineBlock`, output head as pipeline layer specs;
+    with ``tied`` the head reuses the embedding (one ``TiedLayerSpec`` key)."""
+    from shardwise.pipe import LayerSpec, TiedLayerSpec
+
+    first = TiedLayerSpec("embed", nn.Embedding, vocab, width) if tied else LayerSpec(nn.Embedding, vocab, width)
+    last = TiedLayerSpec("embed", nn.Embedding, vocab, width, forward_fn=tied_head) if tied \
+        else LayerSpec(nn.Linear, width, vocab)
+    return [first] + [LayerSpec(PipelineBlock, width) for _ in range(num_blocks)] + [last]

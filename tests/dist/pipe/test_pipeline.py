@@ -13,28 +13,13 @@ from torch import nn
 import shardwise
 from shardwise.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from shardwise.testing import run_distributed
+from shardwise.testing.models import PipelineBlock, pipeline_specs, tied_head
 
 V, H, S, MICRO, STEPS, LR, BASE_SEED = 32, 16, 6, 2, 3, 0.5, 1234
 
 
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
-def head(embedding, x):  # the output head reuses the embedding's weight
-    return x @ embedding.weight.t()
-
-
 def _specs(num_blocks: int, tied: bool):
-    first = TiedLayerSpec("embed", nn.Embedding, V, H) if tied else LayerSpec(nn.Embedding, V, H)
-    last = TiedLayerSpec("embed", nn.Embedding, V, H, forward_fn=head) if tied else LayerSpec(nn.Linear, H, V)
-    return [first] + [LayerSpec(Block, H) for _ in range(num_blocks)] + [last]
+    return pipeline_specs(num_blocks, tied=tied, vocab=V, width=H)
 
 
 def _loss(logits, labels):
@@ -68,6 +53,19 @@ class Reference(nn.Module):
         return x
 
 
+def _train_reference(reference, optimizer, batches) -> list[float]:
+    """Single-process training on whole global batches, clipped at 1.0; the losses."""
+    losses = []
+    for tokens, labels in batches:
+        loss = _loss(reference(tokens), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _batches(gbs, seqs=None):
     """``STEPS`` global batches; ``seqs`` gives each step its own sequence length."""
     g = torch.Generator().manual_seed(3)
@@ -85,14 +83,7 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     batches = _batches(MICRO * gas * dp, seqs)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR) if opt == "SGD" else \
         torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
-    ref_losses = []
-    for tokens, labels in batches:
-        loss = _loss(reference(tokens), labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = _train_reference(reference, optimizer, batches)
     model = PipelineModule(specs, num_stages=stages, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
                            partition_method="uniform", activation_checkpoint_interval=interval,
                            virtual_stages=virtual)
@@ -247,8 +238,8 @@ def _errors(rank, world_size, failure):
         "method": error(lambda: PipelineModule(specs, num_stages=2, partition_method="balanced")),
         "regex": error(lambda: PipelineModule(specs, num_stages=2, partition_method="type:Transformer")),
         "tied shapes": error(lambda: PipelineModule(
-            [TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1), LayerSpec(Block, H),
-             TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1, forward_fn=head)], num_stages=2,
+            [TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1), LayerSpec(PipelineBlock, H),
+             TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1, forward_fn=tied_head)], num_stages=2,
             partition_method=[0, 2, 3])),
         "tied zero3": error(lambda: shardwise.initialize(model=PipelineModule(_specs(2, tied=True), num_stages=2,
                                                                                loss_fn=_loss),
@@ -294,7 +285,7 @@ def test_pipeline_bad_input_is_named(tmp_path, failure):
 
 
 class TPBlock(nn.Module):
-    """``Block``'s shape with its MLP split over the tensor group (Megatron-style)."""
+    """``PipelineBlock``'s shape with its MLP split over the tensor group (Megatron-style)."""
 
     def __init__(self, width, group=None):
         super().__init__()
@@ -320,14 +311,7 @@ def _pipe_and_tensor(rank, world_size):
     reference = Reference(specs(None))
     batches = _batches(MICRO * 4)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    ref_losses = []
-    for tokens, labels in batches:
-        loss = _loss(reference(tokens), labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = _train_reference(reference, optimizer, batches)
     model = PipelineModule(specs(grid), topology=grid, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
                            partition_method="uniform")
     engine, *_ = shardwise.initialize(model=model, config={

@@ -8,11 +8,11 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import shardwise
-from shardwise.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from shardwise.pipe import PipelineModule, TiedLayerSpec
 from shardwise.testing import run_distributed
+from shardwise.testing.models import pipeline_specs
 
 V, H, S, MICRO, GBS, LR, MOMENTUM, BASE_SEED = 32, 16, 6, 2, 8, 0.3, 0.9, 1234
 SAVED_STEPS, MORE_STEPS = 2, 2
@@ -20,24 +20,8 @@ SAVES = {"z0": (0, True), "z1": (1, True), "z2": (2, True), "z3 untied": (3, Fal
 """Checkpoint name: (ZeRO stage of the pp2 x dp2 run saving it, tied layers)."""
 
 
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
-def head(embedding, x):  # the output head reuses the embedding's weight
-    return x @ embedding.weight.t()
-
-
 def _specs(tied: bool):
-    first = TiedLayerSpec("embed", nn.Embedding, V, H) if tied else LayerSpec(nn.Embedding, V, H)
-    last = TiedLayerSpec("embed", nn.Embedding, V, H, forward_fn=head) if tied else LayerSpec(nn.Linear, H, V)
-    return [first] + [LayerSpec(Block, H) for _ in range(4)] + [last]
+    return pipeline_specs(4, tied=tied, vocab=V, width=H)
 
 
 def _loss(logits, labels):
