@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 
 import shardwise
 from shardwise.checkpoint import CheckpointError, consolidate
 from shardwise.testing import run_distributed
-from shardwise.testing.parity import STAGE3_PARTITION_ALL
+from shardwise.testing.parity import STAGE3_PARTITION_ALL, full_parameters
 
 MICRO, GLOBAL, VOCAB, SEQ, LR, MOMENTUM = 2, 8, 64, 8, 0.1, 0.9
 SAVED, MORE = 2, 2
@@ -86,22 +85,8 @@ def _train(engine, batches):
 
 
 def _full_parameters(engine) -> dict:
-    """The model's parameters as the single-process model holds them, gathered by the
-    test itself (ZeRO-3 units, then tensor-parallel slices with AutoTP's own helper)."""
-    from shardwise.tensor_parallel import shard_info
-    from shardwise.tensor_parallel.autotp import full_tensor
-    from shardwise.zero import GatheredParameters
-
-    out = {}
-    with GatheredParameters(list(engine.module.parameters())):
-        for name, p in engine.module.named_parameters():
-            value = p.detach().clone()
-            if shard_info(p) is not None:
-                pieces = [torch.empty_like(value) for _ in range(engine.grid.tensor)]
-                dist.all_gather(pieces, value.contiguous(), group=engine.grid.get_tensor_model_parallel_group())
-                value = full_tensor(pieces, p)
-            out[name] = value.float()
-    return out
+    """The model's parameters as the single-process model holds them, in fp32."""
+    return {name: value.float() for name, value in full_parameters(engine).items()}
 
 
 def _digest(directory: Path) -> str:
