@@ -142,9 +142,7 @@ class PipelineEngine(Engine):
         run = _BatchRun(self, training=True)
         for action in actions:
             run.execute(action)
-        run.finish()
-        if not run.stepped:
-            self._reduce_and_step()
+        run.finish()  # every training schedule ends with its OptimizerStep
         self.agg_train_loss = self._batch_loss(run.losses)
         self._progress.record_loss(self.agg_train_loss)
         self._progress.after_model_step()
@@ -248,7 +246,6 @@ class _BatchRun:
         self.losses: list[torch.Tensor] = []
         self.logits: list = []
         self.backwards = 0
-        self.stepped = False
         self.read = 0
 
     def execute(self, action) -> None:
@@ -382,7 +379,6 @@ class _BatchRun:
     def _OptimizerStep(self, a) -> None:  # noqa: N802
         self.finish()
         self.e._reduce_and_step()
-        self.stepped = True
 
     def finish(self) -> None:
         """Wait for the sends still in flight."""

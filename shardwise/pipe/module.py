@@ -157,6 +157,9 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: recompute every this many layers in backward (0: off).
         activation_checkpoint_func: the checkpoint function (``shardwise.checkpointing.checkpoint``).
         checkpointable_layers: class names that may be checkpointed (None: all).
+        dynamic_shape: DeepSpeed's flag for activations whose shapes change between
+            micro-batches; accepted, and always the case here (every transfer checks its
+            shapes, see [Note: pytree transfers with a shape handshake] in ``_transfer.py``).
         virtual_stages: model chunks per stage for the interleaved schedule (shardwise's
             addition): the layers are cut into ``num_stages * virtual_stages`` chunks and
             stage ``s`` holds chunks ``s, s + num_stages, ...`` (see [Note: pipeline chunks]
@@ -166,9 +169,11 @@ class PipelineModule(nn.Module):
     def __init__(self, layers, num_stages: int | None = None, topology=None, loss_fn=None, seed_layers: bool = False,
                  seed_fn=None, base_seed: int = 1234, partition_method="parameters",
                  activation_checkpoint_interval: int = 0, activation_checkpoint_func=None,
-                 checkpointable_layers=None, *, virtual_stages: int = 1):
+                 checkpointable_layers=None, dynamic_shape: bool = False, *, virtual_stages: int = 1):
         super().__init__()
         from shardwise.parallel import ParallelGrid
+
+        del dynamic_shape  # shapes are always checked per transfer
 
         if num_stages is None and topology is None:
             raise PipelineError("PipelineModule needs num_stages= or topology=")
