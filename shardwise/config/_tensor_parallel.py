@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from shardwise.config._errors import ConfigError, check_keys
+
+logger = logging.getLogger("shardwise")
 
 SECTION_KEYS = {"autotp_size", "tp_overlap_comm", "tp", "tensor_parallel", "injection_policy_tuple",
                 "partition_config", "preset_model", "keep_module_on_host", "replace_with_kernel_inject",
@@ -34,6 +37,11 @@ def check_tensor_parallel(section: Any) -> int:
     if section.get("replace_with_kernel_inject") or section.get("kernel_inject"):
         raise ConfigError("tensor_parallel.replace_with_kernel_inject is an inference option "
                           "(shardwise.init_inference); remove it from a training config")
+    no_effect = [key for key in ("tp_overlap_comm", "keep_module_on_host") if section.get(key)]
+    if no_effect:
+        logger.warning("tensor_parallel.%s: no effect in this version of shardwise (the tensor-parallel "
+                       "all-reduces are not overlapped with compute; the model is split where it is)",
+                       " and ".join(no_effect))
     partition = section.get("partition_config")
     if partition is not None:
         check_keys("tensor_parallel.partition_config", partition, {"use_default_specs", "layer_specs"})
