@@ -7,8 +7,9 @@ The library's code uses :class:`Communicator`. DeepSpeed scripts use the functio
 
 from shardwise.comm import _functional
 from shardwise.comm._collectives import CollectiveError, CollectiveRecord, Communicator, Handle
+from shardwise.comm._compressed import CompressedAllReduce
 from shardwise.comm._functional import *  # noqa: F403 -- DeepSpeed's flat comm namespace
 from shardwise.comm._init import LaunchEnv, discover_launch_env, init_distributed
 
-__all__ = ["CollectiveError", "CollectiveRecord", "Communicator", "Handle", "LaunchEnv",
+__all__ = ["CollectiveError", "CollectiveRecord", "Communicator", "CompressedAllReduce", "Handle", "LaunchEnv",
            "discover_launch_env", "init_distributed", *_functional.__all__]

@@ -169,7 +169,7 @@ class Communicator:
         every collective])."""
         self.gloo_waits_natively = backend == "gloo"
         """Whether gloo's own ``wait(timeout)`` bounds this group's all-reduces, broadcasts,
-        all-gathers and point-to-point transfers (it does not bound its reduce-scatter), so
+        all-gathers, all-to-alls and point-to-point transfers (it does not bound its reduce-scatter), so
         they are waited on this thread, without the helper thread's hand-off (about 200 us
         per collective on a loaded 2-core machine); see [Note: deadlines on every collective]."""
         self.scratch_by_all_reduce = backend == "gloo"
@@ -215,6 +215,16 @@ class Communicator:
             return _DONE
         record = self._record("all_gather", output, tag)
         work = _all_gather_single(output, input, group=self.group, async_op=True)
+        return Handle(self, work, record, honours_timeout=self.gloo_waits_natively)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "") -> Handle:
+        """Start sending slice ``j`` of ``input`` (``world_size`` equal slices along dim 0)
+        to rank ``j``; slice ``r`` of ``output`` receives rank ``r``'s."""
+        if self.world_size == 1:
+            output.copy_(input)
+            return _DONE
+        record = self._record("all_to_all", input, tag)
+        work = dist.all_to_all_single(output, input, group=self.group, async_op=True)
         return Handle(self, work, record, honours_timeout=self.gloo_waits_natively)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, *,

@@ -11,7 +11,17 @@ from typing import Any, Mapping
 
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
 
-OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
+OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb")
+ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+"""The optimizers that exchange data themselves (see ``shardwise/optim/onebit``)."""
+ONEBIT_ZERO_REFUSAL = (
+    "{name} runs with ZeRO stage 0 only (zero_optimization.stage {stage} was given): after the warm-up every "
+    "rank updates its momentum with its own, unreduced gradient and compresses the whole of it, so each "
+    "rank needs the full momentum and full parameters; partitioning the optimizer state (stages 1-2) "
+    "would then all-gather the updated parameters in full precision every step, more bytes than the "
+    "compression saves, and stage 3 and offload partition further still. Set zero_optimization.stage "
+    "to 0, or use Adam/LAMB with ZeRO")
+"""Why ZeRO stages 1-3 refuse the 1-bit optimizers; ``{name}``, ``{stage}`` filled in."""
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
@@ -36,7 +46,8 @@ class OptimizerConfig:
     """``optimizer``: which optimizer the engine builds and its parameters."""
 
     type: str
-    """Canonical lower-case name: adam, adamw, sgd, adagrad, lamb or lion."""
+    """Canonical lower-case name: adam, adamw, sgd, adagrad, lamb, lion, onebitadam,
+    zerooneadam or onebitlamb."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Constructor arguments with DeepSpeed's names (lr, betas, eps, weight_decay, ...)."""
 

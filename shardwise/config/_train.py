@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from shardwise.config._components import (ActivationCheckpointingConfig, AioConfig, BatchConfig, BF16Config,
-                                          CheckpointConfig, CommConfig, DataTypesConfig, FP16Config, OptimizerConfig,
-                                          SchedulerConfig, ZeroConfig)
+from shardwise.config._components import (ONEBIT_OPTIMIZERS, ONEBIT_ZERO_REFUSAL, ActivationCheckpointingConfig,
+                                          AioConfig, BatchConfig, BF16Config, CheckpointConfig, CommConfig,
+                                          DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig)
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
 
 
@@ -82,6 +82,8 @@ class TrainConfig:
             raise ConfigError(f"data_types.param_dtype={self.data_types.param_dtype!r} differs from the training "
                               f"dtype the fp16/bf16 sections select ({mode}); remove data_types.param_dtype or "
                               "enable the matching section")
+        if self.optimizer is not None and self.optimizer.type in ONEBIT_OPTIMIZERS and self.zero.stage > 0:
+            raise ConfigError(ONEBIT_ZERO_REFUSAL.format(name=self.optimizer.type, stage=self.zero.stage))
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             raise ConfigError("prescale_gradients=true and gradient_predivide_factor != 1 conflict; "
                               "use one of them")

@@ -44,8 +44,7 @@ _AUTO_FIELDS = {"fp16": {"enabled"}, "bf16": {"enabled"}, "zero_optimization": {
     "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
     "sub_group_size", "overlap_comm", "contiguous_gradients"}}
-_UNBUILT_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam",
-                       "onebitlamb": "OneBitLamb", "muadam": "MuAdam", "muadamw": "MuAdamW",
+_UNBUILT_OPTIMIZERS = {"muadam": "MuAdam", "muadamw": "MuAdamW",
                        "musgd": "MuSGD", "adafactor": "Adafactor",
                        "cpuadam": "DeepSpeedCPUAdam", "fusedadam": "FusedAdam"}
 
@@ -116,7 +115,7 @@ def _optimizer(section: Any) -> OptimizerConfig:
     key = name.lower()
     if key in _UNBUILT_OPTIMIZERS:
         raise ConfigError(f"optimizer.type {name!r} is not available in this version of shardwise yet; "
-                          f"available: Adam, AdamW, SGD, Adagrad, Lamb, Lion")
+                          f"available: Adam, AdamW, SGD, Adagrad, Lamb, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb")
     canonical = as_choice("optimizer.type", name, OPTIMIZERS)
     return OptimizerConfig(type=canonical, params=_drop_auto(section.get("params"), "optimizer.params"))
 

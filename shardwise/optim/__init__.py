@@ -1,7 +1,8 @@
-"""Optimizers by name, and the ones torch does not ship (Lamb, Lion)."""
+"""Optimizers by name, and the ones torch does not ship (Lamb, Lion, the 1-bit family)."""
 
 from shardwise.optim.build import build_optimizer
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
+from shardwise.optim.onebit import OneBitAdam
 
-__all__ = ["Lamb", "Lion", "build_optimizer"]
+__all__ = ["Lamb", "Lion", "OneBitAdam", "build_optimizer"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import logging
 from typing import Any, Mapping
 
@@ -17,6 +18,8 @@ logger = logging.getLogger("shardwise")
 _TORCH_KNOBS = ("foreach", "fused", "maximize", "differentiable")
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam",
               "bias_correction", "set_grad_none", "capturable") + _TORCH_KNOBS
+_ONEBIT_KEYS = ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "amsgrad",
+                "cuda_aware", "comm_backend_name")
 _ALLOWED: dict[str, tuple[str, ...]] = {
     "adam": _ADAM_KEYS,
     "adamw": _ADAM_KEYS,
@@ -26,7 +29,15 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
     "lamb": ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay",
              "max_coeff", "min_coeff", "amsgrad"),
     "lion": ("lr", "betas", "weight_decay", "set_grad_none"),
+    "onebitadam": _ONEBIT_KEYS + ("freeze_step",),
+    "zerooneadam": _ONEBIT_KEYS + ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+                                   "local_step_clipper"),
+    "onebitlamb": _ONEBIT_KEYS + ("freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
+                                  "factor_min", "factor_threshold"),
 }
+_ONEBIT = {"onebitadam": ("shardwise.optim.onebit.adam", "OneBitAdam"),
+           "zerooneadam": ("shardwise.optim.onebit.zoadam", "ZeroOneAdam"),
+           "onebitlamb": ("shardwise.optim.onebit.lamb", "OneBitLamb")}
 # Optimizers whose torch implementation has fused CUDA and CPU kernels we select by default
 # (on CPU, fused AdamW steps about 5x faster than the multi-tensor path: bench/README.md).
 _FUSED = ("adam", "adamw", "sgd", "adagrad")
@@ -108,10 +119,13 @@ def build_optimizer(config, params) -> torch.optim.Optimizer:
     torch's. ``lamb`` builds :class:`~shardwise.optim.Lamb`, ``lion`` :class:`~shardwise.optim.Lion`. When every tensor is on CUDA,
     or every tensor is on the CPU (as with offload_optimizer), Adam/AdamW/SGD/Adagrad use
     torch's fused kernels, otherwise the multi-tensor (foreach) ones, unless ``fused`` or
-    ``foreach`` is given. Nothing is allocated until the first step.
+    ``foreach`` is given. ``onebitadam``, ``zerooneadam`` and ``onebitlamb`` build the 1-bit
+    optimizers of ``shardwise.optim.onebit``, which the engine binds to its data-parallel
+    group. Nothing is allocated until the first step.
 
     Args:
-        config: has ``type`` (adam, adamw, sgd, adagrad, lamb, lion) and ``params`` (a mapping
+        config: has ``type`` (adam, adamw, sgd, adagrad, lamb, lion, onebitadam, zerooneadam,
+            onebitlamb) and ``params`` (a mapping
             of the optimizer's parameters, DeepSpeed names).
         params: what the optimizer updates: tensors, (name, tensor) pairs or param-group
             dicts; per-group values override ``config.params``.
@@ -131,6 +145,9 @@ def build_optimizer(config, params) -> torch.optim.Optimizer:
         kwargs["betas"] = tuple(kwargs["betas"])
     if name == "lamb":
         return Lamb(params, **kwargs)
+    if name in _ONEBIT:
+        module, cls = _ONEBIT[name]
+        return getattr(importlib.import_module(module), cls)(params, **kwargs)
     if name == "lion":
         kwargs.pop("set_grad_none", None)
         kwargs.setdefault("betas", (0.9, 0.999))  # DeepSpeed's FusedLion default

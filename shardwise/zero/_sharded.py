@@ -226,6 +226,9 @@ class ShardedStrategy:
 
     def adopt_client_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Use ``optimizer``; one built over the original parameters is rebuilt over shards."""
+        from shardwise.optim.onebit import refuse_with_zero
+
+        refuse_with_zero(optimizer, self.stage)
         shards = {id(b.master) for b in self.buckets}
         if not all(id(p) in shards for g in optimizer.param_groups for p in g["params"]):
             if optimizer.state:

@@ -103,6 +103,10 @@ class Stage0Strategy:
         self.buckets = self._build_buckets(bucket_numel)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync = False
+        self._grads_local = False
+        """Whether this step's gradients were left unreduced because the optimizer
+        exchanges data itself (see [Note: optimizers that exchange data themselves] in
+        ``optim/onebit/_base.py``)."""
         self._next_launch = 0
         self._attach_grad_views()
         for p in self.trainable:
@@ -170,6 +174,8 @@ class Stage0Strategy:
             for group in optimizer.param_groups:
                 group["params"] = [self._master.get(p, p) for p in group["params"]]
         self.optimizer = optimizer
+        if hasattr(optimizer, "bind_data_parallel"):
+            optimizer.bind_data_parallel(self.comm)
         return optimizer
 
     def named_optimizer_params(self) -> dict[torch.Tensor, str]:
@@ -216,7 +222,10 @@ class Stage0Strategy:
     def pre_backward(self, *, boundary: bool, sync: bool) -> None:
         """Arm the hooks: reduce during this backward only on a synced boundary step."""
         self._attach_grad_views()
-        self._sync = boundary and sync
+        if boundary:
+            exchanges = getattr(self.optimizer, "averages_gradients_itself", None)
+            self._grads_local = exchanges is not None and exchanges()
+        self._sync = boundary and sync and not self._grads_local
         self._next_launch = 0
         for bucket in self.buckets:
             bucket.ready.clear()
@@ -274,11 +283,17 @@ class Stage0Strategy:
     def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult:
         """Unscale, check for overflow, clip and apply the optimizer to the reduced grads."""
         grads = self._grads_for_optimizer(1.0 / loss_scale)
-        if self.model_parallel.comms:  # see [Note: the global norm over the grid] in _strategy.py
+        # local gradients: the ranks still agree on overflow and on the clipping norm (the
+        # root mean square of the ranks' norms), one scalar; nothing when neither is used
+        agree = self._grads_local and (self.policy.skip_nonfinite or max_grad_norm > 0)
+        if self.model_parallel.comms or agree:  # see [Note: the global norm over the grid] in _strategy.py
             mp = self.model_parallel
             square = mp.local_square(grads, [(g, w) for p, g in zip(self.trainable, grads)
                                              if (w := mp.weight(p)) != 1.0])
             square = square.to(grads[0].device if grads else square.device).reshape(1)
+            if agree:
+                self.comm.all_reduce(square, tag="local gradient norm").wait()
+                square.div_(self.comm.world_size)
             mp.reduce_(square)
             norm = square.clamp_min(0).sqrt()[0]
         else:

@@ -120,8 +120,8 @@ def test_bad_values_name_path_value_and_allowed(config, message):
     ({"flops_profiler": {"enabled": True}}, "the FLOPs profiler"),
     ({"sparse_attention": {"mode": "fixed"}}, "block-sparse attention"),
     ({"amp": {"enabled": True}}, 'use "fp16" or "bf16" instead'),
-    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}},
-     "optimizer.type 'OneBitAdam' is not available in this version"),
+    ({"optimizer": {"type": "MuAdam", "params": {"lr": 1e-3}}},
+     "optimizer.type 'MuAdam' is not available in this version"),
 ])
 def test_features_not_built_yet_are_refused(config, message):
     with pytest.raises(ConfigError) as info:

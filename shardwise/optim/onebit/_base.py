@@ -1,0 +1,164 @@
+"""What the 1-bit optimizers share: the data-parallel communicator, the compressed
+exchange and its per-rank state.
+
+[Note: optimizers that exchange data themselves]
+An ordinary optimizer steps on gradients the ZeRO strategy has averaged across the
+data-parallel ranks. The 1-bit family averages something else after its warm-up (1-bit
+Adam and 1-bit LAMB the momentum, 0/1 Adam the gradient or the accumulated update), in
+compressed form, or nothing at all on 0/1 Adam's local steps. The strategy asks the
+optimizer before each accumulation boundary's backward:
+``optimizer.averages_gradients_itself()`` True means "leave this step's gradients local,
+do not all-reduce them"; the strategy then still agrees on overflow and the clipping norm
+across ranks (one scalar), and the optimizer's ``step`` does its own exchange. The
+strategy hands the optimizer its data-parallel Communicator with
+``optimizer.bind_data_parallel(comm)``, so on a tensor- or pipeline-parallel grid the
+compression runs over the data group only. ZeRO stages 1-3 refuse these optimizers (see
+``refuse_with_zero``).
+
+Each rank's error buffers differ, so checkpoints keep them per rank
+(``rank_state_dict``); the rest of the state (moments, step counts) is Adam's and LAMB's
+and is saved by parameter name like theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm import Communicator
+from shardwise.comm._compressed import CompressedAllReduce
+from shardwise.config._components import ONEBIT_ZERO_REFUSAL
+
+logger = logging.getLogger("shardwise")
+
+COMM_BACKEND_NAMES = ("nccl", "mpi", "hccl", "compressed")
+"""The ``comm_backend_name`` values DeepSpeed's 1-bit optimizers accepted; all of them are
+served by the torch.distributed backend the job runs on."""
+
+
+
+def refuse_with_zero(optimizer, stage: int) -> None:
+    """Raise when ``optimizer`` exchanges data itself (a 1-bit optimizer) and ZeRO
+    ``stage`` partitions state (see [Note: optimizers that exchange data themselves])."""
+    if hasattr(optimizer, "averages_gradients_itself"):
+        raise ValueError(ONEBIT_ZERO_REFUSAL.format(name=type(optimizer).__name__, stage=stage))
+
+
+def check_backend_name(name: str, comm_backend_name: str) -> None:
+    if comm_backend_name not in COMM_BACKEND_NAMES:
+        raise ValueError(f"{name}: comm_backend_name {comm_backend_name!r} is not one of "
+                         f"{', '.join(COMM_BACKEND_NAMES)}")
+
+
+def check_freeze_step(owner: str, key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: {key} must be an integer >= 1, got {value!r} (the warm-up estimates the "
+                         "variance that later steps freeze; with no warm-up step it would stay zero)")
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Base class of the 1-bit optimizers: binding to the data-parallel ranks, the
+    compressed average of a list of tensors, and the per-rank error buffers."""
+
+    def __init__(self, params, defaults: dict, *, comm_backend_name: str, cuda_aware: bool, max_grad_norm: float):
+        name = type(self).__name__
+        check_backend_name(name, comm_backend_name)
+        if max_grad_norm:
+            raise ValueError(f"{name}: max_grad_norm={max_grad_norm} is not applied by the optimizer; clip with "
+                             "the top-level 'gradient_clipping' config key")
+        super().__init__(params, defaults)
+        self.comm_backend_name = comm_backend_name
+        self.cuda_aware = cuda_aware
+        self._comm: Communicator | None = None
+        self._exchange: CompressedAllReduce | None = None
+        self._pending_rank_state: dict | None = None
+
+    # -- the engine's side (see [Note: optimizers that exchange data themselves]) ----------
+
+    def bind_data_parallel(self, comm: Communicator) -> None:
+        """Exchange over ``comm`` (the engine's data-parallel communicator)."""
+        self._comm = comm
+        if comm.rank == 0 and dist.is_initialized():
+            logger.info("%s: comm_backend_name %r: compressed collectives run on torch.distributed's %s "
+                        "backend over the %d data-parallel ranks", type(self).__name__, self.comm_backend_name,
+                        dist.get_backend(comm.group), comm.world_size)
+
+    def averages_gradients_itself(self) -> bool:
+        """Whether the coming step leaves the gradients local (the strategy does not
+        all-reduce them) because the optimizer exchanges data itself."""
+        raise NotImplementedError
+
+    def communicator(self) -> Communicator | None:
+        """The data-parallel communicator: the bound one, else the default group's when
+        the process group is initialised (the optimizer used without the engine), else None."""
+        if self._comm is None and dist.is_initialized():
+            from shardwise.comm._functional import _communicator
+
+            self._comm = _communicator(None)
+        return self._comm
+
+    # -- the compressed exchange ----------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def compressed_average_(self, tensors: list[torch.Tensor], *, tag: str) -> None:
+        """Replace ``tensors`` (fp32; the same shapes on every rank, every call) by their
+        1-bit compressed average over the data-parallel ranks, with error feedback."""
+        comm = self.communicator()
+        if comm is None or comm.world_size == 1:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32)
+        if self._exchange is None or self._exchange.numel != flat.numel():
+            self._exchange = CompressedAllReduce(comm, flat.numel(), device=flat.device, tag=f"{type(self).__name__} {tag}")
+            if self._pending_rank_state is not None:
+                self._load_exchange(self._pending_rank_state)
+                self._pending_rank_state = None
+        self._exchange(flat)
+        torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]),
+                                                                                tensors)])
+
+    def reset_error_feedback(self) -> None:
+        """Zero the error buffers (0/1 Adam does when its variance freezes)."""
+        if self._exchange is not None:
+            self._exchange.reset()
+
+    # -- per-rank state for checkpoints ---------------------------------------------------
+
+    def rank_state_dict(self) -> dict:
+        """This rank's error buffers and the world size they belong to (empty before the
+        first compressed step)."""
+        if self._exchange is None:
+            return {}
+        return {"world_size": self._exchange.comm.world_size, **self._exchange.state_dict()}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore what ``rank_state_dict`` gave; error buffers from another world size
+        are dropped (they start from zero, logged once)."""
+        if not state:
+            self.reset_error_feedback()
+            self._pending_rank_state = None
+            return
+        comm = self.communicator()
+        world = comm.world_size if comm is not None else 1
+        if int(state["world_size"]) != world:
+            if comm is None or comm.rank == 0:
+                logger.info("%s: the checkpoint's error-feedback buffers are from %d data-parallel ranks, this "
+                            "run has %d; they start from zero", type(self).__name__, int(state["world_size"]), world)
+            self.reset_error_feedback()
+            self._pending_rank_state = None
+            return
+        if self._exchange is None:
+            self._pending_rank_state = state
+        else:
+            self._load_exchange(state)
+
+    def _load_exchange(self, state: dict) -> None:
+        if state["worker_error"].numel() != self._exchange.worker_error.numel():
+            logger.info("%s: the checkpoint's error-feedback buffers do not fit this model; they start from zero",
+                        type(self).__name__)
+            self._exchange.reset()
+            return
+        self._exchange.load_state_dict(state)
