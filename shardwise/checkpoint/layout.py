@@ -3,7 +3,8 @@
 An engine checkpoint (``engine.save_checkpoint``) holds ``model.safetensors`` (the
 module's state_dict in its training dtype), ``optimizer.safetensors`` (optimizer state by
 parameter name and, under fp16/bf16, the fp32 master weights), ``engine_state.safetensors`` and
-``rng_rank<R>.safetensors``. At ZeRO stages 1-3 the sharded tensors continue in parts
+``rng_rank<R>.safetensors`` (plus ``optimizer_rank<R>.safetensors`` for an optimizer with
+per-rank state, the 1-bit family's error buffers). At ZeRO stages 1-3 the sharded tensors continue in parts
 (``model-00001.safetensors``, ``optimizer-00001.safetensors``... listed in the manifest's
 ``skeletons.module_files`` and ``skeletons.optimizer_files``), still one whole tensor per
 name, tensor-parallel parameters included (as the model without tensor parallelism holds
@@ -27,6 +28,12 @@ ENGINE_FILE = "engine_state.safetensors"
 
 def rng_file(rank: int) -> str:
     return f"rng_rank{rank}.safetensors"
+
+
+def optimizer_rank_file(rank: int) -> str:
+    """The file of optimizer state that differs between ranks (the 1-bit optimizers'
+    error-feedback buffers), written only by optimizers that have some."""
+    return f"optimizer_rank{rank}.safetensors"
 
 
 def consolidated_sources(load_dir, tag: str | None = None, *, mmap: bool = False) -> dict:

@@ -67,7 +67,7 @@ def compress(values: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
 
 def decompress(message: torch.Tensor) -> torch.Tensor:
     """The values ``[rows, 8k]`` (fp32) that messages made by :func:`compress` stand for."""
-    packed, scales = message[..., :-_SCALE_BYTES], message[..., -_SCALE_BYTES:].contiguous().view(torch.float32)
+    packed, scales = message[..., :-_SCALE_BYTES], message[..., -_SCALE_BYTES:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return unpack_signs(packed).mul_(scales)
 
 

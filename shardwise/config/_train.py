@@ -83,7 +83,8 @@ class TrainConfig:
                               f"dtype the fp16/bf16 sections select ({mode}); remove data_types.param_dtype or "
                               "enable the matching section")
         if self.optimizer is not None and self.optimizer.type in ONEBIT_OPTIMIZERS and self.zero.stage > 0:
-            raise ConfigError(ONEBIT_ZERO_REFUSAL.format(name=self.optimizer.type, stage=self.zero.stage))
+            raise ConfigError(ONEBIT_ZERO_REFUSAL.format(name=f"optimizer.type {self.optimizer.type!r}",
+                                                         stage=self.zero.stage))
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             raise ConfigError("prescale_gradients=true and gradient_predivide_factor != 1 conflict; "
                               "use one of them")

@@ -11,6 +11,9 @@ never a rank or an optimizer index, so any later layout can read it):
   and of tensor-parallel parameters are in ``optimizer-00001.safetensors`` and on.
 - ``engine_state.safetensors``: tensors of the LR scheduler, loss scaler and client state.
 - ``rng_rank<R>.safetensors``: each rank's random number generator states (R: global rank).
+- ``optimizer_rank<R>.safetensors``: optimizer state that differs between ranks, when the
+  optimizer has some (``optimizer.rank_state_dict()``: the 1-bit optimizers' error
+  buffers); read back by the same global rank at the same data-parallel world size.
 - ``manifest.json``: counters, layout, and the structure (skeleton) of each state above.
 
 [Note: tensor parallelism in checkpoints]
@@ -62,6 +65,7 @@ logger = logging.getLogger("shardwise")
 
 _MODEL, _OPTIMIZER, _ENGINE = ckpt_layout.MODEL_FILE, ckpt_layout.OPTIMIZER_FILE, ckpt_layout.ENGINE_FILE
 _rng_file = ckpt_layout.rng_file
+_optimizer_rank_file = ckpt_layout.optimizer_rank_file
 
 CHECKPOINT_PART_BYTES = 1 << 30
 """Bytes of sharded tensors per part file (see [Note: shards written in place] in
@@ -214,16 +218,24 @@ def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> boo
         files[_ENGINE], skeletons["engine_state"] = ckpt.flatten_state(engine_state)
     rng_tensors, rng_skeleton = ckpt.flatten_state(ckpt.capture_rng_state())
     files[_rng_file(engine.grid.global_rank)] = rng_tensors
+    rank_skeleton = None
+    if hasattr(engine.optimizer, "rank_state_dict"):
+        files[_optimizer_rank_file(engine.grid.global_rank)], rank_skeleton = ckpt.flatten_state(
+            engine.optimizer.rank_state_dict())
     records.update(ckpt.write_files(staging, files))
     stage_first = writers.data.rank == 0 and writers.tensor_rank == 0
     all_records = writers.all_gather_object(
-        (engine.grid.global_rank, records, rng_skeleton, skeletons if stage_first and writers.stages > 1 else None),
+        (engine.grid.global_rank, records, (rng_skeleton, rank_skeleton),
+         skeletons if stage_first and writers.stages > 1 else None),
         tag="checkpoint records")
     if writers.rank == 0:
         merged = {name: rec for _, recs, _, _ in all_records for name, rec in recs.items()}
         if writers.stages > 1:  # rank 0's (stage 0's) first, then the other stages' in order
             skeletons = _merge_stage_skeletons([skel for *_, skel in all_records if skel is not None])
-        skeletons["rng"] = {str(rank): skel for rank, _, skel, _ in sorted(all_records, key=lambda r: r[0])}
+        by_rank = sorted(all_records, key=lambda r: r[0])
+        skeletons["rng"] = {str(rank): skel for rank, _, (skel, _), _ in by_rank}
+        if rank_skeleton is not None:
+            skeletons["optimizer_rank"] = {str(rank): skel for rank, _, (_, skel), _ in by_rank}
         manifest = {
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
@@ -396,6 +408,7 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
     if saved_optimizer is not None:
         engine.strategy.load_optimizer_state_by_name(saved_optimizer)
         del saved_optimizer
+        _load_optimizer_rank_state(engine, path, manifest)
     if load_scheduler and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
     if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
@@ -415,6 +428,25 @@ def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_sche
         logger.warning("checkpoint %s has no RNG state for rank %d (saved at %s); random streams start fresh",
                        path, rank, _saved_layout(manifest))
     return str(path), engine_state["client_state"]
+
+
+def _load_optimizer_rank_state(engine, path: Path, manifest: dict) -> None:
+    """Give the optimizer back this rank's own state (``optimizer_rank<R>``), or an empty
+    dict when the checkpoint has none for this rank or comes from another data-parallel
+    world size (the optimizer starts that state afresh and says so)."""
+    if not hasattr(engine.optimizer, "load_rank_state_dict"):
+        return
+    rank = engine.grid.global_rank
+    name = _optimizer_rank_file(rank)
+    skeleton = manifest["skeletons"].get("optimizer_rank", {}).get(str(rank))
+    same_layout = manifest["layout"]["dp_world_size"] == engine.comm.world_size
+    if skeleton is None or name not in manifest.get("files", {}):
+        state = {}
+    else:
+        state = ckpt.unflatten_state(ckpt.read_tensors(path, name, manifest=manifest), skeleton)
+        if not same_layout:
+            state = {**state, "world_size": manifest["layout"]["dp_world_size"]}
+    engine.optimizer.load_rank_state_dict(state)
 
 
 def _saved_layout(manifest: dict) -> str:

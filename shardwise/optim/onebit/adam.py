@@ -4,7 +4,6 @@ warm-up, is averaged across ranks in 1-bit compressed form."""
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -105,7 +104,7 @@ class OneBitAdam(CompressedOptimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["exp_avg"].lerp_(grad, 1 - beta1)
                 if not compressed:
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 state["step"] += 1
@@ -130,5 +129,5 @@ class OneBitAdam(CompressedOptimizer):
         if group["eps_inside_sqrt"]:
             denom = (state["exp_avg_sq"] / c2).add_(eps).sqrt_()
         else:
-            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(c2)).add_(eps)
+            denom = (state["exp_avg_sq"].sqrt() / c2 ** 0.5).add_(eps)
         p.addcdiv_(state["exp_avg"], denom, value=-lr / c1)

@@ -84,7 +84,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}},
      "optimizer.params.betas must be two numbers in [0, 1), got [0.9]"),
     ({"optimizer": {"type": "Adamm"}}, "optimizer.type must be one of adam, adamw, sgd, adagrad, lamb, lion, "
-                                       "got 'Adamm'; did you mean 'adam'?"),
+                                       "onebitadam, zerooneadam, onebitlamb, got 'Adamm'; did you mean 'adam'?"),
     ({"scheduler": {"type": "WarmupLr"}}, "scheduler.type must be one of WarmupLR, WarmupDecayLR, "
                                           "WarmupCosineLR, OneCycle, LRRangeTest, got 'WarmupLr'"),
     ({"checkpoint": {"tag_validation": "never"}}, "checkpoint.tag_validation must be one of Ignore, Warn, Fail"),

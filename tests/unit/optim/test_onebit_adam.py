@@ -1,0 +1,99 @@
+"""1-bit Adam in one process: its arguments, config errors, the warm-up against torch's
+AdamW, and the per-rank state it checkpoints."""
+
+import logging
+
+import pytest
+import torch
+
+from shardwise.config import ConfigError, load_config
+from shardwise.optim import OneBitAdam, build_optimizer
+from shardwise.runtime.fp16.onebit.adam import OnebitAdam
+
+
+def _params(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=generator)), torch.nn.Parameter(torch.randn(3, generator=generator))]
+
+
+def test_deepspeed_name_and_defaults():
+    assert OnebitAdam is OneBitAdam
+    opt = OneBitAdam(_params())
+    assert opt.freeze_step == 100000 and opt.comm_backend_name == "nccl"
+    assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["eps"] == 1e-8
+    assert opt.defaults["weight_decay"] == 0.0 and not opt.averages_gradients_itself()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"freeze_step": -1}, "freeze_step must be an integer >= 1"),
+    ({"freeze_step": 0}, "freeze_step must be an integer >= 1"),
+    ({"amsgrad": True}, "amsgrad"),
+    ({"comm_backend_name": "gloo2"}, "comm_backend_name 'gloo2' is not one of nccl, mpi, hccl, compressed"),
+    ({"max_grad_norm": 1.0}, "gradient_clipping"),
+    ({"betas": (0.9, 1.5)}, "betas in [0, 1)"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        OneBitAdam(_params(), **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "mpi", "hccl", "compressed"])
+def test_deepspeeds_backend_names_are_accepted(backend):
+    OneBitAdam(_params(), comm_backend_name=backend, cuda_aware=True)
+
+
+def test_config_builds_it_and_names_misspelt_keys():
+    config = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
+        "type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 7, "cuda_aware": False,
+                                         "comm_backend_name": "nccl"}}})
+    opt = build_optimizer(config.optimizer, _params())
+    assert isinstance(opt, OneBitAdam) and opt.freeze_step == 7
+    bad = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
+        "type": "OneBitAdam", "params": {"freeze_stp": 7}}})
+    with pytest.raises(ValueError, match="did you mean 'freeze_step'"):
+        build_optimizer(bad.optimizer, _params())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_config_refuses_zero_stages_that_partition(stage):
+    with pytest.raises(ConfigError, match=f"optimizer.type .onebitadam. runs with ZeRO stage 0 only \\(zero_optimization.stage {stage}"):
+        load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                     "optimizer": {"type": "OneBitAdam", "params": {}}})
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_warm_up_is_torch_adamw(weight_decay):
+    ours, theirs = _params(), _params()
+    opt = OneBitAdam(ours, lr=0.1, weight_decay=weight_decay, freeze_step=50)
+    ref = torch.optim.AdamW(theirs, lr=0.1, weight_decay=weight_decay, foreach=False)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    assert set(opt.state[ours[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_variance_freezes_after_the_warm_up():
+    params = _params()
+    opt = OneBitAdam(params, lr=0.1, freeze_step=2)
+    for step in range(4):
+        for p in params:
+            p.grad = torch.full_like(p, float(step + 1))
+        opt.step()
+        if step == 1:
+            frozen = opt.state[params[0]]["exp_avg_sq"].clone()
+            assert opt.averages_gradients_itself()
+    assert torch.equal(opt.state[params[0]]["exp_avg_sq"], frozen)
+
+
+def test_rank_state_from_another_world_size_starts_from_zero(caplog):
+    opt = OneBitAdam(_params(), freeze_step=1)
+    assert opt.rank_state_dict() == {}  # nothing before the first compressed step
+    with caplog.at_level(logging.INFO, logger="shardwise"):
+        opt.load_rank_state_dict({"world_size": 4, "worker_error": torch.ones(8), "server_error": torch.ones(2)})
+    assert "error-feedback buffers are from 4 data-parallel ranks, this run has 1" in caplog.text
