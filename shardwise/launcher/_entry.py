@@ -6,6 +6,7 @@ Usage (by the launcher, through torchrun): ``python -m shardwise.launcher._entry
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
@@ -25,6 +26,9 @@ def main() -> None:
         args = [*args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).resolve().parent))
+    # a rank that crashes hard (SIGSEGV, SIGABRT from native code) prints every thread's
+    # Python stack to stderr, so the launcher's "crashed hard" report shows where
+    faulthandler.enable(all_threads=True)
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:

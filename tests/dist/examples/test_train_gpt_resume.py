@@ -34,7 +34,7 @@ def _demo(tmp_path, *args):
         [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", str(_free_port()),
          str(REPO / "examples" / "train_gpt.py"), *TINY, "--deepspeed_config", str(tmp_path / "config.json"),
          *args], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
     # "step k | loss x | lr y | ... samples/s" every step (steps_per_print 1), rank 0's loss
     steps = {int(m[1]): m[2] for m in re.finditer(r"step (\d+) \| (loss [\d.]+ \| lr \S+)", proc.stderr)}
     return proc.stdout, steps
