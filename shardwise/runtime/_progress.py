@@ -18,7 +18,10 @@ class ProgressReporter:
     """Accumulates loss and timings between progress lines; rank 0 prints them.
 
     The loss reported is rank 0's mean over the micro-steps since the last line (no
-    collective is spent on logging).
+    collective is spent on logging); the data-parallel payload is what rank 0's
+    data-parallel communicator sent per optimizer step since then, by collective
+    (``engine.comm.bytes`` holds the running totals), e.g. to see what the 1-bit
+    optimizers save.
     """
 
     def __init__(self, engine, *, enabled: bool):
@@ -31,6 +34,8 @@ class ProgressReporter:
         self._timings: dict[str, float] = defaultdict(float)
         self._last_time = time.perf_counter()
         self._last_samples = 0
+        self._last_steps = 0
+        self._last_bytes: dict[str, int] = {}
         self.last: dict[str, float] = {}
         """The figures of the most recent progress line."""
 
@@ -69,8 +74,12 @@ class ProgressReporter:
         samples = engine.global_samples - self._last_samples
         loss = float(self._loss_sum) / max(self._loss_count, 1)
         lr = engine.get_lr()
+        steps = max(engine.global_steps - self._last_steps, 1)
+        sent = {op: (total - self._last_bytes.get(op, 0)) / steps for op, total in engine.comm.bytes.items()}
+        sent = {op: n for op, n in sent.items() if n}
         self.last = {"step": engine.global_steps, "loss": loss, "lr": lr[0] if lr else 0.0,
-                     "loss_scale": engine.get_loss_scale(), "samples_per_s": samples / elapsed}
+                     "loss_scale": engine.get_loss_scale(), "samples_per_s": samples / elapsed,
+                     "data_parallel_bytes_per_step": sent}
         if self.enabled:
             parts = [f"step {engine.global_steps}", f"loss {loss:.4f}",
                      f"lr {self.last['lr']:.3e}", f"{self.last['samples_per_s']:.1f} samples/s"]
@@ -78,6 +87,9 @@ class ProgressReporter:
                 parts.insert(3, f"loss scale {engine.get_loss_scale():g}")
             if engine.skipped_steps:
                 parts.append(f"skipped {engine.skipped_steps}")
+            if sent:
+                ops = ", ".join(f"{op} {_bytes(n)}" for op, n in sorted(sent.items()))
+                parts.append(f"data-parallel payload {_bytes(sum(sent.values()))}/step ({ops})")
             if self.breakdown:
                 steps = max(self._loss_count, 1)
                 parts.append(" ".join(f"{k} {1000 * v / steps:.1f}ms" for k, v in self._timings.items()))
@@ -86,3 +98,12 @@ class ProgressReporter:
         self._loss_count = 0
         self._timings.clear()
         self._last_time, self._last_samples = now, engine.global_samples
+        self._last_steps, self._last_bytes = engine.global_steps, dict(engine.comm.bytes)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

@@ -100,9 +100,11 @@ def _run(rank, world_size, save_dir):
     # 3 warm-up steps, then compressed, with and without gradient accumulation
     for gas in (1, 2):
         batches = token_batches(num_steps=7, batch=MICRO * gas * world_size, seed=3)
-        engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(freeze_step=3, gas=gas))
+        engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config={
+            **_config(freeze_step=3, gas=gas), "steps_per_print": 1})
         _train(engine, batches, rank, world_size, gas=gas)
-        report[f"compressed gas{gas}"] = (_params(engine.module), dict(engine.comm.calls), dict(engine.comm.bytes))
+        report[f"compressed gas{gas}"] = (_params(engine.module), dict(engine.comm.calls), dict(engine.comm.bytes),
+                                          engine._progress.last["data_parallel_bytes_per_step"])
 
     # fp16: rank 0 overflows at a compressed step; every rank skips it, error buffers untouched
     batches = token_batches(num_steps=5, batch=MICRO * world_size, seed=4)
@@ -156,7 +158,7 @@ def test_onebit_adam(tmp_path, world_size):
         assert warm.movement() > 0.03
 
         for gas in (1, 2):
-            params, calls, sent = report[f"compressed gas{gas}"]
+            params, calls, sent, last_step = report[f"compressed gas{gas}"]
             expected = _simulate(model, token_batches(num_steps=7, batch=MICRO * gas * world_size, seed=3),
                                  world_size, freeze_step=3, gas=gas)
             # measured 1.6e-7 (fp32 rounding); the parameters move by 0.1-0.4
@@ -166,6 +168,8 @@ def test_onebit_adam(tmp_path, world_size):
             assert calls["all_to_all"] == calls["all_gather"] == 4, calls
             assert calls["all_reduce"] == 3, calls
             assert sent["all_reduce"] / 3 > 12 * (sent["all_to_all"] + sent["all_gather"]) / 4, sent
+            # what the progress line reports for the last step: the compressed exchange only
+            assert last_step == {"all_to_all": sent["all_to_all"] / 4, "all_gather": sent["all_gather"] / 4}
             assert all(torch.equal(a, b) for a, b in zip(params, reports[0][f"compressed gas{gas}"][0]))
 
         skipped, untouched, params = report["fp16 overflow"]

@@ -51,6 +51,7 @@ NAMES = {
     "ops.adagrad": ["DeepSpeedCPUAdagrad"],
     "ops.lion": ["DeepSpeedCPULion", "FusedLion"],
     "launcher.runner": ["DEEPSPEED_ENVIRONMENT_NAME"],
+    "runtime.fp16.onebit.adam": ["OnebitAdam"],
     "version": ["__version__"],
 }
 
