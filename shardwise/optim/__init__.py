@@ -3,6 +3,6 @@
 from shardwise.optim.build import build_optimizer
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
-from shardwise.optim.onebit import OneBitAdam
+from shardwise.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
-__all__ = ["Lamb", "Lion", "OneBitAdam", "build_optimizer"]
+__all__ = ["Lamb", "Lion", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "build_optimizer"]

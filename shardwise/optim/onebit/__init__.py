@@ -7,5 +7,8 @@ what goes on the wire.
 
 from shardwise.optim.onebit._base import COMM_BACKEND_NAMES, CompressedOptimizer, refuse_with_zero
 from shardwise.optim.onebit.adam import OneBitAdam
+from shardwise.optim.onebit.lamb import OneBitLamb
+from shardwise.optim.onebit.zoadam import ZeroOneAdam
 
-__all__ = ["COMM_BACKEND_NAMES", "CompressedOptimizer", "OneBitAdam", "refuse_with_zero"]
+__all__ = ["COMM_BACKEND_NAMES", "CompressedOptimizer", "OneBitAdam", "OneBitLamb", "ZeroOneAdam",
+           "refuse_with_zero"]
