@@ -84,6 +84,7 @@ class PipelineEngine(Engine):
         for key, param, ranks, comm in model.tied_weights():  # the module made the copies equal
             comm.timeout = timedelta(seconds=config.comm.timeout_s)
             param.pipe_copies = len(ranks)
+            param.pipe_tied_key = key
             self._tied.append((key, param, comm, {"grad": None}))
         self._install_tied_capture()
         self.data_iterator = None

@@ -26,7 +26,7 @@ from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import load_per_param_state_by_name, per_param_state_by_name
 from shardwise.zero._strategy import (GRAD_KEY, MASTER_KEY, ModelParallel, ModelStateBytes, StepResult,
-                                      clip_by_total_norm_)
+                                      clip_by_total_norm_, is_tensor_parallel)
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +175,21 @@ class Stage0Strategy:
                 group["params"] = [self._master.get(p, p) for p in group["params"]]
         self.optimizer = optimizer
         if hasattr(optimizer, "bind_data_parallel"):
-            optimizer.bind_data_parallel(self.comm)
+            optimizer.bind_data_parallel(self.comm, exchange_key=self._exchange_key)
         return optimizer
+
+    def _exchange_key(self, optimizer_param) -> str:
+        """Which compressed exchange ``optimizer_param`` joins (see [Note: copies on several
+        model-parallel ranks] in ``optim/onebit/_base.py``)."""
+        if not hasattr(self, "_param_of"):
+            self._param_of = {id(master): p for p, master in self._master.items()}
+        param = self._param_of.get(id(optimizer_param), optimizer_param)
+        tied = getattr(param, "pipe_tied_key", None)
+        if tied is not None:
+            return f"tied:{tied}"
+        if self.model_parallel.tensor > 1 and not is_tensor_parallel(param):
+            return "tensor-replicated"
+        return "own"
 
     def named_optimizer_params(self) -> dict[torch.Tensor, str]:
         """The tensor the optimizer updates for each parameter, keyed to its module name."""

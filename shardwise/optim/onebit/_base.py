@@ -15,6 +15,17 @@ strategy hands the optimizer its data-parallel Communicator with
 compression runs over the data group only. ZeRO stages 1-3 refuse these optimizers (see
 ``refuse_with_zero``).
 
+[Note: copies on several model-parallel ranks]
+A parameter every tensor rank holds a copy of (LayerNorm weights, row-parallel biases),
+or a tied weight several pipeline stages hold, must stay identical on all its holders.
+Each holder compresses in its own data-parallel group, and compression is not linear:
+the scales and signs of a chunk depend on everything else in the chunk. So such copies
+travel in exchanges of their own, which hold the same values on every holder (the
+strategy's ``exchange_key``: ``"tensor-replicated"`` for the tensor ranks' copies, one
+``"tied:<key>"`` per tied pipeline weight, ``"own"`` for the rest); identical inputs and
+error buffers then give identical results. Mixing them with a rank's own shards in one
+vector lets the copies drift apart after the first compressed step.
+
 Each rank's error buffers differ, so checkpoints keep them per rank
 (``rank_state_dict``); the rest of the state (moments, step counts) is Adam's and LAMB's
 and is saved by parameter name like theirs.
@@ -72,14 +83,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.comm_backend_name = comm_backend_name
         self.cuda_aware = cuda_aware
         self._comm: Communicator | None = None
-        self._exchange: CompressedAllReduce | None = None
+        self._exchange_key = None
+        self._exchanges: dict[str, CompressedAllReduce] = {}
         self._pending_rank_state: dict | None = None
 
     # -- the engine's side (see [Note: optimizers that exchange data themselves]) ----------
 
-    def bind_data_parallel(self, comm: Communicator) -> None:
-        """Exchange over ``comm`` (the engine's data-parallel communicator)."""
+    def bind_data_parallel(self, comm: Communicator, *, exchange_key=None) -> None:
+        """Exchange over ``comm`` (the engine's data-parallel communicator).
+
+        ``exchange_key(param) -> str`` names the exchange each optimizer parameter joins
+        (see [Note: copies on several model-parallel ranks]); one exchange for all when
+        None."""
         self._comm = comm
+        self._exchange_key = exchange_key
         if comm.rank == 0 and dist.is_initialized():
             logger.info("%s: comm_backend_name %r: compressed collectives run on torch.distributed's %s "
                         "backend over the %d data-parallel ranks", type(self).__name__, self.comm_backend_name,
@@ -104,42 +121,67 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def compressed_average_(self, tensors: list[torch.Tensor], *, tag: str) -> None:
-        """Replace ``tensors`` (fp32; the same shapes on every rank, every call) by their
-        1-bit compressed average over the data-parallel ranks, with error feedback."""
+    def compressed_average_(self, tensors: list[torch.Tensor], *, tag: str,
+                            params: list[torch.Tensor] | None = None) -> None:
+        """Replace ``tensors`` (the same shapes on every rank, every call) by their 1-bit
+        compressed average over the data-parallel ranks, with error feedback; ``params``
+        (the parameter each tensor belongs to) sorts them into their exchanges."""
         comm = self.communicator()
         if comm is None or comm.world_size == 1:
             return
-        flat = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32)
-        if self._exchange is None or self._exchange.numel != flat.numel():
-            self._exchange = CompressedAllReduce(comm, flat.numel(), device=flat.device, tag=f"{type(self).__name__} {tag}")
-            if self._pending_rank_state is not None:
-                self._load_exchange(self._pending_rank_state)
-                self._pending_rank_state = None
-        self._exchange(flat)
-        torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]),
-                                                                                tensors)])
+        groups: dict[str, list[torch.Tensor]] = {}
+        key = self._exchange_key
+        for i, tensor in enumerate(tensors):
+            name = key(params[i]) if key is not None and params is not None else "all"
+            groups.setdefault(name, []).append(tensor)
+        for name, members in groups.items():
+            flat = torch.cat([t.reshape(-1) for t in members]).to(torch.float32)
+            exchange = self._exchanges.get(name)
+            if exchange is None or exchange.numel != flat.numel():
+                exchange = self._exchanges[name] = CompressedAllReduce(
+                    comm, flat.numel(), device=flat.device, tag=f"{type(self).__name__} {tag} ({name})")
+                pending = (self._pending_rank_state or {}).get("exchanges", {}).pop(name, None)
+                if pending is not None:
+                    self._load_exchange(name, pending)
+            exchange(flat)
+            torch._foreach_copy_(members, [piece.view_as(t) for piece, t in
+                                           zip(flat.split([t.numel() for t in members]), members)])
+
+    @staticmethod
+    def mask_momentum_(group: dict, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Zero the momentum where it must not move the parameter once the variance is
+        frozen: where the group's ``exp_avg_mask`` (DeepSpeed's param-group key, a 0/1
+        tensor shaped like the parameters of the group) is 0, and where the frozen
+        variance is exactly 0 (no gradient ever reached the element during the warm-up,
+        e.g. the embedding rows of tokens not seen yet). The compressed average gives
+        every element a value of the chunk's scale, so such an element would otherwise
+        move by ``lr * scale / eps``: DeepSpeed's users had to mask them by hand."""
+        mask = group.get("exp_avg_mask")
+        if mask is not None:
+            exp_avg.mul_(mask.to(exp_avg.device, exp_avg.dtype))
+        exp_avg.masked_fill_(exp_avg_sq == 0, 0.0)
 
     def reset_error_feedback(self) -> None:
         """Zero the error buffers (0/1 Adam does when its variance freezes)."""
-        if self._exchange is not None:
-            self._exchange.reset()
+        for exchange in self._exchanges.values():
+            exchange.reset()
 
     # -- per-rank state for checkpoints ---------------------------------------------------
 
     def rank_state_dict(self) -> dict:
-        """This rank's error buffers and the world size they belong to (empty before the
-        first compressed step)."""
-        if self._exchange is None:
+        """This rank's error buffers, by exchange, and the world size they belong to
+        (empty before the first compressed step)."""
+        if not self._exchanges:
             return {}
-        return {"world_size": self._exchange.comm.world_size, **self._exchange.state_dict()}
+        return {"world_size": self.communicator().world_size,
+                "exchanges": {name: exchange.state_dict() for name, exchange in self._exchanges.items()}}
 
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore what ``rank_state_dict`` gave; error buffers from another world size
         are dropped (they start from zero, logged once)."""
+        self.reset_error_feedback()
+        self._pending_rank_state = None
         if not state:
-            self.reset_error_feedback()
-            self._pending_rank_state = None
             return
         comm = self.communicator()
         world = comm.world_size if comm is not None else 1
@@ -147,18 +189,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if comm is None or comm.rank == 0:
                 logger.info("%s: the checkpoint's error-feedback buffers are from %d data-parallel ranks, this "
                             "run has %d; they start from zero", type(self).__name__, int(state["world_size"]), world)
-            self.reset_error_feedback()
-            self._pending_rank_state = None
             return
-        if self._exchange is None:
-            self._pending_rank_state = state
-        else:
-            self._load_exchange(state)
+        saved = dict(state["exchanges"])
+        for name in list(saved):
+            if name in self._exchanges:
+                self._load_exchange(name, saved.pop(name))
+        self._pending_rank_state = {"exchanges": saved}  # loaded when their exchange is built
 
-    def _load_exchange(self, state: dict) -> None:
-        if state["worker_error"].numel() != self._exchange.worker_error.numel():
-            logger.info("%s: the checkpoint's error-feedback buffers do not fit this model; they start from zero",
-                        type(self).__name__)
-            self._exchange.reset()
+    def _load_exchange(self, name: str, state: dict) -> None:
+        exchange = self._exchanges[name]
+        if state["worker_error"].numel() != exchange.worker_error.numel():
+            logger.info("%s: the checkpoint's error-feedback buffers (%s) do not fit this model; they start from zero",
+                        type(self).__name__, name)
+            exchange.reset()
             return
-        self._exchange.load_state_dict(state)
+        exchange.load_state_dict(state)

@@ -95,5 +95,6 @@ def test_rank_state_from_another_world_size_starts_from_zero(caplog):
     opt = OneBitAdam(_params(), freeze_step=1)
     assert opt.rank_state_dict() == {}  # nothing before the first compressed step
     with caplog.at_level(logging.INFO, logger="shardwise"):
-        opt.load_rank_state_dict({"world_size": 4, "worker_error": torch.ones(8), "server_error": torch.ones(2)})
+        opt.load_rank_state_dict({"world_size": 4, "exchanges": {
+            "own": {"worker_error": torch.ones(8), "server_error": torch.ones(2)}}})
     assert "error-feedback buffers are from 4 data-parallel ranks, this run has 1" in caplog.text
