@@ -130,9 +130,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if comm is None or comm.world_size == 1:
             return
         groups: dict[str, list[torch.Tensor]] = {}
-        key = self._exchange_key
-        for i, tensor in enumerate(tensors):
-            name = key(params[i]) if key is not None and params is not None else "all"
+        names = self.exchange_keys(params) if params is not None else ["all"] * len(tensors)
+        for name, tensor in zip(names, tensors):
             groups.setdefault(name, []).append(tensor)
         for name, members in groups.items():
             flat = torch.cat([t.reshape(-1) for t in members]).to(torch.float32)
@@ -148,18 +147,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
                                            zip(flat.split([t.numel() for t in members]), members)])
 
     @staticmethod
-    def mask_momentum_(group: dict, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Zero the momentum where it must not move the parameter once the variance is
-        frozen: where the group's ``exp_avg_mask`` (DeepSpeed's param-group key, a 0/1
-        tensor shaped like the parameters of the group) is 0, and where the frozen
-        variance is exactly 0 (no gradient ever reached the element during the warm-up,
-        e.g. the embedding rows of tokens not seen yet). The compressed average gives
-        every element a value of the chunk's scale, so such an element would otherwise
-        move by ``lr * scale / eps``: DeepSpeed's users had to mask them by hand."""
+    def mask_unmeasured_(group: dict, tensor: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Zero what came back from a compressed exchange (a momentum, gradient or update of
+        one parameter) where it must not move the parameter: where the group's
+        ``exp_avg_mask`` (DeepSpeed's param-group key, a 0/1 tensor that broadcasts to
+        the group's parameters) is 0, and where the variance is exactly 0 (no gradient
+        has reached the element yet, e.g. the embedding rows of tokens not seen). The
+        compressed average gives every element of a chunk the chunk's scale, so such an
+        element would otherwise move by ``lr * scale / eps``: DeepSpeed's users had to
+        mask them by hand."""
         mask = group.get("exp_avg_mask")
         if mask is not None:
-            exp_avg.mul_(mask.to(exp_avg.device, exp_avg.dtype))
-        exp_avg.masked_fill_(exp_avg_sq == 0, 0.0)
+            tensor.mul_(mask.to(tensor.device, tensor.dtype))
+        tensor.masked_fill_(exp_avg_sq == 0, 0.0)
+
+    def exchange_keys(self, params: list[torch.Tensor]) -> list[str]:
+        """The exchange each of ``params`` joins (see [Note: copies on several
+        model-parallel ranks]); scalings shared by a group of tensors in one exchange must
+        be computed within that exchange only, or the copies drift apart."""
+        key = self._exchange_key
+        return [key(p) if key is not None else "all" for p in params]
 
     def reset_error_feedback(self) -> None:
         """Zero the error buffers (0/1 Adam does when its variance freezes)."""

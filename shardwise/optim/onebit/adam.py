@@ -28,7 +28,7 @@ class OneBitAdam(CompressedOptimizer):
     (``shardwise.comm.CompressedAllReduce``), all parameters in one exchange, before the
     same update. After the exchange the momentum is zeroed where a param group's
     ``exp_avg_mask`` (DeepSpeed's key) is 0 and where the frozen variance is exactly 0
-    (see ``mask_momentum_``). The engine switches from averaging gradients to leaving them local by
+    (see ``mask_unmeasured_``). The engine switches from averaging gradients to leaving them local by
     asking :meth:`averages_gradients_itself` (see [Note: optimizers that exchange data
     themselves] in ``_base.py``).
 
@@ -115,7 +115,7 @@ class OneBitAdam(CompressedOptimizer):
             self.compressed_average_([state["exp_avg"] for _, _, state in work], tag="momentum",
                                      params=[p for _, p, _ in work])
             for group, _, state in work:
-                self.mask_momentum_(group, state["exp_avg"], state["exp_avg_sq"])
+                self.mask_unmeasured_(group, state["exp_avg"], state["exp_avg_sq"])
         for group, p, state in work:
             self._update(group, p, state)
         return loss

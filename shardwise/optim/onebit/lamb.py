@@ -223,7 +223,7 @@ class OneBitLamb(CompressedOptimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 work.append((group, p, self._state(p)))
         if "scaling_coeff" not in work[0][2]:
-            self._freeze([state for _, _, state in work])
+            self._freeze([state for _, _, state in work], self.exchange_keys([p for _, p, _ in work]))
         previous = [state["exp_avg"].clone() for _, _, state in work]
         momenta = []
         for group, p, state in work:
@@ -231,12 +231,13 @@ class OneBitLamb(CompressedOptimizer):
             state["exp_avg"].lerp_(grad, 1 - group["betas"][0]).mul_(state["scaling_coeff"])
             state["step"] += 1
             momenta.append(state["exp_avg"])
-        self.compressed_average_(momenta, tag="momentum")
+        self.compressed_average_(momenta, tag="momentum", params=[p for _, p, _ in work])
         for (group, p, state), m_prev in zip(work, previous):
             state["exp_avg"].div_(state["scaling_coeff"])
+            self.mask_unmeasured_(group, state["exp_avg"], state["exp_avg_sq"])
             self._frozen_update(group, p, state, m_prev)
 
-    def _freeze(self, states: list[dict]) -> None:
+    def _freeze(self, states: list[dict], keys: list[str]) -> None:
         """At the first compressed step: fix each momentum's scaling for the exchange, and
         start the fresh variance from the frozen one."""
         comm = self.communicator()
@@ -244,9 +245,10 @@ class OneBitLamb(CompressedOptimizer):
             logger.info("%s: warm-up of %d steps done; the variance and trust ratios are frozen and the momentum "
                         "is exchanged 1-bit compressed from now on", type(self).__name__, self.freeze_step)
         scales = [float(torch.linalg.vector_norm(s["exp_avg"])) / s["exp_avg"].numel() ** 0.5 for s in states]
-        united = sum(scales) / len(scales)
-        for state, scale in zip(states, scales):
-            state["scaling_coeff"] = united / scale if scale > 0 and united > 0 else 1.0
+        # united within each exchange (see [Note: copies on several model-parallel ranks])
+        united = {key: sum(sc for sc, k in zip(scales, keys) if k == key) / keys.count(key) for key in set(keys)}
+        for state, scale, key in zip(states, scales, keys):
+            state["scaling_coeff"] = united[key] / scale if scale > 0 and united[key] > 0 else 1.0
             state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
             state["frozen_step"] = int(state["step"])
             state["last_factor"] = torch.ones((), dtype=torch.float32, device=state["exp_avg"].device)

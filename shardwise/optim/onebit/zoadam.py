@@ -193,13 +193,20 @@ class ZeroOneAdam(CompressedOptimizer):
         ``scaling_coeff``, from the variance, which is the same on every rank.
         """
         variances = [state["exp_avg_sq"] for _, _, state, _ in work]
+        params = [p for _, p, _, _ in work]
         rms = torch.stack([n.float() / v.numel() ** 0.5 for n, v in zip(torch._foreach_norm(
             torch._foreach_sqrt(variances)), variances)])
-        scales = torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
+        # the mean within each exchange (see [Note: copies on several model-parallel ranks])
+        keys = self.exchange_keys(params)
+        means = {key: rms[[i for i, k in enumerate(keys) if k == key]].mean() for key in set(keys)}
+        mean = torch.stack([means[k] for k in keys])
+        scales = torch.where(rms > 0, mean / rms, torch.ones_like(rms))
         scales = [s.to(t.dtype) for s, t in zip(scales.unbind(), tensors)]
         torch._foreach_mul_(tensors, scales)
-        self.compressed_average_(tensors, tag=tag)
+        self.compressed_average_(tensors, tag=tag, params=params)
         torch._foreach_div_(tensors, scales)
+        for (group, _, state, _), tensor in zip(work, tensors):
+            self.mask_unmeasured_(group, tensor, state["exp_avg_sq"])
 
     def _warm_up_step(self, work: list, *, full: bool) -> None:
         if not full:
