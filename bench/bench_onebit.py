@@ -282,6 +282,18 @@ def throttle_possible() -> str | None:
 
 # -- driver ---------------------------------------------------------------------------------------
 
+def _code_state() -> str:
+    """HEAD and a digest of uncommitted changes under shardwise/ (the library may change between
+    runs when others work in the same tree)."""
+    import hashlib
+
+    def git(*cmd):
+        return subprocess.run(["git", "-C", str(REPO), *cmd], capture_output=True, text=True).stdout
+    diff = git("diff", "HEAD", "--", "shardwise")
+    return git("rev-parse", "--short", "HEAD").strip() + (f"+{hashlib.sha1(diff.encode()).hexdigest()[:8]}"
+                                                          if diff else "")
+
+
 def _worker_args(args) -> list[str]:
     return ["--vocab", str(args.vocab), "--width", str(args.width), "--layers", str(args.layers),
             "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
@@ -291,6 +303,7 @@ def _worker_args(args) -> list[str]:
 
 def run(args, optimizer: str, world: int, *, steps: int, net: ThrottledNet | None = None) -> dict:
     port = _free_port()
+    code = _code_state()
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result"
         procs = []
@@ -325,7 +338,7 @@ def run(args, optimizer: str, world: int, *, steps: int, net: ThrottledNet | Non
     first = ranks[0]["start_measure"]
     times = ranks[0]["times"][first:]
     waits = ranks[0]["waits"][first:]
-    return {"world": world, "steps": steps, "wall_s": wall, "params": ranks[0]["params"],
+    return {"world": world, "steps": steps, "wall_s": wall, "code": code, "params": ranks[0]["params"],
             "class": ranks[0]["optimizer_class"],
             "median": statistics.median(times), "min": min(times), "max": max(times),
             "wait": statistics.median(waits),
@@ -490,6 +503,13 @@ def report(args, runs: dict, throttled: dict, skipped: list[str], throttle_note:
                              f"warm-up {warm:.2e}")
     if throttle_note:
         lines += ["", f"Throttled runs: {throttle_note}"]
+    codes = {(w, n, kind): r.get("code") for kind, rs in (("loopback", runs), ("tbf", throttled))
+             for (w, n), r in rs.items()}
+    if len(set(codes.values())) > 1:
+        lines += ["", "The library changed during the bench (HEAD+digest of uncommitted changes under shardwise/ "
+                  "at each run's start):", ""] + [f"- {w} ranks {n} ({kind}): {c}" for (w, n, kind), c in codes.items()]
+    elif codes:
+        lines += ["", f"shardwise at {next(iter(codes.values()))} for every run (HEAD+digest of uncommitted changes)."]
     return "\n".join(lines) + "\n"
 
 
