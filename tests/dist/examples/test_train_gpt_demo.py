@@ -38,3 +38,26 @@ def test_demo_runs_under_config(tmp_path, config):
     # the full parameter count, also when zero.Init built the model partitioned (stage 3)
     assert "model: 0.03M parameters" in proc.stdout, proc.stdout[:500]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"
+
+
+def test_demo_with_onebit_adam(tmp_path):
+    """DeepSpeed's 1-bit Adam tutorial in miniature: the same script, a config with type
+    OneBitAdam and fp16; after freeze_step (20) the progress lines show the compressed
+    exchange instead of the gradient all-reduce."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", str(_free_port()),
+         str(REPO / "examples" / "train_gpt.py"), "--steps", "30", "--width", "32", "--layers", "2",
+         "--seq_len", "32", "--corpus_bytes", "100000", "--deepspeed_config",
+         str(REPO / "examples" / "configs" / "onebit_adam.json"), "--save", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
+    assert "OneBitAdam: warm-up of 20 steps done" in proc.stderr, proc.stderr[-3000:]
+    lines = {int(m[1]): m[2] for m in re.finditer(r"step (\d+) \|.*data-parallel payload ([^\n]*)", proc.stderr)}
+    assert "all_reduce" in lines[10] and "all_to_all" not in lines[10], lines
+    assert "all_to_all" in lines[30] and "all_gather" in lines[30], lines
+    match = re.search(r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+)", proc.stdout)
+    assert match and int(match[1]) == 30 and float(match[3]) < float(match[2]), proc.stdout[-2000:]
+    assert (tmp_path / "ckpt" / "global_step30" / "optimizer_rank1.safetensors").is_file()

@@ -52,6 +52,8 @@ NAMES = {
     "ops.lion": ["DeepSpeedCPULion", "FusedLion"],
     "launcher.runner": ["DEEPSPEED_ENVIRONMENT_NAME"],
     "runtime.fp16.onebit.adam": ["OnebitAdam"],
+    "runtime.fp16.onebit.zoadam": ["ZeroOneAdam"],
+    "runtime.fp16.onebit.lamb": ["OnebitLamb"],
     "version": ["__version__"],
 }
 
