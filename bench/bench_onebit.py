@@ -158,7 +158,7 @@ def worker(args) -> None:
     engine, optimizer, _, _ = shardwise.initialize(model=model, config=ds_config)
     # the same global batches for every optimizer: step s, rank r reads rows r*mb .. (r+1)*mb of batch s
     rows = world * args.micro_batch
-    corpus = byte_corpus(max_bytes=args.steps * rows * (args.seq_len + 1) + 1)
+    corpus = byte_corpus(max_bytes=max(args.steps * rows * (args.seq_len + 1) + 1, 4096))
     windows = corpus[:args.steps * rows * (args.seq_len + 1)].long().view(args.steps, rows, args.seq_len + 1)
     start_measure = args.freeze_step + 1  # 0-based: warm-up 0..F-1, first compressed step F left out
     times, phases, losses, waits = [], [], [], []
@@ -333,7 +333,7 @@ def run(args, optimizer: str, world: int, *, steps: int, net: ThrottledNet | Non
             failed = next(o for p, o in zip(procs, outputs) if p.returncode)
             lines = [ln for ln in failed.strip().splitlines() if ln.strip()]
             error = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "failed")
-            return {"error": error[:240]}
+            return {"error": error[:240], "code": code}
         ranks = [json.loads(result.with_suffix(f".rank{r}.json").read_text()) for r in range(world)]
     first = ranks[0]["start_measure"]
     times = ranks[0]["times"][first:]
@@ -503,8 +503,8 @@ def report(args, runs: dict, throttled: dict, skipped: list[str], throttle_note:
                              f"warm-up {warm:.2e}")
     if throttle_note:
         lines += ["", f"Throttled runs: {throttle_note}"]
-    codes = {(w, n, kind): r.get("code") for kind, rs in (("loopback", runs), ("tbf", throttled))
-             for (w, n), r in rs.items()}
+    codes = {(w, n, kind): r["code"] for kind, rs in (("loopback", runs), ("tbf", throttled))
+             for (w, n), r in rs.items() if "code" in r}
     if len(set(codes.values())) > 1:
         lines += ["", "The library changed during the bench (HEAD+digest of uncommitted changes under shardwise/ "
                   "at each run's start):", ""] + [f"- {w} ranks {n} ({kind}): {c}" for (w, n, kind), c in codes.items()]
