@@ -22,7 +22,7 @@ def _compress(rows: np.ndarray, error: np.ndarray) -> np.ndarray:
     """NumPy reference: ``rows + error`` as sign * per-row scale; updates ``error``."""
     error += rows
     scales = (np.sqrt((error.astype(np.float64) ** 2).sum(-1)) / np.sqrt(error.shape[-1])).astype(np.float32)
-    signs = np.where(error >= 0, 1.0, -1.0).astype(np.float32)
+    signs = np.where(np.signbit(error), -1.0, 1.0).astype(np.float32)
     # the signs survive a trip through 8-per-byte packing
     signs = np.unpackbits(np.packbits(signs > 0, axis=-1), axis=-1)[..., :signs.shape[-1]] * 2.0 - 1.0
     values = (signs * scales[..., None]).astype(np.float32)
