@@ -85,6 +85,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._comm: Communicator | None = None
         self._exchange_key = None
         self._exchanges: dict[str, CompressedAllReduce] = {}
+        self._flats: dict[str, torch.Tensor] = {}
         self._pending_rank_state: dict | None = None
 
     # -- the engine's side (see [Note: optimizers that exchange data themselves]) ----------
@@ -134,7 +135,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for name, tensor in zip(names, tensors):
             groups.setdefault(name, []).append(tensor)
         for name, members in groups.items():
-            flat = torch.cat([t.reshape(-1) for t in members]).to(torch.float32)
+            numel = sum(t.numel() for t in members)
+            flat = self._flats.get(name)
+            if flat is None or flat.numel() != numel:  # kept: a fresh buffer each step costs page faults
+                flat = self._flats[name] = torch.empty(numel, dtype=torch.float32, device=members[0].device)
+            if all(t.dtype == torch.float32 for t in members):
+                torch.cat([t.reshape(-1) for t in members], out=flat)
+            else:
+                flat.copy_(torch.cat([t.reshape(-1) for t in members]))
             exchange = self._exchanges.get(name)
             if exchange is None or exchange.numel != flat.numel():
                 exchange = self._exchanges[name] = CompressedAllReduce(
