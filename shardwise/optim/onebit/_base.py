@@ -63,6 +63,22 @@ def check_backend_name(name: str, comm_backend_name: str) -> None:
                          f"{', '.join(COMM_BACKEND_NAMES)}")
 
 
+BACKENDS_WITH_ALL_TO_ALL = frozenset({"gloo", "nccl", "mpi", "ucc", "xccl", "hccl"})
+"""torch.distributed backends that provide the all-to-all and all-gather the compressed
+exchange is made of."""
+
+
+def check_collectives(name: str, backend: str) -> None:
+    """Refuse a process-group backend (``"gloo"``, ``"cpu:gloo,cuda:nccl"``...) that lacks
+    the collectives of the compressed exchange."""
+    used = {part.split(":")[-1].strip().lower() for part in str(backend).split(",")}
+    missing = sorted(used - BACKENDS_WITH_ALL_TO_ALL)
+    if missing:
+        raise ValueError(f"{name} exchanges compressed data with all_to_all_single and all_gather_into_tensor, "
+                         f"which the process group's backend {backend!r} is not known to provide; run on one of "
+                         f"{', '.join(sorted(BACKENDS_WITH_ALL_TO_ALL))}")
+
+
 def check_freeze_step(owner: str, key: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: {key} must be an integer >= 1, got {value!r} (the warm-up estimates the "
@@ -98,6 +114,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         None."""
         self._comm = comm
         self._exchange_key = exchange_key
+        if comm.world_size > 1:
+            check_collectives(type(self).__name__, dist.get_backend(comm.group))
         if comm.rank == 0 and dist.is_initialized():
             logger.info("%s: comm_backend_name %r: compressed collectives run on torch.distributed's %s "
                         "backend over the %d data-parallel ranks", type(self).__name__, self.comm_backend_name,

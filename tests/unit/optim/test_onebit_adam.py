@@ -98,3 +98,12 @@ def test_rank_state_from_another_world_size_starts_from_zero(caplog):
         opt.load_rank_state_dict({"world_size": 4, "exchanges": {
             "own": {"worker_error": torch.ones(8), "server_error": torch.ones(2)}}})
     assert "error-feedback buffers are from 4 data-parallel ranks, this run has 1" in caplog.text
+
+
+def test_a_backend_without_all_to_all_is_refused():
+    from shardwise.optim.onebit._base import check_collectives
+
+    check_collectives("OneBitAdam", "gloo")
+    check_collectives("OneBitAdam", "cpu:gloo,cuda:nccl")
+    with pytest.raises(ValueError, match="backend 'fake' is not known to provide"):
+        check_collectives("OneBitAdam", "fake")
