@@ -145,6 +145,17 @@ def worker(args) -> None:
         finally:
             blocked[0] += time.perf_counter() - start
     _collectives.Handle.wait = timed_wait  # time this rank spends waiting for collectives
+    if args.exact_exchange:
+        from shardwise.optim.onebit import CompressedOptimizer
+
+        def exact_average_(self, tensors, *, tag, params=None):
+            comm = self.communicator()
+            flat = torch.cat([t.reshape(-1).float() for t in tensors])
+            comm.all_reduce(flat, tag=f"exact {tag}").wait()
+            flat.div_(comm.world_size)
+            torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in
+                                           zip(flat.split([t.numel() for t in tensors]), tensors)])
+        CompressedOptimizer.compressed_average_ = exact_average_
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = GPTConfig(vocab_size=args.vocab, width=args.width, num_layers=args.layers, num_heads=args.heads,
@@ -298,7 +309,8 @@ def _worker_args(args) -> list[str]:
     return ["--vocab", str(args.vocab), "--width", str(args.width), "--layers", str(args.layers),
             "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--freeze-step", str(args.freeze_step), "--lr", str(args.lr), "--lamb-lr", str(args.lamb_lr),
-            "--clip", str(args.clip), "--zoadam-params", args.zoadam_params]
+            "--clip", str(args.clip), "--zoadam-params", args.zoadam_params] + \
+        (["--exact-exchange"] if args.exact_exchange else [])
 
 
 def run(args, optimizer: str, world: int, *, steps: int, net: ThrottledNet | None = None) -> dict:
@@ -546,6 +558,9 @@ def main() -> None:
     parser.add_argument("--throttle-steps", type=int, default=16, help="steps of a throttled run (warm-up included)")
     parser.add_argument("--loss-every", type=int, default=5)
     parser.add_argument("--loss-tail", type=int, default=5, help="steps averaged for the final-loss comparison")
+    parser.add_argument("--exact-exchange", action="store_true",
+                        help="diagnostic: the 1-bit optimizers average in full precision instead of compressed "
+                             "(same schedule), to tell a loss gap of the compression from one of the algorithm")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", default=None, help="also write the report to this markdown file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

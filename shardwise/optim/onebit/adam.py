@@ -70,6 +70,9 @@ class OneBitAdam(CompressedOptimizer):
         super().__init__(params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware,
                          max_grad_norm=max_grad_norm)
         self.freeze_step = freeze_step
+        self._frozen_denominators: dict = {}
+        """param -> (eps, eps_inside_sqrt, c2), ``sqrt(v / c2) + eps``: computed once after the
+        warm-up (an allocation and two passes per parameter and step saved)."""
 
     def steps_taken(self) -> int:
         """Optimizer steps taken so far (the largest per-parameter step count)."""
@@ -131,8 +134,20 @@ class OneBitAdam(CompressedOptimizer):
             c1 = c2 = 1.0
         if weight_decay:
             p.mul_(1 - lr * weight_decay)
-        if group["eps_inside_sqrt"]:
-            denom = (state["exp_avg_sq"] / c2).add_(eps).sqrt_()
+        frozen = step > self.freeze_step
+        key = (eps, group["eps_inside_sqrt"], c2)
+        cached = self._frozen_denominators.get(p) if frozen else None
+        if cached is not None and cached[0] == key:
+            denom = cached[1]  # the variance and its correction no longer change
         else:
-            denom = (state["exp_avg_sq"].sqrt() / c2 ** 0.5).add_(eps)
+            if group["eps_inside_sqrt"]:
+                denom = (state["exp_avg_sq"] / c2).add_(eps).sqrt_()
+            else:
+                denom = (state["exp_avg_sq"].sqrt() / c2 ** 0.5).add_(eps)
+            if frozen:
+                self._frozen_denominators[p] = (key, denom)
         p.addcdiv_(state["exp_avg"], denom, value=-lr / c1)
+
+    def load_state_dict(self, state_dict) -> None:
+        self._frozen_denominators.clear()
+        super().load_state_dict(state_dict)
