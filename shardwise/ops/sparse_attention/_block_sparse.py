@@ -4,16 +4,16 @@
 outside the layout (expanded from blocks to tokens) is ``-inf``, with DeepSpeed's
 ``SparseSelfAttention`` masks folded in; it never builds a ``seq x seq`` tensor.
 
-# [Note: block-sparse gather plan]
+[Note: block-sparse gather plan]
 The layout ``[heads, n, n]`` (``n = seq / block``) is turned once into a *plan*: the
 ``heads * n`` query block rows are sorted by their number of nonzero key blocks and cut into
 groups whose rows need at most ``_MAX_PADDING_FRACTION`` of padding to share one width ``k``.
-Per group the plan holds the flat index (``head * n + row``) of each query block and of the
-``k`` key blocks it attends to, padded with masked blocks where a row has fewer than ``k``.
-A call gathers each group's query blocks ``[batch, rows, block, dim]`` and key/value blocks
-``[batch, rows, k * block, dim]`` with ``index_select`` and runs
-``scaled_dot_product_attention`` on them; autograd provides the backward (the gathers become
-scatter-adds), so forward and backward touch ``O(nonzero blocks)`` memory. Rows that attend to
+The plan holds the flat index (``head * n + row``) of each group's query blocks and of the
+``k`` key blocks each attends to, padded with masked blocks where a row has fewer than ``k``.
+A call gathers, with one ``index_select`` per tensor split into groups, each group's query
+blocks ``[batch, rows, block, dim]`` and key/value blocks ``[batch, rows, k * block, dim]``
+and runs ``scaled_dot_product_attention`` on them; autograd provides the backward (the
+gathers become scatter-adds), so forward and backward touch ``O(nonzero blocks)`` memory. Rows that attend to
 (nearly) everything, such as global rows, form their own group instead of widening every other
 row to ``n`` blocks. Plans are cached by layout content, and by layout identity (guarded by a
 weak reference and the tensor's version counter) so repeated calls neither rebuild nor rehash.
@@ -55,16 +55,14 @@ their own tile, so layouts with smaller blocks are coarsened to this and refined
 class _RowGroup:
     """Query block rows that share one padded number of key blocks ``k``."""
 
-    rows: Tensor
-    """``[R]`` flat query block index ``head * n + row``."""
-    kv: Tensor
-    """``[R * k]`` flat key block index ``head * n + col``, row-major over ``[R, k]``."""
+    num_rows: int
+    """``R``, the number of rows."""
     heads: Tensor
     """``[R]`` head of each row."""
     row_blocks: Tensor
     """``[R]`` query block row within its head."""
     cols: Tensor
-    """``[R, k]`` key block columns; padding slots repeat a column and are masked by ``valid``."""
+    """``[R, k]`` key block columns; padding slots hold columns outside the row, masked by ``valid``."""
     valid: Tensor | None
     """``[R, k]`` True for real key blocks; None when the group has no padding."""
 
@@ -72,8 +70,13 @@ class _RowGroup:
 @dataclass(frozen=True)
 class _Plan:
     groups: tuple[_RowGroup, ...]
+    rows: Tensor
+    """``[heads * n]`` flat query block index ``head * n + row`` of every group's rows, in group
+    order: a permutation."""
     inverse: Tensor
-    """``[heads * n]`` position of each flat query block in the concatenated group outputs."""
+    """``[heads * n]`` the inverse permutation: where each flat query block sits in ``rows``."""
+    kv: Tensor
+    """Flat key block index ``head * n + col`` of every group's ``[R, k]`` columns, row-major."""
 
 
 _plans: OrderedDict[tuple, _Plan] = OrderedDict()
@@ -112,7 +115,7 @@ def _build_plan(layout: Tensor, device: torch.device) -> _Plan:
     counts = counts.reshape(-1)
     order = torch.argsort(counts, descending=True, stable=True)
     sorted_counts = counts[order]
-    groups, start = [], 0
+    groups, kv, start = [], [], 0
     while start < len(order):
         width = int(sorted_counts[start])
         floor = width - math.floor(width * _MAX_PADDING_FRACTION)
@@ -122,14 +125,15 @@ def _build_plan(layout: Tensor, device: torch.device) -> _Plan:
         present, cols = torch.sort(flat[rows].to(torch.uint8), dim=1, descending=True, stable=True)
         cols, valid = cols[:, :width], present[:, :width].bool()
         heads = rows // n
+        kv.append((heads[:, None] * n + cols).reshape(-1))
         groups.append(_RowGroup(
-            rows=rows.to(device), kv=(heads[:, None] * n + cols).reshape(-1).to(device),
-            heads=heads.to(device), row_blocks=(rows % n).to(device), cols=cols.to(device),
-            valid=None if bool(valid.all()) else valid.to(device)))
+            num_rows=len(rows), heads=heads.to(device), row_blocks=(rows % n).to(device),
+            cols=cols.to(device), valid=None if bool(valid.all()) else valid.to(device)))
         start = end
     inverse = torch.empty_like(order)
-    inverse[torch.cat([g.rows.cpu() for g in groups])] = torch.arange(len(order))
-    return _Plan(groups=tuple(groups), inverse=inverse.to(device))
+    inverse[order] = torch.arange(len(order))
+    return _Plan(groups=tuple(groups), rows=order.to(device), inverse=inverse.to(device),
+                 kv=torch.cat(kv).to(device))
 
 
 def _plan(layout: Tensor, block: int, device: torch.device) -> _Plan:
@@ -186,18 +190,37 @@ def _gather_attention(query: Tensor, key: Tensor, value: Tensor, plan: _Plan, bl
     am = None if am is None else am.reshape(n, block, n, block)
     rpe = None if rpe is None else rpe.reshape(*rpe.shape[:2], n, block, n, block)
     q_blocks, k_blocks, v_blocks = (t.reshape(batch, num_heads * n, block, dim) for t in (query, key, value))
+    # One gather per tensor, split per group: the backward then fills one zero gradient buffer
+    # per tensor instead of one per group plus the sums (fresh buffers cost page faults).
+    q_groups = _Permute.apply(q_blocks, plan.rows, plan.inverse).split(
+        [g.num_rows for g in plan.groups], dim=1)
+    kv_sizes = [g.cols.numel() for g in plan.groups]
+    k_groups = k_blocks.index_select(1, plan.kv).split(kv_sizes, dim=1)
+    v_groups = v_blocks.index_select(1, plan.kv).split(kv_sizes, dim=1)
     outputs = []
-    for group in plan.groups:
-        num_rows = len(group.rows)
-        q = q_blocks.index_select(1, group.rows)
-        k = k_blocks.index_select(1, group.kv).view(batch, num_rows, -1, dim)
-        v = v_blocks.index_select(1, group.kv).view(batch, num_rows, -1, dim)
+    for group, q, k, v in zip(plan.groups, q_groups, k_groups, v_groups):
         bias = _group_bias(group, block, kpm, am, am_mode, rpe)
         if bias is not None:
             bias = bias.to(query.dtype)
+        k, v = (t.view(batch, group.num_rows, -1, dim) for t in (k, v))
         outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale))
-    out = torch.cat(outputs, dim=1).index_select(1, plan.inverse)
+    out = _Permute.apply(torch.cat(outputs, dim=1), plan.inverse, plan.rows)
     return out.view(batch, num_heads, seq, dim)
+
+
+class _Permute(torch.autograd.Function):
+    """``x.index_select(1, index)`` for a permutation ``index``; the backward applies ``inverse``
+    instead of scattering into a zero buffer."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(1, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(1, inverse), None, None
 
 
 def _dense_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int,
