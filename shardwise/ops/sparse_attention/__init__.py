@@ -1,5 +1,9 @@
 """DeepSpeed's ``deepspeed.ops.sparse_attention`` names: block-sparse attention layouts
-(see [Note: sparsity layout] in ``sparsity_config.py``)."""
+(see [Note: sparsity layout] in ``sparsity_config.py``) and the attention over them
+(``SparseSelfAttention``, on ``block_sparse_attention`` in ``_block_sparse.py``)."""
+
+from shardwise.ops.sparse_attention._block_sparse import block_sparse_attention
+from shardwise.ops.sparse_attention.sparse_self_attention import SparseSelfAttention
 
 from shardwise.ops.sparse_attention.sparsity_config import (
     BigBirdSparsityConfig,
@@ -18,7 +22,9 @@ __all__ = [
     "DenseSparsityConfig",
     "FixedSparsityConfig",
     "LocalSlidingWindowSparsityConfig",
+    "SparseSelfAttention",
     "SparsityConfig",
     "VariableSparsityConfig",
+    "block_sparse_attention",
     "check_layout",
 ]
