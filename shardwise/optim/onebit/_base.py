@@ -79,6 +79,15 @@ def check_collectives(name: str, backend: str) -> None:
                          f"{', '.join(sorted(BACKENDS_WITH_ALL_TO_ALL))}")
 
 
+def check_adam_arguments(name: str, *, amsgrad: bool, lr: float, eps: float, weight_decay: float, betas) -> None:
+    """The checks every 1-bit optimizer makes of its Adam-style arguments."""
+    if amsgrad:
+        raise ValueError(f"{name} does not support amsgrad=True")
+    if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"{name}: needs lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, "
+                         f"eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}")
+
+
 def check_freeze_step(owner: str, key: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: {key} must be an integer >= 1, got {value!r} (the warm-up estimates the "
@@ -120,6 +129,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             logger.info("%s: comm_backend_name %r: compressed collectives run on torch.distributed's %s "
                         "backend over the %d data-parallel ranks", type(self).__name__, self.comm_backend_name,
                         dist.get_backend(comm.group), comm.world_size)
+
+    def steps_taken(self) -> int:
+        """Optimizer steps taken so far (the largest per-parameter step count)."""
+        counts = [float(state["step"]) for state in self.state.values() if "step" in state]
+        return int(max(counts)) if counts else 0
 
     def averages_gradients_itself(self) -> bool:
         """Whether the coming step leaves the gradients local (the strategy does not

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from shardwise.optim.onebit._base import CompressedOptimizer, check_freeze_step
+from shardwise.optim.onebit._base import CompressedOptimizer, check_adam_arguments, check_freeze_step
 
 logger = logging.getLogger("shardwise")
 
@@ -59,12 +59,8 @@ class OneBitAdam(CompressedOptimizer):
                  amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl"):
         del deepspeed
         name = type(self).__name__
-        if amsgrad:
-            raise ValueError(f"{name} does not support amsgrad=True")
+        check_adam_arguments(name, amsgrad=amsgrad, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         check_freeze_step(name, "freeze_step", freeze_step)
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"{name}: needs lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, "
-                             f"eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt)
         super().__init__(params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware,
@@ -73,11 +69,6 @@ class OneBitAdam(CompressedOptimizer):
         self._frozen_denominators: dict = {}
         """param -> (eps, eps_inside_sqrt, c2), ``sqrt(v / c2) + eps``: computed once after the
         warm-up (an allocation and two passes per parameter and step saved)."""
-
-    def steps_taken(self) -> int:
-        """Optimizer steps taken so far (the largest per-parameter step count)."""
-        counts = [float(s["step"]) for s in self.state.values() if "step" in s]
-        return int(max(counts)) if counts else 0
 
     def averages_gradients_itself(self) -> bool:
         """True once ``freeze_step`` steps are done: gradients stay local from then on."""

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from shardwise.optim.onebit._base import CompressedOptimizer, check_freeze_step
+from shardwise.optim.onebit._base import CompressedOptimizer, check_adam_arguments, check_freeze_step
 
 logger = logging.getLogger("shardwise")
 
@@ -90,12 +90,8 @@ class OneBitLamb(CompressedOptimizer):
                  factor_min: float = 0.5, factor_threshold: float = 0.1):
         del deepspeed
         name = type(self).__name__
-        if amsgrad:
-            raise ValueError(f"{name} does not support amsgrad=True")
+        check_adam_arguments(name, amsgrad=amsgrad, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         check_freeze_step(name, "freeze_step", freeze_step)
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"{name}: needs lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, "
-                             f"eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}")
         if not 0 <= min_coeff <= max_coeff:
             raise ValueError(f"{name}: needs 0 <= min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
         if not 0 <= coeff_beta < 1:
@@ -112,11 +108,6 @@ class OneBitLamb(CompressedOptimizer):
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self._lamb_coeffs: list[torch.Tensor] = []
-
-    def steps_taken(self) -> int:
-        """Optimizer steps taken so far (the largest per-parameter step count)."""
-        counts = [float(s["step"]) for s in self.state.values() if "step" in s]
-        return int(max(counts)) if counts else 0
 
     def averages_gradients_itself(self) -> bool:
         """True once ``freeze_step`` steps are done: gradients stay local from then on."""

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from shardwise.optim.onebit._base import CompressedOptimizer, check_freeze_step
+from shardwise.optim.onebit._base import CompressedOptimizer, check_adam_arguments, check_freeze_step
 
 logger = logging.getLogger("shardwise")
 
@@ -103,15 +103,11 @@ class ZeroOneAdam(CompressedOptimizer):
                  amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl"):
         del deepspeed
         name = type(self).__name__
-        if amsgrad:
-            raise ValueError(f"{name} does not support amsgrad=True")
+        check_adam_arguments(name, amsgrad=amsgrad, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         check_freeze_step(name, "var_freeze_step", var_freeze_step)
         for key, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
                            ("local_step_clipper", local_step_clipper)):
             _check_count(name, key, value)
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"{name}: needs lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, "
-                             f"eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "bias_correction": bias_correction, "eps_inside_sqrt": eps_inside_sqrt}
         super().__init__(params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware,
@@ -122,11 +118,6 @@ class ZeroOneAdam(CompressedOptimizer):
         self.local_step_clipper = local_step_clipper
 
     # -- the schedule -----------------------------------------------------------------------
-
-    def steps_taken(self) -> int:
-        """Optimizer steps taken so far."""
-        counts = [float(s["step"]) for s in self.state.values() if "step" in s]
-        return int(max(counts)) if counts else 0
 
     def _schedule(self) -> dict:
         """The schedule's counters (the same in every parameter's state)."""
