@@ -93,40 +93,50 @@ class Lamb(torch.optim.Optimizer):
 
     def _update(self, group: dict, params: list[torch.Tensor]) -> None:
         """One LAMB step over ``params`` (same device and dtype, all with gradients)."""
-        beta1, beta2 = group["betas"]
-        states = [self._state(p) for p in params]
-        grads = [p.grad for p in params]
-        exp_avg = [s["exp_avg"] for s in states]
-        exp_avg_sq = [s["exp_avg_sq"] for s in states]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1.0)
-        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sq, beta2)
-        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+        lamb_update_(group, params, [self._state(p) for p in params])
 
-        # Steps live on the CPU, so reading them does not synchronise the device.
-        counts = [int(s.item()) for s in steps]
-        if group["bias_correction"]:
-            c1 = [1 - beta1 ** t for t in counts]
-            c2 = [1 - beta2 ** t for t in counts]
-        else:
-            c1 = c2 = [1.0] * len(params)
-        denom = torch._foreach_div(exp_avg_sq, c2)
-        if group["eps_inside_sqrt"]:
-            torch._foreach_add_(denom, group["eps"])
-            torch._foreach_sqrt_(denom)
-        else:
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, group["eps"])
-        updates = torch._foreach_div(exp_avg, c1)
-        torch._foreach_div_(updates, denom)
-        del denom
-        if group["weight_decay"]:
-            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
 
-        w_norms = torch.stack(torch._foreach_norm(params)).float()
-        u_norms = torch.stack(torch._foreach_norm(updates)).float()
-        clamped = (w_norms / u_norms).clamp(group["min_coeff"], group["max_coeff"])
-        trust = torch.where((w_norms > 0) & (u_norms > 0), clamped, torch.ones_like(clamped))
-        torch._foreach_mul_(updates, [r.to(u.dtype) for r, u in zip(trust.unbind(), updates)])
-        torch._foreach_add_(params, updates, alpha=-group["lr"])
+def lamb_update_(group: dict, params: list[torch.Tensor], states: list[dict]) -> tuple[torch.Tensor, ...]:
+    """One LAMB step over ``params`` (same device and dtype, all with gradients) with the
+    options of ``group`` and the per-parameter ``states`` (``step``, ``exp_avg``,
+    ``exp_avg_sq``). Returns the trust ratios as computed (``clamped``), whether both norms
+    were positive (``measured``) and the ratios applied (``trust``), one per parameter;
+    1-bit LAMB's warm-up averages them."""
+    beta1, beta2 = group["betas"]
+    grads = [p.grad for p in params]
+    exp_avg = [s["exp_avg"] for s in states]
+    exp_avg_sq = [s["exp_avg_sq"] for s in states]
+    steps = [s["step"] for s in states]
+    torch._foreach_add_(steps, 1.0)
+    torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sq, beta2)
+    torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+
+    # Steps live on the CPU, so reading them does not synchronise the device.
+    counts = [int(s.item()) for s in steps]
+    if group["bias_correction"]:
+        c1 = [1 - beta1 ** t for t in counts]
+        c2 = [1 - beta2 ** t for t in counts]
+    else:
+        c1 = c2 = [1.0] * len(params)
+    denom = torch._foreach_div(exp_avg_sq, c2)
+    if group["eps_inside_sqrt"]:
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_sqrt_(denom)
+    else:
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+    updates = torch._foreach_div(exp_avg, c1)
+    torch._foreach_div_(updates, denom)
+    del denom
+    if group["weight_decay"]:
+        torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+
+    w_norms = torch.stack(torch._foreach_norm(params)).float()
+    u_norms = torch.stack(torch._foreach_norm(updates)).float()
+    clamped = (w_norms / u_norms).clamp(group["min_coeff"], group["max_coeff"])
+    measured = (w_norms > 0) & (u_norms > 0)
+    trust = torch.where(measured, clamped, torch.ones_like(clamped))
+    torch._foreach_mul_(updates, [r.to(u.dtype) for r, u in zip(trust.unbind(), updates)])
+    torch._foreach_add_(params, updates, alpha=-group["lr"])
+    return clamped, measured, trust

@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import torch
 
+from shardwise.optim.lamb import lamb_update_
 from shardwise.optim.onebit._base import CompressedOptimizer, check_adam_arguments, check_freeze_step
 
 logger = logging.getLogger("shardwise")
@@ -154,41 +155,10 @@ class OneBitLamb(CompressedOptimizer):
     # -- warm-up: LAMB, recording the trust ratios ----------------------------------------------
 
     def _warm_up_update(self, group: dict, params: list[torch.Tensor]) -> None:
-        """One LAMB step over ``params`` (same device and dtype, all with gradients), the
-        operations of ``Lamb._update`` in its order, so that the results are equal."""
-        beta1, beta2 = group["betas"]
+        """One LAMB step over ``params`` (same device and dtype, all with gradients): the
+        ``Lamb`` optimizer's own update, whose trust ratios are averaged here."""
         states = [self._state(p) for p in params]
-        grads = [p.grad for p in params]
-        exp_avg = [s["exp_avg"] for s in states]
-        exp_avg_sq = [s["exp_avg_sq"] for s in states]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1.0)
-        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sq, beta2)
-        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
-        counts = [int(s.item()) for s in steps]  # on the CPU: no device synchronisation
-        c1, c2 = self._corrections(group, counts, counts)
-        denom = torch._foreach_div(exp_avg_sq, c2)
-        if group["eps_inside_sqrt"]:
-            torch._foreach_add_(denom, group["eps"])
-            torch._foreach_sqrt_(denom)
-        else:
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, group["eps"])
-        updates = torch._foreach_div(exp_avg, c1)
-        torch._foreach_div_(updates, denom)
-        del denom
-        if group["weight_decay"]:
-            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-
-        w_norms = torch.stack(torch._foreach_norm(params)).float()
-        u_norms = torch.stack(torch._foreach_norm(updates)).float()
-        clamped = (w_norms / u_norms).clamp(group["min_coeff"], group["max_coeff"])
-        measured = (w_norms > 0) & (u_norms > 0)
-        trust = torch.where(measured, clamped, torch.ones_like(clamped))
-        torch._foreach_mul_(updates, [r.to(u.dtype) for r, u in zip(trust.unbind(), updates)])
-        torch._foreach_add_(params, updates, alpha=-group["lr"])
-
+        clamped, measured, trust = lamb_update_(group, params, states)
         averages = torch.stack([s["lamb_coeff_freeze"] for s in states])
         averages = torch.where(measured, averages * self.coeff_beta + (1 - self.coeff_beta) * clamped, averages)
         for s, average, seen in zip(states, averages.unbind(), measured.unbind()):
