@@ -439,14 +439,11 @@ def _load_optimizer_rank_state(engine, path: Path, manifest: dict) -> None:
     rank = engine.grid.global_rank
     name = _optimizer_rank_file(rank)
     skeleton = manifest["skeletons"].get("optimizer_rank", {}).get(str(rank))
-    same_layout = manifest["layout"]["dp_world_size"] == engine.comm.world_size
     if skeleton is None or name not in manifest.get("files", {}):
-        state = {}
-    else:
-        state = ckpt.unflatten_state(ckpt.read_tensors(path, name, manifest=manifest), skeleton)
-        if not same_layout:
-            state = {**state, "world_size": manifest["layout"]["dp_world_size"]}
-    engine.optimizer.load_rank_state_dict(state)
+        engine.optimizer.load_rank_state_dict({})
+    else:  # the state names the world size it belongs to; the optimizer checks it
+        engine.optimizer.load_rank_state_dict(
+            ckpt.unflatten_state(ckpt.read_tensors(path, name, manifest=manifest), skeleton))
 
 
 def _saved_layout(manifest: dict) -> str:

@@ -100,6 +100,7 @@ class Stage0Strategy:
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self._master = {p: self._make_master(p) for p in self.trainable} \
             if policy.needs_master_copy else {}
+        self._param_of_master = {id(master): p for p, master in self._master.items()}
         self.buckets = self._build_buckets(bucket_numel)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync = False
@@ -181,9 +182,7 @@ class Stage0Strategy:
     def _exchange_key(self, optimizer_param) -> str:
         """Which compressed exchange ``optimizer_param`` joins (see [Note: copies on several
         model-parallel ranks] in ``optim/onebit/_base.py``)."""
-        if not hasattr(self, "_param_of"):
-            self._param_of = {id(master): p for p, master in self._master.items()}
-        param = self._param_of.get(id(optimizer_param), optimizer_param)
+        param = self._param_of_master.get(id(optimizer_param), optimizer_param)
         tied = getattr(param, "pipe_tied_key", None)
         if tied is not None:
             return f"tied:{tied}"
