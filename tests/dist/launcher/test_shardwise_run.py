@@ -95,3 +95,18 @@ def test_crashing_rank_stops_the_job(tmp_path):
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes left behind: {left}"
+
+
+def test_rank_that_aborts_in_native_code_prints_its_python_stack(tmp_path):
+    script = tmp_path / "abort_on_rank1.py"
+    script.write_text("import os\n"
+                      "import time\n"
+                      "def crash_here():\n"
+                      "    os.abort()\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    crash_here()\n"
+                      "time.sleep(60)\n")
+    proc = _run(["--nproc", "2", "--master_port", str(_free_port()), str(script)], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r'File ".*abort_on_rank1.py", line 4 in crash_here', proc.stderr), proc.stderr[-3000:]

@@ -107,3 +107,18 @@ def test_a_backend_without_all_to_all_is_refused():
     check_collectives("OneBitAdam", "cpu:gloo,cuda:nccl")
     with pytest.raises(ValueError, match="backend 'fake' is not known to provide"):
         check_collectives("OneBitAdam", "fake")
+
+
+def test_after_the_warm_up_masked_and_never_measured_elements_stay_put():
+    # row 0 gets no gradient during the warm-up (variance 0), row 1 is masked by DeepSpeed's
+    # exp_avg_mask; both must not move afterwards, when every row gets a gradient
+    weight = torch.nn.Parameter(torch.ones(3, 2))
+    mask = torch.tensor([[1.0], [0.0], [1.0]])
+    opt = OneBitAdam([{"params": [weight], "exp_avg_mask": mask}], lr=0.1, freeze_step=1)
+    weight.grad = torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    opt.step()
+    before = weight.detach().clone()
+    weight.grad = torch.ones(3, 2)
+    opt.step()
+    assert torch.equal(weight[:2], before[:2])
+    assert (weight[2] - before[2]).abs().min() > 0.05  # the rest moves on
