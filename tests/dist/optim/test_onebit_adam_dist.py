@@ -18,7 +18,7 @@ from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 from shardwise.testing.parity import reference_run
 
-MICRO, LR, WD, BETAS, EPS = 2, 1e-2, 0.01, (0.9, 0.999), 1e-8
+MICRO, LR, WD, BETAS, EPS, CLIP = 2, 1e-2, 0.01, (0.9, 0.999), 1e-8, 0.05
 
 
 def _config(freeze_step, gas=1, **extra):
@@ -40,8 +40,17 @@ def _train(engine, batches, rank, world_size, gas=1, poison=None):
             engine.step()
 
 
-def _simulate(model, batches, world_size, freeze_step, gas=1):
-    """1-bit Adam over ``world_size`` simulated ranks in one process."""
+def _clip_(grads, norm, clip):
+    coef = clip / (norm + 1e-6)
+    if clip and coef < 1:
+        for g in grads:
+            g.mul_(coef)
+
+
+def _simulate(model, batches, world_size, freeze_step, gas=1, clip=0.0):
+    """1-bit Adam over ``world_size`` simulated ranks in one process; ``clip``: the
+    engine's gradient clipping (after the warm-up by the root mean square of the ranks'
+    local gradient norms)."""
     model = copy.deepcopy(model)
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
@@ -64,10 +73,15 @@ def _simulate(model, batches, world_size, freeze_step, gas=1):
         with torch.no_grad():
             if step <= freeze_step:
                 g = [sum(gr[i] for gr in grads) / world_size for i in range(len(params))]
+                _clip_(g, float(torch.sqrt(sum(t.double().pow(2).sum() for t in g))), clip)
                 for i in range(len(params)):
                     m[i].lerp_(g[i], 1 - BETAS[0])
                     v[i].mul_(BETAS[1]).addcmul_(g[i], g[i], value=1 - BETAS[1])
             else:
+                squares = [sum(t.double().pow(2).sum() for t in gr) for gr in grads]
+                rms = float(torch.sqrt(sum(squares) / world_size))
+                for gr in grads:
+                    _clip_(gr, rms, clip)
                 sent = []
                 for rank in range(world_size):
                     local = [mi.lerp(gr, 1 - BETAS[0]) for mi, gr in zip(m, grads[rank])]
@@ -110,6 +124,16 @@ def _run(rank, world_size, save_dir):
         _train(engine, batches, rank, world_size, gas=gas)
         report[f"compressed gas{gas}"] = (_params(engine.module), dict(engine.comm.calls), dict(engine.comm.bytes),
                                           engine._progress.last["data_parallel_bytes_per_step"])
+
+    # gradient clipping on every step: by the global norm in warm-up, by the ranks' RMS after
+    batches = token_batches(num_steps=7, batch=MICRO * world_size, seed=3)
+    engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config={
+        **_config(freeze_step=3), "gradient_clipping": CLIP})
+    norms = []
+    for step in range(len(batches)):
+        _train(engine, batches[step:step + 1], rank, world_size)
+        norms.append(engine.get_global_grad_norm())
+    report["compressed clip"] = (_params(engine.module), min(norms))
 
     # fp16: rank 0 overflows at a compressed step; every rank skips it, error buffers untouched
     batches = token_batches(num_steps=5, batch=MICRO * world_size, seed=4)
@@ -176,6 +200,12 @@ def test_onebit_adam(tmp_path, world_size):
             # what the progress line reports for the last step: the compressed exchange only
             assert last_step == {"all_to_all": sent["all_to_all"] / 4, "all_gather": sent["all_gather"] / 4}
             assert all(torch.equal(a, b) for a, b in zip(params, reports[0][f"compressed gas{gas}"][0]))
+
+        params, smallest_norm = report["compressed clip"]
+        assert smallest_norm > CLIP, smallest_norm  # every step clipped
+        expected = _simulate(model, token_batches(num_steps=7, batch=MICRO * world_size, seed=3), world_size,
+                             freeze_step=3, clip=CLIP)
+        assert _max_diff(params, list(expected.parameters())) < 1e-5, f"rank {rank}: clipping is not the simulated"
 
         skipped, untouched, params = report["fp16 overflow"]
         assert skipped == 1 and untouched, (skipped, untouched)
