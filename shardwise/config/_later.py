@@ -13,6 +13,7 @@ from typing import Any
 
 from shardwise.config._errors import ConfigError, check_keys
 from shardwise.config._pipeline import check_pipeline
+from shardwise.config._sparse_attention import sparse_attention_section
 from shardwise.config._tensor_parallel import check_tensor_parallel
 
 logger = logging.getLogger("shardwise")
@@ -42,7 +43,6 @@ LATER_SCALARS = {"sparse_gradients", "graph_harvesting", "sequence_parallel_size
                  "memory_breakpoint_", "zero_quantized_weights"}
 """Top-level scalar keys of later features."""
 
-_ALWAYS_ON = {"sparse_attention": "block-sparse attention"}
 _NAMES = {"tensorboard": "the TensorBoard monitor", "wandb": "the Weights & Biases monitor",
           "csv_monitor": "the CSV monitor", "comet": "the Comet monitor",
           "flops_profiler": "the FLOPs profiler", "comms_logger": "the communication logger",
@@ -80,11 +80,11 @@ def check_later_section(key: str, value: Any) -> None:
         raise ConfigError(f"'{key}' must be a JSON object, got {value!r}")
     if allowed is not None:
         check_keys(key, value, allowed)
-    if key in _ALWAYS_ON and value:
-        raise ConfigError(f"{_ALWAYS_ON[key]} ('{key}') is not available in this version of "
-                          f"shardwise yet; remove the '{key}' section")
     if key == "tensor_parallel":  # built: training AutoTP (tensor_parallel/autotp.py)
         check_tensor_parallel(value)
+        return
+    if key == "sparse_attention":  # built: the model reads it (ops/sparse_attention)
+        sparse_attention_section(value)
         return
     if key == "pipeline":  # built: the pipeline engine (pipe/engine.py) reads it
         check_pipeline(value)

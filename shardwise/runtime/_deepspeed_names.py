@@ -155,6 +155,13 @@ class DeepSpeedNames:
     def zero_allow_untested_optimizer(self) -> bool:
         return self.train_config.zero_allow_untested_optimizer
 
+    def sparse_attention_config(self, num_heads: int):
+        """The sparsity config the ``sparse_attention`` section describes, for a layer of
+        ``num_heads`` heads (None without the section); pass it to ``SparseSelfAttention``."""
+        from shardwise.ops.sparse_attention import sparsity_config_from_dict
+
+        return sparsity_config_from_dict(self.config.get("sparse_attention"), num_heads)
+
     # -- saving -----------------------------------------------------------------------------
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:

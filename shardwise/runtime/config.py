@@ -65,6 +65,13 @@ class DeepSpeedConfig:
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown
 
+    @property
+    def sparse_attention(self) -> dict | None:
+        """The ``sparse_attention`` section with DeepSpeed's defaults filled in (None if absent)."""
+        from shardwise.config._sparse_attention import sparse_attention_section
+
+        return sparse_attention_section(self._param_dict.get("sparse_attention"))
+
     def print(self, name: str) -> None:
         """Print the config as given, under ``name``."""
         import json

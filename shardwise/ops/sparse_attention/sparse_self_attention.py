@@ -15,9 +15,13 @@ class SparseSelfAttention(nn.Module):
     The master layout is made once for ``max_seq_length`` and kept as the buffer
     ``master_layout`` (as in DeepSpeed, so state dicts match); a shorter sequence of
     ``seq_len`` tokens uses its top-left ``[:, :seq_len/block, :seq_len/block]`` corner,
-    cached per ``seq_len``. Unlike DeepSpeed the layout is not broadcast from rank 0 on first
-    use: configs with random blocks must be built under the same torch seed on every rank.
-    Works in fp32, bf16 and fp16; scores are scaled by ``head_dim ** -0.5``.
+    cached per ``seq_len``. A config that draws random blocks (``num_random_blocks > 0``)
+    gives each rank its own draw unless every rank seeded torch alike, so, as in DeepSpeed,
+    the first forward broadcasts ``master_layout`` from global rank 0 when
+    ``torch.distributed`` is initialised (every rank must then run that first forward, as
+    every rank of a data-parallel job does); layouts without random blocks are the same
+    everywhere by construction and are never sent. Works in fp32, bf16 and fp16; scores are
+    scaled by ``head_dim ** -0.5``.
 
     Args:
         sparsity_config: a ``SparsityConfig``; None means ``SparsityConfig(num_heads=4)``,
@@ -45,6 +49,15 @@ class SparseSelfAttention(nn.Module):
         self.max_seq_length = max_seq_length
         self.register_buffer("master_layout", sparsity_config.make_layout(max_seq_length))
         self._layouts: dict[int, tuple[Tensor, Tensor]] = {}
+        self._needs_layout_sync = getattr(sparsity_config, "num_random_blocks", 0) > 0
+
+    def _sync_layout(self) -> None:
+        """Broadcast a randomly drawn ``master_layout`` from global rank 0, once."""
+        self._needs_layout_sync = False
+        from shardwise import comm
+
+        if comm.is_initialized() and comm.get_world_size() > 1:
+            comm.broadcast(self.master_layout, src=0)
 
     def get_layout(self, seq_len: int) -> Tensor:
         """The layout ``[heads, seq_len/block, seq_len/block]`` for ``seq_len`` tokens.
@@ -52,6 +65,8 @@ class SparseSelfAttention(nn.Module):
         A view of ``master_layout``, reused across calls so the attention plan is found by
         identity (see [Note: block-sparse gather plan]); rebuilt if the buffer is replaced."""
         block = self.sparsity_config.block
+        if self._needs_layout_sync:
+            self._sync_layout()
         if seq_len % block:
             raise ValueError(f"SparseSelfAttention: sequence length {seq_len} is not a multiple of "
                              f"block {block}; pad the inputs with "

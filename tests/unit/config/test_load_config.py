@@ -118,7 +118,6 @@ def test_bad_values_name_path_value_and_allowed(config, message):
     ({"tensorboard": {"enabled": True, "output_path": "runs"}}, "the TensorBoard monitor ('tensorboard') "
                                                                  "is not available"),
     ({"flops_profiler": {"enabled": True}}, "the FLOPs profiler"),
-    ({"sparse_attention": {"mode": "fixed"}}, "block-sparse attention"),
     ({"amp": {"enabled": True}}, 'use "fp16" or "bf16" instead'),
     ({"optimizer": {"type": "MuAdam", "params": {"lr": 1e-3}}},
      "optimizer.type 'MuAdam' is not available in this version"),

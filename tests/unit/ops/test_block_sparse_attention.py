@@ -248,3 +248,57 @@ def test_sparse_self_attention_rejects_bad_inputs():
         attention(q, q, q)
     with pytest.raises(ValueError, match="attn_mask_mode"):
         SparseSelfAttention(config, attn_mask_mode="mask")
+
+
+def _every_config(attention):
+    from shardwise.ops.sparse_attention import (BigBirdSparsityConfig, DenseSparsityConfig,
+                                                FixedSparsityConfig, VariableSparsityConfig)
+
+    common = {"num_heads": HEADS, "block": BLOCK}
+    directed = {"attention": attention}
+    return [
+        DenseSparsityConfig(**common),
+        FixedSparsityConfig(**common, num_local_blocks=2, num_global_blocks=1, different_layout_per_head=True,
+                            num_different_global_patterns=2, **directed),
+        VariableSparsityConfig(**common, num_random_blocks=1, local_window_blocks=[1, 2],
+                               global_block_indices=[0], **directed),
+        BigBirdSparsityConfig(**common, num_random_blocks=1, num_sliding_window_blocks=3, num_global_blocks=1,
+                              **directed),
+        BSLongformerSparsityConfig(**common, num_sliding_window_blocks=3, global_block_indices=[1], **directed),
+        LocalSlidingWindowSparsityConfig(**common, num_sliding_window_blocks=3, **directed),
+    ]
+
+
+_CONFIG_NAMES = ["Dense", "Fixed", "Variable", "BigBird", "BSLongformer", "LocalSlidingWindow"]
+_CONFIG_CASES = [(index, attention) for index in range(6) for attention in ("bidirectional", "unidirectional")
+                 if index > 0 or attention == "bidirectional"]  # Dense has no attention argument
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "padding"])
+@pytest.mark.parametrize("index, attention", _CONFIG_CASES,
+                         ids=[f"{_CONFIG_NAMES[i]}-{a}" for i, a in _CONFIG_CASES])
+def test_every_config_class_matches_dense_masked_attention(index, attention, padded):
+    """SparseSelfAttention over each config class equals dense attention masked by the expanded
+    layout (outputs and q/k/v gradients, fp32 to 1e-5), causal and bidirectional, with and
+    without a key padding mask; a unidirectional layout gets token-level causality from attn_mask."""
+    torch.manual_seed(7)
+    config = _every_config(attention)[index]
+    seq = 128
+    module = SparseSelfAttention(config, key_padding_mask_mode="mul", max_seq_length=seq)
+    layout = module.get_layout(seq)
+    q, k, v = _inputs(seq)
+    masks, reference_masks = {}, {}
+    if padded:
+        masks["key_padding_mask"] = reference_masks["kpm"] = _kpm(seq, "mul")
+        reference_masks["kpm_mode"] = "mul"
+    if attention == "unidirectional":
+        masks["attn_mask"] = reference_masks["am"] = _attn_mask(seq, "mul")
+    out = module(q, k, v, **masks)
+    ref = _reference(q, k, v, layout, BLOCK, **reference_masks)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
+    assert 0 < int(layout.sum()) <= layout.numel()
