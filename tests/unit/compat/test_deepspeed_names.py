@@ -63,6 +63,9 @@ NAMES = {
     "runtime.fp16.onebit.zoadam": ["ZeroOneAdam"],
     "runtime.fp16.onebit.lamb": ["OnebitLamb"],
     "version": ["__version__"],
+    "profiling.flops_profiler": ["FlopsProfiler", "get_model_profile", "number_to_string", "macs_to_string",
+                                 "flops_to_string", "params_to_string", "duration_to_string", "bytes_to_string"],
+    "profiling.flops_profiler.profiler": ["FlopsProfiler", "get_model_profile"],
 }
 
 
