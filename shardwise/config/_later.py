@@ -18,17 +18,8 @@ from shardwise.config._tensor_parallel import check_tensor_parallel
 
 logger = logging.getLogger("shardwise")
 
-_FILE_MONITOR_KEYS = {"enabled", "output_path", "job_name"}
-
 # section -> allowed keys (None: any keys; the section is validated as an object only)
 LATER_SECTIONS: dict[str, set[str] | None] = {
-    "tensorboard": _FILE_MONITOR_KEYS, "csv_monitor": _FILE_MONITOR_KEYS,
-    "wandb": {"enabled", "group", "team", "project"},
-    "comet": {"enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
-              "experiment_key", "online", "mode"},
-    "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth",
-                       "top_modules", "detailed", "output_file"},
-    "comms_logger": {"enabled", "verbose", "prof_all", "debug", "prof_ops"},
     "amp": None,
     "pipeline": None, "sparse_attention": None, "compression_training": None,
     "curriculum_learning": None, "data_efficiency": None, "progressive_layer_drop": None,
@@ -43,10 +34,7 @@ LATER_SCALARS = {"sparse_gradients", "graph_harvesting", "sequence_parallel_size
                  "memory_breakpoint_", "zero_quantized_weights"}
 """Top-level scalar keys of later features."""
 
-_NAMES = {"tensorboard": "the TensorBoard monitor", "wandb": "the Weights & Biases monitor",
-          "csv_monitor": "the CSV monitor", "comet": "the Comet monitor",
-          "flops_profiler": "the FLOPs profiler", "comms_logger": "the communication logger",
-          "amp": "NVIDIA Apex AMP (use \"fp16\" or \"bf16\" instead)",
+_NAMES = {"amp": "NVIDIA Apex AMP (use \"fp16\" or \"bf16\" instead)",
           "curriculum_learning": "curriculum learning", "data_efficiency": "data efficiency",
           "progressive_layer_drop": "progressive layer drop", "elasticity": "elastic training",
           "autotuning": "the autotuner", "nebula": "Nebula checkpointing",

@@ -101,7 +101,6 @@ UNBUILT: dict[str, dict[str, tuple[Any, tuple, str]]] = {
     "": {
         "managed_gradient_accumulation": ("bool", (True,), "client-managed accumulation boundaries"),
         "gradient_allreduce_op": ("str", ("mean",), "summed (unaveraged) gradients"),
-        "memory_breakdown": ("bool", (False,), "the memory breakdown printout"),
         "use_data_before_expert_parallelism": ("bool", (False,), "expert parallelism"),
         "datastates_ckpt": ("any", (False, None), "DataStates asynchronous checkpointing"),
     },

@@ -9,6 +9,7 @@ from shardwise.config._components import (ONEBIT_OPTIMIZERS, ONEBIT_ZERO_REFUSAL
                                           AioConfig, BatchConfig, BF16Config, CheckpointConfig, CommConfig,
                                           DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig)
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
+from shardwise.config._monitor import MonitorConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,9 @@ class TrainConfig:
     """Swap-file I/O for the nvme offload tier."""
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     """What ``deepspeed.checkpointing.checkpoint`` stores (read by ``checkpointing.configure``)."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Monitors (TensorBoard, CSV, W&B, Comet), the FLOPs profiler, the communication logger
+    and the memory breakdown."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

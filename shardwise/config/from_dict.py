@@ -17,16 +17,20 @@ from shardwise.config._components import (OPTIMIZERS, ActivationCheckpointingCon
                                           OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig,
                                           SchedulerConfig, ZeroConfig)
 from shardwise.config._errors import AUTO, ConfigError, as_bool, as_choice, as_int, check_keys, unknown_key_error
+from shardwise.config._monitor import (CometConfig, CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig,
+                                       MonitorConfig, WandbConfig)
 from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
 from shardwise.config._no_effect import known_keys, log_no_effect, take_special_keys
 from shardwise.config._train import TrainConfig
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_MONITOR_SECTIONS = {"tensorboard": FileMonitorConfig, "csv_monitor": FileMonitorConfig, "wandb": WandbConfig,
+                     "comet": CometConfig, "flops_profiler": FlopsProfilerConfig, "comms_logger": CommsLoggerConfig}
 _SECTIONS = {"optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "checkpoint",
-             "data_types", "comm", "aio", "activation_checkpointing"}
+             "data_types", "comm", "aio", "activation_checkpointing"} | set(_MONITOR_SECTIONS)
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "batch", "optimizer", "scheduler", "fp16", "bf16", "zero", "checkpoint", "data_types", "comm", "aio", "raw",
-    "activation_checkpointing"}
+    "activation_checkpointing", "monitor"}
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
                 "allgather_size": "allgather_bucket_size"}
@@ -187,7 +191,8 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
             if new in raw:
                 raise ConfigError(f"config has both '{old}' and '{new}'; keep only '{new}'")
             raw[new] = raw.pop(old)
-    valid = set(_BATCH_KEYS) | _SECTIONS | _TOP_SCALARS | set(LATER_SECTIONS) | LATER_SCALARS | known_keys("")
+    valid = set(_BATCH_KEYS) | _SECTIONS | _TOP_SCALARS | set(LATER_SECTIONS) | LATER_SCALARS | known_keys("") \
+        | {"memory_breakdown"}
     for key, value in raw.items():
         if key not in valid:
             raise unknown_key_error("", key, valid)
@@ -217,6 +222,7 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         data_types=_section(DataTypesConfig, "data_types", raw.get("data_types", {}), noted),
         comm=_section(CommConfig, "comm", raw.get("comm", {}), noted),
         activation_checkpointing=_activation_checkpointing(raw),
+        monitor=_monitor(raw, noted),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )
@@ -236,6 +242,28 @@ def activation_checkpointing_config(config: Any) -> ActivationCheckpointingConfi
 def _activation_checkpointing(raw: dict) -> ActivationCheckpointingConfig:
     section = raw.get("activation_checkpointing")
     return _section(ActivationCheckpointingConfig, "activation_checkpointing", {} if section is None else section, [])
+
+
+def _monitor(raw: dict, noted: list[str]) -> MonitorConfig:
+    sections = {}
+    for key, cls in _MONITOR_SECTIONS.items():
+        section = raw.get(key)
+        if section is None:
+            continue
+        check_keys(key, section, {f.name for f in dataclasses.fields(cls)})
+        if cls is FileMonitorConfig:
+            as_bool(f"{key}.enabled", section.get("enabled", False))
+            for name in ("output_path", "job_name"):
+                if not isinstance(section.get(name, ""), str):
+                    raise ConfigError(f"{key}.{name} must be a string, got {section[name]!r}")
+        if key == "comms_logger" and "prof_ops" in section:
+            ops = section["prof_ops"]
+            if not isinstance(ops, list):
+                raise ConfigError(f"comms_logger.prof_ops must be a list of op names, got {ops!r}")
+            section = {**section, "prof_ops": tuple(ops)}
+        sections[key] = _section(cls, key, section, noted)
+    breakdown = as_bool("memory_breakdown", raw.get("memory_breakdown", False))
+    return MonitorConfig(**sections, memory_breakdown=breakdown)
 
 
 def _zero(section: Any, noted: list[str]) -> ZeroConfig:

@@ -1,7 +1,21 @@
-"""Progress lines every ``steps_per_print`` steps and the wall-clock breakdown timers."""
+"""Progress lines every ``steps_per_print`` steps, the wall-clock breakdown timers, and the
+events the engine writes to its monitors after every optimizer step.
+
+[Note: monitor events]
+After each optimizer step global rank 0 writes, at x = ``engine.global_samples``:
+``Train/Samples/train_loss`` (the mean of the losses passed to ``backward`` in that step;
+the pipeline engine's batch loss), ``Train/Samples/lr`` (first parameter group) and, with
+fp16, ``Train/Samples/loss_scale``; with ``wall_clock_breakdown``
+``Train/Samples/elapsed_time_ms_{forward,backward,backward_inner,backward_allreduce,step}``
+(milliseconds spent in that optimizer step, summed over its micro-steps); with
+``memory_breakdown`` ``Train/Samples/memory_{allocated,max_allocated,host_rss,model_states}_MB``.
+The loss is read back from the device once per optimizer step, and only while a monitor is
+enabled; the timers synchronise the device only while ``wall_clock_breakdown`` is on.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import time
@@ -9,15 +23,43 @@ from collections import defaultdict
 
 import torch
 
+from shardwise._host_memory import host_memory
 from shardwise.accelerator import get_accelerator
 
 logger = logging.getLogger("shardwise")
 
+TAG = "Train/Samples/"
+TIMERS = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
+"""DeepSpeed's engine timers, in its order."""
+
+
+class _LossSum:
+    """A running sum of losses kept where the losses are (reading a GPU loss back on every
+    micro-step would make the Python thread wait for backward)."""
+
+    def __init__(self):
+        self.total = torch.zeros((), dtype=torch.float64)
+        self.count = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        if self.total.device != loss.device:
+            self.total = self.total.to(loss.device) if self.count else \
+                torch.zeros((), dtype=torch.float64, device=loss.device)
+        self.total += loss.detach().to(torch.float64)
+        self.count += 1
+
+    def mean_and_reset(self) -> float:
+        mean = float(self.total) / max(self.count, 1)
+        self.total.zero_()
+        self.count = 0
+        return mean
+
 
 class ProgressReporter:
-    """Accumulates loss and timings between progress lines; rank 0 prints them.
+    """Accumulates loss and timings between progress lines; rank 0 prints them and writes
+    the monitor events of every optimizer step (see [Note: monitor events]).
 
-    The loss reported is rank 0's mean over the micro-steps since the last line (no
+    The loss printed is rank 0's mean over the micro-steps since the last line (no
     collective is spent on logging); the data-parallel payload is what rank 0's
     data-parallel communicator sent per optimizer step since then, by collective
     (``engine.comm.bytes`` holds the running totals), e.g. to see what the 1-bit
@@ -29,20 +71,53 @@ class ProgressReporter:
         self.enabled = enabled
         self.every = engine.train_config.steps_per_print
         self.breakdown = engine.train_config.wall_clock_breakdown
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
-        self._loss_count = 0
+        self.memory = engine.train_config.monitor.memory_breakdown
+        self._window_loss = _LossSum()
+        self._step_loss = _LossSum()
         self._timings: dict[str, float] = defaultdict(float)
+        self._step_timings: dict[str, float] = defaultdict(float)
         self._last_time = time.perf_counter()
         self._last_samples = 0
         self._last_steps = 0
         self._last_bytes: dict[str, int] = {}
         self.last: dict[str, float] = {}
         """The figures of the most recent progress line."""
+        self._flops = self._step_profiler(engine) if enabled else None
+
+    def _step_profiler(self, engine):
+        """The FLOPs profiler of the ``flops_profiler`` step (rank 0), or None when off."""
+        config = engine.train_config.monitor.flops_profiler
+        if not config.enabled:
+            return None
+        from shardwise.profiling.flops_profiler import StepProfiler
+
+        profiler = StepProfiler(engine.module, config, engine=engine)
+
+        def never_reached():
+            if not profiler.finished:
+                logger.warning("flops_profiler.profile_step=%d was never reached: the run ended after %d "
+                               "optimizer steps; choose a smaller profile_step", config.profile_step,
+                               engine.global_steps)
+
+        atexit.register(never_reached)
+        return profiler
 
     def timer(self, name: str):
+        """Time ``name`` (with ``wall_clock_breakdown``) and, in the ``flops_profiler`` step,
+        profile it; a no-op context otherwise."""
+        if self._flops is not None and name in ("forward", "backward", "step"):
+            return self._profiled(name)
         if not self.breakdown:
             return contextlib.nullcontext()
         return self._timed(name)
+
+    @contextlib.contextmanager
+    def _profiled(self, name: str):
+        with self._flops.phase(name, step=self.engine.global_steps):
+            with self._timed(name) if self.breakdown else contextlib.nullcontext():
+                yield
+        if self._flops.finished:
+            self._flops = None  # printed; its hooks are gone and so is its cost
 
     @contextlib.contextmanager
     def _timed(self, name: str):
@@ -53,26 +128,31 @@ class ProgressReporter:
             yield
         finally:
             accelerator.synchronize()
-            self._timings[name] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self._timings[name] += elapsed
+            self._step_timings[name] += elapsed
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        # summed where the loss is: reading a GPU loss back here would make the Python
-        # thread wait for backward to finish on every micro-step; it is read at print time
-        if self._loss_sum.device != loss.device:  # made there (a copy would wait for the GPU)
-            self._loss_sum = self._loss_sum.to(loss.device) if self._loss_count else \
-                torch.zeros((), dtype=torch.float64, device=loss.device)
-        self._loss_sum += loss.detach().to(torch.float64)
-        self._loss_count += 1
+        self._window_loss.add(loss)
+        if self._monitoring:
+            self._step_loss.add(loss)
+
+    @property
+    def _monitoring(self) -> bool:
+        return self.enabled and self.engine.monitor.enabled
 
     def after_model_step(self) -> None:
-        """Called after each boundary step; prints every ``steps_per_print`` steps."""
+        """Called after each boundary step: writes its monitor events; prints every
+        ``steps_per_print`` steps."""
+        self._write_events()
         engine = self.engine
         if not self.every or engine.global_steps % self.every != 0:
             return
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         samples = engine.global_samples - self._last_samples
-        loss = float(self._loss_sum) / max(self._loss_count, 1)
+        micro_steps = max(self._window_loss.count, 1)
+        loss = self._window_loss.mean_and_reset()
         lr = engine.get_lr()
         steps = max(engine.global_steps - self._last_steps, 1)
         sent = {op: (total - self._last_bytes.get(op, 0)) / steps for op, total in engine.comm.bytes.items()}
@@ -91,14 +171,42 @@ class ProgressReporter:
                 ops = ", ".join(f"{op} {_bytes(n)}" for op, n in sorted(sent.items()))
                 parts.append(f"data-parallel payload {_bytes(sum(sent.values()))}/step ({ops})")
             if self.breakdown:
-                steps = max(self._loss_count, 1)
-                parts.append(" ".join(f"{k} {1000 * v / steps:.1f}ms" for k, v in self._timings.items()))
+                parts.append(" ".join(f"{k} {1000 * v / micro_steps:.1f}ms" for k, v in self._timings.items()))
+            if self.memory:
+                parts.append("memory " + ", ".join(f"{k} {v:.0f} MB" for k, v in self._memory().items()))
             logger.info(" | ".join(parts))
-        self._loss_sum.zero_()
-        self._loss_count = 0
         self._timings.clear()
         self._last_time, self._last_samples = now, engine.global_samples
         self._last_steps, self._last_bytes = engine.global_steps, dict(engine.comm.bytes)
+
+    def _write_events(self) -> None:
+        step_timings, self._step_timings = self._step_timings, defaultdict(float)
+        if not self._monitoring:
+            return
+        engine = self.engine
+        samples = engine.global_samples
+        events = [(TAG + "train_loss", self._step_loss.mean_and_reset(), samples)]
+        lr = engine.get_lr()
+        if lr:
+            events.append((TAG + "lr", lr[0], samples))
+        if engine.loss_scaler is not None:
+            events.append((TAG + "loss_scale", engine.get_loss_scale(), samples))
+        if self.breakdown:
+            events += [(f"{TAG}elapsed_time_ms_{name}", 1000 * step_timings.get(name, 0.0), samples)
+                       for name in TIMERS]
+        if self.memory:
+            events += [(f"{TAG}memory_{name}_MB", value, samples) for name, value in self._memory().items()]
+        engine.monitor.write_events(events)
+
+    def _memory(self) -> dict[str, float]:
+        """Device memory allocated and its peak (CPU: the process RSS), host RSS and the
+        model-state bytes the engine holds, in MB."""
+        accelerator = get_accelerator()
+        mb = 1 / 2 ** 20
+        return {"allocated": accelerator.memory_allocated() * mb,
+                "max_allocated": accelerator.max_memory_allocated() * mb,
+                "host_rss": host_memory.current() * mb,
+                "model_states": self.engine.model_state_bytes().total * mb}
 
 
 def _bytes(n: float) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardwise.accelerator import get_accelerator
+from shardwise.monitor import MonitorMaster
 from shardwise.parallel import ParallelGrid
 from shardwise.precision import LossScaler, PrecisionPolicy
 from shardwise.runtime import _checkpointing
@@ -80,6 +81,8 @@ class Engine(DeepSpeedNames, nn.Module):
         self._boundary_override: bool | None = None
         self._no_sync = False
         self._last_result: StepResult | None = None
+        self.monitor = MonitorMaster(config.monitor)
+        """The monitors of the config (``engine.monitor.write_events([(tag, value, step)])``)."""
         self._progress = ProgressReporter(self, enabled=grid.global_rank == 0)
         self._offloader = StateOffloader(self.strategy, get_accelerator().device())
 
@@ -140,8 +143,10 @@ class Engine(DeepSpeedNames, nn.Module):
                 scaled = scaled / gas
             if self.loss_scaler is not None:
                 scaled = scaled * self.loss_scaler.scale
-            scaled.backward(retain_graph=retain_graph)
-            self.strategy.finalize_backward()
+            with self._progress.timer("backward_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with self._progress.timer("backward_allreduce"):
+                self.strategy.finalize_backward()
         self._progress.record_loss(loss)
         return loss
 

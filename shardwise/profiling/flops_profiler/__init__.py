@@ -8,7 +8,7 @@ for the ``flops_profiler`` config section. FLOPs come from
 text is an interface] in ``_report.py``).
 """
 
-from shardwise.profiling.flops_profiler._config import FlopsProfilerConfig
+from shardwise.config._monitor import FlopsProfilerConfig
 from shardwise.profiling.flops_profiler._model_profile import get_model_profile
 from shardwise.profiling.flops_profiler._profiler import FlopsProfiler, StepTiming
 from shardwise.profiling.flops_profiler._step import StepProfiler

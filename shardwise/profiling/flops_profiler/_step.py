@@ -10,7 +10,7 @@ from typing import Literal
 from torch import nn
 
 from shardwise.accelerator import get_accelerator
-from shardwise.profiling.flops_profiler._config import FlopsProfilerConfig
+from shardwise.config._monitor import FlopsProfilerConfig
 from shardwise.profiling.flops_profiler._profiler import FlopsProfiler, StepTiming
 
 Phase = Literal["forward", "backward", "step"]
@@ -68,6 +68,11 @@ class StepProfiler:
         self._step: int | None = None
         self._latency = dict.fromkeys(_PHASES, 0.0)
         self._bwd_flops = 0
+
+    @property
+    def finished(self) -> bool:
+        """True once the profile was printed (or abandoned), or when this rank never profiles."""
+        return self._state is _State.DONE
 
     @contextlib.contextmanager
     def phase(self, name: Phase, *, step: int):

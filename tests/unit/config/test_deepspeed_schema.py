@@ -142,7 +142,6 @@ def test_field_names_of_stage3_keys_are_read():
      "SuperOffload"),
     ({"managed_gradient_accumulation": False}, "client-managed accumulation"),
     ({"gradient_allreduce_op": "sum"}, "summed (unaveraged) gradients"),
-    ({"memory_breakdown": True}, "memory breakdown"),
     ({"datastates_ckpt": {"host_cache_size": 16}}, "DataStates"),
     ({"use_data_before_expert_parallelism": True}, "expert parallelism"),
     ({"graph_harvesting": True}, "graph_harvesting=true"),

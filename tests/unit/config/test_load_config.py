@@ -115,9 +115,6 @@ def test_bad_values_name_path_value_and_allowed(config, message):
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"tensorboard": {"enabled": True, "output_path": "runs"}}, "the TensorBoard monitor ('tensorboard') "
-                                                                 "is not available"),
-    ({"flops_profiler": {"enabled": True}}, "the FLOPs profiler"),
     ({"amp": {"enabled": True}}, 'use "fp16" or "bf16" instead'),
     ({"optimizer": {"type": "MuAdam", "params": {"lr": 1e-3}}},
      "optimizer.type 'MuAdam' is not available in this version"),

@@ -1,0 +1,97 @@
+"""Monitors record what the training loop saw: on 2 ranks with fp16, TensorBoard event files
+(read back with TensorBoard's reader), CSV files and an offline W&B run hold rank 0's loss of
+every optimizer step at x = samples seen, the learning rate, the loss scale, the wall-clock
+timers, the memory figures and the user's own events; only rank 0 writes. The
+flops_profiler section profiles its step through the same engine."""
+
+import csv
+import os
+from pathlib import Path
+
+import torch
+
+import shardwise
+from shardwise.testing import run_distributed
+from shardwise.testing.models import TinyMLP, token_batches
+from shardwise.testing.wandb_offline import offline_history
+
+MICRO, GAS, STEPS = 2, 2, 4
+TIMER_TAGS = [f"Train/Samples/elapsed_time_ms_{name}"
+              for name in ("forward", "backward", "backward_inner", "backward_allreduce", "step")]
+MEMORY_TAGS = [f"Train/Samples/memory_{name}_MB" for name in ("allocated", "max_allocated", "host_rss", "model_states")]
+
+
+def _train(rank, world_size, out):
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(out / "wandb"), WANDB_SILENT="true")
+    (out / "wandb").mkdir(exist_ok=True)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+              "fp16": {"enabled": True, "initial_scale_power": 8},
+              "zero_optimization": {"stage": 2}, "wall_clock_breakdown": True, "memory_breakdown": True,
+              "tensorboard": {"enabled": True, "output_path": str(out / "tb"), "job_name": "run"},
+              "csv_monitor": {"enabled": True, "output_path": str(out / "csv"), "job_name": "run"},
+              "wandb": {"enabled": True, "project": "shardwise-test"},
+              "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(out / "flops.txt")}}
+    model = TinyMLP(seed=1)
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
+    seen = []
+    for tokens, targets in token_batches(num_steps=STEPS, batch=MICRO * GAS * world_size, seed=2):
+        losses = []
+        for micro in range(GAS):
+            start = (micro * world_size + rank) * MICRO
+            loss = engine(tokens[start:start + MICRO], targets[start:start + MICRO])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        seen.append((engine.global_samples, sum(losses) / GAS, engine.get_lr()[0], engine.get_loss_scale()))
+    engine.monitor.write_events([("Custom/accuracy", 0.5, 7), ("Custom/accuracy", 0.5, 7)])  # twice: harmless
+    built = [type(m).__name__ for m in engine.monitor.monitors]
+    engine.monitor.close()
+    return seen, built
+
+
+def _tensorboard(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = list(Path(log_dir).glob("events.out.tfevents.*"))
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return files, {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+                   for tag in accumulator.Tags()["scalars"]}
+
+
+def test_monitors_record_what_training_saw(tmp_path):
+    (seen, built), (_, built_elsewhere) = run_distributed(_train, world_size=2, tmp_path=tmp_path, out=tmp_path)
+    assert sorted(built) == ["TensorBoardMonitor", "WandbMonitor", "csvMonitor"] and built_elsewhere == []
+    samples = [s for s, *_ in seen]
+    assert samples == [MICRO * GAS * 2 * (i + 1) for i in range(STEPS)]
+
+    files, scalars = _tensorboard(tmp_path / "tb" / "run")
+    assert len(files) == 1  # rank 0's only
+    for tag, column in (("Train/Samples/train_loss", 1), ("Train/Samples/lr", 2), ("Train/Samples/loss_scale", 3)):
+        got = scalars[tag]
+        assert [s for s, _ in got] == samples, tag
+        torch.testing.assert_close([v for _, v in got], [row[column] for row in seen], rtol=1e-6, atol=0, msg=tag)
+    assert len({v for _, v in scalars["Train/Samples/train_loss"]}) == STEPS  # each step's own loss
+    for tag in TIMER_TAGS + MEMORY_TAGS:
+        assert [s for s, _ in scalars[tag]] == samples, tag
+    assert all(v > 0 for _, v in scalars["Train/Samples/elapsed_time_ms_forward"])
+    assert all(v > 0 for _, v in scalars["Train/Samples/memory_model_states_MB"])
+    assert scalars["Custom/accuracy"] == [(7, 0.5), (7, 0.5)]
+
+    with open(tmp_path / "csv" / "run" / "Train_Samples_train_loss.csv") as file:
+        rows = list(csv.reader(file))
+    assert rows[0] == ["step", "train_loss"]
+    assert [int(s) for s, _ in rows[1:]] == samples
+    torch.testing.assert_close([float(v) for _, v in rows[1:]], [row[1] for row in seen], rtol=1e-6, atol=0)
+    assert {p.name for p in (tmp_path / "csv" / "run").iterdir()} >= {"Train_Samples_lr.csv", "Custom_accuracy.csv"}
+
+    history = [row for row in offline_history(tmp_path / "wandb") if "Train/Samples/train_loss" in row]
+    assert [row["_step"] for row in history] == samples
+    torch.testing.assert_close([row["Train/Samples/train_loss"] for row in history], [row[1] for row in seen],
+                               rtol=1e-6, atol=0)
+    assert all(tag in history[0] for tag in TIMER_TAGS + ["Train/Samples/lr", "Train/Samples/loss_scale"])
+
+    profile = (tmp_path / "flops.txt").read_text()  # the flops_profiler section, written by rank 0
+    assert "Profile Summary at step 1" in profile and "params per GPU:" in profile
+    assert "fwd flops per GPU:" in profile and "bwd flops per GPU:" in profile
