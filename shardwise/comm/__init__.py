@@ -2,7 +2,8 @@
 
 The library's code uses :class:`Communicator`. DeepSpeed scripts use the functional API
 (``import deepspeed.comm as dist``; ``dist.all_reduce(t)``), re-exported here from
-``_functional``.
+``_functional``. Both report to the comms logger (``configure``, ``log_summary``,
+``comms_logger_from_config``; see [Note: the comms logger] in ``_logger.py``).
 """
 
 from shardwise.comm import _functional
@@ -10,6 +11,8 @@ from shardwise.comm._collectives import CollectiveError, CollectiveRecord, Commu
 from shardwise.comm._compressed import CompressedAllReduce
 from shardwise.comm._functional import *  # noqa: F403 -- DeepSpeed's flat comm namespace
 from shardwise.comm._init import LaunchEnv, discover_launch_env, init_distributed
+from shardwise.comm._logger import CommsLogger, CommsLoggerSettings, comms_logger, comms_logger_from_config
 
-__all__ = ["CollectiveError", "CollectiveRecord", "Communicator", "CompressedAllReduce", "Handle", "LaunchEnv",
+__all__ = ["CollectiveError", "CollectiveRecord", "CommsLogger", "CommsLoggerSettings", "Communicator",
+           "CompressedAllReduce", "Handle", "LaunchEnv", "comms_logger", "comms_logger_from_config",
            "discover_launch_env", "init_distributed", *_functional.__all__]

@@ -49,7 +49,7 @@ import os
 import pickle
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -58,12 +58,16 @@ import torch.distributed as dist
 from shardwise.comm._deadline import DeadlineWaiter, note_group_timeout
 from shardwise.comm._exit import note_failure
 from shardwise.comm._hang_watch import HangWatch
+from shardwise.comm._logger import OpTimer, comms_logger
 
 logger = logging.getLogger(__name__)
 
 _GLOO_ALL_GATHER_MIN_NUMEL = 8_000_000
 """From this size an all-gather on gloo runs as an all-reduce (see [Note: gloo
 reduce-scatter and all-gather by all-reduce])."""
+_LOG_NAMES = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+              "all_to_all": "all_to_all_single"}
+"""The comms logger's (DeepSpeed's) names for the ops whose Communicator name differs."""
 _DIAG_PREFIX = "shardwise/diag"
 _DIAG_GRACE_S = 5.0
 """The longest a failing rank waits for its peers' states (half the deadline if shorter):
@@ -88,6 +92,8 @@ class CollectiveRecord:
     numel: int
     dtype: torch.dtype
     tag: str
+    timer: OpTimer | None = field(default=None, compare=False, repr=False)
+    """Set when the comms logger times this collective; stopped when its wait completes."""
 
     def describe(self) -> str:
         tag = f" [{self.tag}]" if self.tag else ""
@@ -124,16 +130,18 @@ class Handle:
         if not comm.blocking_wait:
             work.wait()  # the current stream waits; this thread goes on
             comm.watch_stream_ordered(self._record)
-            return
-        try:
-            if comm.native_deadline or self._honours_timeout:
-                completed = work.wait(timeout=comm.timeout)
-            else:
-                completed = comm.waiter.wait(work, comm.timeout.total_seconds())
-        except RuntimeError as exc:
-            raise comm.diagnose(self._record, exc) from exc
-        if completed is False:
-            raise comm.diagnose(self._record, None)
+        else:
+            try:
+                if comm.native_deadline or self._honours_timeout:
+                    completed = work.wait(timeout=comm.timeout)
+                else:
+                    completed = comm.waiter.wait(work, comm.timeout.total_seconds())
+            except RuntimeError as exc:
+                raise comm.diagnose(self._record, exc) from exc
+            if completed is False:
+                raise comm.diagnose(self._record, None)
+        if self._record.timer is not None:  # see [Note: the comms logger] in _logger.py
+            self._record.timer.stop()
 
 
 _DONE = Handle(None, None, None)
@@ -186,10 +194,26 @@ class Communicator:
         self._seq = 0
 
     def _record(self, op: str, tensor: torch.Tensor, tag: str) -> CollectiveRecord:
+        """Number and count a collective about to start (``tensor``: the payload counted
+        in :attr:`bytes`; an all-gather's output), timed if the comms logger selects it."""
+        timer = self._start_timer(op, tensor) if comms_logger.enabled else None
+        return self._count(op, tensor, tag, timer)
+
+    def _count(self, op: str, tensor: torch.Tensor, tag: str, timer: OpTimer | None) -> CollectiveRecord:
+        """Number and count a collective whose timing the caller chose (the functional API)."""
         self._seq += 1
         self.calls[op] += 1
         self.bytes[op] += tensor.numel() * tensor.element_size()
-        return CollectiveRecord(self._seq, op, tensor.numel(), tensor.dtype, tag)
+        return CollectiveRecord(self._seq, op, tensor.numel(), tensor.dtype, tag, timer)
+
+    def _start_timer(self, op: str, tensor: torch.Tensor) -> OpTimer | None:
+        # The logger's message size is the input's (see [Note: the comms logger]); an
+        # all-gather is counted here by its output, world_size inputs.
+        size = tensor.numel() * tensor.element_size()
+        if op == "all_gather":
+            size //= self.world_size
+        name = _LOG_NAMES.get(op, op)
+        return comms_logger.start(name, name, size, self.world_size, tensor.device)
 
     def all_reduce(self, tensor: torch.Tensor, *, op=dist.ReduceOp.SUM, tag: str = "") -> Handle:
         """Start an in-place all-reduce of ``tensor``; returns a handle to wait on."""

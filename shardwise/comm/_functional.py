@@ -7,7 +7,10 @@ here keeps DeepSpeed's name, positional arguments, defaults and return value (a 
 torch.distributed call on the default group unless ``group`` is given.
 
 DeepSpeed's profiling keywords (``prof``, ``log_name``, ``debug``) are accepted
-keyword-only; this module does not time collectives, so ``prof=True`` logs a warning once.
+keyword-only: with the comms logger enabled, a call is timed under ``log_name`` when
+``prof=True``, under ``prof_all``, or when ``log_name`` is in ``prof_ops`` (see [Note: the
+comms logger] in ``_logger.py``); the ``debug`` argument itself is ignored, as in
+DeepSpeed, where the logger's own ``debug`` setting decides.
 The library's own code uses :class:`shardwise.comm.Communicator`; this module is the
 veneer for user scripts, and its synchronous collectives wait through one (see [Note:
 deadlines in the functional API]).
@@ -39,7 +42,6 @@ AssertionError as DeepSpeed's do, and the other collectives raise torch's ValueE
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import pickle
@@ -52,6 +54,8 @@ import torch.distributed as dist
 from shardwise.accelerator import get_accelerator
 from shardwise.comm._collectives import Communicator, Handle
 from shardwise.comm._deadline import group_timeout
+from shardwise.comm._logger import (OpTimer, comms_logger, configure, get_comm_operation_count,
+                                    get_logged_comm_ops, has_comm_data, reset_log)
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +80,6 @@ def _torch_op(op):
     if op is ReduceOp.UNUSED:
         raise ValueError("op=ReduceOp.UNUSED is a placeholder, not a reduction; use SUM, AVG, MAX, ...")
     return getattr(dist.ReduceOp, op.name)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_unprofiled() -> None:
-    logger.warning("shardwise.comm does not time collectives; prof=True is ignored")
-
-
-def _unprofiled(prof: bool) -> None:
-    if prof:
-        _warn_unprofiled()
 
 
 def _require_init(what: str) -> None:
@@ -157,14 +151,35 @@ def _own_timeout_s(pg) -> float:
         return dist.default_pg_timeout.total_seconds()
 
 
-def _wait(work, op: str, tensor, group, log_name: str) -> None:
-    """Wait for ``work`` (None: this rank is not in ``group``) with the group's deadline."""
+def _wait(work, op: str, tensor, group, log_name: str, timer: OpTimer | None = None) -> None:
+    """Wait for ``work`` (None: this rank is not in ``group``) with the group's deadline,
+    then stop ``timer``."""
     if work is None:
         return None
     comm, gloo = _group_entry(group)
-    record = comm._record(op, tensor, "" if log_name == op else log_name)
+    record = comm._count(op, tensor, "" if log_name == op else log_name, timer)
     Handle(comm, work, record, honours_timeout=gloo and op not in _IGNORES_WAIT_TIMEOUT).wait()
     return None
+
+
+def _timer(op: str, log_name: str, prof: bool, payload, group) -> OpTimer | None:
+    """Start timing a call about to be issued, if the comms logger selects it; called only
+    when the logger is enabled. ``payload``: the input tensor, a list of them, or None."""
+    if _not_member(group):
+        return None
+    tensors = [] if payload is None else payload if isinstance(payload, (list, tuple)) else [payload]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    device = tensors[0].device if tensors else _communicator(group)._device()
+    return comms_logger.start(op, log_name, size, dist.get_world_size(group), device, prof=prof)
+
+
+def _done(work, async_op: bool, op: str, tensor, group, log_name: str, timer: OpTimer | None):
+    """What a collective returns: torch's ``Work`` when ``async_op`` (waited for first when
+    timed, as DeepSpeed synchronizes timed calls), else None once it has completed."""
+    if async_op and timer is None:
+        return work
+    _wait(work, op, tensor, group, log_name, timer)
+    return work if async_op else None
 
 
 def _not_member(group) -> bool:
@@ -276,26 +291,29 @@ def barrier(group=None, async_op=False, device_ids=None, *, prof=False, log_name
     pick an NCCL device, which ``set_device`` already did).
     """
     del debug, device_ids
-    _unprofiled(prof)
+    timer = _timer("barrier", log_name, prof, None, group) if comms_logger.enabled else None
     work = dist.barrier(group=group, async_op=True)
-    return work if async_op else _wait(work, "barrier", _NO_PAYLOAD, group, log_name)
+    return _done(work, async_op, "barrier", _NO_PAYLOAD, group, log_name, timer)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, *, prof=False,
                       log_name="monitored_barrier", debug=None):
     """A gloo barrier that names the ranks which did not arrive within ``timeout``."""
-    del log_name, debug
-    _unprofiled(prof)
-    return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+    del debug
+    timer = _timer("monitored_barrier", log_name, prof, None, group) if comms_logger.enabled else None
+    result = dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+    if timer is not None:
+        timer.stop()
+    return result
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
                log_name="all_reduce", debug=None):
     """Reduce ``tensor`` in place across ``group``; every rank gets the result."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("all_reduce", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.all_reduce(tensor, op=_torch_op(op), group=group, async_op=True)
-    return work if async_op else _wait(work, "all_reduce", tensor, group, log_name)
+    return _done(work, async_op, "all_reduce", tensor, group, log_name, timer)
 
 
 def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
@@ -306,11 +324,11 @@ def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
     before the call returns.
     """
     del debug, async_op
-    _unprofiled(prof)
     if dist.get_world_size(group=group) <= 1:
         return tensor
+    timer = _timer("inference_all_reduce", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.all_reduce(tensor, op=_torch_op(op), group=group, async_op=True)
-    return _wait(work, "all_reduce", tensor, group, log_name)
+    return _wait(work, "all_reduce", tensor, group, log_name, timer)
 
 
 def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
@@ -320,29 +338,31 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, *
     torch's ``all_reduce_coalesced`` is deprecated, so this issues one all-reduce per tensor.
     """
     del debug
-    _unprofiled(prof)
+    timer = _timer("all_reduce_coalesced", log_name, prof, list(tensors), group) if comms_logger.enabled else None
     handle = _WorkList([dist.all_reduce(t, op=_torch_op(op), group=group, async_op=True) for t in tensors])
-    if async_op:
+    if async_op and timer is None:
         return handle
     handle.wait_with_deadline("all_reduce", tensors, group, log_name)
-    return None
+    if timer is not None:
+        timer.stop()
+    return handle if async_op else None
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name="reduce",
            debug=None):
     """Reduce ``tensor`` onto global rank ``dst`` (other ranks' tensors are unspecified after)."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("reduce", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.reduce(tensor, dst=dst, op=_torch_op(op), group=group, async_op=True)
-    return work if async_op else _wait(work, "reduce", tensor, group, log_name)
+    return _done(work, async_op, "reduce", tensor, group, log_name, timer)
 
 
 def broadcast(tensor, src, group=None, async_op=False, *, prof=False, log_name="broadcast", debug=None):
     """Copy global rank ``src``'s ``tensor`` into every rank's ``tensor``."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("broadcast", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return work if async_op else _wait(work, "broadcast", tensor, group, log_name)
+    return _done(work, async_op, "broadcast", tensor, group, log_name, timer)
 
 
 def broadcast_object_list(object_list, src, group=None, device=None):
@@ -375,17 +395,17 @@ def all_gather(tensor_list, tensor, group=None, async_op=False, *, prof=False, l
                debug=None):
     """Fill ``tensor_list[r]`` with rank r's ``tensor`` on every rank."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("all_gather", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.all_gather(tensor_list, tensor, group=group, async_op=True)
-    return work if async_op else _wait(work, "all_gather", tensor, group, log_name)
+    return _done(work, async_op, "all_gather", tensor, group, log_name, timer)
 
 
 def all_gather_object(object_list, obj, group=None, *, prof=False, log_name="all_gather_object",
                       debug=None):
     """Fill ``object_list[r]`` with rank r's picklable ``obj`` on every rank (with the
-    group's deadline: see :meth:`Communicator.all_gather_object`)."""
-    del debug
-    _unprofiled(prof)
+    group's deadline: see :meth:`Communicator.all_gather_object`). Not timed by the comms
+    logger (its two all-gathers move pickles, not a message of a fixed size)."""
+    del debug, prof
     if _not_member(group):
         return None
     tag = "" if log_name == "all_gather_object" else log_name
@@ -398,9 +418,9 @@ def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, *,
                            log_name="all_gather_into_tensor", debug=None):
     """Concatenate every rank's ``tensor`` along dim 0 into ``output_tensor``, in rank order."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("all_gather_into_tensor", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=True)
-    return work if async_op else _wait(work, "all_gather_into_tensor", output_tensor, group, log_name)
+    return _done(work, async_op, "all_gather_into_tensor", output_tensor, group, log_name, timer)
 
 
 def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=None):
@@ -428,18 +448,18 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
                    log_name="reduce_scatter", debug=None):
     """Reduce ``input_list[r]`` across ranks into rank r's ``output``."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("reduce_scatter", log_name, prof, list(input_list), group) if comms_logger.enabled else None
     work = dist.reduce_scatter(output, input_list, op=_torch_op(op), group=group, async_op=True)
-    return work if async_op else _wait(work, "reduce_scatter", output, group, log_name)
+    return _done(work, async_op, "reduce_scatter", output, group, log_name, timer)
 
 
 def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
                           prof=False, log_name="reduce_scatter_tensor", debug=None):
     """Reduce ``tensor`` across ranks; rank r keeps the r-th dim-0 chunk in ``output_tensor``."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("reduce_scatter_tensor", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.reduce_scatter_tensor(output_tensor, tensor, op=_torch_op(op), group=group, async_op=True)
-    return work if async_op else _wait(work, "reduce_scatter_tensor", tensor, group, log_name)
+    return _done(work, async_op, "reduce_scatter_tensor", tensor, group, log_name, timer)
 
 
 def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
@@ -454,10 +474,10 @@ def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes
                       async_op=False, *, prof=False, log_name="all_to_all_single", debug=None):
     """Split ``tensor`` along dim 0, send split r to rank r, concatenate what arrives in ``output``."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("all_to_all_single", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
                                   input_split_sizes=input_split_sizes, group=group, async_op=True)
-    return work if async_op else _wait(work, "all_to_all_single", tensor, group, log_name)
+    return _done(work, async_op, "all_to_all_single", tensor, group, log_name, timer)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -465,31 +485,33 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
 
     The gloo backend has no all_to_all; torch raises there.
     """
+    timer = (_timer("all_to_all", "all_to_all", False, list(input_tensor_list), group)
+             if comms_logger.enabled else None)
     work = dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=True)
     first = input_tensor_list[0] if input_tensor_list else _NO_PAYLOAD
-    return work if async_op else _wait(work, "all_to_all", first, group, "all_to_all")
+    return _done(work, async_op, "all_to_all", first, group, "all_to_all", timer)
 
 
 def send(tensor, dst, group=None, tag=0, *, prof=False, log_name="send", debug=None):
     """Send ``tensor`` to global rank ``dst``; blocks until it is sent."""
     del debug
-    _unprofiled(prof)
     if dst == dist.get_rank():
         raise ValueError(f"send to rank {dst}, the rank of this process: send to another rank")
-    return _wait(dist.isend(tensor, dst=dst, group=group, tag=tag), "send", tensor, group, log_name)
+    timer = _timer("send", log_name, prof, tensor, group) if comms_logger.enabled else None
+    return _wait(dist.isend(tensor, dst=dst, group=group, tag=tag), "send", tensor, group, log_name, timer)
 
 
 def recv(tensor, src=None, group=None, tag=0, *, prof=False, log_name="recv", debug=None):
     """Receive into ``tensor`` from global rank ``src`` (any rank when None); returns the
     sender, or -1 if this rank is not in ``group``."""
     del debug
-    _unprofiled(prof)
     if src == dist.get_rank():
         raise ValueError(f"recv from rank {src}, the rank of this process: receive from another rank")
+    timer = _timer("recv", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.irecv(tensor, src=src, group=group, tag=tag)
     if work is None:
         return -1
-    _wait(work, "recv", tensor, group, log_name)
+    _wait(work, "recv", tensor, group, log_name, timer)
     if src is not None:
         return src
     return work._source_rank() if group is None else dist.get_global_rank(group, work._source_rank())
@@ -512,18 +534,18 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, prof=
            debug=None):
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (None elsewhere)."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("gather", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=True)
-    return work if async_op else _wait(work, "gather", tensor, group, log_name)
+    return _done(work, async_op, "gather", tensor, group, log_name, timer)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, *, prof=False,
             log_name="scatter", debug=None):
     """Copy ``scatter_list[r]`` on rank ``src`` into rank r's ``tensor``."""
     del debug
-    _unprofiled(prof)
+    timer = _timer("scatter", log_name, prof, tensor, group) if comms_logger.enabled else None
     work = dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=True)
-    return work if async_op else _wait(work, "scatter", tensor, group, log_name)
+    return _done(work, async_op, "scatter", tensor, group, log_name, timer)
 
 
 # -- capability probes (DeepSpeed's code paths for old torch versions) -------------------
@@ -552,38 +574,29 @@ def has_coalescing_manager() -> bool:
     return False
 
 
-# -- DeepSpeed's comms logger: not collected here ------------------------------------------
-
-def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None):
-    """Accepts DeepSpeed's comms-logger settings; warns when ``enabled`` asks for logging."""
-    del deepspeed_config, prof_all, prof_ops, verbose, debug
-    if enabled:
-        logger.warning("shardwise.comm does not log collectives; comms logger enabled=True is ignored")
-
+# -- DeepSpeed's comms logger (the rest of its API lives in _logger.py) ---------------------
 
 def log_summary(show_straggler=False, return_dict=False):
-    """No collective statistics are collected: returns ``{}`` when ``return_dict``, else None."""
-    del show_straggler
-    return {} if return_dict else None
+    """Print the comms logger's table on rank 0 (see [Note: the comms logger] in ``_logger.py``).
 
+    The table has a header row (``Comm. Op``, ``Message Size``, ``Count``, ``Total
+    Latency(ms)``, ``Avg Latency(ms)``, ``tput_avg (Gbps)``, ``busbw_avg (Gbps)``), then per
+    log name a line with the name and one row per message size; averages drop the
+    fastest and slowest 10% of the calls. Every rank of the default group must call it
+    when ``show_straggler`` is true; otherwise each rank reads its own records (the
+    numbers printed are rank 0's).
 
-def reset_log() -> None:
-    """Nothing to clear: no collective statistics are collected."""
-
-
-def has_comm_data() -> bool:
-    """Always False: no collective statistics are collected."""
-    return False
-
-
-def get_comm_operation_count() -> int:
-    """Always 0: no collective statistics are collected."""
-    return 0
-
-
-def get_logged_comm_ops() -> list[str]:
-    """Always empty: no collective statistics are collected."""
-    return []
+    Args:
+        show_straggler: also print, per log name and size, the latency of the fastest
+            rank (min over ranks, call by call) and how much longer this rank took: one
+            all-gather and one all-reduce over the default group, not themselves logged.
+        return_dict: also return ``{"summary": ..., "straggler_analysis": ... or None,
+            "metadata": {"world_size", "rank", "timestamp"}}`` (DeepSpeed's layout).
+    """
+    comm = _communicator(None) if show_straggler and dist.is_initialized() else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return comms_logger.log_all(print_log=rank == 0, show_straggler=show_straggler, return_dict=return_dict,
+                                comm=comm)
 
 
 __all__ = [

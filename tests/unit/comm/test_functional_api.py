@@ -1,7 +1,6 @@
 """DeepSpeed's functional comm API without a process group: signatures, errors, env reads."""
 
 import inspect
-import logging
 from datetime import timedelta
 
 import pytest
@@ -88,29 +87,6 @@ def test_reduce_op_maps_to_torch():
     assert _functional._torch_op(torch_dist.ReduceOp.MAX) == torch_dist.ReduceOp.MAX
     with pytest.raises(ValueError, match="UNUSED"):
         _functional._torch_op(dist.ReduceOp.UNUSED)
-
-
-def test_profiling_request_warns_once(caplog):
-    _functional._warn_unprofiled.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="shardwise.comm._functional"):
-        _functional._unprofiled(False)
-        assert caplog.records == []
-        _functional._unprofiled(True)
-        _functional._unprofiled(True)
-    assert [r.getMessage() for r in caplog.records] == [
-        "shardwise.comm does not time collectives; prof=True is ignored"]
-
-
-def test_comms_logger_reports_nothing_collected(caplog):
-    assert dist.log_summary() is None
-    assert dist.log_summary(show_straggler=True, return_dict=True) == {}
-    assert (dist.has_comm_data(), dist.get_comm_operation_count(), dist.get_logged_comm_ops()) == (False, 0, [])
-    dist.reset_log()
-    with caplog.at_level(logging.WARNING, logger="shardwise.comm._functional"):
-        dist.configure(enabled=False, prof_all=True)
-        assert caplog.records == []
-        dist.configure(enabled=True)
-    assert "comms logger enabled=True is ignored" in caplog.text
 
 
 def test_everything_exported_is_defined():
