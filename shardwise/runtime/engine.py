@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardwise.accelerator import get_accelerator
+from shardwise.comm import comms_logger_from_config
 from shardwise.monitor import MonitorMaster
 from shardwise.parallel import ParallelGrid
 from shardwise.precision import LossScaler, PrecisionPolicy
@@ -81,6 +82,8 @@ class Engine(DeepSpeedNames, nn.Module):
         self._boundary_override: bool | None = None
         self._no_sync = False
         self._last_result: StepResult | None = None
+        if "comms_logger" in config.raw:  # DeepSpeed configures it only when the section is there
+            comms_logger_from_config(config.monitor.comms_logger)
         self.monitor = MonitorMaster(config.monitor)
         """The monitors of the config (``engine.monitor.write_events([(tag, value, step)])``)."""
         self._progress = ProgressReporter(self, enabled=grid.global_rank == 0)

@@ -31,7 +31,8 @@ def _train(rank, world_size, out):
               "tensorboard": {"enabled": True, "output_path": str(out / "tb"), "job_name": "run"},
               "csv_monitor": {"enabled": True, "output_path": str(out / "csv"), "job_name": "run"},
               "wandb": {"enabled": True, "project": "shardwise-test"},
-              "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(out / "flops.txt")}}
+              "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(out / "flops.txt")},
+              "comms_logger": {"enabled": True, "prof_all": False, "prof_ops": ["all_reduce"]}}
     model = TinyMLP(seed=1)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     seen = []
@@ -47,7 +48,10 @@ def _train(rank, world_size, out):
     engine.monitor.write_events([("Custom/accuracy", 0.5, 7), ("Custom/accuracy", 0.5, 7)])  # twice: harmless
     built = [type(m).__name__ for m in engine.monitor.monitors]
     engine.monitor.close()
-    return seen, built
+    logged = {op: sum(record["count"] for record in sizes.values())
+              for op, sizes in shardwise.comm.log_summary(return_dict=True)["summary"].items()}
+    shardwise.comm.configure(enabled=False)
+    return seen, built, logged, dict(engine.comm.calls)
 
 
 def _tensorboard(log_dir):
@@ -61,7 +65,8 @@ def _tensorboard(log_dir):
 
 
 def test_monitors_record_what_training_saw(tmp_path):
-    (seen, built), (_, built_elsewhere) = run_distributed(_train, world_size=2, tmp_path=tmp_path, out=tmp_path)
+    (seen, built, logged, calls), (_, built_elsewhere, *_) = run_distributed(_train, world_size=2, tmp_path=tmp_path,
+                                                                           out=tmp_path)
     assert sorted(built) == ["TensorBoardMonitor", "WandbMonitor", "csvMonitor"] and built_elsewhere == []
     samples = [s for s, *_ in seen]
     assert samples == [MICRO * GAS * 2 * (i + 1) for i in range(STEPS)]
@@ -91,6 +96,10 @@ def test_monitors_record_what_training_saw(tmp_path):
     torch.testing.assert_close([row["Train/Samples/train_loss"] for row in history], [row[1] for row in seen],
                                rtol=1e-6, atol=0)
     assert all(tag in history[0] for tag in TIMER_TAGS + ["Train/Samples/lr", "Train/Samples/loss_scale"])
+
+    # comms_logger: the engine's data-parallel all-reduces (ZeRO-2 on gloo reduces gradients
+    # with all-reduce: see comm/_collectives.py), and no other op under prof_ops
+    assert set(logged) == {"all_reduce"} and logged["all_reduce"] >= calls["all_reduce"] > 0, (logged, calls)
 
     profile = (tmp_path / "flops.txt").read_text()  # the flops_profiler section, written by rank 0
     assert "Profile Summary at step 1" in profile and "params per GPU:" in profile
