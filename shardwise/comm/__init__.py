@@ -11,8 +11,8 @@ from shardwise.comm._collectives import CollectiveError, CollectiveRecord, Commu
 from shardwise.comm._compressed import CompressedAllReduce
 from shardwise.comm._functional import *  # noqa: F403 -- DeepSpeed's flat comm namespace
 from shardwise.comm._init import LaunchEnv, discover_launch_env, init_distributed
-from shardwise.comm._logger import CommsLogger, CommsLoggerSettings, comms_logger, comms_logger_from_config
+from shardwise.comm._logger import CommsLogger, CommsLoggerConfig, comms_logger, comms_logger_from_config
 
-__all__ = ["CollectiveError", "CollectiveRecord", "CommsLogger", "CommsLoggerSettings", "Communicator",
+__all__ = ["CollectiveError", "CollectiveRecord", "CommsLogger", "CommsLoggerConfig", "Communicator",
            "CompressedAllReduce", "Handle", "LaunchEnv", "comms_logger", "comms_logger_from_config",
            "discover_launch_env", "init_distributed", *_functional.__all__]

@@ -49,11 +49,13 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 
 import torch
 import torch.distributed as dist
+
+from shardwise.config._monitor import CommsLoggerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,33 +68,6 @@ _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter", "send", "recv",
                      "barrier", "monitored_barrier"})
 _FIELDS = ("enabled", "prof_all", "prof_ops", "verbose", "debug")
 """The keys of the ``"comms_logger"`` section."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommsLoggerSettings:
-    """What the comms logger times and reports: the ``"comms_logger"`` config section's
-    keys, with DeepSpeed's defaults (see :func:`comms_logger_from_config`)."""
-
-    enabled: bool = False
-    """Time the selected collectives (off: one boolean check per collective)."""
-    prof_all: bool = True
-    """Time every collective; when false only ``prof_ops`` and ``prof=True`` calls."""
-    prof_ops: tuple[str, ...] = ()
-    """Log names to time even when ``prof_all`` is false (e.g. ``["all_reduce"]``)."""
-    verbose: bool = False
-    """Log each timed collective as it completes (rank 0, INFO): name, latency, size, bandwidths."""
-    debug: bool = False
-    """Append the calling function's name to the log name, to tell call sites apart."""
-
-    def __post_init__(self):
-        for name in ("enabled", "prof_all", "verbose", "debug"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"comms_logger.{name} must be true or false, got {getattr(self, name)!r}")
-        ops = self.prof_ops
-        if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not all(isinstance(o, str) for o in ops):
-            raise ValueError(f"comms_logger.prof_ops must be a list of op names such as [\"all_reduce\"], "
-                             f"got {ops!r}")
-        object.__setattr__(self, "prof_ops", tuple(ops))
 
 
 def bandwidth_gbps(op: str, msg_size: int, latency_ms: float, world_size: int) -> tuple[float, float]:
@@ -185,11 +160,11 @@ class CommsLogger:
     def __init__(self):
         self.enabled = False
         """The one check every collective makes; False: nothing else runs."""
-        self.config = CommsLoggerSettings()
+        self.config = CommsLoggerConfig()
         self._records: dict[str, dict[int, list[list[float]]]] = {}
         """log name -> message size -> [latencies ms, tputs, busbws], one entry per call."""
 
-    def apply(self, config: CommsLoggerSettings) -> None:
+    def apply(self, config: CommsLoggerConfig) -> None:
         """Take ``config``'s settings; the records collected so far are kept."""
         self.config = config
         self.enabled = config.enabled
@@ -342,7 +317,7 @@ comms_logger = CommsLogger()
 """The process-wide logger every Communicator and functional call reports to."""
 
 
-def comms_logger_from_config(section=None) -> CommsLoggerSettings:
+def comms_logger_from_config(section=None) -> CommsLoggerConfig:
     """Configure the process-wide comms logger from the ``"comms_logger"`` config section.
 
     Contract: the engine calls this once at ``initialize()``, before the first collective,
@@ -360,7 +335,7 @@ def comms_logger_from_config(section=None) -> CommsLoggerSettings:
     Args:
         section: None, a mapping with keys among those five (missing keys take DeepSpeed's
             defaults: ``prof_all`` true, the others false or empty), a typed section, or
-            a :class:`CommsLoggerSettings`.
+            a :class:`CommsLoggerConfig`.
 
     Returns:
         The settings now in force.
@@ -374,13 +349,13 @@ def comms_logger_from_config(section=None) -> CommsLoggerSettings:
         unknown = sorted(set(section) - set(_FIELDS))
         if unknown:
             raise ValueError(f"comms_logger has unknown key(s) {unknown}; allowed: {sorted(_FIELDS)}")
-        section = CommsLoggerSettings(**section)
-    elif not isinstance(section, CommsLoggerSettings):
+        section = CommsLoggerConfig(**section)
+    elif not isinstance(section, CommsLoggerConfig):
         missing = [name for name in _FIELDS if not hasattr(section, name)]
         if missing:
             raise ValueError(f"comms_logger must be a dict or a config with the fields {list(_FIELDS)}; "
                              f"got a {type(section).__name__} without {missing}")
-        section = CommsLoggerSettings(**{name: getattr(section, name) for name in _FIELDS})
+        section = CommsLoggerConfig(**{name: getattr(section, name) for name in _FIELDS})
     comms_logger.apply(section)
     return section
 
@@ -398,7 +373,7 @@ def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None,
         deepspeed_config: None, the DeepSpeed config dict, an object with a
             ``comms_logger`` attribute, or the section itself (see
             :func:`comms_logger_from_config`).
-        enabled, prof_all, prof_ops, verbose, debug: see :class:`CommsLoggerSettings`.
+        enabled, prof_all, prof_ops, verbose, debug: see :class:`CommsLoggerConfig`.
 
     Raises:
         ValueError: a setting of the wrong type, or a ``deepspeed_config`` of another kind.

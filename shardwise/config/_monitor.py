@@ -103,24 +103,28 @@ class FlopsProfilerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CommsLoggerConfig:
-    """``comms_logger``: count and time collectives (``shardwise.comm.log_summary()``)."""
+    """``comms_logger``: count and time collectives (``shardwise.comm.log_summary()``); also
+    the settings ``shardwise.comm.configure`` changes (see [Note: the comms logger])."""
 
     enabled: bool = False
-    """Record collectives."""
+    """Time the selected collectives (off: one boolean check per collective)."""
     verbose: bool = False
-    """Log every recorded collective as it completes."""
+    """Log each timed collective as it completes (rank 0, INFO): name, latency, size, bandwidths."""
     prof_all: bool = True
-    """Record every collective (False: only ``prof_ops`` and calls with ``prof=True``)."""
+    """Time every collective (False: only ``prof_ops`` and calls with ``prof=True``)."""
     debug: bool = False
-    """Add the calling function's name to each record's name."""
+    """Append the calling function's name to the log name, to tell call sites apart."""
     prof_ops: tuple[str, ...] = ()
-    """Op names recorded when ``prof_all`` is false (e.g. "all_reduce")."""
+    """Log names timed when ``prof_all`` is false (e.g. "all_reduce"); a list is accepted."""
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "verbose", "prof_all", "debug"):
+        for name in ("enabled", "prof_all", "verbose", "debug"):
             as_bool(f"comms_logger.{name}", getattr(self, name))
-        if not all(isinstance(op, str) for op in self.prof_ops):
-            raise ConfigError(f"comms_logger.prof_ops must be a list of op names, got {list(self.prof_ops)!r}")
+        ops = self.prof_ops
+        if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not all(isinstance(o, str) for o in ops):
+            raise ConfigError(f"comms_logger.prof_ops must be a list of op names such as [\"all_reduce\"], "
+                              f"got {ops!r}")
+        object.__setattr__(self, "prof_ops", tuple(ops))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -256,11 +256,6 @@ def _monitor(raw: dict, noted: list[str]) -> MonitorConfig:
             for name in ("output_path", "job_name"):
                 if not isinstance(section.get(name, ""), str):
                     raise ConfigError(f"{key}.{name} must be a string, got {section[name]!r}")
-        if key == "comms_logger" and "prof_ops" in section:
-            ops = section["prof_ops"]
-            if not isinstance(ops, list):
-                raise ConfigError(f"comms_logger.prof_ops must be a list of op names, got {ops!r}")
-            section = {**section, "prof_ops": tuple(ops)}
         sections[key] = _section(cls, key, section, noted)
     breakdown = as_bool("memory_breakdown", raw.get("memory_breakdown", False))
     return MonitorConfig(**sections, memory_breakdown=breakdown)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardwise.comm as dist
-from shardwise.comm import CommsLogger, CommsLoggerSettings, comms_logger, comms_logger_from_config
+from shardwise.comm import CommsLogger, CommsLoggerConfig, comms_logger, comms_logger_from_config
 from shardwise.comm._logger import bandwidth_gbps, format_size, trimmed_mean
 
 CPU = torch.device("cpu")
@@ -29,7 +29,7 @@ def global_logger():
 
 def _logger(**settings) -> CommsLogger:
     log = CommsLogger()
-    log.apply(CommsLoggerSettings(enabled=True, **settings))
+    log.apply(CommsLoggerConfig(enabled=True, **settings))
     return log
 
 
@@ -157,7 +157,7 @@ def test_configure_as_deepspeed(global_logger):
     dist.configure(enabled=True)
     assert global_logger.enabled and global_logger.config.prof_all
     dist.configure(prof_all=False, prof_ops=["all_reduce"], verbose=True, debug=True)
-    assert global_logger.config == CommsLoggerSettings(enabled=True, prof_all=False, prof_ops=("all_reduce",),
+    assert global_logger.config == CommsLoggerConfig(enabled=True, prof_all=False, prof_ops=("all_reduce",),
                                                      verbose=True, debug=True)
     dist.configure(deepspeed_config={"train_batch_size": 8, "comms_logger": {"enabled": False}})
     assert not global_logger.enabled and global_logger.config.prof_all
@@ -168,13 +168,13 @@ def test_configure_as_deepspeed(global_logger):
 
 
 def test_comms_logger_from_config(global_logger):
-    assert comms_logger_from_config(None) == CommsLoggerSettings()
+    assert comms_logger_from_config(None) == CommsLoggerConfig()
     applied = comms_logger_from_config({"enabled": True, "prof_all": False, "prof_ops": ["broadcast"]})
     assert global_logger.enabled and global_logger.config is applied and applied.prof_ops == ("broadcast",)
-    comms_logger_from_config(CommsLoggerSettings(enabled=False))
+    comms_logger_from_config(CommsLoggerConfig(enabled=False))
     assert not global_logger.enabled
     typed = SimpleNamespace(enabled=True, prof_all=False, prof_ops=("all_reduce",), verbose=False, debug=True)
-    assert comms_logger_from_config(typed) == CommsLoggerSettings(enabled=True, prof_all=False,
+    assert comms_logger_from_config(typed) == CommsLoggerConfig(enabled=True, prof_all=False,
                                                                   prof_ops=("all_reduce",), debug=True)
     dist.configure(deepspeed_config=SimpleNamespace(comms_logger={"enabled": False}))
     assert not global_logger.enabled
