@@ -28,8 +28,10 @@ class TensorBoardMonitor(Monitor):
     def check_available() -> None:
         require_package("tensorboard", "the TensorBoard monitor ('tensorboard' section)")
 
-    def get_summary_writer(self):
-        """The ``SummaryWriter`` (DeepSpeed's accessor)."""
+    def get_summary_writer(self, base=None):
+        """The ``SummaryWriter`` (DeepSpeed's accessor; ``base``, DeepSpeed's fallback
+        directory for a None ``output_path``, is never used: the path is a string)."""
+        del base
         return self.summary_writer
 
     def write_events(self, event_list, flush: bool = True) -> None:

@@ -96,7 +96,7 @@ class SparseAttentionUtils:
             max_position: the longest sequence the model will see.
             sparsity_config: the layout, with ``num_heads`` = the model's attention heads;
                 None means ``SparsityConfig(num_heads=4)``, DeepSpeed's default, which has no
-                layout of its own and fails at the first forward, as there.
+                layout of its own and is refused when the sparse layers are built, as there.
         """
         name, encoder = _encoder_of(model, "replace_model_self_attention_with_sparse_self_attention")
         model.config.max_position_embeddings = max_position + (_ROBERTA_RESERVED if name == "roberta" else 0)

@@ -104,3 +104,64 @@ def test_monitors_record_what_training_saw(tmp_path):
     profile = (tmp_path / "flops.txt").read_text()  # the flops_profiler section, written by rank 0
     assert "Profile Summary at step 1" in profile and "params per GPU:" in profile
     assert "fwd flops per GPU:" in profile and "bwd flops per GPU:" in profile
+
+
+def _pipeline_loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1))
+
+
+def _pipeline(rank, world_size, out):
+    from shardwise.pipe import PipelineModule
+    from shardwise.testing.models import pipeline_specs
+
+    model = PipelineModule(pipeline_specs(2, tied=False, vocab=32, width=16), num_stages=2, loss_fn=_pipeline_loss,
+                           partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": "pipe"}}
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(3):
+        micro = [(torch.randint(0, 32, (2, 6), generator=generator), torch.randint(0, 32, (2, 6), generator=generator))
+                 for _ in range(2)]
+        losses.append(float(engine.train_batch(iter(micro))))
+    return losses, engine.global_samples
+
+
+def test_pipeline_engine_logs_the_batch_loss(tmp_path):
+    """Under pp2 the monitor (built on global rank 0, a first stage) logs every batch's loss,
+    the mean over its micro-batches that train_batch returns on every rank."""
+    (losses, samples), (losses_last, _) = run_distributed(_pipeline, world_size=2, tmp_path=tmp_path, out=tmp_path)
+    assert losses == losses_last
+    with open(tmp_path / "pipe" / "Train_Samples_train_loss.csv") as file:
+        rows = list(csv.reader(file))[1:]
+    assert [int(s) for s, _ in rows] == [4, 8, 12] and samples == 12
+    torch.testing.assert_close([float(v) for _, v in rows], losses, rtol=1e-6, atol=0)
+
+
+def test_a_profile_step_never_reached_is_named_at_exit(tmp_path):
+    """A world of one trains 2 steps with flops_profiler.profile_step 50: a warning at exit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import shardwise
+        from shardwise.testing.models import TinyMLP, token_batches
+        model = TinyMLP(seed=1)
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "flops_profiler": {"enabled": True, "profile_step": 50}})
+        for x, y in token_batches(num_steps=2, batch=2):
+            engine.backward(engine(x, y))
+            engine.step()
+    """))
+    env = {**os.environ, "SHARDWISE_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "flops_profiler.profile_step=50 was never reached: the run ended after 2 optimizer steps" in done.stderr

@@ -133,3 +133,10 @@ def test_pad_to_block_size_with_embeddings_and_tokenizer_length():
 
     tokenizer = SparseAttentionUtils.update_tokenizer_model_max_length(Tokenizer(), 4096)
     assert tokenizer.model_max_length == 4096 and tokenizer.init_kwargs["model_max_length"] == 4096
+
+
+def test_pad_to_block_size_names_what_is_missing():
+    with pytest.raises(ValueError, match="pass input_ids or inputs_embeds"):
+        SparseAttentionUtils.pad_to_block_size(8, None, None, None, None, None, pad_token_id=0)
+    with pytest.raises(ValueError, match="inputs_embeds need model_embeddings"):
+        SparseAttentionUtils.pad_to_block_size(8, None, None, None, None, torch.randn(1, 5, 4), pad_token_id=0)
