@@ -7,7 +7,9 @@ reports medians, spreads and ratios to the first DDP run (see ../shared/BENCHMAR
     python bench/bench_step.py --variants floor,ddp,shardwise0,ddp,deepspeed0 --out bench/results/x.md
 
 Variants: ``floor`` (each rank trains alone: the compute-only floor), ``ddp``, ``fsdp2``,
-``shardwise<stage>``, ``deepspeed<stage>``. DeepSpeed runs in its own interpreter
+``shardwise<stage>``, ``shardwise<stage>m`` (the same with TensorBoard and CSV monitors, the
+wall-clock and memory breakdowns, the comms logger and the FLOPs profiler on step 3 on:
+their overhead, and the profiler's achieved TFLOP/s), ``deepspeed<stage>``. DeepSpeed runs in its own interpreter
 (``--ds-python``) so it is never a dependency of shardwise.
 
 ``--checkpoint DIR`` also saves a checkpoint after the steps and loads it back, each
@@ -87,11 +89,14 @@ def _build(args, variant: str, model):
             optimizer.zero_grad(set_to_none=False)
         save, load = (_dcp_save_load if variant == "fsdp2" else _torch_save_load)(model, optimizer)
         return step, lambda: _state_bytes(model, optimizer), save, load
-    stage = int(variant[-1])
+    monitored = variant.endswith("m")
+    stage = int(variant.rstrip("m")[-1])
     if variant.startswith("shardwise"):
         import shardwise
         config = {**_config(args, stage), "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}
         del config["zero_allow_untested_optimizer"]
+        if monitored:
+            config.update(_monitoring(Path(args.result).parent))
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                                config=config)
         return (_engine_step(engine), lambda: engine.model_state_bytes().total,
@@ -106,6 +111,26 @@ def _build(args, variant: str, model):
                                                        config=_config(args, stage))
     # DeepSpeed's buffers are not all visible
     return _engine_step(engine), lambda: float("nan"), engine.save_checkpoint, engine.load_checkpoint
+
+
+def _monitoring(folder: Path) -> dict:
+    """The ``shardwise<stage>m`` variants' config: every monitor that writes locally, the
+    wall-clock and memory breakdowns, the comms logger, and the FLOPs profiler on step 3."""
+    files = {"enabled": True, "output_path": str(folder), "job_name": "bench"}
+    return {"tensorboard": files, "csv_monitor": files, "wall_clock_breakdown": True, "memory_breakdown": True,
+            "comms_logger": {"enabled": True},
+            "flops_profiler": {"enabled": True, "profile_step": 3, "output_file": str(folder / "flops.txt")}}
+
+
+def _achieved_tflops(folder: Path) -> float | None:
+    """The profiler's "achieved TFLOP/s per GPU" line of a monitored run (rank 0's file)."""
+    path = folder / "flops.txt"
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        if line.startswith("achieved TFLOP/s per GPU"):
+            return float(line.split(":")[1])
+    return None
 
 
 def _torch_save_load(model, optimizer):
@@ -217,6 +242,8 @@ def worker(args) -> None:
         times.append(time.perf_counter() - start)
     result = {"times": times, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
               "state_mb": state_bytes() / 2 ** 20}
+    if args.variant.endswith("m") and rank == 0:
+        result["achieved_tflops"] = _achieved_tflops(Path(args.result).parent)
     if args.checkpoint:
         import shutil
 
@@ -274,6 +301,8 @@ def run_variant(args, variant: str) -> dict:
     times = ranks[0]["times"][args.warmup:]
     out = {"median": statistics.median(times), "min": min(times), "max": max(times),
            "rss_mb": max(r["rss_mb"] for r in ranks), "state_mb": max(r["state_mb"] for r in ranks)}
+    if "achieved_tflops" in ranks[0]:
+        out["achieved_tflops"] = ranks[0]["achieved_tflops"]
     if args.checkpoint:
         for op in ("save", "load"):  # the slowest rank's time, the largest rank's memory
             out[op] = {key: max(r[op][key] for r in ranks) for key in ("s", "anon_mb", "hwm_mb")}
@@ -320,6 +349,17 @@ def table(args, results: list[tuple[str, dict]]) -> str:
         vs_floor = f"{r['median'] / floor:.2f}" if floor else "-"
         lines.append(f"| {variant} | {r['median']:.3f} | {r['min']:.3f}-{r['max']:.3f} | {vs_ddp} | "
                      f"{vs_floor} | {r['rss_mb']:.0f} | {r['state_mb']:.0f} |".replace("| nan |", "| - |"))
+    monitored = [(v, r) for v, r in results if v.endswith("m") and "median" in r]
+    if monitored:
+        lines += ["", "Monitoring overhead (each `shardwise<stage>m` against the median of the plain "
+                  "`shardwise<stage>` runs; the FLOPs profiler's figure is rank 0's profiled step):", "",
+                  "| variant | median s/step | vs without monitoring | achieved TFLOP/s (profiler) |",
+                  "| --- | --- | --- | --- |"]
+        for variant, r in monitored:
+            plain = [p["median"] for v, p in results if v == variant[:-1] and "median" in p]
+            ratio = f"{r['median'] / statistics.median(plain):.3f}" if plain else "-"
+            tflops = r.get("achieved_tflops")
+            lines.append(f"| {variant} | {r['median']:.3f} | {ratio} | {tflops if tflops is not None else '-'} |")
     if args.checkpoint:
         lines += ["", "Checkpoint after the steps (per rank: slowest time, largest extra memory above what "
                   "the rank held before; ratios to the first DDP run):", "",
