@@ -152,7 +152,8 @@ class PipelineEngine(Engine):
     def _reduce_and_step(self) -> None:
         if self._tied:
             self._feed_tied_gradients()
-        self._take_model_step(None)
+        with self._progress.timer("step"):
+            self._take_model_step(None)
         self.micro_steps += self.micro_batches
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.micro_batches * self.comm.world_size
 

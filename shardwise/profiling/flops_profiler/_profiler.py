@@ -150,11 +150,15 @@ class FlopsProfiler:
         self.started = True
         logger.debug("flops profiler started")
 
-    def stop_profile(self) -> None:
-        """Stop counting and remove the hooks; the measured numbers stay readable."""
+    def remove_hooks(self) -> None:
+        """Stop attributing forwards to modules; the FLOP counter keeps counting."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def stop_profile(self) -> None:
+        """Stop counting and remove the hooks; the measured numbers stay readable."""
+        self.remove_hooks()
         if self._counter is not None:
             counter, self._counter = self._counter, None
             counter.__exit__(None, None, None)

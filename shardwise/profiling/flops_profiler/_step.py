@@ -34,20 +34,15 @@ class StepProfiler:
     After ``backward`` the counter stops. When the ``step`` phase ends the profile is
     printed with ``print_model_profile`` (to ``config.output_file`` if set); no hook is
     left and the numbers stay readable on ``self.profiler``. One micro-batch is
-    profiled; with gradient accumulation that is the first micro-batch of the step. An
-    error inside a phase abandons the profile.
+    profiled: the step's first forward and first backward (with gradient accumulation the
+    first micro-batch; under a pipeline schedule, which runs further forwards before the
+    first backward, the module hooks come off after the first forward and later phases of
+    the step are neither timed nor counted). An error inside a phase abandons the profile.
 
-    Wiring into the engine (``global_steps`` counts finished steps from 0, as in DeepSpeed)::
+    The engine's ``ProgressReporter.timer`` drives it (``global_steps`` counts finished
+    steps from 0, as in DeepSpeed)::
 
-        # __init__
-        self.flops_profiler = StepProfiler(self.module, config.flops_profiler, engine=self,
-                                           enabled=self.global_rank == 0)
-        # forward / backward / step bodies
-        with self.flops_profiler.phase("forward", step=self.global_steps):
-            ...
-        with self.flops_profiler.phase("backward", step=self.global_steps):
-            ...
-        with self.flops_profiler.phase("step", step=self.global_steps):
+        with profiler.phase("forward", step=engine.global_steps):
             ...
 
     Args:
@@ -67,6 +62,7 @@ class StepProfiler:
         self._state = _State.WAITING if config.enabled and enabled else _State.DONE
         self._step: int | None = None
         self._latency = dict.fromkeys(_PHASES, 0.0)
+        self._measured: set[str] = set()
         self._bwd_flops = 0
 
     @property
@@ -90,7 +86,7 @@ class StepProfiler:
         if self._state is _State.WAITING and name == "forward" and step == self.config.profile_step:
             self._step, self._state = step, _State.RUNNING
             self.profiler.start_profile()
-        if self._state is not _State.RUNNING or step != self._step:
+        if self._state is not _State.RUNNING or step != self._step or name in self._measured:
             yield
             return
         sync = get_accelerator().synchronize
@@ -104,7 +100,10 @@ class StepProfiler:
             raise
         sync()
         self._latency[name] += time.perf_counter() - start
-        if name == "backward":
+        self._measured.add(name)
+        if name == "forward":
+            self.profiler.remove_hooks()  # later forwards of the step are not this micro-batch's
+        elif name == "backward":
             self._bwd_flops += self.profiler.counted_flops() - flops
             self.profiler.stop_profile()
         elif name == "step":

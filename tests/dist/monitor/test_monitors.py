@@ -118,7 +118,9 @@ def _pipeline(rank, world_size, out):
                            partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": "pipe"}}
+              "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": "pipe"},
+              "wall_clock_breakdown": True,
+              "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(out / "flops.txt")}}
     engine, *_ = shardwise.initialize(model=model, config=config)
     generator = torch.Generator().manual_seed(0)
     losses = []
@@ -131,13 +133,21 @@ def _pipeline(rank, world_size, out):
 
 def test_pipeline_engine_logs_the_batch_loss(tmp_path):
     """Under pp2 the monitor (built on global rank 0, a first stage) logs every batch's loss,
-    the mean over its micro-batches that train_batch returns on every rank."""
+    the mean over its micro-batches that train_batch returns on every rank, and the step
+    timer; the flops_profiler step is printed."""
     (losses, samples), (losses_last, _) = run_distributed(_pipeline, world_size=2, tmp_path=tmp_path, out=tmp_path)
     assert losses == losses_last
     with open(tmp_path / "pipe" / "Train_Samples_train_loss.csv") as file:
         rows = list(csv.reader(file))[1:]
     assert [int(s) for s, _ in rows] == [4, 8, 12] and samples == 12
     torch.testing.assert_close([float(v) for _, v in rows], losses, rtol=1e-6, atol=0)
+    assert (tmp_path / "pipe" / "Train_Samples_elapsed_time_ms_step.csv").exists()
+    profile = (tmp_path / "flops.txt").read_text()  # rank 0's stage, the profiled batch's first micro-batch
+    assert "Profile Summary at step 1" in profile
+    # one micro-batch of stage 0 (embedding, one 16x16 block on 2x6 tokens): 2*12*16*16 forward
+    # flops, twice that backward, although 1F1B runs both forwards before the first backward
+    lines = {line.split(":")[0]: line.split(":", 1)[1].split() for line in profile.splitlines() if ":" in line}
+    assert lines["fwd flops per GPU"] == ["6.14", "K"] and lines["bwd flops per GPU"] == ["12.29", "K"], profile
 
 
 def test_a_profile_step_never_reached_is_named_at_exit(tmp_path):
