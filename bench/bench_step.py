@@ -8,9 +8,10 @@ reports medians, spreads and ratios to the first DDP run (see ../shared/BENCHMAR
 
 Variants: ``floor`` (each rank trains alone: the compute-only floor), ``ddp``, ``fsdp2``,
 ``shardwise<stage>``, ``shardwise<stage>m`` (the same with TensorBoard and CSV monitors, the
-wall-clock and memory breakdowns, the comms logger and the FLOPs profiler on step 3 on:
-their overhead, and the profiler's achieved TFLOP/s), ``deepspeed<stage>``. DeepSpeed runs in its own interpreter
-(``--ds-python``) so it is never a dependency of shardwise.
+wall-clock and memory breakdowns, the comms logger, and the FLOPs profiler on the second
+step, inside the warm-up the median leaves out: their overhead, and the profiler's achieved
+TFLOP/s), ``deepspeed<stage>``. DeepSpeed runs in its own interpreter (``--ds-python``) so
+it is never a dependency of shardwise.
 
 ``--checkpoint DIR`` also saves a checkpoint after the steps and loads it back, each
 variant its own way (DDP: ``torch.save``/``torch.load`` of the state dicts on rank 0; FSDP2:
@@ -115,11 +116,11 @@ def _build(args, variant: str, model):
 
 def _monitoring(folder: Path) -> dict:
     """The ``shardwise<stage>m`` variants' config: every monitor that writes locally, the
-    wall-clock and memory breakdowns, the comms logger, and the FLOPs profiler on step 3."""
+    wall-clock and memory breakdowns, the comms logger, and the FLOPs profiler on the second step (global_steps 1, inside the warm-up)."""
     files = {"enabled": True, "output_path": str(folder), "job_name": "bench"}
     return {"tensorboard": files, "csv_monitor": files, "wall_clock_breakdown": True, "memory_breakdown": True,
             "comms_logger": {"enabled": True},
-            "flops_profiler": {"enabled": True, "profile_step": 3, "output_file": str(folder / "flops.txt")}}
+            "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(folder / "flops.txt")}}
 
 
 def _achieved_tflops(folder: Path) -> float | None:
