@@ -280,24 +280,31 @@ class _BatchRun:
 
     # -- actions --------------------------------------------------------------------------------
 
+    # The transfer timers carry DeepSpeed's pipeline timer names (wall_clock_breakdown); a
+    # send's time is that of handing the tensors over, a receive's includes the wait.
+
     def _RecvActivation(self, a) -> None:  # noqa: N802 -- named after the action
-        self.inputs[(a.micro_batch, a.chunk)] = self.e._channel("activation", a.from_stage).recv(
-            tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
+        with self.e._progress.timer("pipe_recv_input"):
+            self.inputs[(a.micro_batch, a.chunk)] = self.e._channel("activation", a.from_stage).recv(
+                tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
 
     def _SendActivation(self, a) -> None:  # noqa: N802
         key = (a.micro_batch, a.chunk)
-        self.e._channel("activation", a.to_stage).send(self.outputs[key], tag=f"micro-batch {a.micro_batch} "
-                                                                              f"chunk {a.chunk + 1}")
+        with self.e._progress.timer("pipe_send_output"):
+            self.e._channel("activation", a.to_stage).send(self.outputs[key], tag=f"micro-batch {a.micro_batch} "
+                                                                                  f"chunk {a.chunk + 1}")
         if not self.training:
             self.outputs.pop(key)
 
     def _RecvGrad(self, a) -> None:  # noqa: N802
-        self.grads_in[(a.micro_batch, a.chunk)] = self.e._channel("gradient", a.from_stage).recv(
-            tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
+        with self.e._progress.timer("pipe_recv_grad"):
+            self.grads_in[(a.micro_batch, a.chunk)] = self.e._channel("gradient", a.from_stage).recv(
+                tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
 
     def _SendGrad(self, a) -> None:  # noqa: N802
-        self.e._channel("gradient", a.to_stage).send(self.grads_out.pop((a.micro_batch, a.chunk)),
-                                                     tag=f"micro-batch {a.micro_batch} chunk {a.chunk - 1}")
+        with self.e._progress.timer("pipe_send_grad"):
+            self.e._channel("gradient", a.to_stage).send(self.grads_out.pop((a.micro_batch, a.chunk)),
+                                                         tag=f"micro-batch {a.micro_batch} chunk {a.chunk - 1}")
 
     def _Forward(self, a) -> None:  # noqa: N802
         with self.e._progress.timer("forward"):

@@ -7,7 +7,8 @@ After each optimizer step global rank 0 writes, at x = ``engine.global_samples``
 the pipeline engine's batch loss), ``Train/Samples/lr`` (first parameter group) and, with
 fp16, ``Train/Samples/loss_scale``; with ``wall_clock_breakdown``
 ``Train/Samples/elapsed_time_ms_{forward,backward,backward_inner,backward_allreduce,step}``
-(milliseconds spent in that optimizer step, summed over its micro-steps); with
+(milliseconds spent in that optimizer step, summed over its micro-steps; the pipeline
+engine adds its transfers, ``..._pipe_{send_output,recv_input,send_grad,recv_grad}``); with
 ``memory_breakdown`` ``Train/Samples/memory_{allocated,max_allocated,host_rss,model_states}_MB``.
 The loss is read back from the device once per optimizer step, and only while a monitor is
 enabled; the timers synchronise the device only while ``wall_clock_breakdown`` is on.
@@ -192,8 +193,9 @@ class ProgressReporter:
         if engine.loss_scaler is not None:
             events.append((TAG + "loss_scale", engine.get_loss_scale(), samples))
         if self.breakdown:
+            names = list(TIMERS) + [name for name in step_timings if name not in TIMERS]
             events += [(f"{TAG}elapsed_time_ms_{name}", 1000 * step_timings.get(name, 0.0), samples)
-                       for name in TIMERS]
+                       for name in names]
         if self.memory:
             events += [(f"{TAG}memory_{name}_MB", value, samples) for name, value in self._memory().items()]
         engine.monitor.write_events(events)

@@ -141,7 +141,9 @@ def test_pipeline_engine_logs_the_batch_loss(tmp_path):
         rows = list(csv.reader(file))[1:]
     assert [int(s) for s, _ in rows] == [4, 8, 12] and samples == 12
     torch.testing.assert_close([float(v) for _, v in rows], losses, rtol=1e-6, atol=0)
-    assert (tmp_path / "pipe" / "Train_Samples_elapsed_time_ms_step.csv").exists()
+    timed = {p.name for p in (tmp_path / "pipe").iterdir()}
+    assert {f"Train_Samples_elapsed_time_ms_{name}.csv" for name in ("step", "pipe_send_output", "pipe_recv_grad")} \
+        <= timed, timed  # rank 0 is stage 0: it sends activations and receives gradients
     profile = (tmp_path / "flops.txt").read_text()  # rank 0's stage, the profiled batch's first micro-batch
     assert "Profile Summary at step 1" in profile
     # one micro-batch of stage 0 (embedding, one 16x16 block on 2x6 tokens): 2*12*16*16 forward
