@@ -1,0 +1,250 @@
+"""The fast path (``replace_with_kernel_inject=True``): a lean decoder over the model's
+own weights, with a static KV cache, fused projections and ``scaled_dot_product_attention``.
+
+[Note: the fast decoder]
+Hugging Face's forward is general: per step it builds masks, updates a growing cache
+object and runs a module tree with hooks. The decoder here runs the same arithmetic with
+less around it:
+
+- the key / value cache of a generation is allocated once at its final length
+  (``[batch, kv_heads, prompt + new tokens, head_dim]`` per layer) and written in place;
+- query, key and value (and the MLP's gate and up) are one matmul: their weights are
+  concatenated once and the original layers' weights become views of the fused tensor,
+  so no memory is added and the Hugging Face module still runs (``engine(...)``);
+- attention is ``scaled_dot_product_attention`` over the filled part of the cache, with
+  no mask at all when the batch has no padding;
+- only the last position goes through the final norm and the LM head.
+
+Norms, rotary embeddings and activations are the model's own modules and functions, so
+the numbers are the model's; the greedy tokens are identical to ``generate``'s (tests).
+Under tensor parallelism each rank runs its heads and MLP slice and all-reduces the
+block outputs, as the row-parallel layers do.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.inference._quant import int8_parts
+from shardwise.tensor_parallel.layers import RowParallelLinear
+
+
+class _Proj:
+    """One linear projection ``y = x W^T + b`` (int8 ``W`` times per-row scales), summed
+    over the tensor group first when it is row-parallel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, scale: torch.Tensor | None = None,
+                 comm=None) -> None:
+        self.weight, self.bias, self.scale, self.comm = weight, bias, scale, comm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        plain = self.scale is None and self.comm is None
+        w = self.weight if self.scale is None else self.weight.to(x.dtype)
+        y = F.linear(x, w, self.bias if plain else None)
+        if plain:
+            return y
+        if self.scale is not None:
+            y = y * self.scale.to(x.dtype)
+        if self.comm is not None:
+            y = y.contiguous()
+            self.comm.all_reduce(y, tag="inference row-parallel output").wait()
+        return y if self.bias is None else y + self.bias
+
+
+def _parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(weight [out, in], bias, int8 scale or None)`` of a linear-like layer."""
+    quant = int8_parts(module)
+    conv1d = type(module).__name__ == "Conv1D"
+    if quant is not None:
+        weight, scale = quant
+    else:
+        weight, scale = module.weight, None
+    return (weight.t() if conv1d else weight), module.bias, scale
+
+
+def proj(module: nn.Module) -> _Proj:
+    """The projection of one layer (row-parallel layers all-reduce)."""
+    weight, bias, scale = _parts(module)
+    comm = module.comm if isinstance(module, RowParallelLinear) and module.tp_degree > 1 else None
+    return _Proj(weight, bias, scale=scale, comm=comm)
+
+
+def fused_proj(modules: list[nn.Module]) -> tuple[_Proj, list[int]]:
+    """One projection computing ``modules``' outputs side by side (they read the same
+    input), and each one's output width. The layers' weights become views of the fused
+    weight (see [Note: the fast decoder])."""
+    parts = [_parts(m) for m in modules]
+    if any(type(m).__name__ == "Conv1D" for m in modules) or any(isinstance(m, RowParallelLinear) for m in modules):
+        raise TypeError("only [out, in] column layers fuse")
+    widths = [w.shape[0] for w, _, _ in parts]
+    weight = torch.cat([w.detach() for w, _, _ in parts])
+    scale = None if parts[0][2] is None else torch.cat([s for _, _, s in parts])
+    has_bias = [b is not None for _, b, _ in parts]
+    if any(has_bias) and not all(has_bias):
+        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(w)
+                          for (_, b, _), w in zip(parts, widths)])
+    else:
+        bias = torch.cat([b.detach() for _, b, _ in parts]) if all(has_bias) else None
+    offset = 0
+    for module, width in zip(modules, widths):
+        _rebind(module, weight[offset:offset + width], None if scale is None else scale[offset:offset + width])
+        offset += width
+    return _Proj(weight, bias, scale=scale), widths
+
+
+def _rebind(module: nn.Module, weight_view: torch.Tensor, scale_view: torch.Tensor | None) -> None:
+    """Make ``module``'s weight (and int8 scale) a view of the fused tensors."""
+    from shardwise.tensor_parallel._partition import copy_marks
+
+    if scale_view is not None:
+        old = module.parametrizations.weight.original
+        new = nn.Parameter(weight_view, requires_grad=False)
+        copy_marks(old, new)
+        module.parametrizations.weight.original = new
+        next(p for p in module.parametrizations.weight if hasattr(p, "scale")).scale = scale_view
+        return
+    old = module.weight
+    new = nn.Parameter(weight_view, requires_grad=old.requires_grad)
+    copy_marks(old, new)
+    module.weight = new
+
+
+class StaticCache:
+    """Keys and values of every layer, allocated once at the generation's final length."""
+
+    def __init__(self, *, num_layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype,
+                 device) -> None:
+        shape = (num_layers, batch, kv_heads, length, head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``, ``v`` (``[batch, kv_heads, n, head_dim]``) at ``start`` and return
+        the filled part of the layer's cache."""
+        end = start + k.shape[2]
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
+class FastDecoder:
+    """A family's decoder; subclasses read the weights of one Hugging Face layout."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    def new_cache(self, batch: int, length: int) -> StaticCache:
+        return StaticCache(num_layers=self.num_layers, batch=batch, kv_heads=self.kv_heads, length=length,
+                           head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+
+    def _attend(self, q, k, v, mask, *, causal: bool, scale: float) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                             scale=scale, enable_gqa=gqa)
+        b, h, s, d = out.shape
+        return out.transpose(1, 2).reshape(b, s, h * d)
+
+    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        return self.head(self.final_norm(hidden_last)).float()
+
+
+class LlamaDecoder(FastDecoder):
+    """Llama, Mistral, Qwen2: pre-norm RMSNorm blocks, rotary positions, gated MLP."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = model.model
+        self.embed, self.final_norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.head = model.lm_head
+        self.apply_rotary = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, (q_width, k_width, v_width) = fused_proj([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up, (g_width, _) = fused_proj([mlp.gate_proj, mlp.up_proj])
+            self.layers.append((layer.input_layernorm, qkv, proj(attn.o_proj), layer.post_attention_layernorm,
+                                gate_up, proj(mlp.down_proj), mlp.act_fn))
+        attn = base.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scale = attn.scaling
+        self.widths = (q_width, k_width, v_width)
+        self.g_width = g_width
+        self.heads, self.kv_heads = q_width // self.head_dim, k_width // self.head_dim
+        self.num_layers = len(self.layers)
+        self.sliding_window = getattr(model.config, "sliding_window", None) if getattr(
+            model.config, "use_sliding_window", True) else None
+        self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache: StaticCache, start: int):
+        x = self.embed(ids)
+        cos, sin = self.rotary(x, positions)
+        b, s, _ = x.shape
+        hd = self.head_dim
+        for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
+            q, k, v = qkv(ln1(x)).split(self.widths, dim=-1)
+            q = q.view(b, s, -1, hd).transpose(1, 2)
+            k = k.view(b, s, -1, hd).transpose(1, 2)
+            v = v.view(b, s, -1, hd).transpose(1, 2)
+            q, k = self.apply_rotary(q, k, cos, sin)
+            k, v = cache.update(i, start, k, v)
+            x = x + o_proj(self._attend(q, k, v, mask, causal=s > 1, scale=self.scale))
+            g, u = gate_up(ln2(x)).split(self.g_width, dim=-1)
+            x = x + down(act(g) * u)
+        return self.logits(x[:, -1])
+
+
+class GPT2Decoder(FastDecoder):
+    """GPT-2: learned positions, pre-norm LayerNorm blocks, stacked query/key/value."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = model.transformer
+        attn = base.h[0].attn
+        if getattr(attn, "scale_attn_by_inverse_layer_idx", False) or getattr(attn, "reorder_and_upcast_attn", False):
+            raise _NoFastPath("GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn")
+        self.embed, self.positions, self.final_norm = base.wte, base.wpe, base.ln_f
+        self.head = model.lm_head
+        self.layers = [(block.ln_1, proj(block.attn.c_attn), proj(block.attn.c_proj), block.ln_2,
+                        proj(block.mlp.c_fc), proj(block.mlp.c_proj), block.mlp.act) for block in base.h]
+        self.head_dim = attn.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim) if attn.scale_attn_weights else 1.0
+        self.heads = self.layers[0][1].weight.shape[0] // (3 * self.head_dim)
+        self.kv_heads = self.heads
+        self.num_layers = len(self.layers)
+        self.dtype, self.device = base.wte.weight.dtype, base.wte.weight.device
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache: StaticCache, start: int):
+        x = self.embed(ids) + self.positions(positions)
+        b, s, _ = x.shape
+        hd = self.head_dim
+        for i, (ln1, c_attn, c_proj, ln2, c_fc, mlp_proj, act) in enumerate(self.layers):
+            q, k, v = c_attn(ln1(x)).view(b, s, 3, -1, hd).permute(2, 0, 3, 1, 4)
+            k, v = cache.update(i, start, k, v)
+            x = x + c_proj(self._attend(q, k, v, mask, causal=s > 1, scale=self.scale))
+            x = x + mlp_proj(act(c_fc(ln2(x))))
+        return self.logits(x[:, -1])
+
+
+class _NoFastPath(Exception):
+    """The model's variant has no fast decoder; the engine runs its own forward."""
+
+
+_FAMILIES = {"llama": LlamaDecoder, "mistral": LlamaDecoder, "qwen2": LlamaDecoder, "gpt2": GPT2Decoder}
+
+
+def build_decoder(model: nn.Module) -> tuple[FastDecoder | None, str]:
+    """The fast decoder for ``model``, or None and why not."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        return None, f"no fast decoder for model_type {model_type!r} (fast decoders: {sorted(_FAMILIES)})"
+    try:
+        return family(model), ""
+    except _NoFastPath as exc:
+        return None, f"no fast decoder for {exc}"
+

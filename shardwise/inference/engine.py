@@ -1,0 +1,154 @@
+"""``init_inference`` and the engine it returns.
+
+[Note: inference setup order]
+``init_inference`` applies its steps to the model in one order, because each needs the
+previous one:
+1. split it over the tensor group (on the meta device if it was built there, so no rank
+   ever holds the full model);
+2. fill it from the checkpoint, each rank reading only its slices of each tensor;
+3. cast it to the float dtype and move it to the accelerator;
+4. store the linear weights as int8 (``dtype=torch.int8``), after the split, so every
+   rank's scales are those of its own shard;
+5. build the fast decoder (``replace_with_kernel_inject``), which fuses the layers'
+   final weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.config._inference import InferenceConfig, inference_config
+from shardwise.inference._generate import GenerationStats, fast_request, run_fast, run_model_generate
+
+logger = logging.getLogger("shardwise")
+
+
+class InferenceEngine(nn.Module):
+    """A model prepared for inference: call it as the model, ``generate`` as the model.
+
+    Attributes the model has (``config``, ``device``, ``generation_config``...) are read
+    through, so a ``transformers.pipeline`` whose ``model`` is the engine works.
+    """
+
+    def __init__(self, model: nn.Module, config: InferenceConfig, *, comm=None, decoder=None,
+                 int8_report: dict | None = None) -> None:
+        super().__init__()
+        self.module = model
+        self._config = config
+        self._comm = comm
+        self._decoder = decoder
+        self.int8_report = int8_report
+        """``{"layers", "bytes_before", "bytes_after"}`` of the int8 weights, or None."""
+        self.last_generation = GenerationStats()
+        """Timings of the last ``generate`` call (time to first token, tokens per second)."""
+        self._fallback_logged: set[str] = set()
+
+    @property
+    def config(self):  # the model's config, as the model and DeepSpeed's engine give it
+        return getattr(self.module, "config", None)
+
+    @property
+    def inference_config(self) -> InferenceConfig:
+        """The settings this engine was built with."""
+        return self._config
+
+    @property
+    def mp_world_size(self) -> int:
+        """The tensor-parallel degree (DeepSpeed's name)."""
+        return self._comm.world_size if self._comm is not None else 1
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether ``generate`` runs the fast decoder (see [Note: the fast decoder])."""
+        return self._decoder is not None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
+
+    def forward(self, *args, **kwargs):
+        """The model's forward (outputs as the model gives them)."""
+        with torch.inference_mode():
+            return self.module(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """The model's ``generate``: on the fast path when the arguments allow it (see
+        ``_generate.py``), else the model's own. Timings land in ``last_generation``."""
+        max_out = self._config.max_out_tokens
+        if self._decoder is not None:
+            request = fast_request(self.module, args, kwargs)
+            if not isinstance(request, str):
+                out, self.last_generation = run_fast(self._decoder, request, max_out_tokens=max_out)
+                return out
+            if request not in self._fallback_logged:
+                self._fallback_logged.add(request)
+                logger.info("init_inference: generate runs the model's own generate for %s (the fast path serves "
+                            "greedy decoding and sampling with temperature / top_k / top_p)", request)
+        out, self.last_generation = run_model_generate(self.module, args, kwargs, max_out_tokens=max_out)
+        return out
+
+
+def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = None, **kwargs: Any) -> InferenceEngine:
+    """Prepare ``model`` for inference and return the engine (DeepSpeed's call).
+
+    ``config`` (a dict or a JSON file) and keyword arguments take DeepSpeed's inference keys
+    (``dtype``, ``tensor_parallel={"tp_size": N}``, ``replace_with_kernel_inject``,
+    ``checkpoint``, ``injection_policy``, ``max_out_tokens``...); keyword arguments win.
+    The steps are in [Note: inference setup order]. With ``tp_size`` > 1 every rank of
+    the job calls this with the same model and gets its shard; ranks must then be given
+    the same inputs.
+    """
+    from shardwise.accelerator import get_accelerator
+    from shardwise.inference import _sharding
+
+    cfg = inference_config(config, **kwargs)
+    model.eval()
+    model.requires_grad_(False)
+    comm = None
+    if cfg.tp_size > 1 or cfg.tp_group is not None:
+        comm = _sharding.tensor_comm(cfg.tp_size, cfg.tp_group)
+    if comm is not None and comm.world_size > 1:
+        _sharding.shard_model(model, comm, _sharding.inference_policy(model, cfg.injection_policy))
+    device = get_accelerator().device()
+    float_dtype = cfg.dtype if cfg.dtype.is_floating_point else (torch.float16 if device.type == "cuda"
+                                                                 else torch.float32)
+    if cfg.checkpoint is not None:
+        from shardwise.inference._loading import load_checkpoint
+
+        load_checkpoint(model, cfg.checkpoint, base_dir=cfg.base_dir, dtype=float_dtype)
+    _check_materialised(model)
+    model.to(device=device, dtype=float_dtype)
+    int8_report = None
+    if cfg.int8_weights:
+        from shardwise.inference._quant import quantize_linears
+
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        int8_report = quantize_linears(model, dtype=float_dtype, skip=(head,) if head is not None else ())
+    decoder = None
+    if cfg.replace_with_kernel_inject:
+        from shardwise.inference._fast import build_decoder
+
+        decoder, why = build_decoder(model)
+        if decoder is None:
+            logger.warning("init_inference: replace_with_kernel_inject: %s; generation runs the model's own "
+                           "forward (correct, not faster)", why)
+    _sharding.log_placement(model, comm.world_size if comm is not None else 1, cfg.dtype)
+    return InferenceEngine(model, cfg, comm=comm, decoder=decoder, int8_report=int8_report)
+
+
+def _check_materialised(model: nn.Module) -> None:
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"init_inference: the model was built on the meta device and {len(meta)} tensor(s) have no "
+                         f"values ({', '.join(meta[:5])}{'...' if len(meta) > 5 else ''}); pass checkpoint= (a "
+                         "safetensors directory, a checkpoint JSON or a shardwise checkpoint) to fill them")

@@ -1,0 +1,51 @@
+"""Tiny Hugging Face causal LMs from ``transformers`` configs (no downloads), shared by the
+inference tests: heads, key-value heads and vocabulary divide by 4, so tp 1, 2 and 4 all
+split them. Needs ``transformers`` (the ``test`` extra)."""
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "opt", "gpt_neox")
+VOCAB = 128
+
+
+def tiny_lm(family: str, *, seed: int = 0):
+    """A tiny ``family`` model (eval mode), same weights for
+    the same seed on every rank."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":  # grouped-query attention, untied head
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
+                                          **common)
+    elif family == "mistral":
+        config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=8, num_key_value_heads=4, **common)
+    elif family == "qwen2":  # biases on q/k/v
+        config = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=4, **common)
+    elif family == "gpt2":  # Conv1D, stacked q/k/v, tied head
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=8, n_positions=128, **common)
+    elif family == "opt":
+        config = transformers.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=8,
+                                        max_position_embeddings=128, word_embed_proj_dim=64, **common)
+    elif family == "gpt_neox":
+        config = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=8, max_position_embeddings=128, **common)
+    else:
+        raise ValueError(family)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def prompts(*, seed: int = 1):
+    """A batch of one prompt, and a left-padded batch of three (pad id 0)."""
+    g = torch.Generator().manual_seed(seed)
+    single = torch.randint(3, VOCAB, (1, 7), generator=g)
+    batch = torch.randint(3, VOCAB, (3, 9), generator=g)
+    mask = torch.ones_like(batch)
+    mask[0, :4] = 0
+    mask[2, :1] = 0
+    batch[mask == 0] = 0
+    return single, (batch, mask)
