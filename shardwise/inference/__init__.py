@@ -4,9 +4,7 @@ cache, fused projections, SDPA). See [Note: inference setup order] in ``engine.p
 
 from shardwise.config._inference import InferenceConfig
 from shardwise.inference._generate import GenerationStats
+from shardwise.inference.config import DeepSpeedInferenceConfig
 from shardwise.inference.engine import InferenceEngine, init_inference
-
-DeepSpeedInferenceConfig = InferenceConfig
-"""DeepSpeed's name for the inference config."""
 
 __all__ = ["DeepSpeedInferenceConfig", "GenerationStats", "InferenceConfig", "InferenceEngine", "init_inference"]

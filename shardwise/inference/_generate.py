@@ -21,16 +21,16 @@ from dataclasses import dataclass
 import torch
 
 _FAST_KWARGS = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "max_length", "do_sample", "temperature",
-                "top_k", "top_p", "eos_token_id", "pad_token_id", "generation_config", "use_cache"}
+                "top_k", "top_p", "eos_token_id", "pad_token_id", "generation_config", "use_cache",
+                "return_dict_in_generate", "output_scores", "output_logits"}
 _NEUTRAL = {"num_beams": (None, 1), "num_return_sequences": (None, 1), "repetition_penalty": (None, 1.0),
             "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "min_length": (None, 0),
             "min_new_tokens": (None, 0), "bad_words_ids": (None,), "typical_p": (None, 1.0), "min_p": (None,),
             "top_h": (None,), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "suppress_tokens": (None,),
             "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
             "sequence_bias": (None,), "guidance_scale": (None, 1.0), "penalty_alpha": (None,), "stop_strings": (None,),
-            "max_time": (None,), "renormalize_logits": (None, False), "output_scores": (None, False),
-            "output_logits": (None, False), "return_dict_in_generate": (None, False),
-            "exponential_decay_length_penalty": (None,), "watermarking_config": (None,),
+            "max_time": (None,), "renormalize_logits": (None, False), "output_attentions": (None, False),
+            "output_hidden_states": (None, False), "exponential_decay_length_penalty": (None,), "watermarking_config": (None,),
             "force_words_ids": (None,), "constraints": (None,), "prompt_lookup_num_tokens": (None,),
             "assistant_model": (None,), "num_assistant_tokens": (None, 20)}
 """Generation settings the fast loop leaves out, with the values at which they do nothing."""
@@ -73,6 +73,12 @@ class Request:
     warpers: list
     eos: torch.Tensor | None
     pad_token_id: int | None
+    return_dict: bool = False
+    """Return a ``GenerateDecoderOnlyOutput`` (``return_dict_in_generate``)."""
+    keep_scores: bool = False
+    """Keep each step's processed scores (``output_scores``)."""
+    keep_logits: bool = False
+    """Keep each step's raw logits (``output_logits``)."""
 
 
 def fast_request(module, args: tuple, kwargs: dict) -> Request | str:
@@ -110,7 +116,8 @@ def fast_request(module, args: tuple, kwargs: dict) -> Request | str:
         attention_mask = _default_mask(input_ids, pad, eos)
     return Request(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max(new, 0),
                    do_sample=bool(config.do_sample), warpers=_warpers(config) if config.do_sample else [],
-                   eos=eos, pad_token_id=pad)
+                   eos=eos, pad_token_id=pad, return_dict=bool(config.return_dict_in_generate),
+                   keep_scores=bool(config.output_scores), keep_logits=bool(config.output_logits))
 
 
 def _default_mask(input_ids: torch.Tensor, pad: int | None, eos: torch.Tensor | None) -> torch.Tensor | None:
@@ -153,7 +160,7 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
                          "in init_inference")
     stats = GenerationStats(batch_size=batch, prompt_tokens=prompt)
     if request.max_new_tokens == 0:
-        return ids, stats
+        return ids, stats  # as generate does, with no step taken
     mask = request.attention_mask
     padded = mask is not None and not bool(mask.all())
     valid = None
@@ -166,11 +173,16 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
     cache = decoder.new_cache(batch, total)
     unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
     tokens = [ids]
+    kept = {"scores": [], "logits": []}
     with torch.inference_mode():
         logits = decoder.forward(ids, positions, _prefill_mask(valid, prompt, decoder.sliding_window), cache, 0)
         for step in range(request.max_new_tokens):
             sequence = torch.cat(tokens, dim=1) if request.warpers else None
-            token = _choose(logits, request, sequence)
+            token, scores = _choose(logits, request, sequence)
+            if request.keep_logits:
+                kept["logits"].append(logits)
+            if request.keep_scores:
+                kept["scores"].append(scores)
             if request.eos is not None:
                 token = torch.where(unfinished, token, torch.full_like(token, request.pad_token_id))
                 unfinished &= ~torch.isin(token, request.eos)
@@ -190,17 +202,25 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
                 step_mask = _window_mask(length, decoder.sliding_window, ids.device)
             logits = decoder.forward(token[:, None], positions, step_mask, cache, length)
     stats.total_s = time.perf_counter() - start_time
-    return torch.cat(tokens, dim=1), stats
+    sequences = torch.cat(tokens, dim=1)
+    if not request.return_dict:
+        return sequences, stats
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return GenerateDecoderOnlyOutput(sequences=sequences,
+                                     scores=tuple(kept["scores"]) if request.keep_scores else None,
+                                     logits=tuple(kept["logits"]) if request.keep_logits else None), stats
 
 
-def _choose(logits: torch.Tensor, request: Request, sequence: torch.Tensor | None) -> torch.Tensor:
+def _choose(logits: torch.Tensor, request: Request, sequence: torch.Tensor | None):
+    """The next token of every row, and the processed scores it was chosen from."""
     if not request.do_sample:
-        return torch.argmax(logits, dim=-1)
+        return torch.argmax(logits, dim=-1), logits
     scores = logits
     for warper in request.warpers:
         scores = warper(sequence, scores)
     probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, num_samples=1).squeeze(1)
+    return torch.multinomial(probs, num_samples=1).squeeze(1), scores
 
 
 def _prefill_mask(valid: torch.Tensor | None, prompt: int, window: int | None) -> torch.Tensor | None:

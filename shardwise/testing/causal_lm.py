@@ -14,7 +14,9 @@ def tiny_lm(family: str, *, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    # weights 10x larger than the default initialisation, so that the next-token logits are
+    # far apart and a wrong mask or position changes the tokens
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)
     if family == "llama":  # grouped-query attention, untied head
         config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                           num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,

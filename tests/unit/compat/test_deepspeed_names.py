@@ -11,7 +11,10 @@ import pytest
 
 NAMES = {
     "": ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfig",
-         "__version__", "zero", "ops", "comm", "utils", "checkpointing", "moe", "tp_model_init"],
+         "__version__", "zero", "ops", "comm", "utils", "checkpointing", "moe", "tp_model_init", "init_inference",
+         "InferenceEngine"],
+    "inference.config": ["DeepSpeedInferenceConfig"],
+    "inference.engine": ["InferenceEngine"],
     "zero": ["Init", "GatheredParameters", "register_external_parameter"],
     "comm": ["init_distributed", "get_rank", "get_world_size", "get_local_rank", "barrier", "all_reduce",
              "all_gather", "broadcast", "is_initialized", "ReduceOp", "reduce_scatter", "all_gather_into_tensor",
