@@ -59,12 +59,17 @@ class _Proj:
 def _parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(weight [out, in], bias, int8 scale or None)`` of a linear-like layer."""
     quant = int8_parts(module)
-    conv1d = type(module).__name__ == "Conv1D"
+    conv1d = _is_conv1d(module)
     if quant is not None:
         weight, scale = quant
     else:
         weight, scale = module.weight, None
     return (weight.t() if conv1d else weight), module.bias, scale
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's transposed linear (also once parametrized, which subclasses it)."""
+    return any(cls.__name__ == "Conv1D" for cls in type(module).__mro__)
 
 
 def proj(module: nn.Module) -> _Proj:
@@ -79,7 +84,7 @@ def fused_proj(modules: list[nn.Module]) -> tuple[_Proj, list[int]]:
     input), and each one's output width. The layers' weights become views of the fused
     weight (see [Note: the fast decoder])."""
     parts = [_parts(m) for m in modules]
-    if any(type(m).__name__ == "Conv1D" for m in modules) or any(isinstance(m, RowParallelLinear) for m in modules):
+    if any(_is_conv1d(m) for m in modules) or any(isinstance(m, RowParallelLinear) for m in modules):
         raise TypeError("only [out, in] column layers fuse")
     widths = [w.shape[0] for w, _, _ in parts]
     weight = torch.cat([w.detach() for w, _, _ in parts])
