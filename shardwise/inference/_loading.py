@@ -15,7 +15,8 @@ then one pass over the model's tensors by name:
    files through ``torch.load(mmap=True, weights_only=True)`` (values stay on disk until
    touched), a shardwise training checkpoint through its manifest;
 2. each model tensor is matched to a stored name (its own, a ``module.`` or base-model
-   prefix variant, or, for a tied LM head, the input embedding's) and the stored shape
+   prefix variant, the name ``transformers`` renames it from, or, for a tied LM head,
+   the input embedding's) and the stored shape
    is checked against the full shape, all before anything is read;
 3. a split tensor reads, per block, the rows or columns of its index along the split dim
    in the stored layout (``get_slice(name)[..., a:b]``, or ``narrow`` of the mapped
@@ -89,7 +90,7 @@ def load_checkpoint(model: nn.Module, checkpoint, *, base_dir: str = "", dtype: 
             stored shape differs from the model's; a parameter is not in it; or a
             tensor is still on the meta device after loading.
     """
-    stored = _open(checkpoint, base_dir)
+    stored = _with_hf_renames(model, _open(checkpoint, base_dir))
     plan = _plan(model, stored, checkpoint)
     elements = 0
     for slot, key in plan:
@@ -304,6 +305,23 @@ def _slots(model: nn.Module) -> list[_Slot]:
                 slot.names.append(name)
                 slot.places.append((module, attr))
     return list(slots.values())
+
+
+def _with_hf_renames(model: nn.Module, stored: dict[str, _Stored]) -> dict[str, _Stored]:
+    """Also list each stored tensor under the name ``transformers`` 5 renames it to when
+    loading (GPT-NeoX stores ``embed_out``, its model has ``lm_head``). Its converters
+    that merge tensors (stacked experts) are not applied: such a model's parameters are
+    then reported missing."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except Exception as exc:  # transformers 4, or not a transformers model: names as stored
+        logger.debug("init_inference: no transformers key renaming (%s)", exc)
+        return stored
+    renamed = {apply_renamings(key, renamings): entry for key, entry in stored.items()}
+    return {**{k: v for k, v in renamed.items() if k not in stored}, **stored}
 
 
 def _candidates(model: nn.Module, name: str) -> list[str]:

@@ -79,3 +79,85 @@ def test_tensor_parallel_generation_equals_plain_model(tmp_path, world_size):
     reports = run_distributed(_body, world_size=world_size, tmp_path=tmp_path, timeout_s=600)
     fast = {family for (family, inject), (_, on) in reports[0].items() if inject and on}
     assert fast == {"llama", "mistral", "qwen2", "gpt2"}  # the others run their own forward, split
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc_in = torch.nn.Linear(16, 32)
+        self.fc_out = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(x)))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _llama(**overrides):
+    import transformers
+
+    torch.manual_seed(0)
+    options = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=128)
+    options.update(overrides)
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**options))
+
+
+def _policy_int8_and_errors_body(rank, world_size):
+    import shardwise
+
+    # injection_policy on a model no built-in policy knows: fc_out reduced, fc_in split
+    reference = _Net()
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
+                                      tensor_parallel={"tp_size": 2}, injection_policy={_Block: ("fc_out",)})
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(engine(x), reference(x), rtol=0, atol=1e-5)
+    held = engine.module.blocks[0]
+    assert torch.equal(held.fc_in.weight, reference.blocks[0].fc_in.weight.chunk(2, dim=0)[rank])
+    assert torch.equal(held.fc_out.weight, reference.blocks[0].fc_out.weight.chunk(2, dim=1)[rank])
+    errors = {}
+    for name, build, kwargs in (
+            ("no policy", _Net, {}),
+            ("policy names no class", _Net, {"injection_policy": {"Nope": ("fc_out",)}}),
+            ("heads", lambda: _llama(num_attention_heads=3, num_key_value_heads=3), {}),
+            ("kv heads", lambda: _llama(num_key_value_heads=1), {}),
+            ("vocab", lambda: _llama(vocab_size=127), {})):
+        try:
+            shardwise.init_inference(build(), dtype=torch.float32, tensor_parallel={"tp_size": 2}, **kwargs)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    # int8 shards: each rank quantises its own slice
+    reference = tiny_lm("llama")
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.int8, replace_with_kernel_inject=True,
+                                      tensor_parallel={"tp_size": 2})
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(ids).logits
+    got = engine(ids).logits
+    int8 = ((got - want).abs().max().item() / want.abs().max().item(),
+            (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+            engine.module.model.layers[0].self_attn.q_proj.parametrizations.weight.original.shape)
+    return errors, int8
+
+
+def test_injection_policy_int8_and_bad_splits_on_two_ranks(tmp_path):
+    errors, int8 = run_distributed(_policy_int8_and_errors_body, world_size=2, tmp_path=tmp_path, timeout_s=300)[0]
+    assert "no tensor-parallel policy for _Net" in errors["no policy"] and "_Block" in errors["no policy"]
+    assert "injection_policy=" in errors["no policy"]
+    assert "no module of those classes" in errors["policy names no class"]
+    assert "does not divide the attention heads (num_attention_heads) = 3" in errors["heads"]
+    assert "does not divide the key-value heads (num_key_value_heads) = 1" in errors["kv heads"]
+    assert "does not divide the vocabulary (vocab_size) = 127" in errors["vocab"]
+    relative_error, top1, shard_shape = int8
+    assert relative_error <= 0.1 and top1 >= 0.9
+    assert tuple(shard_shape) == (32, 64)  # half of q_proj's 64 output rows, stored as int8

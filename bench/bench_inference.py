@@ -1,0 +1,483 @@
+"""Greedy decoding speed on CPU: plain Hugging Face ``generate`` against DeepSpeed's
+``init_inference`` and shardwise's, in one run (issue 19).
+
+A Llama built from ``transformers.LlamaConfig`` (no downloads; every process builds it from
+``torch.manual_seed(0)``, so every row has the same weights) decodes random-token prompts
+greedily, fp32, no end-of-sequence stop (``eos_token_id=None`` in the model's config and
+generation config, and every row is checked to add exactly ``--new-tokens`` tokens)::
+
+    python bench/bench_inference.py --out bench/results/<date>-cpu-inference.md
+    python bench/bench_inference.py --quick          # a smoke run (about a minute)
+
+Two model sizes (``--configs``): ``large`` (hidden 512, 8 layers, 8 heads / 4 kv heads,
+intermediate 1408, vocab 32000, 56.5M parameters: a decode step is bound by reading the
+weights) and ``small`` (hidden 256, 4 layers, 4 / 2 heads, intermediate 704, vocab 8000,
+7.3M parameters: bound by per-step overhead).
+
+Rows (``--rows``), each a fresh process (DeepSpeed's in its own interpreter,
+``--peer-python``), warmed up with one generation per batch size before the timed runs:
+
+- ``hf``: ``model.generate`` (the baseline; run first and again last, ``hf-again``, to show
+  the noise).
+- ``deepspeed``: ``deepspeed.init_inference(model, dtype=torch.float32,
+  replace_with_kernel_inject=False)``, then ``engine.generate``.
+- ``deepspeed-inject``: the same with ``replace_with_kernel_inject=True``.
+- ``shardwise-inject``: ``shardwise.init_inference(..., replace_with_kernel_inject=True)``
+  (the fast decoder).
+- ``shardwise``: ``replace_with_kernel_inject=False`` (the model's own ``generate``).
+- ``shardwise-inject-tp2``: ``tensor_parallel={"tp_size": 2}``, 2 processes
+  (``torch.distributed.run``, gloo) with 1 thread each; rank 0's times.
+- ``shardwise-int8-inject``: ``dtype=torch.int8`` with kernel inject; also the int8 weight
+  bytes (``engine.int8_report``) and the logit error against the fp32 model on a
+  teacher-forced batch of random tokens.
+
+Single-process rows use ``torch.set_num_threads(--threads)`` (2). Time to first token:
+shardwise's ``engine.last_generation``; Hugging Face and DeepSpeed through a streamer that
+notes the first new token. Total time: ``time.perf_counter`` around the ``generate`` call.
+``--profile`` adds a torch.profiler table per batch size for ``hf`` and
+``shardwise-inject``; the ``shardwise-inject`` row always also times the decode step's
+linear layers alone (the matmul floor) to show the per-step overhead around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "large": dict(vocab=32000, hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),
+    "small": dict(vocab=8000, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704),
+}
+ROWS = ["hf", "deepspeed", "deepspeed-inject", "shardwise-inject", "shardwise", "shardwise-inject-tp2",
+        "shardwise-int8-inject", "hf-again"]
+GOAL = 0.7
+"""Issue 19: at tp 1, total generation time <= 0.7x plain generate's and DeepSpeed's."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except OSError:
+        return float("nan")
+
+
+# -- the model --------------------------------------------------------------------------------
+
+def build_model(cfg: dict, max_positions: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
+        max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None  # never stop early: every row adds exactly --new-tokens
+    model.generation_config.pad_token_id = None
+    model.generation_config.bos_token_id = None
+    return model.eval()
+
+
+def prompts(cfg: dict, batch: int, length: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(1000 + batch)
+    return torch.randint(0, cfg["vocab"], (batch, length), generator=generator)
+
+
+class FirstToken:
+    """A ``generate`` streamer: notes when the first new token arrives (its first ``put``
+    carries the prompt)."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.calls, self.first = start, 0, float("nan")
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
+# -- worker: one row, every batch size --------------------------------------------------------
+
+def _setup(args):
+    """(generate function, engine or None, extra info) for the worker's row."""
+    import torch
+
+    row = args.row.removesuffix("-again")
+    cfg = CONFIGS[args.config]
+    model = build_model(cfg, args.prompt_len + args.new_tokens + 8)
+    info = {"params": sum(p.numel() for p in model.parameters()),
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    if row == "hf":
+        return model, None, info
+    if row.startswith("deepspeed"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine = deepspeed.init_inference(model, dtype=torch.float32,
+                                          replace_with_kernel_inject=row == "deepspeed-inject")
+        return engine, None, info
+    import shardwise
+
+    kwargs = {"dtype": torch.int8 if "int8" in row else torch.float32,
+              "replace_with_kernel_inject": "inject" in row, "max_out_tokens": args.prompt_len + args.new_tokens}
+    if row.endswith("tp2"):
+        kwargs["tensor_parallel"] = {"tp_size": 2}
+    reference = None
+    if "int8" in row:
+        seq = prompts(cfg, 4, args.prompt_len + args.new_tokens)
+        with torch.inference_mode():
+            reference = model(seq).logits.float()
+    engine = shardwise.init_inference(model, **kwargs)
+    info["fast_path"] = engine.fast_path
+    if reference is not None:
+        with torch.inference_mode():
+            logits = engine(seq).logits.float()
+        err = (logits - reference).abs()
+        info["int8"] = {**engine.int8_report, "max_abs_err": err.max().item(), "mean_abs_err": err.mean().item(),
+                        "ref_max_abs": reference.abs().max().item(), "ref_std": reference.std().item(),
+                        "top1_match": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+                        "positions": int(reference.shape[0] * reference.shape[1])}
+    return engine, engine, info
+
+
+def _generate(target, shardwise_engine, ids, new_tokens: int, barrier) -> dict:
+    import torch
+
+    mask = torch.ones_like(ids)
+    barrier()
+    start = time.perf_counter()
+    if shardwise_engine is not None:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+        total = time.perf_counter() - start
+        stats = shardwise_engine.last_generation
+        ttft, inner = stats.time_to_first_token_s, stats.total_s
+    else:
+        clock = FirstToken(start)
+        with torch.inference_mode():
+            out = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                  streamer=clock)
+        total = time.perf_counter() - start
+        ttft, inner = clock.first, total
+    added = out.shape[1] - ids.shape[1]
+    if added != new_tokens:
+        raise RuntimeError(f"{added} new tokens, expected {new_tokens}")
+    return {"total_s": total, "ttft_s": ttft, "inner_s": inner, "tokens": out[:, ids.shape[1]:].tolist()}
+
+
+def _matmul_floor(decoder, batch: int, reps: int) -> float:
+    """Seconds per decode step spent in the fast decoder's linear layers alone (the same
+    weights and input shapes, nothing around them): the floor its step time approaches."""
+    import torch
+    import torch.nn.functional as F
+
+    weights = [p.weight for layer in decoder.layers for p in (layer[1], layer[2], layer[4], layer[5])]
+    weights.append(decoder.head.weight)
+    inputs = {w.shape[1]: torch.randn(batch, 1, w.shape[1]) for w in weights}
+    times = []
+    with torch.inference_mode():
+        for i in range(reps + 3):
+            start = time.perf_counter()
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _profile(target, shardwise_engine, ids, new_tokens: int, rows: int) -> dict:
+    """One generation under torch.profiler: the top ops, and the self CPU time per decode
+    step of the matmuls, attention and everything else."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        wall = _generate(target, shardwise_engine, ids, new_tokens, lambda: None)["total_s"]
+    events = prof.key_averages()
+    table = events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=50)
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
+    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
+    total = sum(e.self_cpu_time_total for e in events)
+    calls = sum(e.count for e in events if e.key.startswith("aten::"))
+    return {"table": table, "wall_ms_per_step": 1000 * wall / new_tokens,
+            "matmul_ms_per_step": matmul / 1000 / new_tokens, "attention_ms_per_step": attention / 1000 / new_tokens,
+            "other_ms_per_step": (total - matmul - attention) / 1000 / new_tokens,
+            "aten_calls_per_step": calls / new_tokens}
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    tp2 = args.row.endswith("tp2")
+    target, engine, info = _setup(args)
+    rank = 0
+    barrier = lambda: None  # noqa: E731
+    if tp2:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        barrier = dist.barrier
+    cfg = CONFIGS[args.config]
+    result = {"info": info, "threads": torch.get_num_threads(), "batches": {}}
+    for batch in args.batches:
+        ids = prompts(cfg, batch, args.prompt_len)
+        _generate(target, engine, ids, args.new_tokens, barrier)  # warm-up
+        runs = [_generate(target, engine, ids, args.new_tokens, barrier) for _ in range(args.repeats)]
+        entry = {"runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs], "tokens": runs[0]["tokens"]}
+        if args.row == "shardwise-inject":
+            entry["floor_s"] = _matmul_floor(engine._decoder, batch, 50)
+        if args.profile and args.row in ("hf", "shardwise-inject"):
+            entry["profile"] = _profile(target, engine, ids, min(args.new_tokens, 32), args.profile_rows)
+        result["batches"][str(batch)] = entry
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(result))
+    if tp2:
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: gloo threads sometimes abort it after a clean run
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+def run_row(args, config: str, row: str) -> dict:
+    deepspeed = row.startswith("deepspeed")
+    python = args.peer_python if deepspeed else sys.executable
+    if not Path(python).exists():
+        return {"error": f"skipped: interpreter {python} not found (see bench/README.md)"}
+    tp2 = row.endswith("tp2")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        port = _free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1" if tp2 else str(args.threads), "DS_ACCELERATOR": "cpu",
+               "SHARDWISE_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+        if not tp2:  # a world of one for DeepSpeed's init_distributed (shardwise needs none at tp 1)
+            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        worker_args = [__file__, "--worker", "--row", row, "--config", config, "--result", str(result),
+                       "--threads", "1" if tp2 else str(args.threads), "--batches", ",".join(map(str, args.batches)),
+                       "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
+                       "--repeats", str(args.repeats), "--profile-rows", str(args.profile_rows)] \
+            + (["--profile"] if args.profile else [])
+        if tp2:
+            cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                   "--master_port", str(port)] + worker_args
+        else:
+            cmd = [python] + worker_args
+        load = _loadavg()
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {args.timeout:.0f} s"}
+        wall = time.perf_counter() - started
+        if proc.returncode != 0 or not result.exists():
+            lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+            return {"error": (errors[-1] if errors else lines[-1] if lines else f"exit {proc.returncode}")[:300]}
+        out = json.loads(result.read_text())
+    out.update(wall_s=wall, load=(load, _loadavg()))
+    return out
+
+
+def _versions(peer_python: str) -> dict:
+    import torch
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if Path(peer_python).exists():
+        out = subprocess.run([peer_python, "-c", "import deepspeed, torch, transformers; "
+                              "print(deepspeed.__version__, torch.__version__, transformers.__version__)"],
+                             capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        last = out.stdout.strip().splitlines()[-1].split() if out.returncode == 0 and out.stdout.strip() else None
+        versions["deepspeed"] = "{} (torch {}, transformers {} in {})".format(*last, peer_python) if last \
+            else f"unavailable ({peer_python} could not import it)"
+    else:
+        versions["deepspeed"] = f"not installed ({peer_python} missing)"
+    return versions
+
+
+def _cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _med(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def _first_divergence(a: list[list[int]], b: list[list[int]]) -> str:
+    """'all' when the token lists are equal, else the first step at which any row differs."""
+    if a == b:
+        return "all"
+    steps = [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)]
+    return f"first {min(steps)}"
+
+
+def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str, list[str]]:
+    """The markdown tables and the goal lines."""
+    lines, goals = [], []
+    for config, rows in results.items():
+        cfg = CONFIGS[config]
+        params = next((r["info"]["params"] for r in rows.values() if "info" in r), 0)
+        lines += [f"### {config}: hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} heads / "
+                  f"{cfg['kv_heads']} kv heads, intermediate {cfg['intermediate']}, vocab {cfg['vocab']} "
+                  f"({params / 1e6:.1f}M parameters, {4 * params / 2 ** 20:.0f} MiB fp32)", ""]
+        for batch in map(str, args.batches):
+            base = rows.get("hf", {}).get("batches", {}).get(batch)
+            base_t = _med([r["total_s"] for r in base["runs"]]) if base else float("nan")
+            ds = rows.get("deepspeed", {}).get("batches", {}).get(batch)
+            ds_t = _med([r["total_s"] for r in ds["runs"]]) if ds else float("nan")
+            lines += [f"Batch {batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, median of "
+                      f"{args.repeats} timed runs after 1 warm-up:", "",
+                      "| row | processes x threads | time to first token ms | tokens/s | ms per decode step | "
+                      "total s (min-max) | vs hf | vs deepspeed | tokens equal to hf's | load avg |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for row, out in rows.items():
+                if "error" in out:
+                    lines.append(f"| {row} | | error: {out['error']} | | | | | | | |")
+                    continue
+                entry = out["batches"][batch]
+                totals = [r["total_s"] for r in entry["runs"]]
+                total, ttft = _med(totals), _med([r["ttft_s"] for r in entry["runs"]])
+                step = (total - ttft) / (args.new_tokens - 1) if args.new_tokens > 1 else float("nan")
+                procs = "2 x 1" if row.endswith("tp2") else f"1 x {out['threads']}"
+                same = _first_divergence(entry["tokens"], base["tokens"]) if base else "-"
+                if same.startswith("first"):
+                    same += " steps"
+                lines.append(
+                    f"| {row} | {procs} | {1000 * ttft:.1f} | {int(batch) * args.new_tokens / total:.1f} | "
+                    f"{1000 * step:.2f} | {total:.3f} ({min(totals):.3f}-{max(totals):.3f}) | {total / base_t:.2f} | "
+                    f"{total / ds_t:.2f} | {same} | {out['load'][0]:.1f}-{out['load'][1]:.1f} |")
+            lines.append("")
+            sw = rows.get("shardwise-inject", {}).get("batches", {}).get(batch)
+            if sw:
+                t = _med([r["total_s"] for r in sw["runs"]])
+                verdict = lambda r: ("met" if r <= GOAL else "NOT met") + f" ({r:.2f}x)"  # noqa: E731
+                goal = (f"{config}, batch {batch}: shardwise-inject tp 1 vs plain generate "
+                        f"{verdict(t / base_t) if base else 'no baseline'}; vs DeepSpeed "
+                        f"{verdict(t / ds_t) if ds else 'no DeepSpeed row'}")
+                goals.append(goal)
+                if "floor_s" in sw:
+                    ttft = _med([r["ttft_s"] for r in sw["runs"]])
+                    step = (t - ttft) / max(args.new_tokens - 1, 1)
+                    lines += [f"shardwise-inject decode step {1000 * step:.2f} ms; its linear layers alone (same "
+                              f"weights and shapes, timed apart) {1000 * sw['floor_s']:.2f} ms; the rest "
+                              f"{1000 * (step - sw['floor_s']):.2f} ms per step.", ""]
+        int8 = rows.get("shardwise-int8-inject", {}).get("info", {}).get("int8")
+        if int8:
+            lines += [f"int8 (shardwise-int8-inject): {int8['layers']} linear layers (LM head kept fp32), weights "
+                      f"{int8['bytes_before'] / 2 ** 20:.1f} MiB -> {int8['bytes_after'] / 2 ** 20:.1f} MiB (saved "
+                      f"{(int8['bytes_before'] - int8['bytes_after']) / 2 ** 20:.1f} MiB, "
+                      f"{(int8['bytes_before'] - int8['bytes_after']) / (4 * params):.0%} of the fp32 model). "
+                      f"Logits vs fp32 over {int8['positions']} teacher-forced positions (4 rows of random "
+                      f"tokens): max abs error {int8['max_abs_err']:.4f}, mean {int8['mean_abs_err']:.5f} (fp32 "
+                      f"logits: max abs {int8['ref_max_abs']:.3f}, std {int8['ref_std']:.3f}); top-1 token equal "
+                      f"at {int8['top1_match']:.1%} of positions.", ""]
+        for row in ("hf", "shardwise-inject"):
+            for batch in map(str, args.batches):
+                prof = rows.get(row, {}).get("batches", {}).get(batch, {}).get("profile")
+                if prof:
+                    lines += [f"Profile of {row}, batch {batch}, {min(args.new_tokens, 32)} new tokens "
+                              f"(self CPU time per generated token, under the profiler): wall "
+                              f"{prof['wall_ms_per_step']:.2f} ms, matmuls (mm/addmm/bmm) "
+                              f"{prof['matmul_ms_per_step']:.2f} ms, attention {prof['attention_ms_per_step']:.2f} ms, "
+                              f"everything else {prof['other_ms_per_step']:.2f} ms; "
+                              f"{prof['aten_calls_per_step']:.0f} aten calls per token", "", "```",
+                              prof["table"].rstrip(), "```", ""]
+    return "\n".join(lines), goals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="large,small", help=f"of {sorted(CONFIGS)}")
+    parser.add_argument("--rows", default=",".join(ROWS), help="rows in the order run; a row named <row>-again "
+                                                               "runs <row> again (the noise)")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (median reported)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of single-process rows")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16 new tokens, 1 timed run")
+    parser.add_argument("--peer-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"),
+                        help="interpreter with deepspeed (and transformers) installed")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler tables of hf and shardwise-inject")
+    parser.add_argument("--profile-rows", type=int, default=15)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", default=None, help="also write the report to this markdown file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.new_tokens, args.repeats = 16, 1
+    started = time.perf_counter()
+    results: dict[str, dict[str, dict]] = {}
+    for config in args.configs.split(","):
+        results[config] = {}
+        for row in args.rows.split(","):
+            print(f"{config}: {row} ...", file=sys.stderr, flush=True)
+            out = run_row(args, config, row)
+            results[config][row] = out
+            if "error" in out:
+                print(f"  {out['error']}", file=sys.stderr, flush=True)
+            else:
+                print("  " + "; ".join(f"batch {b}: {_med([r['total_s'] for r in e['runs']]):.3f} s"
+                                       for b, e in out["batches"].items()) + f" (process {out['wall_s']:.0f} s)",
+                      file=sys.stderr, flush=True)
+    wall = time.perf_counter() - started
+    versions = _versions(args.peer_python)
+    tables, goals = report(args, results, wall)
+    command = "python bench/bench_inference.py " + " ".join(sys.argv[1:])
+    text = "\n".join([
+        "# Greedy decoding on CPU: plain generate, DeepSpeed init_inference, shardwise init_inference", "",
+        f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | torch {versions['torch']}, transformers "
+        f"{versions['transformers']} | deepspeed {versions['deepspeed']} | fp32", "",
+        f"Command: `{command}`", "",
+        f"Random-token prompts of {args.prompt_len}, greedy, {args.new_tokens} new tokens forced (no eos), "
+        f"`torch.manual_seed(0)` weights; each row a fresh process; 1 warm-up generation per batch size, then "
+        f"{args.repeats} timed. tokens/s = batch x new tokens / total time; ms per decode step = (total - time to "
+        f"first token) / (new tokens - 1).", "",
+        tables, "## Goal (issue 19): total generation time at tp 1 <= 0.7x plain generate and <= 0.7x DeepSpeed", "",
+        *[f"- {g}" for g in goals], "", f"wall time of the benchmark: {wall:.0f} s", ""])
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
