@@ -51,7 +51,7 @@ class InferenceConfig:
     replace_with_kernel_inject: bool = False
     """The fast path: static KV cache, fused projections, SDPA, a compiled decode step."""
     enable_cuda_graph: bool = False
-    """Capture the decode step in a CUDA graph (GPU only; needs kernel injection)."""
+    """DeepSpeed's CUDA-graph capture of the decode step; refused when true (not built)."""
     injection_policy: dict | None = None
     """Module class (or its name) -> names of the linear layers whose outputs are reduced
     (row-parallel); the other linear layers of those modules are split by columns."""
@@ -172,10 +172,10 @@ def _refuse_unsupported(values: dict) -> None:
     if values.get("save_mp_checkpoint_path"):
         raise ConfigError("save_mp_checkpoint_path: saving the tensor-parallel shards is not available; load "
                           "from the original checkpoint on every start (each rank reads only its slices)")
-    if values.get("enable_cuda_graph") and not values.get("replace_with_kernel_inject",
-                                                          values.get("kernel_inject", False)):
-        raise ConfigError("enable_cuda_graph needs replace_with_kernel_inject=True (the graph captures the "
-                          "fast path's decode step)")
+    if values.get("enable_cuda_graph"):
+        raise ConfigError("enable_cuda_graph: capturing the decode step in a CUDA graph is not available in this "
+                          "version of shardwise; remove it (replace_with_kernel_inject=True runs the fast path "
+                          "without a graph)")
 
 
 def _dtype(value: Any) -> torch.dtype:
