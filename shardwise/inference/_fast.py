@@ -165,7 +165,7 @@ class LlamaDecoder(FastDecoder):
 
     def __init__(self, model: nn.Module) -> None:
         base = model.model
-        self.embed, self.final_norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.embed, self.final_norm, self.rotary = base.embed_tokens, _rms_norm(base.norm), base.rotary_emb
         self.head = model.lm_head
         self.apply_rotary = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.layers = []
@@ -173,8 +173,8 @@ class LlamaDecoder(FastDecoder):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, (q_width, k_width, v_width) = fused_proj([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up, (g_width, _) = fused_proj([mlp.gate_proj, mlp.up_proj])
-            self.layers.append((layer.input_layernorm, qkv, proj(attn.o_proj), layer.post_attention_layernorm,
-                                gate_up, proj(mlp.down_proj), mlp.act_fn))
+            self.layers.append((_rms_norm(layer.input_layernorm), qkv, proj(attn.o_proj),
+                                _rms_norm(layer.post_attention_layernorm), gate_up, proj(mlp.down_proj), mlp.act_fn))
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
@@ -186,9 +186,16 @@ class LlamaDecoder(FastDecoder):
             model.config, "use_sliding_window", True) else None
         self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
 
+    def new_cache(self, batch: int, length: int) -> StaticCache:
+        cache = super().new_cache(batch, length)
+        # the rotary table of every position the generation can reach, computed once
+        probe = torch.empty(1, length, self.head_dim, dtype=self.dtype, device=self.device)
+        cache.rotary = self.rotary(probe, torch.arange(length, device=self.device)[None])
+        return cache
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache: StaticCache, start: int):
         x = self.embed(ids)
-        cos, sin = self.rotary(x, positions)
+        cos, sin = (table[0, positions] for table in cache.rotary)
         b, s, _ = x.shape
         hd = self.head_dim
         for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
@@ -233,6 +240,16 @@ class GPT2Decoder(FastDecoder):
             x = x + c_proj(self._attend(q, k, v, mask, causal=s > 1, scale=self.scale))
             x = x + mlp_proj(act(c_fc(ln2(x))))
         return self.logits(x[:, -1])
+
+
+def _rms_norm(norm: nn.Module):
+    """Hugging Face's RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``) as one fused call in
+    float32; other dtypes (whose Hugging Face version rounds in between) keep the module."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or norm.weight.dtype != torch.float32 or not type(norm).__name__.endswith("RMSNorm"):
+        return norm
+    shape = tuple(norm.weight.shape)
+    return lambda x: F.rms_norm(x, shape, norm.weight, eps)
 
 
 class _NoFastPath(Exception):

@@ -30,13 +30,24 @@ def _meta(reference):
 
 
 def _assert_same_model(engine, reference) -> None:
+    """The engine's logits equal the reference's (1e-6) and its greedy tokens are the same
+    (the reference's outputs are computed once per reference)."""
+    want_logits, want_tokens = _outputs(reference)
     single, (batch, mask) = prompts()
-    with torch.no_grad():
-        want = reference(batch, attention_mask=mask).logits
-    torch.testing.assert_close(engine(batch, attention_mask=mask).logits, want, rtol=0, atol=1e-6)
-    for ids, kwargs in ((single, {}), (batch, {"attention_mask": mask})):
-        want = reference.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+    torch.testing.assert_close(engine(batch, attention_mask=mask).logits, want_logits, rtol=0, atol=1e-6)
+    for (ids, kwargs), want in zip(((single, {}), (batch, {"attention_mask": mask})), want_tokens):
         assert torch.equal(engine.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs), want)
+
+
+def _outputs(reference):
+    if not hasattr(reference, "_expected_outputs"):
+        single, (batch, mask) = prompts()
+        with torch.no_grad():
+            logits = reference(batch, attention_mask=mask).logits
+        tokens = [reference.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+                  for ids, kwargs in ((single, {}), (batch, {"attention_mask": mask}))]
+        reference._expected_outputs = (logits, tokens)
+    return reference._expected_outputs
 
 
 def _load(reference, checkpoint, **kwargs):
@@ -150,18 +161,19 @@ def training_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_shardwise_training_checkpoint(training_checkpoints, family):
-    from shardwise.checkpoint.layout import consolidate, consolidated_sources
+    from shardwise.checkpoint.layout import consolidate
 
     save_dir = training_checkpoints / family
+    tag = (save_dir / "latest").read_text().strip()
     reference = tiny_lm(family)
     reference.load_state_dict(consolidate(save_dir))  # fp32 masters where the run kept them
-    stored = consolidated_sources(save_dir)
-    if family == "llama":  # bf16 run: the masters, not the rounded module weights, were loaded
-        assert any(not torch.equal(t, stored[k].float()) for k, t in reference.state_dict().items())
+    module = safetensors.torch.load_file(str(save_dir / tag / "model.safetensors"))
+    if family == "llama":  # bf16 run: loading must take the masters, not the rounded module weights
+        assert module["lm_head.weight"].dtype == torch.bfloat16
+        assert not torch.equal(reference.lm_head.weight, module["lm_head.weight"].float())
     else:
         assert all(torch.equal(t, tiny_lm(family).state_dict()[k]) for k, t in reference.state_dict().items())
     _assert_same_model(_load(reference, save_dir), reference)  # the tag named by "latest"
-    tag = (save_dir / "latest").read_text().strip()
     _assert_same_model(_load(reference, str(save_dir / tag)), reference)  # the tag directory itself
 
 
