@@ -35,8 +35,9 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -109,7 +110,7 @@ def _open(checkpoint, base_dir: str) -> dict[str, _Stored]:
     if isinstance(checkpoint, dict):
         return _open_json(checkpoint, Path(base_dir or "."), "the checkpoint dict")
     if not isinstance(checkpoint, (str, os.PathLike)):
-        raise ValueError(f"checkpoint must be a path or DeepSpeed's checkpoint dict, got {type(checkpoint).__name__}")
+        raise TypeError(f"checkpoint must be a path or DeepSpeed's checkpoint dict, got {type(checkpoint).__name__}")
     path = Path(checkpoint)
     if not path.exists():
         raise ValueError(f"checkpoint {str(path)!r} does not exist; check the path given as checkpoint=")

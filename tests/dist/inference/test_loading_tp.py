@@ -7,6 +7,7 @@ its Conv1D transposed, its tied head by vocabulary), and each rank read from the
 exactly the replicated tensors plus half of the split ones."""
 
 import copy
+import functools
 
 import torch
 
@@ -45,6 +46,10 @@ class _CountingSlice:
 
     def __getitem__(self, index):
         return self._owner._count(self._sliced[index])
+
+
+def _counting_open(plain_open, read: list[int], *args, **kwargs) -> _CountingFile:
+    return _CountingFile(plain_open(*args, **kwargs), read)
 
 
 def _expected_elements(reference, engine, tp: int) -> tuple[int, int]:
@@ -95,7 +100,7 @@ def _body(rank, world_size, root):
             meta = transformers.AutoModelForCausalLM.from_config(reference.config)
         read = [0]
         plain_open = _loading.safe_open
-        _loading.safe_open = lambda *a, **k: _CountingFile(plain_open(*a, **k), read)
+        _loading.safe_open = functools.partial(_counting_open, plain_open, read)
         try:
             engine = shardwise.init_inference(meta, dtype=torch.float32, tensor_parallel={"tp_size": world_size},
                                               checkpoint=path)

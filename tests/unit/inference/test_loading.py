@@ -9,6 +9,7 @@ case (each rank reads its slices) is ``tests/dist/inference/test_loading_tp.py``
 
 import copy
 import json
+import weakref
 
 import pytest
 import safetensors.torch
@@ -35,19 +36,22 @@ def _assert_same_model(engine, reference) -> None:
     want_logits, want_tokens = _outputs(reference)
     single, (batch, mask) = prompts()
     torch.testing.assert_close(engine(batch, attention_mask=mask).logits, want_logits, rtol=0, atol=1e-6)
-    for (ids, kwargs), want in zip(((single, {}), (batch, {"attention_mask": mask})), want_tokens):
+    for (ids, kwargs), want in zip(((single, {}), (batch, {"attention_mask": mask})), want_tokens, strict=True):
         assert torch.equal(engine.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs), want)
 
 
+_EXPECTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _outputs(reference):
-    if not hasattr(reference, "_expected_outputs"):
+    if reference not in _EXPECTED:
         single, (batch, mask) = prompts()
         with torch.no_grad():
             logits = reference(batch, attention_mask=mask).logits
         tokens = [reference.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
                   for ids, kwargs in ((single, {}), (batch, {"attention_mask": mask}))]
-        reference._expected_outputs = (logits, tokens)
-    return reference._expected_outputs
+        _EXPECTED[reference] = (logits, tokens)
+    return _EXPECTED[reference]
 
 
 def _load(reference, checkpoint, **kwargs):
