@@ -147,16 +147,35 @@ def wait_until_idle(threshold: float, timeout: float) -> float:
     return time.monotonic() - start
 
 
+def _process_seconds(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` (all their threads) have used."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class _Group:
-    """Rank 0 decides (waits for idle CPUs, judges contention); the tp2 ranks follow."""
+    """The row's processes (1, or the 2 tensor-parallel ranks). Rank 0 decides (waits for
+    idle CPUs, judges contention); the others follow."""
 
     def __init__(self, distributed: bool) -> None:
         self.distributed = distributed
         self.rank = 0
+        self.pids = [os.getpid()]
         if distributed:
             import torch.distributed as dist
 
             self.rank = dist.get_rank()
+            self.pids = [None] * dist.get_world_size()
+            dist.all_gather_object(self.pids, os.getpid())
+
+    def cpu_seconds(self) -> float:
+        try:
+            return _process_seconds(self.pids)
+        except (OSError, IndexError, ValueError):
+            return float("nan")
 
     def barrier(self) -> None:
         if self.distributed:
@@ -175,21 +194,30 @@ class _Group:
 
 
 def timed_generate(args, group: _Group, target, engine, ids, new_tokens: int) -> dict:
-    """One generation, run when the CPUs are idle and repeated (``--retries``) while some
-    task waited for a CPU more than ``--max-stall`` of its time (CPU pressure): with two
-    compute threads on two cores, any other process makes every parallel op wait for it."""
+    """One generation, started when the CPUs are idle and repeated (``--retries``) while
+    other processes took more than ``--max-other`` of the CPUs during it, or (one-process
+    rows) some task waited for a CPU more than ``--max-stall`` of its time (Linux CPU
+    pressure): with two compute threads on two cores, any other process makes every
+    parallel op wait for it. The tensor-parallel rows are judged by the first test alone:
+    their own two processes and gloo's threads already fill both cores."""
     for attempt in range(args.retries + 1):
         waited = wait_until_idle(args.idle_threshold, args.idle_timeout) if group.rank == 0 else 0.0
         group.barrier()
-        stalled, start = _stalled_seconds(), time.perf_counter()
+        busy, own, stalled = _machine_busy_seconds(), group.cpu_seconds(), _stalled_seconds()
+        start = time.perf_counter()
         result = _generate(target, engine, ids, new_tokens)
-        stall = (_stalled_seconds() - stalled) / (time.perf_counter() - start)
-        retry = group.decide(bool(stall > args.max_stall) and attempt < args.retries)
+        elapsed = time.perf_counter() - start
+        stall = (_stalled_seconds() - stalled) / elapsed
+        # /proc/stat counts 10 ms ticks: at least 0.5 s in the denominator
+        other = max((_machine_busy_seconds() - busy - (group.cpu_seconds() - own)) / (max(elapsed, 0.5)
+                                                                                     * os.cpu_count()), 0.0)
+        contended = other > args.max_other or (not group.distributed and stall > args.max_stall)
+        retry = group.decide(bool(contended) and attempt < args.retries)
         if not retry:
-            return {**result, "stall": stall, "attempts": attempt + 1, "waited_s": waited}
+            return {**result, "stall": stall, "other": other, "attempts": attempt + 1, "waited_s": waited}
         if group.rank == 0:
-            print(f"  [{args.config} {args.row}] batch {ids.shape[0]}: CPU stall {stall:.0%} of the run, "
-                  "repeating it", file=sys.stderr, flush=True)
+            print(f"  [{args.config} {args.row}] batch {ids.shape[0]}: other processes {other:.0%} of the CPUs, "
+                  f"CPU stall {stall:.0%} of the run; repeating it", file=sys.stderr, flush=True)
     raise AssertionError("unreachable")
 
 
@@ -349,7 +377,8 @@ def run_row(args, config: str, row: str) -> dict:
                        "--threads", "1" if tp2 else str(args.threads), "--batches", ",".join(map(str, args.batches)),
                        "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
                        "--repeats", str(args.repeats), "--profile-rows", str(args.profile_rows),
-                       "--max-stall", str(args.max_stall), "--retries", str(args.retries),
+                       "--max-stall", str(args.max_stall), "--max-other", str(args.max_other),
+                       "--retries", str(args.retries),
                        "--idle-threshold", str(args.idle_threshold), "--idle-timeout", str(args.idle_timeout)] \
             + (["--profile"] if args.profile else [])
         if tp2:
@@ -430,7 +459,7 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
             lines += [f"Batch {batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, median of "
                       f"{args.repeats} timed runs after 1 warm-up:", "",
                       "| row | processes x threads | time to first token ms | tokens/s | ms per decode step | "
-                      "total s (min-max) | vs hf | vs deepspeed | tokens equal to hf's | CPU stall (repeated runs) |",
+                      "total s (min-max) | vs hf | vs deepspeed | tokens equal to hf's | other CPU / stall (repeated runs) |",
                       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
             for row, out in rows.items():
                 if "error" in out:
@@ -447,7 +476,8 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
                 lines.append(
                     f"| {row} | {procs} | {1000 * ttft:.1f} | {int(batch) * args.new_tokens / total:.1f} | "
                     f"{1000 * step:.2f} | {total:.3f} ({min(totals):.3f}-{max(totals):.3f}) | {total / base_t:.2f} | "
-                    f"{total / ds_t:.2f} | {same} | {max(r['stall'] for r in entry['runs']):.1%} "
+                    f"{total / ds_t:.2f} | {same} | {max(r['other'] for r in entry['runs']):.0%} / "
+                    f"{max(r['stall'] for r in entry['runs']):.0%} "
                     f"({sum(r['attempts'] - 1 for r in entry['runs'])}) |")
             lines.append("")
             sw = rows.get("shardwise-inject", {}).get("batches", {}).get(batch)
@@ -505,6 +535,8 @@ def main() -> None:
     parser.add_argument("--profile-rows", type=int, default=15)
     parser.add_argument("--max-stall", type=float, default=0.05,
                         help="repeat a timed run in which tasks waited for a CPU more than this share of its time")
+    parser.add_argument("--max-other", type=float, default=0.05,
+                        help="repeat a timed run in which other processes used more than this share of the CPUs")
     parser.add_argument("--retries", type=int, default=4, help="repeats of a contended run before it is kept")
     parser.add_argument("--idle-threshold", type=float, default=0.05,
                         help="a timed run starts when other processes use less than this share of the CPUs")

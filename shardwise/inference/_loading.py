@@ -16,8 +16,8 @@ then one pass over the model's tensors by name:
    touched), a shardwise training checkpoint through its manifest;
 2. each model tensor is matched to a stored name (its own, a ``module.`` or base-model
    prefix variant, the name ``transformers`` renames it from, or, for a tied LM head,
-   the input embedding's) and the stored shape
-   is checked against the full shape, all before anything is read;
+   the input embedding's) and the stored shape is checked against the full shape, all
+   before anything is read;
 3. a split tensor reads, per block, the rows or columns of its index along the split dim
    in the stored layout (``get_slice(name)[..., a:b]``, or ``narrow`` of the mapped
    tensor), concatenates the blocks and transposes back; a replicated one reads whole.
@@ -35,12 +35,13 @@ import functools
 import json
 import logging
 import os
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from shardwise.tensor_parallel._partition import copy_marks, shard_info
@@ -48,6 +49,8 @@ from shardwise.tensor_parallel._partition import copy_marks, shard_info
 logger = logging.getLogger("shardwise")
 
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+_NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth"}
+"""Files of a Hugging Face Trainer checkpoint next to the weights."""
 _SHOWN = 5
 
 
@@ -100,8 +103,9 @@ def load_checkpoint(model: nn.Module, checkpoint, *, base_dir: str = "", dtype: 
         _place(slot, value, dtype)
     _rebuild_meta_buffers(model)
     _check_no_meta(model, checkpoint)
-    logger.info("init_inference: loaded %d tensors (%.1fM elements read) from %s", len(plan), elements / 1e6,
-                _describe(checkpoint))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        logger.info("init_inference: loaded %d tensors (%.1fM elements read by rank 0) from %s", len(plan),
+                    elements / 1e6, _describe(checkpoint))
 
 
 # -- opening a checkpoint: name -> _Stored, nothing read yet ---------------------------
@@ -159,7 +163,7 @@ def _open_dir(path: Path) -> dict[str, _Stored]:
         if (path / index).is_file():
             return _open_index(path / index)
     for pattern in ("*.safetensors", *(f"*{s}" for s in _TORCH_SUFFIXES)):
-        found = sorted(path.glob(pattern))
+        found = sorted(p for p in path.glob(pattern) if p.name not in _NOT_WEIGHTS)
         if found:
             return _open_files(found)
     if any((p / "manifest.json").is_file() for p in path.iterdir() if p.is_dir()):
@@ -198,14 +202,15 @@ def _open_files(paths: list[Path]) -> dict[str, _Stored]:
 
 def _open_safetensors(path: Path, keys: dict[str, str] | None = None) -> dict[str, _Stored]:
     """The tensors of a safetensors file; ``keys`` maps model names to the file's keys
-    (default: every key under its own name)."""
+    (those the file lacks are skipped; default: every key under its own name)."""
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
-        keys = keys if keys is not None else {k: k for k in handle.keys()}
+        held = set(handle.keys())
+        keys = {k: k for k in held} if keys is None else {n: k for n, k in keys.items() if k in held}
         shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in set(keys.values())}
-    except Exception as exc:
-        raise ValueError(f"checkpoint file {path} cannot be read as safetensors ({exc}); it is damaged or not a "
-                         "safetensors file; re-save or re-download it") from None
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"checkpoint file {path} cannot be read as safetensors ({exc}); it is missing, damaged or "
+                         "not a safetensors file; re-save or re-download it") from None
     return {name: _Stored(shapes[key], str(path), functools.partial(_read_safetensors, handle, key))
             for name, key in keys.items()}
 
@@ -224,7 +229,7 @@ def _open_torch(path: Path) -> dict[str, _Stored]:
                          "give one of those, a checkpoint directory or a checkpoint JSON")
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
         raise ValueError(f"checkpoint file {path} cannot be read with torch.load(weights_only=True) ({exc}); save "
                          "the model's state_dict alone (tensors only) with torch.save, or as safetensors") from None
     if isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
@@ -245,7 +250,8 @@ def _open_shardwise(path: Path) -> dict[str, _Stored]:
     tag named by ``latest``) or one tag's directory. Every model tensor is stored whole
     under its state-dict name (see [Note: tensor parallelism in checkpoints] in
     ``runtime/_checkpointing.py``); fp32 master weights are preferred where kept. Files
-    are size-checked against the manifest, not hashed (hashing reads them whole)."""
+    are not hashed against the manifest (that reads them whole; ``shardwise convert``
+    and ``consolidate`` check them)."""
     from shardwise.checkpoint import CheckpointError
     from shardwise.checkpoint._read import read_manifest, resolve_tag
 
@@ -263,30 +269,13 @@ def _open_shardwise(path: Path) -> dict[str, _Stored]:
     files = [*skeletons.get("module_files", ["model.safetensors"]), *skeletons.get("optimizer_files", [])]
     stored: dict[str, _Stored] = {}
     for name in files:
-        _check_size(tag_dir / name, manifest)
-        keys_here = _safetensors_keys(tag_dir / name)
-        stored.update(_open_safetensors(tag_dir / name, {n: k for n, k in names.items() if k in keys_here}))
+        stored.update(_open_safetensors(tag_dir / name, names))
     return stored
 
 
 def _tensor_keys(skeleton: dict) -> dict[str, str]:
     return {name: entry["__tensor__"] for name, entry in skeleton.items()
             if isinstance(entry, dict) and isinstance(entry.get("__tensor__"), str)}
-
-
-def _safetensors_keys(path: Path) -> set[str]:
-    with open(path, "rb") as handle:  # the header only: 8-byte length, then JSON
-        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-    return set(header) - {"__metadata__"}
-
-
-def _check_size(path: Path, manifest: dict) -> None:
-    expected = manifest.get("files", {}).get(path.name, {}).get("bytes")
-    size = path.stat().st_size if path.is_file() else None
-    if size is None or (expected is not None and size != expected):
-        found = "is missing" if size is None else f"has {size} bytes, the manifest records {expected}"
-        raise ValueError(f"shardwise checkpoint file {path} {found}; it was damaged or not copied with the rest "
-                         "of the checkpoint; load an earlier tag or re-save")
 
 
 # -- matching model tensors to stored ones ---------------------------------------------
@@ -318,7 +307,7 @@ def _with_hf_renames(model: nn.Module, stored: dict[str, _Stored]) -> dict[str, 
         from transformers.core_model_loading import WeightRenaming, apply_renamings
 
         renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    except Exception as exc:  # transformers 4, or not a transformers model: names as stored
+    except Exception as exc:  # noqa: BLE001 - transformers 4, or not a transformers model: names as stored
         logger.debug("init_inference: no transformers key renaming (%s)", exc)
         return stored
     renamed = {apply_renamings(key, renamings): entry for key, entry in stored.items()}
@@ -413,13 +402,10 @@ def _place(slot: _Slot, value: torch.Tensor, dtype: torch.dtype | None) -> None:
         with torch.no_grad():
             old.copy_(value)
         return
-    if value.is_floating_point():
-        value = value.to(dtype or old.dtype)
+    value = value.to(dtype if dtype is not None and old.is_floating_point() else old.dtype)
     if slot.is_param:
         new = nn.Parameter(value, requires_grad=False)
         copy_marks(old, new)
-        if hasattr(old, "tensor_parallel_transposed"):
-            new.tensor_parallel_transposed = old.tensor_parallel_transposed
     else:
         new = value
     for module, attr in slot.places:
@@ -450,7 +436,7 @@ def _rebuilt(module: nn.Module, model: nn.Module) -> nn.Module | None:
         try:
             with torch.device("cpu"):
                 return type(module)(config=candidate)
-        except Exception as exc:  # not a config-built module: try the next config, then give up
+        except Exception as exc:  # noqa: BLE001 - not built from a config: try the next one, then give up
             logger.debug("init_inference: rebuilding %s from its config failed: %s", type(module).__name__, exc)
     return None
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 _MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "tensor_parallel_full_shape",
-          "tensor_parallel_shard", "sequence_parallel")
+          "tensor_parallel_shard", "sequence_parallel", "tensor_parallel_transposed")
 
 
 class ShardInfo(NamedTuple):

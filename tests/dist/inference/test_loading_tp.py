@@ -3,8 +3,8 @@ the model on the meta device and ``init_inference(tensor_parallel={"tp_size": 2}
 checkpoint=dir)`` fills its shard from a sharded safetensors directory. The logits equal
 the full model's (fp32, 1e-4), greedy tokens are identical, every split layer holds the
 tensor ``init_inference`` cuts from the full model (GPT-2's stacked q|k|v block by block,
-its Conv1D transposed, its tied head by vocabulary), and each rank read from the files, counted at ``safe_open``,
-exactly the replicated tensors plus half of the split ones."""
+its Conv1D transposed, its tied head by vocabulary), and each rank read from the files
+(counted at ``safe_open``) exactly the replicated tensors plus half of the split ones."""
 
 import copy
 import functools
