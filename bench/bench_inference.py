@@ -6,13 +6,13 @@ A Llama built from ``transformers.LlamaConfig`` (no downloads; every process bui
 greedily, fp32, no end-of-sequence stop (``eos_token_id=None`` in the model's config and
 generation config, and every row is checked to add exactly ``--new-tokens`` tokens)::
 
-    python bench/bench_inference.py --out bench/results/<date>-cpu-inference.md
-    python bench/bench_inference.py --quick          # a smoke run (about a minute)
+    python bench/bench_inference.py --profile --comm-stats --out bench/results/<date>-cpu-inference.md
+    python bench/bench_inference.py --quick          # a smoke run (under 2 minutes)
 
 Two model sizes (``--configs``): ``large`` (hidden 512, 8 layers, 8 heads / 4 kv heads,
-intermediate 1408, vocab 32000, 56.5M parameters: a decode step is bound by reading the
+intermediate 1408, vocab 32000, 56.4M parameters: a decode step is bound by reading the
 weights) and ``small`` (hidden 256, 4 layers, 4 / 2 heads, intermediate 704, vocab 8000,
-7.3M parameters: bound by per-step overhead).
+7.0M parameters: bound by per-step overhead).
 
 Rows (``--rows``), each a fresh process (DeepSpeed's in its own interpreter,
 ``--peer-python``), warmed up with one generation per batch size before the timed runs:
@@ -27,6 +27,11 @@ Rows (``--rows``), each a fresh process (DeepSpeed's in its own interpreter,
 - ``shardwise``: ``replace_with_kernel_inject=False`` (the model's own ``generate``).
 - ``shardwise-inject-tp2``: ``tensor_parallel={"tp_size": 2}``, 2 processes
   (``torch.distributed.run``, gloo) with 1 thread each; rank 0's times.
+- ``deepspeed-tp2``: DeepSpeed's AutoTP at ``tensor_parallel={"tp_size": 2}`` (no kernel
+  inject), the same 2 x 1 layout: context for the shardwise tp2 row. Its block outputs are
+  summed by its shared-memory all-reduce (``deepspeed_shm_comm_op``, JIT-built on first use),
+  which needs ``LOCAL_SIZE`` (set by its ``deepspeed`` launcher, not by torchrun: without it
+  the op segfaults), so the row sets ``LOCAL_SIZE=2``.
 - ``shardwise-int8-inject``: ``dtype=torch.int8`` with kernel inject; also the int8 weight
   bytes (``engine.int8_report``) and the logit error against the fp32 model on a
   teacher-forced batch of random tokens.
@@ -34,9 +39,15 @@ Rows (``--rows``), each a fresh process (DeepSpeed's in its own interpreter,
 Single-process rows use ``torch.set_num_threads(--threads)`` (2). Time to first token:
 shardwise's ``engine.last_generation``; Hugging Face and DeepSpeed through a streamer that
 notes the first new token. Total time: ``time.perf_counter`` around the ``generate`` call.
+The machine may be shared: every timed run starts once the CPUs are idle and is repeated
+(``--retries``) when other processes took more than ``--max-other`` of the CPUs during it
+or, in one-process rows, some task waited for a CPU more than ``--max-stall`` of its time
+(``/proc/pressure/cpu``); the table shows the worst values kept and the number of repeats.
+
 ``--profile`` adds a torch.profiler table per batch size for ``hf`` and
-``shardwise-inject``; the ``shardwise-inject`` row always also times the decode step's
-linear layers alone (the matmul floor) to show the per-step overhead around them.
+``shardwise-inject``; the ``shardwise-inject`` row always also breaks its decode step down
+(``step_breakdown``): the step alone, its linear layers alone (the floor the step
+approaches) and the step with the linear layers replaced by ready outputs.
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ CONFIGS = {
     "small": dict(vocab=8000, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704),
 }
 ROWS = ["hf", "deepspeed", "deepspeed-inject", "shardwise-inject", "shardwise", "shardwise-inject-tp2",
-        "shardwise-int8-inject", "hf-again"]
+        "deepspeed-tp2", "shardwise-int8-inject", "hf-again"]
 GOAL = 0.7
 """Issue 19: at tp 1, total generation time <= 0.7x plain generate's and DeepSpeed's."""
 
@@ -221,10 +232,56 @@ def timed_generate(args, group: _Group, target, engine, ids, new_tokens: int) ->
     raise AssertionError("unreachable")
 
 
+# -- collectives (--comm-stats) -------------------------------------------------------------------
+
+class _CommStats:
+    """Counts torch.distributed's collectives and the time they block the caller (a
+    synchronous call, or an async call's issue plus its ``wait``), while ``enabled``.
+    Installed before either library is imported, so both call the wrappers."""
+
+    def __init__(self) -> None:
+        self.enabled, self.calls, self.seconds = False, 0, 0.0
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        stats = self
+
+        class TimedWork:
+            def __init__(self, work) -> None:
+                self._work = work
+
+            def wait(self, *a, **kw):
+                start = time.perf_counter()
+                try:
+                    return self._work.wait(*a, **kw)
+                finally:
+                    if stats.enabled:
+                        stats.seconds += time.perf_counter() - start
+
+            def __getattr__(self, name):
+                return getattr(self._work, name)
+
+        def wrap(orig):
+            def collective(*a, **kw):
+                start = time.perf_counter()
+                work = orig(*a, **kw)
+                if stats.enabled:
+                    stats.calls += 1
+                    stats.seconds += time.perf_counter() - start
+                return TimedWork(work) if kw.get("async_op") and work is not None else work
+            return collective
+
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast"):
+            if hasattr(dist, name):
+                setattr(dist, name, wrap(getattr(dist, name)))
+
+
 # -- worker: one row, every batch size --------------------------------------------------------
 
 def _setup(args):
-    """(generate function, engine or None, extra info) for the worker's row."""
+    """(what ``generate`` is called on, the shardwise engine or None, model info) of the
+    worker's row."""
     import torch
 
     row = args.row.removesuffix("-again")
@@ -238,8 +295,9 @@ def _setup(args):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
+        extra = {"tensor_parallel": {"tp_size": 2}} if row.endswith("tp2") else {}
         engine = deepspeed.init_inference(model, dtype=torch.float32,
-                                          replace_with_kernel_inject=row == "deepspeed-inject")
+                                          replace_with_kernel_inject=row == "deepspeed-inject", **extra)
         return engine, None, info
     import shardwise
 
@@ -273,39 +331,84 @@ def _generate(target, shardwise_engine, ids, new_tokens: int) -> dict:
     if shardwise_engine is not None:
         out = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
         total = time.perf_counter() - start
-        stats = shardwise_engine.last_generation
-        ttft, inner = stats.time_to_first_token_s, stats.total_s
+        ttft = shardwise_engine.last_generation.time_to_first_token_s
     else:
         clock = FirstToken(start)
         with torch.inference_mode():
             out = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                                   streamer=clock)
         total = time.perf_counter() - start
-        ttft, inner = clock.first, total
+        ttft = clock.first
     added = out.shape[1] - ids.shape[1]
     if added != new_tokens:
         raise RuntimeError(f"{added} new tokens, expected {new_tokens}")
-    return {"total_s": total, "ttft_s": ttft, "inner_s": inner, "tokens": out[:, ids.shape[1]:].tolist()}
+    return {"total_s": total, "ttft_s": ttft, "tokens": out[:, ids.shape[1]:].tolist()}
 
 
-def _matmul_floor(decoder, batch: int, reps: int) -> float:
-    """Seconds per decode step spent in the fast decoder's linear layers alone (the same
-    weights and input shapes, nothing around them): the floor its step time approaches."""
+def _median_time(fn, reps: int, warmup: int = 3) -> float:
+    times = []
+    for i in range(reps + warmup):
+        start = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class _ReadyOutput:
+    """Stands in for a projection: returns a fixed tensor of its output's shape at once."""
+
+    def __init__(self, out_features: int) -> None:
+        self.out_features, self.outputs = out_features, {}
+
+    def __call__(self, x):
+        import torch
+
+        key = tuple(x.shape[:-1])
+        if key not in self.outputs:
+            self.outputs[key] = torch.randn(*key, self.out_features) * 0.01
+        return self.outputs[key]
+
+
+def step_breakdown(decoder, cfg: dict, batch: int, prompt_len: int, reps: int = 50) -> dict | None:
+    """Seconds of one decode step of shardwise's fast decoder (``decoder.forward``, timed
+    apart from generate's loop, at a cache of ``prompt_len`` tokens: pass the middle of the
+    generation), of its linear layers alone (the same weights and input
+    shapes back to back: the floor the step approaches), and of the step with every linear
+    layer replaced by a ready output (all the work around the matmuls). Reads the Llama
+    decoder's internals; None if they have changed."""
     import torch
     import torch.nn.functional as F
 
-    weights = [p.weight for layer in decoder.layers for p in (layer[1], layer[2], layer[4], layer[5])]
-    weights.append(decoder.head.weight)
-    inputs = {w.shape[1]: torch.randn(batch, 1, w.shape[1]) for w in weights}
-    times = []
-    with torch.inference_mode():
-        for i in range(reps + 3):
-            start = time.perf_counter()
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
-            if i >= 3:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    try:
+        layers, head = decoder.layers, decoder.head
+        weights = [p.weight for layer in layers for p in (layer[1], layer[2], layer[4], layer[5])] + [head.weight]
+        inputs = {w.shape[1]: torch.randn(batch, 1, w.shape[1]) for w in weights}
+        with torch.inference_mode():
+            cache = decoder.new_cache(batch, prompt_len + 1)
+            decoder.forward(prompts(cfg, batch, prompt_len), torch.arange(prompt_len).expand(batch, prompt_len), None,
+                            cache, 0)
+            ids = prompts(cfg, batch, 1)
+            positions = torch.full((batch, 1), prompt_len, dtype=torch.long)
+
+            def step():
+                decoder.forward(ids, positions, None, cache, prompt_len)
+
+            def linears():
+                for w in weights:
+                    F.linear(inputs[w.shape[1]], w)
+            step_s, floor_s = _median_time(step, reps), _median_time(linears, reps)
+            fake = lambda proj: _ReadyOutput(proj.weight.shape[0])  # noqa: E731
+            decoder.layers = [(a, fake(b), fake(c), d, fake(e), fake(f), g) for a, b, c, d, e, f, g in layers]
+            decoder.head = fake(head)
+            try:
+                no_linear_s = _median_time(step, reps)
+            finally:
+                decoder.layers, decoder.head = layers, head
+    except (AttributeError, TypeError, ValueError) as exc:
+        print(f"  step breakdown skipped: {exc!r}", file=sys.stderr, flush=True)
+        return None
+    return {"step_s": step_s, "floor_s": floor_s, "no_linear_s": no_linear_s}
 
 
 def _profile(target, shardwise_engine, ids, new_tokens: int, rows: int) -> dict:
@@ -332,6 +435,9 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     tp2 = args.row.endswith("tp2")
+    comm_stats = _CommStats() if args.comm_stats and tp2 else None
+    if comm_stats is not None:
+        comm_stats.install()
     target, engine, info = _setup(args)
     group = _Group(tp2)
     cfg = CONFIGS[args.config]
@@ -342,9 +448,15 @@ def worker(args) -> None:
         _generate(target, engine, ids, args.new_tokens)  # warm-up
         runs = [timed_generate(args, group, target, engine, ids, args.new_tokens) for _ in range(args.repeats)]
         entry = {"runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs], "tokens": runs[0]["tokens"]}
-        if args.row == "shardwise-inject":
+        if args.row == "shardwise-inject" and engine._decoder is not None:
             wait_until_idle(args.idle_threshold, args.idle_timeout)
-            entry["floor_s"] = _matmul_floor(engine._decoder, batch, 50)
+            entry["breakdown"] = step_breakdown(engine._decoder, cfg, batch, args.prompt_len + args.new_tokens // 2)
+        if comm_stats is not None:  # one more generation, counted
+            group.barrier()
+            comm_stats.enabled, comm_stats.calls, comm_stats.seconds = True, 0, 0.0
+            out = _generate(target, engine, ids, args.new_tokens)
+            comm_stats.enabled = False
+            entry["comm"] = {"calls": comm_stats.calls, "seconds": comm_stats.seconds, "total_s": out["total_s"]}
         if args.profile and args.row in ("hf", "shardwise-inject"):
             wait_until_idle(args.idle_threshold, args.idle_timeout)
             entry["profile"] = _profile(target, engine, ids, min(args.new_tokens, 32), args.profile_rows)
@@ -373,12 +485,14 @@ def run_row(args, config: str, row: str) -> dict:
                "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
         if not tp2:  # a world of one for DeepSpeed's init_distributed (shardwise needs none at tp 1)
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        elif deepspeed:  # as DeepSpeed's launcher sets it: without it its CPU shared-memory all-reduce crashes
+            env["LOCAL_SIZE"] = "2"
         worker_args = [__file__, "--worker", "--row", row, "--config", config, "--result", str(result),
                        "--threads", "1" if tp2 else str(args.threads), "--batches", ",".join(map(str, args.batches)),
                        "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
                        "--repeats", str(args.repeats), "--profile-rows", str(args.profile_rows),
                        "--max-stall", str(args.max_stall), "--max-other", str(args.max_other),
-                       "--retries", str(args.retries),
+                       "--retries", str(args.retries), *(["--comm-stats"] if args.comm_stats else []),
                        "--idle-threshold", str(args.idle_threshold), "--idle-timeout", str(args.idle_timeout)] \
             + (["--profile"] if args.profile else [])
         if tp2:
@@ -419,6 +533,18 @@ def _versions(peer_python: str) -> dict:
     return versions
 
 
+def _source_state() -> str:
+    """The commit shardwise ran at, and whether its sources had uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "shardwise"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "shardwise (not a git checkout)"
+    return f"shardwise at {head}" + (" with uncommitted changes in shardwise/" if dirty else "")
+
+
 def _cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -432,6 +558,10 @@ def _cpu_model() -> str:
 
 def _med(values):
     return statistics.median(values) if values else float("nan")
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b == b and b > 0 else "-"  # b is nan when that row is missing
 
 
 def _first_divergence(a: list[list[int]], b: list[list[int]]) -> str:
@@ -475,8 +605,8 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
                     same += " steps"
                 lines.append(
                     f"| {row} | {procs} | {1000 * ttft:.1f} | {int(batch) * args.new_tokens / total:.1f} | "
-                    f"{1000 * step:.2f} | {total:.3f} ({min(totals):.3f}-{max(totals):.3f}) | {total / base_t:.2f} | "
-                    f"{total / ds_t:.2f} | {same} | {max(r['other'] for r in entry['runs']):.0%} / "
+                    f"{1000 * step:.2f} | {total:.3f} ({min(totals):.3f}-{max(totals):.3f}) | {_ratio(total, base_t)} | "
+                    f"{_ratio(total, ds_t)} | {same} | {max(r['other'] for r in entry['runs']):.0%} / "
                     f"{max(r['stall'] for r in entry['runs']):.0%} "
                     f"({sum(r['attempts'] - 1 for r in entry['runs'])}) |")
             lines.append("")
@@ -484,16 +614,39 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
             if sw:
                 t = _med([r["total_s"] for r in sw["runs"]])
                 verdict = lambda r: ("met" if r <= GOAL else "NOT met") + f" ({r:.2f}x)"  # noqa: E731
+                again = rows.get("hf-again", {}).get("batches", {}).get(batch)
+                again_note = ""
+                if again:  # the baseline's second run, after every other row: how far the machine drifted
+                    again_t = _med([r["total_s"] for r in again["runs"]])
+                    again_note = f" ({t / again_t:.2f}x against the hf-again run)"
                 goal = (f"{config}, batch {batch}: shardwise-inject tp 1 vs plain generate "
-                        f"{verdict(t / base_t) if base else 'no baseline'}; vs DeepSpeed "
+                        f"{verdict(t / base_t) if base else 'no baseline'}{again_note}; vs DeepSpeed "
                         f"{verdict(t / ds_t) if ds else 'no DeepSpeed row'}")
                 goals.append(goal)
-                if "floor_s" in sw:
+                if sw.get("breakdown"):
                     ttft = _med([r["ttft_s"] for r in sw["runs"]])
                     step = (t - ttft) / max(args.new_tokens - 1, 1)
-                    lines += [f"shardwise-inject decode step {1000 * step:.2f} ms; its linear layers alone (same "
-                              f"weights and shapes, timed apart) {1000 * sw['floor_s']:.2f} ms; the rest "
-                              f"{1000 * (step - sw['floor_s']):.2f} ms per step.", ""]
+                    bd = {k: 1000 * v for k, v in sw["breakdown"].items()}
+                    inside = bd["step_s"] - bd["no_linear_s"]
+                    lines += [f"shardwise-inject, where a decode step goes (ms, medians of 50, timed apart after the "
+                              f"runs, the cache at {args.prompt_len + args.new_tokens // 2} tokens): in generate "
+                              f"{1000 * step:.2f} (mean); `decoder.forward` alone {bd['step_s']:.2f}, "
+                              f"so generate's loop adds {1000 * step - bd['step_s']:.2f}; its "
+                              f"{4 * CONFIGS[config]['layers'] + 1} linear layers alone (same weights and input "
+                              f"shapes, back to back) {bd['floor_s']:.2f}; the step with every linear layer replaced "
+                              f"by a ready output (the work around the matmuls) {bd['no_linear_s']:.2f}; so the "
+                              f"linear layers take {inside:.2f} inside the step, {inside - bd['floor_s']:+.2f} "
+                              f"against alone.", ""]
+        for row, out in rows.items():
+            for batch in map(str, args.batches):
+                comm = out.get("batches", {}).get(batch, {}).get("comm")
+                if comm:
+                    lines += [f"{row}, batch {batch}, collectives through torch.distributed (one more generation, rank "
+                              f"0): {comm['calls'] / args.new_tokens:.1f} per generated token, blocking "
+                              f"{1000 * comm['seconds'] / args.new_tokens:.2f} ms of its "
+                              f"{1000 * comm['total_s'] / args.new_tokens:.2f} ms" + (
+                                  " (DeepSpeed's shared-memory all-reduce does not go through torch.distributed and "
+                                  "is not counted)" if row.startswith("deepspeed") else "") + ".", ""]
         int8 = rows.get("shardwise-int8-inject", {}).get("info", {}).get("int8")
         if int8:
             lines += [f"int8 (shardwise-int8-inject): {int8['layers']} linear layers (LM head kept fp32), weights "
@@ -533,6 +686,8 @@ def main() -> None:
                         help="interpreter with deepspeed (and transformers) installed")
     parser.add_argument("--profile", action="store_true", help="torch.profiler tables of hf and shardwise-inject")
     parser.add_argument("--profile-rows", type=int, default=15)
+    parser.add_argument("--comm-stats", action="store_true",
+                        help="tp2 rows: count the collectives of one more generation and the time they block rank 0")
     parser.add_argument("--max-stall", type=float, default=0.05,
                         help="repeat a timed run in which tasks waited for a CPU more than this share of its time")
     parser.add_argument("--max-other", type=float, default=0.05,
@@ -554,6 +709,7 @@ def main() -> None:
     if args.quick:
         args.new_tokens, args.repeats = 16, 1
     started = time.perf_counter()
+    source = _source_state()
     results: dict[str, dict[str, dict]] = {}
     for config in args.configs.split(","):
         results[config] = {}
@@ -574,12 +730,18 @@ def main() -> None:
     text = "\n".join([
         "# Greedy decoding on CPU: plain generate, DeepSpeed init_inference, shardwise init_inference", "",
         f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | torch {versions['torch']}, transformers "
-        f"{versions['transformers']} | deepspeed {versions['deepspeed']} | fp32", "",
+        f"{versions['transformers']} | deepspeed {versions['deepspeed']} | {source} | fp32", "",
         f"Command: `{command}`", "",
         f"Random-token prompts of {args.prompt_len}, greedy, {args.new_tokens} new tokens forced (no eos), "
         f"`torch.manual_seed(0)` weights; each row a fresh process; 1 warm-up generation per batch size, then "
         f"{args.repeats} timed. tokens/s = batch x new tokens / total time; ms per decode step = (total - time to "
-        f"first token) / (new tokens - 1).", "",
+        f"first token) / (new tokens - 1). Single-process rows: `torch.set_num_threads({args.threads})`; tp2 rows: "
+        f"2 processes (`torch.distributed.run`, gloo) x 1 thread. \"tokens equal to hf's\": the greedy tokens of "
+        f"every sequence equal the hf row's, or the first step at which any sequence differs. \"other CPU / "
+        f"stall\": the largest share of the CPUs other processes used during a kept run, and of its time in "
+        f"which some task waited for a CPU (`/proc/pressure/cpu`; the tp2 rows' own processes cause theirs); "
+        f"runs over {args.max_other:.0%} / {args.max_stall:.0%} were repeated (count in parentheses) after "
+        f"waiting for idle CPUs.", "",
         tables, "## Goal (issue 19): total generation time at tp 1 <= 0.7x plain generate and <= 0.7x DeepSpeed", "",
         *[f"- {g}" for g in goals], "", f"wall time of the benchmark: {wall:.0f} s", ""])
     print(text)
