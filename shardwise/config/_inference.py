@@ -49,7 +49,7 @@ class InferenceConfig:
     """The tensor-parallel process group (``tensor_parallel.tp_group`` or an ``mpu``);
     None: the first ``tp_size`` ranks of the world form it, and so on."""
     replace_with_kernel_inject: bool = False
-    """The fast path: static KV cache, fused projections, SDPA, a compiled decode step."""
+    """The fast path: static KV cache, fused projections, SDPA (see [Note: the fast decoder])."""
     enable_cuda_graph: bool = False
     """DeepSpeed's CUDA-graph capture of the decode step; refused when true (not built)."""
     injection_policy: dict | None = None
