@@ -155,9 +155,13 @@ class OptimizerSwapper:
 
     # -- the step ---------------------------------------------------------------------------------
 
-    def step(self, after_group: Callable[[list[int]], None]) -> None:
+    def step(self, after_group: Callable[[list[int]], None], *,
+             timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
+             ) -> None:
         """Step the optimizer sub-group by sub-group; ``after_group(indices)`` runs while
-        those masters are in memory and updated (to copy them into the parameters)."""
+        those masters are in memory and updated (to copy them into the parameters).
+        ``timer`` times the waits for reads (``optimizer_swap_in_state``) and writes
+        (``optimizer_swap_out_state``), DeepSpeed's timer names."""
         groups = self.sub_groups
         reads: dict[int, list] = {}
         writes: collections.deque[list] = collections.deque()
@@ -169,18 +173,21 @@ class OptimizerSwapper:
                 if next_read > g and in_memory >= self.buffer_count:
                     if not writes:
                         break
-                    self._wait(writes.popleft())
+                    with timer("optimizer_swap_out_state"):
+                        self._wait(writes.popleft())
                     continue
                 reads[next_read] = self._start_swap_in(groups[next_read])
                 next_read += 1
-            self._finish_swap_in(members, reads.pop(g))
+            with timer("optimizer_swap_in_state"):
+                self._finish_swap_in(members, reads.pop(g))
             self._step_only(members)
             in_flight = [f for batch in writes for f in batch] + [f for batch in reads.values() for f in batch]
             self.peak_bytes = max(self.peak_bytes, self.resident_bytes() + sum(self._bytes(f) for f in in_flight))
             after_group(members)
             writes.append(self._start_swap_out(members))
-        while writes:
-            self._wait(writes.popleft())
+        with timer("optimizer_swap_out_state"):
+            while writes:
+                self._wait(writes.popleft())
         release_freed_memory()
 
     def _step_only(self, members: list[int]) -> None:

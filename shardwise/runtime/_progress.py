@@ -8,7 +8,9 @@ the pipeline engine's batch loss), ``Train/Samples/lr`` (first parameter group) 
 fp16, ``Train/Samples/loss_scale``; with ``wall_clock_breakdown``
 ``Train/Samples/elapsed_time_ms_{forward,backward,backward_inner,backward_allreduce,step}``
 (milliseconds spent in that optimizer step, summed over its micro-steps; the pipeline
-engine adds its transfers, ``..._pipe_{send_output,recv_input,send_grad,recv_grad}``); with
+engine adds its transfers, ``..._pipe_{send_output,recv_input,send_grad,recv_grad}``, and the
+ZeRO strategy its waits, ``..._gather_params`` (stage 3, inside forward and backward) and
+``..._optimizer_swap_{in,out}_state`` (optimizer offload, inside step)); with
 ``memory_breakdown`` ``Train/Samples/memory_{allocated,max_allocated,host_rss,model_states}_MB``.
 The loss is read back from the device once per optimizer step, and only while a monitor is
 enabled; the timers synchronise the device only while ``wall_clock_breakdown`` is on.

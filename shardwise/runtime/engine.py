@@ -87,6 +87,7 @@ class Engine(DeepSpeedNames, nn.Module):
         self.monitor = MonitorMaster(config.monitor)
         """The monitors of the config (``engine.monitor.write_events([(tag, value, step)])``)."""
         self._progress = ProgressReporter(self, enabled=grid.global_rank == 0)
+        self.strategy.timer = self._progress.timer
         self._offloader = StateOffloader(self.strategy, get_accelerator().device())
 
     # -- construction ---------------------------------------------------------------------

@@ -44,6 +44,7 @@ from shardwise.zero._strategy import (
     ShardBlock,
     StepResult,
     clip_by_total_norm_,
+    no_timer,
 )
 
 _MAX_IN_FLIGHT = 2
@@ -112,6 +113,7 @@ class ShardedStrategy:
         self.offload = offload if offload is not None and offload.enabled else None
         self.aio, self.sub_group_size = aio, sub_group_size
         self.swapper = None
+        self.timer = no_timer
         """The nvme tier's :class:`~shardwise.offload.OptimizerSwapper` (None otherwise)."""
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
@@ -399,7 +401,8 @@ class ShardedStrategy:
         if max_grad_norm > 0:
             clip_by_total_norm_(grads, max_grad_norm, float(norm))
         if self.swapper is not None:
-            self.swapper.step(lambda indices: self._copy_masters_to_params([self.buckets[i] for i in indices]))
+            self.swapper.step(lambda indices: self._copy_masters_to_params([self.buckets[i] for i in indices]),
+                              timer=self.timer)
         else:
             self.optimizer.step()
             self._copy_masters_to_params(self.buckets)

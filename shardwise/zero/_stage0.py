@@ -26,7 +26,7 @@ from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import load_per_param_state_by_name, per_param_state_by_name
 from shardwise.zero._strategy import (GRAD_KEY, MASTER_KEY, ModelParallel, ModelStateBytes, StepResult,
-                                      clip_by_total_norm_, is_tensor_parallel)
+                                      clip_by_total_norm_, is_tensor_parallel, no_timer)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Stage0Strategy:
     def __init__(self, module: nn.Module, *, comm: Communicator, policy: PrecisionPolicy,
                  bucket_numel: int, predivide_factor: float = 1.0, model_parallel: ModelParallel = ModelParallel()):
         self.module, self.comm, self.policy = module, comm, policy
+        self.timer = no_timer  # nothing of its own to time: its all-reduces are the backward's
         self.model_parallel = model_parallel
         self.predivide_factor = predivide_factor
         self.optimizer: torch.optim.Optimizer | None = None

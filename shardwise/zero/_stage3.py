@@ -234,9 +234,10 @@ class Stage3Strategy(ShardedStrategy):
     def _finish_gather(self, unit: _Bucket) -> None:
         """Complete ``unit``'s read (launching the gathers read before it) and all-gather,
         and point its parameters at the full buffer."""
-        if getattr(unit, "reading", None) is not None:
-            self._gather_read(unit)
-        unit.pending.wait()
+        with self.timer("gather_params"):
+            if getattr(unit, "reading", None) is not None:
+                self._gather_read(unit)
+            unit.pending.wait()
         unit.pending = None
         self._release_buffer(unit)
         for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -149,6 +149,10 @@ class ZeroStrategy(Protocol):
     """
 
     optimizer: torch.optim.Optimizer
+    timer: Callable[[str], AbstractContextManager]
+    """Times the waits the strategy adds to a step (``gather_params``,
+    ``optimizer_swap_in_state``, ``optimizer_swap_out_state``): the engine sets it to its
+    wall-clock timer; :func:`no_timer` until then."""
 
     def optimizer_params(self, model_parameters) -> list: ...
 
@@ -197,3 +201,8 @@ class ZeroStrategy(Protocol):
     def state_tensors(self, kind: str) -> list[torch.Tensor]: ...
 
     def release_gathered(self) -> None: ...
+
+
+def no_timer(name: str) -> AbstractContextManager:
+    """A strategy's ``timer`` before the engine gives it its own: times nothing."""
+    return nullcontext()

@@ -152,6 +152,33 @@ def test_pipeline_engine_logs_the_batch_loss(tmp_path):
     assert lines["fwd flops per GPU"] == ["6.14", "K"] and lines["bwd flops per GPU"] == ["12.29", "K"], profile
 
 
+def _zero3_offload(rank, world_size, out):
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "wall_clock_breakdown": True,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(out / "nvme")}},
+              "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": "z3"}}
+    model = TinyMLP(seed=1)
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for tokens, targets in token_batches(num_steps=2, batch=2 * world_size, seed=2):
+        engine.backward(engine(tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]))
+        engine.step()
+    return engine.global_samples
+
+
+def test_zero3_gathers_and_optimizer_swaps_are_timed(tmp_path):
+    """With wall_clock_breakdown, ZeRO-3's waits for parameter all-gathers and the
+    optimizer offload's waits for swap-file reads and writes are timers of their own,
+    written for every step under DeepSpeed's names where DeepSpeed has one."""
+    (tmp_path / "nvme").mkdir()
+    samples = run_distributed(_zero3_offload, world_size=2, tmp_path=tmp_path, out=tmp_path)[0]
+    for name in ("gather_params", "optimizer_swap_in_state", "optimizer_swap_out_state", "forward", "step"):
+        with open(tmp_path / "z3" / f"Train_Samples_elapsed_time_ms_{name}.csv") as file:
+            rows = list(csv.reader(file))[1:]
+        assert [int(s) for s, _ in rows] == [4, 8] == [samples // 2, samples], name
+        assert all(float(v) > 0 for _, v in rows), (name, rows)
+
+
 def test_a_profile_step_never_reached_is_named_at_exit(tmp_path):
     """A world of one trains 2 steps with flops_profiler.profile_step 50: a warning at exit."""
     import subprocess
