@@ -13,7 +13,8 @@ less around it:
   so no memory is added and the Hugging Face module still runs (``engine(...)``);
 - attention is ``scaled_dot_product_attention`` over the filled part of the cache, with
   no mask at all when the batch has no padding;
-- only the last position goes through the final norm and the LM head.
+- only the last position goes through the final norm and the LM head;
+- weights are stored input-major ([Note: input-major weights]).
 
 Norms, rotary embeddings and activations are the model's own modules and functions, so
 the numbers are the model's; the greedy tokens are identical to ``generate``'s (tests).
@@ -32,6 +33,16 @@ from torch import nn
 
 from shardwise.inference._quant import int8_parts
 from shardwise.tensor_parallel.layers import RowParallelLinear
+
+
+# [Note: input-major weights]
+# A linear layer's weight is ``[out, in]``; ``F.linear`` reads it transposed either way,
+# but on the CPU (MKL) a decode step's few input rows multiply much faster by a weight
+# stored ``[in, out]``: 141 against 268 us for 8 rows times a 512 x 2816 weight, 2.4
+# against 3.8 ms for a 32000-word LM head (equal for one row). The decoder re-stores each
+# weight input-major once and the layer's ``weight`` becomes the transposed view, so the
+# model's own forward reads the same memory (and gets faster too); GPT-2's Conv1D stores
+# its weights that way already.
 
 
 class _Proj:
@@ -73,10 +84,23 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def proj(module: nn.Module) -> _Proj:
-    """The projection of one layer (row-parallel layers all-reduce)."""
+    """The projection of one layer (row-parallel layers all-reduce), its weight stored
+    input-major (see [Note: input-major weights])."""
     weight, bias, scale = _parts(module)
+    if weight.stride(-1) == 1:  # stored [out, in]
+        weight = weight.detach().t().contiguous().t()
+        _rebind(module, weight, scale)
     comm = module.comm if isinstance(module, RowParallelLinear) and module.tp_degree > 1 else None
     return _Proj(weight, bias, scale=scale, comm=comm)
+
+
+def input_major(module: nn.Module, *, unless_shared_with: torch.Tensor) -> nn.Module:
+    """``module`` (the LM head) with its weight stored input-major, unless that weight is
+    the input embedding's (a tied head: a second copy would cost its memory)."""
+    weight, _, scale = _parts(module)
+    if weight.stride(-1) == 1 and weight.data_ptr() != unless_shared_with.data_ptr():
+        _rebind(module, weight.detach().t().contiguous().t(), scale)
+    return module
 
 
 def fused_proj(modules: list[nn.Module]) -> tuple[_Proj, list[int]]:
@@ -87,7 +111,7 @@ def fused_proj(modules: list[nn.Module]) -> tuple[_Proj, list[int]]:
     if any(_is_conv1d(m) for m in modules) or any(isinstance(m, RowParallelLinear) for m in modules):
         raise TypeError("only [out, in] column layers fuse")
     widths = [w.shape[0] for w, _, _ in parts]
-    weight = torch.cat([w.detach() for w, _, _ in parts])
+    weight = torch.cat([w.detach().t() for w, _, _ in parts], dim=1).t()  # input-major
     scale = None if parts[0][2] is None else torch.cat([s for _, _, s in parts])
     has_bias = [b is not None for _, b, _ in parts]
     if any(has_bias) and not all(has_bias):
@@ -103,7 +127,8 @@ def fused_proj(modules: list[nn.Module]) -> tuple[_Proj, list[int]]:
 
 
 def _rebind(module: nn.Module, weight_view: torch.Tensor, scale_view: torch.Tensor | None) -> None:
-    """Make ``module``'s weight (and int8 scale) a view of the fused tensors."""
+    """Make ``module``'s ``[out, in]`` weight (and int8 scale) a view of the decoder's
+    tensors (not for a Conv1D, whose weight is never re-stored)."""
     from shardwise.tensor_parallel._partition import copy_marks
 
     if scale_view is not None:
@@ -166,7 +191,7 @@ class LlamaDecoder(FastDecoder):
     def __init__(self, model: nn.Module) -> None:
         base = model.model
         self.embed, self.final_norm, self.rotary = base.embed_tokens, _rms_norm(base.norm), base.rotary_emb
-        self.head = model.lm_head
+        self.head = input_major(model.lm_head, unless_shared_with=base.embed_tokens.weight)
         self.apply_rotary = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.layers = []
         for layer in base.layers:
@@ -220,7 +245,7 @@ class GPT2Decoder(FastDecoder):
         if getattr(attn, "scale_attn_by_inverse_layer_idx", False) or getattr(attn, "reorder_and_upcast_attn", False):
             raise _NoFastPath("GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn")
         self.embed, self.positions, self.final_norm = base.wte, base.wpe, base.ln_f
-        self.head = model.lm_head
+        self.head = input_major(model.lm_head, unless_shared_with=base.wte.weight)
         self.layers = [(block.ln_1, proj(block.attn.c_attn), proj(block.attn.c_proj), block.ln_2,
                         proj(block.mlp.c_fc), proj(block.mlp.c_proj), block.mlp.act) for block in base.h]
         self.head_dim = attn.head_dim
