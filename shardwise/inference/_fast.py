@@ -34,7 +34,6 @@ from torch import nn
 from shardwise.inference._quant import int8_parts
 from shardwise.tensor_parallel.layers import RowParallelLinear
 
-
 # [Note: input-major weights]
 # A linear layer's weight is ``[out, in]``; ``F.linear`` reads it transposed either way,
 # but on the CPU (MKL) a decode step's few input rows multiply much faster by a weight

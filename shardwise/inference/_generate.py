@@ -131,8 +131,7 @@ def _default_mask(input_ids: torch.Tensor, pad: int | None, eos: torch.Tensor | 
 
 
 def _warpers(config) -> list:
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     temperature = 1.0 if config.temperature is None else config.temperature
     top_k = 50 if config.top_k is None else config.top_k
