@@ -169,9 +169,16 @@ class FastDecoder:
     head_dim: int
     sliding_window: int | None = None
 
+    rotary: nn.Module | None = None
+    """The model's rotary embedding module, for families with rotary positions."""
+
     def new_cache(self, batch: int, length: int) -> StaticCache:
-        return StaticCache(num_layers=self.num_layers, batch=batch, kv_heads=self.kv_heads, length=length,
-                           head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        cache = StaticCache(num_layers=self.num_layers, batch=batch, kv_heads=self.kv_heads, length=length,
+                            head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        if self.rotary is not None:  # the table of every position the generation can reach, computed once
+            probe = torch.empty(1, length, self.head_dim, dtype=self.dtype, device=self.device)
+            cache.rotary = self.rotary(probe, torch.arange(length, device=self.device)[None])
+        return cache
 
     def _attend(self, q, k, v, mask, *, causal: bool, scale: float) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
@@ -209,13 +216,6 @@ class LlamaDecoder(FastDecoder):
         self.sliding_window = getattr(model.config, "sliding_window", None) if getattr(
             model.config, "use_sliding_window", True) else None
         self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
-
-    def new_cache(self, batch: int, length: int) -> StaticCache:
-        cache = super().new_cache(batch, length)
-        # the rotary table of every position the generation can reach, computed once
-        probe = torch.empty(1, length, self.head_dim, dtype=self.dtype, device=self.device)
-        cache.rotary = self.rotary(probe, torch.arange(length, device=self.device)[None])
-        return cache
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache: StaticCache, start: int):
         x = self.embed(ids)
@@ -266,6 +266,98 @@ class GPT2Decoder(FastDecoder):
         return self.logits(x[:, -1])
 
 
+class GPTNeoXDecoder(FastDecoder):
+    """GPT-NeoX (Pythia): head-major stacked query/key/value, partial rotary positions, and
+    usually the parallel residual (attention and MLP read the same input)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = model.gpt_neox
+        attn = base.layers[0].attention
+        self.embed, self.final_norm, self.rotary = base.embed_in, base.final_layer_norm, base.rotary_emb
+        self.head = input_major(model.get_output_embeddings(), unless_shared_with=base.embed_in.weight)
+        self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.parallel_residual = model.config.use_parallel_residual
+        self.layers = [(layer.input_layernorm, proj(layer.attention.query_key_value), proj(layer.attention.dense),
+                        layer.post_attention_layernorm, proj(layer.mlp.dense_h_to_4h), proj(layer.mlp.dense_4h_to_h),
+                        layer.mlp.act) for layer in base.layers]
+        self.head_dim = attn.head_size
+        self.scale = attn.scaling
+        self.heads = self.kv_heads = self.layers[0][1].weight.shape[0] // (3 * self.head_dim)
+        self.num_layers = len(self.layers)
+        self.dtype, self.device = base.embed_in.weight.dtype, base.embed_in.weight.device
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache: StaticCache, start: int):
+        x = self.embed(ids)
+        cos, sin = (table[0, positions] for table in cache.rotary)
+        b, s, _ = x.shape
+        for i, (ln1, qkv, dense, ln2, h_to_4h, four_h_to_h, act) in enumerate(self.layers):
+            q, k, v = qkv(ln1(x)).view(b, s, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
+            q, k = self.apply_rotary(q, k, cos, sin)
+            k, v = cache.update(i, start, k, v)
+            attention = dense(self._attend(q, k, v, mask, causal=s > 1, scale=self.scale))
+            if self.parallel_residual:
+                x = four_h_to_h(act(h_to_4h(ln2(x)))) + attention + x
+            else:
+                x = x + attention
+                x = x + four_h_to_h(act(h_to_4h(ln2(x))))
+        return self.logits(x[:, -1])
+
+
+class OPTDecoder(FastDecoder):
+    """OPT: learned positions (offset 2), LayerNorm before (most sizes) or after (350m)
+    each block, the query scaled before attention, optional projections around the
+    decoder when the embedding is narrower than the hidden size."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = model.model.decoder
+        attn = base.layers[0].self_attn
+        self.embed, self.positions = base.embed_tokens, base.embed_positions
+        self.project_in, self.project_out = base.project_in, base.project_out
+        self.final_norm = base.final_layer_norm if base.final_layer_norm is not None else nn.Identity()
+        self.head = input_major(model.get_output_embeddings(), unless_shared_with=base.embed_tokens.weight)
+        self.norm_first = model.config.do_layer_norm_before
+        self.layers = []
+        for layer in base.layers:
+            a = layer.self_attn
+            qkv, widths = fused_proj([a.q_proj, a.k_proj, a.v_proj])
+            self.layers.append((layer.self_attn_layer_norm, qkv, proj(a.out_proj), layer.final_layer_norm,
+                                proj(layer.fc1), proj(layer.fc2), layer.activation_fn))
+        self.widths = widths
+        self.head_dim = attn.head_dim
+        self.query_scale = attn.scaling
+        self.heads = self.kv_heads = widths[0] // self.head_dim
+        self.num_layers = len(self.layers)
+        self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache: StaticCache, start: int):
+        x = self.embed(ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        x = x + self.positions(None, position_ids=positions)
+        b, s, _ = x.shape
+        hd = self.head_dim
+        for i, (attn_norm, qkv, out_proj, mlp_norm, fc1, fc2, act) in enumerate(self.layers):
+            h = attn_norm(x) if self.norm_first else x
+            q, k, v = qkv(h).split(self.widths, dim=-1)
+            q = (q * self.query_scale).view(b, s, -1, hd).transpose(1, 2)
+            k = k.view(b, s, -1, hd).transpose(1, 2)
+            v = v.view(b, s, -1, hd).transpose(1, 2)
+            k, v = cache.update(i, start, k, v)
+            x = x + out_proj(self._attend(q, k, v, mask, causal=s > 1, scale=1.0))
+            if not self.norm_first:
+                x = attn_norm(x)
+            x = x + fc2(act(fc1(mlp_norm(x) if self.norm_first else x)))
+            if not self.norm_first:
+                x = mlp_norm(x)
+        return self.logits(x[:, -1])
+
+    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        hidden = self.final_norm(hidden_last)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        return self.head(hidden).float()
+
+
 def _rms_norm(norm: nn.Module):
     """Hugging Face's RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``) as one fused call in
     float32; other dtypes (whose Hugging Face version rounds in between) keep the module."""
@@ -280,7 +372,8 @@ class _NoFastPath(Exception):
     """The model's variant has no fast decoder; the engine runs its own forward."""
 
 
-_FAMILIES = {"llama": LlamaDecoder, "mistral": LlamaDecoder, "qwen2": LlamaDecoder, "gpt2": GPT2Decoder}
+_FAMILIES = {"llama": LlamaDecoder, "mistral": LlamaDecoder, "qwen2": LlamaDecoder, "gpt2": GPT2Decoder,
+             "gpt_neox": GPTNeoXDecoder, "opt": OPTDecoder}
 
 
 def build_decoder(model: nn.Module) -> tuple[FastDecoder | None, str]:

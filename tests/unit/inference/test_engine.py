@@ -21,7 +21,7 @@ def test_engine_generates_what_the_model_generates(family, inject):
     reference = tiny_lm(family)
     engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
                                       replace_with_kernel_inject=inject)
-    assert engine.fast_path == (inject and family in ("llama", "mistral", "qwen2", "gpt2"))
+    assert engine.fast_path == inject
     single, (batch, mask) = prompts()
     out = engine(batch, attention_mask=mask)
     assert type(out) is type(reference(batch, attention_mask=mask))
@@ -42,6 +42,26 @@ def test_engine_generates_what_the_model_generates(family, inject):
         torch.manual_seed(3)
         got = engine.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=True, **sampling)
         assert torch.equal(got, want), sampling
+
+
+def test_fast_path_of_opt_with_norms_after_the_blocks_and_a_narrow_embedding():
+    """OPT-350m's layout: LayerNorm after each block, no final norm, project_in / project_out."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=8,
+                                    max_position_embeddings=128, word_embed_proj_dim=32, do_layer_norm_before=False,
+                                    vocab_size=128, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+                                    eos_token_id=2)
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32, replace_with_kernel_inject=True)
+    assert engine.fast_path
+    _, (batch, mask) = prompts()
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)
+    want, got = reference.generate(batch, **kwargs), engine.generate(batch, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
 
 
 def test_generation_stops_at_eos_and_pads_finished_rows_like_generate():
