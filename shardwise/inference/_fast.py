@@ -53,13 +53,19 @@ class _Proj:
         self.weight, self.bias, self.scale, self.comm = weight, bias, scale, comm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        plain = self.scale is None and self.comm is None
+        if self.scale is None and self.comm is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.finish(self.local(x))
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the output: no bias, not summed over the tensor group."""
         w = self.weight if self.scale is None else self.weight.to(x.dtype)
-        y = F.linear(x, w, self.bias if plain else None)
-        if plain:
-            return y
-        if self.scale is not None:
-            y = y * self.scale.to(x.dtype)
+        y = F.linear(x, w)
+        return y if self.scale is None else y * self.scale.to(x.dtype)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """``y``, local parts (of this projection, or summed with another's), summed over
+        the tensor group, plus the bias."""
         if self.comm is not None:
             y = y.contiguous()
             self.comm.all_reduce(y, tag="inference row-parallel output").wait()
@@ -294,11 +300,15 @@ class GPTNeoXDecoder(FastDecoder):
             q, k, v = qkv(ln1(x)).view(b, s, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
             q, k = self.apply_rotary(q, k, cos, sin)
             k, v = cache.update(i, start, k, v)
-            attention = dense(self._attend(q, k, v, mask, causal=s > 1, scale=self.scale))
-            if self.parallel_residual:
-                x = four_h_to_h(act(h_to_4h(ln2(x)))) + attention + x
+            attention = self._attend(q, k, v, mask, causal=s > 1, scale=self.scale)
+            if self.parallel_residual and dense.comm is not None:
+                # one all-reduce for both blocks: their outputs are summed anyway
+                both = dense.finish(dense.local(attention) + four_h_to_h.local(act(h_to_4h(ln2(x)))))
+                x = (both if four_h_to_h.bias is None else both + four_h_to_h.bias) + x
+            elif self.parallel_residual:
+                x = four_h_to_h(act(h_to_4h(ln2(x)))) + dense(attention) + x
             else:
-                x = x + attention
+                x = x + dense(attention)
                 x = x + four_h_to_h(act(h_to_4h(ln2(x))))
         return self.logits(x[:, -1])
 

@@ -38,6 +38,10 @@ def tiny_lm(family: str, *, seed: int = 0):
     else:
         raise ValueError(family)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # biases start at zero: make them count, so a dropped or doubled bias shows
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(std=0.1)
     return model.eval()
 
 

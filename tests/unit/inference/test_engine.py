@@ -31,10 +31,10 @@ def test_engine_generates_what_the_model_generates(family, inject):
         kwargs.update(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
         want, got = reference.generate(ids, **kwargs), engine.generate(ids, **kwargs)
         assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
-        assert len(got.logits) == len(want.logits) == NEW
+        assert len(got.logits) == len(want.logits) > NEW // 2  # eos may end every row early
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
     stats = engine.last_generation
-    assert stats.batch_size == 3 and stats.new_tokens == NEW and stats.prompt_tokens == batch.shape[1]
+    assert stats.batch_size == 3 and stats.new_tokens == len(want.logits) and stats.prompt_tokens == batch.shape[1]
     assert 0 < stats.time_to_first_token_s < stats.total_s and stats.tokens_per_s > 0
     for sampling in ({"top_k": 20, "temperature": 0.7}, {"top_p": 0.8}, {}):
         torch.manual_seed(3)
