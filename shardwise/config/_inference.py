@@ -23,7 +23,10 @@ _ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_paralle
 _INERT = {"triangular_masking", "training_mp_size", "replace_method", "config", "transposed_mode",
           "triton_autotune", "keep_module_on_host", "set_empty_params", "checkpoint_config"}
 """Keys DeepSpeed reads that change nothing here (layout and kernel details of its own
-kernels); accepted so DeepSpeed configs load."""
+kernels); accepted so DeepSpeed configs load. Those among them that would ask for
+something this version does not do (a non-causal mask, model-parallel training
+checkpoints, a checkpoint named in ``checkpoint_config``) are refused by
+``_refuse_unsupported``."""
 _MOE = {"moe", "ep_size", "ep_group", "ep_mp_group", "moe_experts", "moe_type"}
 _KEYS = ({"replace_with_kernel_inject", "dtype", "tensor_parallel", "enable_cuda_graph", "use_triton", "zero",
           "quant", "checkpoint", "base_dir", "save_mp_checkpoint_path", "return_tuple", "injection_policy",
@@ -158,6 +161,15 @@ def _build(values: dict) -> InferenceConfig:
 
 
 def _refuse_unsupported(values: dict) -> None:
+    if values.get("triangular_masking", True) is False:
+        raise ConfigError("triangular_masking=false: the fast path and the models' own forward use causal "
+                          "(triangular) masks only; remove triangular_masking")
+    if values.get("training_mp_size", 1) != 1:
+        raise ConfigError(f"training_mp_size={values['training_mp_size']}: checkpoints split by model parallelism "
+                          "in training are not read; give the full checkpoint files (each rank reads its slices)")
+    if any((values.get("checkpoint_config") or {}).values()):
+        raise ConfigError("checkpoint_config: name the checkpoint with checkpoint= (and base_dir=) instead; "
+                          f"got {values['checkpoint_config']!r}")
     if values.get("use_triton"):
         raise ConfigError("use_triton: shardwise's inference runs on PyTorch (SDPA, torch.compile) without "
                           "Triton kernels of its own; remove use_triton")

@@ -56,6 +56,9 @@ def test_quant_section_means_int8_weights():
     ("dtype", torch.int32, "dtype must be float32, float16, bfloat16 or int8"),
     ("max_out_tokens", 0, "max_out_tokens must be a positive integer"),
     ("tensor_parallel", {"tp_sise": 2}, "did you mean 'tensor_parallel.tp_size'"),
+    ("triangular_masking", False, "causal"),
+    ("training_mp_size", 2, "checkpoints split by model parallelism"),
+    ("ckpt_config", {"checkpoint_dir": "/ckpt"}, "name the checkpoint with checkpoint="),
 ])
 def test_bad_input_is_refused_by_name(key, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -79,3 +82,13 @@ def test_missing_or_invalid_json_file(tmp_path):
 def test_config_object_passes_through():
     cfg = InferenceConfig(dtype=torch.float32)
     assert inference_config(cfg) is cfg
+
+
+def test_deepspeeds_config_class_takes_its_keywords():
+    from shardwise.inference.config import DeepSpeedInferenceConfig
+
+    cfg = DeepSpeedInferenceConfig(tensor_parallel={"tp_size": 2}, kernel_inject=True, dtype=torch.float32)
+    assert (cfg.tp_size, cfg.replace_with_kernel_inject, cfg.dtype) == (2, True, torch.float32)
+    assert inference_config(cfg) is cfg  # what init_inference(model, config=cfg) reads
+    assert inference_config(triangular_masking=True, training_mp_size=1, ckpt_config={}).tp_size == 1
+
