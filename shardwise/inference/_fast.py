@@ -92,9 +92,7 @@ def proj(module: nn.Module) -> _Proj:
     """The projection of one layer (row-parallel layers all-reduce), its weight stored
     input-major (see [Note: input-major weights])."""
     weight, bias, scale = _parts(module)
-    if weight.stride(-1) == 1:  # stored [out, in]
-        weight = weight.detach().t().contiguous().t()
-        _rebind(module, weight, scale)
+    weight = _store_input_major(module, weight, scale)
     comm = module.comm if isinstance(module, RowParallelLinear) and module.tp_degree > 1 else None
     return _Proj(weight, bias, scale=scale, comm=comm)
 
@@ -103,9 +101,19 @@ def input_major(module: nn.Module, *, unless_shared_with: torch.Tensor) -> nn.Mo
     """``module`` (the LM head) with its weight stored input-major, unless that weight is
     the input embedding's (a tied head: a second copy would cost its memory)."""
     weight, _, scale = _parts(module)
-    if weight.stride(-1) == 1 and weight.data_ptr() != unless_shared_with.data_ptr():
-        _rebind(module, weight.detach().t().contiguous().t(), scale)
+    if weight.data_ptr() != unless_shared_with.data_ptr():
+        _store_input_major(module, weight, scale)
     return module
+
+
+def _store_input_major(module: nn.Module, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``weight`` re-stored input-major (a transposed view; the layer's weight becomes it),
+    or as it is when it is already."""
+    if weight.stride(-1) != 1:
+        return weight
+    weight = weight.detach().t().contiguous().t()
+    _rebind(module, weight, scale)
+    return weight
 
 
 def fused_proj(modules: list[nn.Module]) -> tuple[_Proj, list[int]]:

@@ -153,10 +153,7 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
     ids = request.input_ids
     batch, prompt = ids.shape
     total = prompt + request.max_new_tokens
-    if total > max_out_tokens:
-        raise ValueError(f"generation would reach {total} tokens ({prompt} prompt + {request.max_new_tokens} new), "
-                         f"more than max_out_tokens={max_out_tokens}; lower max_new_tokens or raise max_out_tokens "
-                         "in init_inference")
+    check_length(prompt, request.max_new_tokens, max_out_tokens)
     stats = GenerationStats(batch_size=batch, prompt_tokens=prompt)
     if request.max_new_tokens == 0:
         return ids, stats  # as generate does, with no step taken
@@ -209,6 +206,14 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
     return GenerateDecoderOnlyOutput(sequences=sequences,
                                      scores=tuple(kept["scores"]) if request.keep_scores else None,
                                      logits=tuple(kept["logits"]) if request.keep_logits else None), stats
+
+
+def check_length(prompt: int, new: int, max_out_tokens: int) -> None:
+    """Refuse a generation that would grow past ``max_out_tokens`` before it starts."""
+    if prompt + new > max_out_tokens:
+        raise ValueError(f"generation would reach {prompt + new} tokens ({prompt} prompt + {new} new), more than "
+                         f"max_out_tokens={max_out_tokens}; lower max_new_tokens or raise max_out_tokens in "
+                         "init_inference")
 
 
 def _choose(logits: torch.Tensor, request: Request, sequence: torch.Tensor | None):
@@ -280,11 +285,8 @@ def run_model_generate(module, args: tuple, kwargs: dict, *, max_out_tokens: int
         kwargs = {**kwargs, "streamer": clock}
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     prompt = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
-    requested = kwargs.get("max_new_tokens")
-    if requested is not None and prompt + requested > max_out_tokens:
-        raise ValueError(f"generation would reach {prompt + requested} tokens ({prompt} prompt + {requested} new), "
-                         f"more than max_out_tokens={max_out_tokens}; lower max_new_tokens or raise max_out_tokens "
-                         "in init_inference")
+    if kwargs.get("max_new_tokens") is not None:
+        check_length(prompt, kwargs["max_new_tokens"], max_out_tokens)
     with torch.inference_mode():
         out = module.generate(*args, **kwargs)
     sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)

@@ -125,8 +125,9 @@ def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = N
     if cfg.checkpoint is not None:
         from shardwise.inference._loading import load_checkpoint
 
-        load_checkpoint(model, cfg.checkpoint, base_dir=cfg.base_dir, dtype=float_dtype)
-    _check_materialised(model)
+        load_checkpoint(model, cfg.checkpoint, base_dir=cfg.base_dir, dtype=float_dtype)  # checks for meta left
+    else:
+        _check_materialised(model)
     model.to(device=device, dtype=float_dtype)
     int8_report = None
     if cfg.int8_weights:
