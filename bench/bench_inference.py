@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -64,6 +63,8 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+
+from _machine import cpu_model, median_or_nan
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -545,21 +546,6 @@ def _source_state() -> str:
     return f"shardwise at {head}" + (" with uncommitted changes in shardwise/" if dirty else "")
 
 
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def _med(values):
-    return statistics.median(values) if values else float("nan")
-
-
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b == b and b > 0 else "-"  # b is nan when that row is missing
 
@@ -583,9 +569,9 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
                   f"({params / 1e6:.1f}M parameters, {4 * params / 2 ** 20:.0f} MiB fp32)", ""]
         for batch in map(str, args.batches):
             base = rows.get("hf", {}).get("batches", {}).get(batch)
-            base_t = _med([r["total_s"] for r in base["runs"]]) if base else float("nan")
+            base_t = median_or_nan([r["total_s"] for r in base["runs"]]) if base else float("nan")
             ds = rows.get("deepspeed", {}).get("batches", {}).get(batch)
-            ds_t = _med([r["total_s"] for r in ds["runs"]]) if ds else float("nan")
+            ds_t = median_or_nan([r["total_s"] for r in ds["runs"]]) if ds else float("nan")
             lines += [f"Batch {batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, median of "
                       f"{args.repeats} timed runs after 1 warm-up:", "",
                       "| row | processes x threads | time to first token ms | tokens/s | ms per decode step | "
@@ -597,7 +583,7 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
                     continue
                 entry = out["batches"][batch]
                 totals = [r["total_s"] for r in entry["runs"]]
-                total, ttft = _med(totals), _med([r["ttft_s"] for r in entry["runs"]])
+                total, ttft = median_or_nan(totals), median_or_nan([r["ttft_s"] for r in entry["runs"]])
                 step = (total - ttft) / (args.new_tokens - 1) if args.new_tokens > 1 else float("nan")
                 procs = "2 x 1" if row.endswith("tp2") else f"1 x {out['threads']}"
                 same = _first_divergence(entry["tokens"], base["tokens"]) if base else "-"
@@ -612,19 +598,19 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
             lines.append("")
             sw = rows.get("shardwise-inject", {}).get("batches", {}).get(batch)
             if sw:
-                t = _med([r["total_s"] for r in sw["runs"]])
+                t = median_or_nan([r["total_s"] for r in sw["runs"]])
                 verdict = lambda r: ("met" if r <= GOAL else "NOT met") + f" ({r:.2f}x)"  # noqa: E731
                 again = rows.get("hf-again", {}).get("batches", {}).get(batch)
                 again_note = ""
                 if again:  # the baseline's second run, after every other row: how far the machine drifted
-                    again_t = _med([r["total_s"] for r in again["runs"]])
+                    again_t = median_or_nan([r["total_s"] for r in again["runs"]])
                     again_note = f" ({t / again_t:.2f}x against the hf-again run)"
                 goal = (f"{config}, batch {batch}: shardwise-inject tp 1 vs plain generate "
                         f"{verdict(t / base_t) if base else 'no baseline'}{again_note}; vs DeepSpeed "
                         f"{verdict(t / ds_t) if ds else 'no DeepSpeed row'}")
                 goals.append(goal)
                 if sw.get("breakdown"):
-                    ttft = _med([r["ttft_s"] for r in sw["runs"]])
+                    ttft = median_or_nan([r["ttft_s"] for r in sw["runs"]])
                     step = (t - ttft) / max(args.new_tokens - 1, 1)
                     bd = {k: 1000 * v for k, v in sw["breakdown"].items()}
                     inside = bd["step_s"] - bd["no_linear_s"]
@@ -720,7 +706,7 @@ def main() -> None:
             if "error" in out:
                 print(f"  {out['error']}", file=sys.stderr, flush=True)
             else:
-                print("  " + "; ".join(f"batch {b}: {_med([r['total_s'] for r in e['runs']]):.3f} s"
+                print("  " + "; ".join(f"batch {b}: {median_or_nan([r['total_s'] for r in e['runs']]):.3f} s"
                                        for b, e in out["batches"].items()) + f" (process {out['wall_s']:.0f} s)",
                       file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
@@ -729,7 +715,7 @@ def main() -> None:
     command = "python bench/bench_inference.py " + " ".join(sys.argv[1:])
     text = "\n".join([
         "# Greedy decoding on CPU: plain generate, DeepSpeed init_inference, shardwise init_inference", "",
-        f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | torch {versions['torch']}, transformers "
+        f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | torch {versions['torch']}, transformers "
         f"{versions['transformers']} | deepspeed {versions['deepspeed']} | {source} | fp32", "",
         f"Command: `{command}`", "",
         f"Random-token prompts of {args.prompt_len}, greedy, {args.new_tokens} new tokens forced (no eos), "

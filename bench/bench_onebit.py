@@ -61,6 +61,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from _machine import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 
 OPTIMIZERS = {
@@ -411,7 +413,7 @@ def report(args, runs: dict, throttled: dict, skipped: list[str], throttle_note:
     bws = args.bandwidths.split(",")
     any_run = next(iter(r for r in runs.values() if "error" not in r), None)
     lines = [f"# 1-bit optimizers: bytes on the wire, loss and step time", "",
-             f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {versions} | gloo, fp32, ZeRO stage 0", "",
+             f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {versions} | gloo, fp32, ZeRO stage 0", "",
              f"GPT (examples/gpt_model.py, untied head): vocab {args.vocab}, width {args.width}, {args.layers} layers, "
              f"{args.heads} heads, sequence {args.seq_len}"
              + (f", {any_run['params']:,} parameters" if any_run else "")
@@ -523,16 +525,6 @@ def report(args, runs: dict, throttled: dict, skipped: list[str], throttle_note:
     elif codes:
         lines += ["", f"shardwise at {next(iter(codes.values()))} for every run (HEAD+digest of uncommitted changes)."]
     return "\n".join(lines) + "\n"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import socket
 import statistics
@@ -37,6 +36,8 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+
+from _machine import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
@@ -321,16 +322,6 @@ def _versions(ds_python: str) -> str:
     return ", ".join(parts)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def table(args, results: list[tuple[str, dict]]) -> str:
     base = next((r["median"] for v, r in results if v == "ddp" and "median" in r), None)
     floor = next((r["median"] for v, r in results if v == "floor" and "median" in r), None)
@@ -338,7 +329,7 @@ def table(args, results: list[tuple[str, dict]]) -> str:
     zero += f", peers' AdamW {args.peer_kernel}" + (", stage-3 models built under zero.Init" if args.zero_init else "")
     zero += ", DeepSpeed's optimizer from its config" if args.ds_optimizer == "config" else ""
     lines = [f"# Step time, preset `{args.preset}`, {args.world_size} ranks, micro-batch {args.micro_batch}{zero}",
-             "", f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | "
+             "", f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | "
              f"median of steps {args.warmup + 1}..{args.steps}", "",
              "| variant | median s/step | min-max | vs DDP | vs floor | peak RSS MB/rank | model-state MB/rank |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -43,7 +43,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import re
 import resource
 import socket
@@ -55,6 +54,8 @@ import threading
 import time
 from datetime import date
 from pathlib import Path
+
+from _machine import cpu_model, median_or_nan
 
 REPO = Path(__file__).resolve().parents[1]
 SPLIT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
@@ -317,23 +318,9 @@ def _versions(ds_python: str) -> str:
     return ", ".join(parts)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def _med(values):
-    return statistics.median(values) if values else float("nan")
-
-
 def tp_report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
     ok = {v: [r for r in rs if "median" in r] for v, rs in runs.items()}
-    med = {v: _med([r["median"] for r in rs]) for v, rs in ok.items()}
+    med = {v: median_or_nan([r["median"] for r in rs]) for v, rs in ok.items()}
     base = "deepspeed-tp2"
     lines = [f"## Step time and memory, tp2 on 2 ranks (round order: {'; '.join(' '.join(o) for o in order)})", "",
              "| variant | runs | median s/step | run medians min-max | all steps min-max | vs deepspeed-tp2 | vs ddp "
@@ -347,7 +334,7 @@ def tp_report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         info = good[0]["info"][0]
         rel = lambda other: f"{med[variant] / med[other]:.3f}" if med.get(other) == med.get(other) and other in med \
             else "-"  # noqa: E731
-        rss = _med([max(r["rss_mb"]) for r in good])
+        rss = median_or_nan([max(r["rss_mb"]) for r in good])
         lines.append(
             f"| {variant} | {len(good)} | {med[variant]:.3f} | {min(r['median'] for r in good):.3f}-"
             f"{max(r['median'] for r in good):.3f} | {min(r['min'] for r in good):.3f}-{max(r['max'] for r in good):.3f} "
@@ -367,8 +354,8 @@ def tp_report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
               "| variant | forward | backward | step | run wall s |", "| --- | --- | --- | --- | --- |"]
     for variant, rs in ok.items():
         if rs:
-            f, b, st = (_med([r["phases"][k] for r in rs]) for k in range(3))
-            lines.append(f"| {variant} | {f:.3f} | {b:.3f} | {st:.3f} | {_med([r['wall_s'] for r in rs]):.0f} |")
+            f, b, st = (median_or_nan([r["phases"][k] for r in rs]) for k in range(3))
+            lines.append(f"| {variant} | {f:.3f} | {b:.3f} | {st:.3f} | {median_or_nan([r['wall_s'] for r in rs]):.0f} |")
     lines += ["", "Per-rank parameters (first run of each variant):", "", "```"]
     for variant, rs in ok.items():
         for rank, i in enumerate(rs[0]["info"] if rs else []):
@@ -510,13 +497,13 @@ def ac_report(args, timing: dict[str, list[dict]], memory: dict[str, dict]) -> s
             err = next((r["error"] for r in rounds if "error" in r), mem.get("error", "?"))
             lines.append(f"| {variant} | error: {err} | | | | | | | |")
             continue
-        fwd, tot = _med([s["forward_s"] for s in steps]), _med([s["step_s"] for s in steps])
+        fwd, tot = median_or_nan([s["forward_s"] for s in steps]), median_or_nan([s["step_s"] for s in steps])
         base = base or (tot if variant == "none" else None)
         m = mem["steps"]
         lines.append(f"| {variant} | {fwd:.3f} | {tot:.3f} | {tot / base:.2f} | " if base else
                      f"| {variant} | {fwd:.3f} | {tot:.3f} | - | ")
-        lines[-1] += (f"{_med([s['saved_mb'] for s in m]):.1f} | {_med([s['held_mb'] for s in m]):.1f} | "
-                      f"{_med([s['peak_mb'] for s in m]):.1f} | {m[0]['loss']:.6f} | {m[0]['grad_sum']:.6e} |")
+        lines[-1] += (f"{median_or_nan([s['saved_mb'] for s in m]):.1f} | {median_or_nan([s['held_mb'] for s in m]):.1f} | "
+                      f"{median_or_nan([s['peak_mb'] for s in m]):.1f} | {m[0]['loss']:.6f} | {m[0]['grad_sum']:.6e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -560,7 +547,7 @@ def main() -> None:
         return ac_worker(args)
     started = time.perf_counter()
     header = ["# Tensor parallelism: shardwise AutoTP against DeepSpeed AutoTP", "",
-              f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | gloo, fp32",
+              f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | gloo, fp32",
               "", f"Llama (LlamaConfig, sdpa attention): vocab {args.vocab}, hidden {args.hidden}, intermediate "
               f"{args.intermediate}, {args.layers} layers, {args.heads} heads (no GQA), sequence {args.seq_len}, "
               f"{args.micro_batch} rows per step; AdamW (torch, fused) lr 1e-4, clipping 1.0; 2 ranks x 1 thread; "
