@@ -2,7 +2,8 @@
 policy, the engine's logits equal the plain model's (fp32, 1e-4), its greedy tokens are
 identical over 32 new tokens (batch 1 and a left-padded batch, with and without kernel
 injection), sampling with a seed draws the plain model's tokens, and each rank holds only
-its slice of every split layer and of the LM head."""
+its slice of every split layer and of the LM head. On 4 ranks tp 2 forms two tensor groups;
+a tensor group can also be given as a process group."""
 
 import copy
 
@@ -71,13 +72,22 @@ def _body(rank, world_size):
                                   temperature=0.9)
             assert torch.equal(got, want), (family, inject, "sampling")
             report[(family, inject)] = (logit_err, engine.fast_path)
-    return report
+    if world_size == 4:  # tp 2 in a world of 4: two tensor groups, {0, 1} and {2, 3}, each a whole model
+        reference = tiny_lm("llama")
+        engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
+                                          tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True)
+        _check_split(engine, reference, "llama", rank % 2, 2)
+        kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(engine.generate(batch, **kwargs), reference.generate(batch, **kwargs))
+        return report, engine.mp_world_size
+    return report, None
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_generation_equals_plain_model(tmp_path, world_size):
     reports = run_distributed(_body, world_size=world_size, tmp_path=tmp_path, timeout_s=600)
-    fast = {family for (family, inject), (_, on) in reports[0].items() if inject and on}
+    assert [tp for _, tp in reports] == [2 if world_size == 4 else None] * world_size
+    fast = {family for (family, inject), (_, on) in reports[0][0].items() if inject and on}
     assert fast == set(FAMILIES)
 
 
@@ -125,7 +135,17 @@ def _policy_int8_and_errors_body(rank, world_size):
     held = engine.module.blocks[0]
     assert torch.equal(held.fc_in.weight, reference.blocks[0].fc_in.weight.chunk(2, dim=0)[rank])
     assert torch.equal(held.fc_out.weight, reference.blocks[0].fc_out.weight.chunk(2, dim=1)[rank])
+    # the tensor group given as a process group (tensor_parallel.tp_group), and one that disagrees with tp_size
+    group = torch.distributed.new_group([0, 1])
+    reference = tiny_lm("gpt2")
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
+                                      tensor_parallel={"tp_group": group, "tp_size": 2})
+    _check_split(engine, reference, "gpt2", rank, 2)
     errors = {}
+    try:
+        shardwise.init_inference(tiny_lm("gpt2"), dtype=torch.float32, tensor_parallel={"tp_group": group, "tp_size": 4})
+    except ValueError as exc:
+        errors["group size"] = str(exc)
     for name, build, kwargs in (
             ("no policy", _Net, {}),
             ("policy names no class", _Net, {"injection_policy": {"Nope": ("fc_out",)}}),
@@ -158,6 +178,7 @@ def test_injection_policy_int8_and_bad_splits_on_two_ranks(tmp_path):
     assert "does not divide the attention heads (num_attention_heads) = 3" in errors["heads"]
     assert "does not divide the key-value heads (num_key_value_heads) = 1" in errors["kv heads"]
     assert "does not divide the vocabulary (vocab_size) = 127" in errors["vocab"]
+    assert "tp_size is 4 but the tensor-parallel group given has 2 ranks" in errors["group size"]
     relative_error, top1, shard_shape = int8
     assert relative_error <= 0.1 and top1 >= 0.9
     assert tuple(shard_shape) == (32, 64)  # half of q_proj's 64 output rows, stored as int8
