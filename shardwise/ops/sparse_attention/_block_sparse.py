@@ -18,8 +18,11 @@ gathers become scatter-adds), so forward and backward touch ``O(nonzero blocks)`
 row to ``n`` blocks. Plans are cached by layout content, and by layout identity (guarded by a
 weak reference and the tensor's version counter) so repeated calls neither rebuild nor rehash.
 
-On CUDA the same layout becomes a FlexAttention ``BlockMask`` (see ``_flex_attention``); the
-gather path stays the fallback when FlexAttention cannot compile.
+Which path runs: on CPU in fp32, bf16 and fp16 without ``rpe``, the split kernel of
+[Note: prefix and remainder] (``_split_attention.py``), which gathers only what rows do not share
+and has its own backward; on CUDA the same layout becomes a FlexAttention ``BlockMask`` (see
+``_flex_attention``); the gather path above serves everything else (``rpe``, whose gradient the
+flash kernels do not give, float64, other devices, and CUDA when FlexAttention cannot compile).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ._split_attention import SUPPORTED_DTYPES, SplitAttention, _additive, _Masks, build_split_plan
 
 logger = logging.getLogger("shardwise")
 
@@ -136,58 +141,37 @@ def _build_plan(layout: Tensor, device: torch.device) -> _Plan:
                  kv=torch.cat(kv).to(device))
 
 
-def _plan(layout: Tensor, block: int, device: torch.device) -> _Plan:
-    key = (_content_key(layout, block), device)
+def _plan(layout: Tensor, block: int, device: torch.device, kind: str = "gather"):
+    """The cached plan of one kind: "gather" (``_Plan``) or "split" (``_SplitPlan``)."""
+    key = (_content_key(layout, block), device, kind)
     plan = _plans.get(key)
     if plan is None:
-        plan = _build_plan(layout.detach().to("cpu", torch.bool), device)
+        dense = layout.detach().to("cpu", torch.bool)
+        plan = _build_plan(dense, device) if kind == "gather" else build_split_plan(dense, block, device)
         _remember(_plans, key, plan)
     return plan
 
 
-def _additive(mask: Tensor, mode: MaskMode) -> Tensor:
-    """DeepSpeed's mask modes as an additive fp32 mask: "mul" masks zeros, "add" adds as is."""
-    if mode == "mul":
-        return torch.zeros(mask.shape, device=mask.device).masked_fill(mask == 0, float("-inf"))
-    return mask.float()
-
-
-def _group_bias(group: _RowGroup, block: int, kpm: Tensor | None, am: Tensor | None,
-                am_mode: MaskMode, rpe: Tensor | None) -> Tensor | None:
-    """The additive mask of one group, ``[batch or 1, R, block or 1, k * block]``, built as
-    ``[b, R, q, k, kv]`` parts. ``kpm`` is additive ``[b, n, block]``; ``am`` is the user's
-    ``[n, block, n, block]``, converted per ``am_mode`` only after gathering its blocks;
-    ``rpe`` is ``[b, h, n, block, n, block]``."""
+def _group_bias(group: _RowGroup, masks: _Masks, rpe: Tensor | None) -> Tensor | None:
+    """The additive mask of one group, ``[batch or 1, R, block or 1, k * block]``: the padding,
+    key padding and attention masks as the split path builds them, plus ``rpe``
+    (``[b, h, n, block, n, block]``), which only this path takes."""
+    bias = masks.chunk(group)
+    if rpe is None:
+        return bias
     num_rows, k = group.cols.shape
-    bias = None
-    if group.valid is not None:
-        pad = torch.zeros(group.valid.shape, device=group.valid.device)
-        bias = pad.masked_fill(~group.valid, float("-inf"))[None, :, None, :, None]
-    if kpm is not None:
-        part = kpm[:, group.cols][:, :, None]
-        bias = part if bias is None else bias + part
-    if am is not None:
-        part = am[group.row_blocks[:, None], :, group.cols, :].permute(0, 2, 1, 3)[None]
-        part = _additive(part, am_mode)
-        bias = part if bias is None else bias + part
-    if rpe is not None:
-        heads = group.heads if rpe.shape[1] > 1 else torch.zeros_like(group.heads)
-        part = rpe[:, heads[:, None], group.row_blocks[:, None], :, group.cols, :]
-        part = part.permute(2, 0, 3, 1, 4)
-        bias = part if bias is None else bias + part
-    if bias is None:
-        return None
-    return bias.expand(*bias.shape[:3], k, block).reshape(bias.shape[0], num_rows, bias.shape[2], k * block)
+    heads = group.heads if rpe.shape[1] > 1 else torch.zeros_like(group.heads)
+    part = rpe[:, heads[:, None], group.row_blocks[:, None], :, group.cols, :]
+    part = part.permute(2, 0, 3, 1, 4).reshape(rpe.shape[0], num_rows, masks.block, k * masks.block)
+    return part if bias is None else bias + part
 
 
 def _gather_attention(query: Tensor, key: Tensor, value: Tensor, plan: _Plan, block: int,
-                      scale: float | None, masks: tuple) -> Tensor:
-    """The CPU path. See [Note: block-sparse gather plan]."""
+                      scale: float | None, masks: _Masks, rpe: Tensor | None) -> Tensor:
+    """The path for relative position scores (which need their gradient) and for devices without
+    torch's CPU flash kernel. See [Note: block-sparse gather plan]."""
     batch, num_heads, seq, dim = query.shape
     n = seq // block
-    kpm, am, am_mode, rpe = masks
-    kpm = None if kpm is None else kpm.reshape(-1, n, block)
-    am = None if am is None else am.reshape(n, block, n, block)
     rpe = None if rpe is None else rpe.reshape(*rpe.shape[:2], n, block, n, block)
     q_blocks, k_blocks, v_blocks = (t.reshape(batch, num_heads * n, block, dim) for t in (query, key, value))
     # One gather per tensor, split per group: the backward then fills one zero gradient buffer
@@ -199,9 +183,7 @@ def _gather_attention(query: Tensor, key: Tensor, value: Tensor, plan: _Plan, bl
     v_groups = v_blocks.index_select(1, plan.kv).split(kv_sizes, dim=1)
     outputs = []
     for group, q, k, v in zip(plan.groups, q_groups, k_groups, v_groups):
-        bias = _group_bias(group, block, kpm, am, am_mode, rpe)
-        if bias is not None:
-            bias = bias.to(query.dtype)
+        bias = _group_bias(group, masks, rpe)
         k, v = (t.view(batch, group.num_rows, -1, dim) for t in (k, v))
         outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale))
     out = _Permute.apply(torch.cat(outputs, dim=1), plan.inverse, plan.rows)
@@ -290,15 +272,20 @@ def block_sparse_attention(query: Tensor, key: Tensor, value: Tensor, layout: Te
     am = None if attn_mask is None else attn_mask.reshape(seq, seq)
     if rpe is not None and rpe.dim() == 3:
         rpe = rpe[None]
-    masks = (kpm, am, attn_mask_mode, rpe)
     plan = _plan(layout, block, query.device)  # validates the rows even where unused
     if seq == block:
-        return _dense_attention(query, key, value, layout, block, scale, masks)
+        return _dense_attention(query, key, value, layout, block, scale, (kpm, am, attn_mask_mode, rpe))
     if query.is_cuda:
-        out = _flex_attention(query, key, value, layout, block, scale, masks)
+        out = _flex_attention(query, key, value, layout, block, scale, (kpm, am, attn_mask_mode, rpe))
         if out is not None:
             return out
-    return _gather_attention(query, key, value, plan, block, scale, masks)
+    n = seq // block
+    masks = _Masks(None if kpm is None else kpm.reshape(-1, n, block),
+                   None if am is None else am.reshape(n, block, n, block), attn_mask_mode, block, query.dtype)
+    if query.device.type == "cpu" and rpe is None and query.dtype in SUPPORTED_DTYPES:
+        split = _plan(layout, block, query.device, "split")
+        return SplitAttention.apply(query, key, value, split, block, scale, masks)
+    return _gather_attention(query, key, value, plan, block, scale, masks, rpe)
 
 
 _flex_state: dict = {"compiled": None, "failed": False, "timed": set()}

@@ -302,3 +302,47 @@ def test_every_config_class_matches_dense_masked_attention(index, attention, pad
     for name, g, w in zip("qkv", got, want):
         torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
     assert 0 < int(layout.sum()) <= layout.numel()
+
+
+@pytest.mark.parametrize("kind", ["random", "window_global", "causal"])
+def test_gather_path_matches_dense_attention(kind):
+    """float64 (which torch's CPU flash kernel does not take) runs the gather path that
+    relative position scores and devices without that kernel use, masks included."""
+    seq = 128
+    layout = _layout(kind, seq // BLOCK, seed=1)
+    _check(seq, layout, dtype=torch.float64, key_padding_mask=_kpm(seq, "mul"), key_padding_mask_mode="mul",
+           attn_mask=_attn_mask(seq, "mul"), attn_mask_mode="mul")
+    _check(seq, layout, dtype=torch.float64, key_padding_mask=_kpm(seq, "add"), attn_mask=_attn_mask(seq, "add"),
+           attn_mask_mode="add")
+
+
+@pytest.mark.parametrize("kind", ["fixed", "longformer", "causal_fixed"])
+def test_split_path_prefixes_and_remainders(kind, monkeypatch):
+    """The CPU path splits shared columns (a prefix of the column order) from the gathered
+    remainder; every combination of the two, a reordered key copy, several head layouts and
+    chunked remainders equals dense attention."""
+    from shardwise.ops.sparse_attention import FixedSparsityConfig
+    from shardwise.ops.sparse_attention import _split_attention
+
+    monkeypatch.setattr(_split_attention, "_CHUNK_TOKENS", 16 * BLOCK)  # several chunks per group
+    seq = 1024
+    n = seq // BLOCK
+    if kind == "longformer":
+        layout = _window_global(n)
+    else:
+        attention = "unidirectional" if kind == "causal_fixed" else "bidirectional"
+        config = FixedSparsityConfig(num_heads=HEADS, block=BLOCK, num_local_blocks=4, num_global_blocks=1,
+                                     different_layout_per_head=True, num_different_global_patterns=2,
+                                     attention=attention)
+        layout = config.make_layout(seq)
+    plan = _split_attention.build_split_plan(layout.bool(), BLOCK, torch.device("cpu"))
+    assert plan.prefixes and plan.chunks
+    assert len(plan.chunks) > len({c.cols.shape[1] for c in plan.chunks})
+    if kind == "fixed":
+        assert len(plan.orders) == 2 and all(o.cols is not None for o in plan.orders)
+    if kind == "longformer":
+        assert plan.orders[0].cols is None  # window columns keep their order: no copy
+    masks = {"key_padding_mask": _kpm(seq, "mul"), "key_padding_mask_mode": "mul"}
+    if kind == "causal_fixed":
+        masks.update(attn_mask=_attn_mask(seq, "mul"))
+    _check(seq, layout, **masks)
