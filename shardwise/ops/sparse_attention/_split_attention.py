@@ -10,9 +10,11 @@ to come first, most attended first; the others follow in index order; the keys a
 copied once in that order (not at all when it is the index order, as in window layouts).
 Each row's attended columns then split into
 
-- its *prefix*: the longest run at the start of that order it attends entirely. Rows with the
-  same prefix length attend to one contiguous slice of the ordered keys, a view: one
-  ``scaled_dot_product_attention`` call per (head layout, prefix length), nothing gathered;
+- its *prefix*: the longest run at the start of that order it attends entirely. Consecutive
+  rows with the same prefix length attend to one contiguous slice of the ordered keys, a view:
+  one flash-attention call per such run (cut into chunks of at most ``_CHUNK_TOKENS`` query
+  tokens), with the rows' queries, outputs and gradients as views too, nothing gathered. A run
+  that would save fewer than ``_MIN_PREFIX_BLOCKS`` gathered blocks is left to the remainder;
 - its *remainder*: everything else, gathered per row as before (rows grouped by width, padded
   slots masked), in chunks of at most ``_CHUNK_TOKENS`` gathered tokens.
 
@@ -36,14 +38,16 @@ import torch
 from torch import Tensor
 
 _CHUNK_TOKENS = 1 << 16
-"""At most this many key tokens are gathered at once (per batch element and head dimension)."""
+"""At most this many key tokens are gathered at once, and at most this many query tokens (over
+the heads) go into one prefix call, per batch element and head dimension."""
 
 _SHARED_FRACTION = 8
 """Columns attended by at least ``n / this`` rows lead the column order; the rest keep their
 index order, so window layouts need no reordered copy of the keys."""
 
 _MIN_PREFIX_BLOCKS = 4
-"""A prefix group saves at least this many gathered blocks or its rows keep their columns."""
+"""A run of rows with one prefix width takes the prefix path if that saves at least this many
+gathered blocks (width x rows); otherwise its rows gather those columns too."""
 
 _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -65,16 +69,14 @@ class _Order:
 
 @dataclass(frozen=True)
 class _Prefix:
+    """Consecutive query block rows ``start .. stop - 1`` of one head layout, one prefix width."""
+
     order: int
     """Index into ``_SplitPlan.orders``."""
-    rows: Tensor
-    """``[R]`` query block rows."""
-    flat: Tensor
-    """``[hg * R]`` flat query block index ``head * n + row``, head-major."""
+    start: int
+    stop: int
     width: int
     """Key blocks in the prefix."""
-    whole: bool
-    """True when ``flat`` is every query block in order (``0 .. h * n - 1``)."""
 
 
 @dataclass(frozen=True)
@@ -116,25 +118,32 @@ def build_split_plan(layout: Tensor, block: int, device: torch.device) -> _Split
         cols = torch.argsort(shared, descending=True, stable=True)
         ordered = pattern[:, cols]
         widths = ordered.to(torch.int32).cumprod(1).sum(1)
-        groups = []
-        for width in widths.unique().tolist():
-            rows = (widths == width).nonzero().flatten()
-            if width and width * len(rows) * len(heads) >= _MIN_PREFIX_BLOCKS:
-                groups.append((width, rows))
-        if not groups:
+        runs = [run for run in _runs(widths) if run[2] * (run[1] - run[0]) >= _MIN_PREFIX_BLOCKS]
+        if not runs:
             continue
         identity = bool(cols.equal(torch.arange(n)))
-        every_head = len(heads) == num_heads
         orders.append(_Order(heads=heads.to(device), cols=None if identity else cols.to(device),
-                             every_head=every_head))
-        for width, rows in groups:
-            remainder[heads[:, None, None], rows[None, :, None], cols[None, None, :width]] = False
-            flat = (heads[:, None] * n + rows[None, :]).reshape(-1)
-            whole = bool(flat.equal(torch.arange(num_heads * n)))
-            prefixes.append(_Prefix(order=len(orders) - 1, rows=rows.to(device), flat=flat.to(device),
-                                    width=width, whole=whole))
+                             every_head=bool(heads.equal(torch.arange(num_heads)))))
+        step = max(1, _CHUNK_TOKENS // (len(heads) * block))
+        for start, stop, width in runs:
+            remainder[heads[:, None, None], torch.arange(start, stop)[None, :, None],
+                      cols[None, None, :width]] = False
+            prefixes.extend(_Prefix(order=len(orders) - 1, start=first, stop=min(first + step, stop),
+                                    width=width) for first in range(start, stop, step))
     return _SplitPlan(orders=tuple(orders), prefixes=tuple(prefixes),
                       chunks=_remainder_chunks(remainder, block, device))
+
+
+def _runs(widths: Tensor) -> list[tuple[int, int, int]]:
+    """``(start, stop, width)`` of each run of consecutive rows with one nonzero prefix width."""
+    runs, start = [], 0
+    values = widths.tolist()
+    for row in range(1, len(values) + 1):
+        if row == len(values) or values[row] != values[start]:
+            if values[start]:
+                runs.append((start, row, values[start]))
+            start = row
+    return runs
 
 
 def _remainder_chunks(remainder: Tensor, block: int, device: torch.device) -> tuple[_Chunk, ...]:
@@ -190,9 +199,9 @@ class _Masks:
             kpm = self.kpm[:, :prefix.width] if cols is None else self.kpm[:, cols]
             bias = kpm.reshape(kpm.shape[0], 1, 1, -1)
         if self.am is not None:
-            am = self.am[prefix.rows]
+            am = self.am[prefix.start:prefix.stop]
             am = am[:, :, :prefix.width] if cols is None else am[:, :, cols]
-            am = _additive(am, self.am_mode).reshape(1, 1, len(prefix.rows) * self.block, -1)
+            am = _additive(am, self.am_mode).reshape(1, 1, (prefix.stop - prefix.start) * self.block, -1)
             bias = am if bias is None else bias + am
         return None if bias is None else bias.to(self.dtype)
 
@@ -248,11 +257,23 @@ def _ordered(t: Tensor, order: _Order) -> Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1, t.shape[-1])
 
 
-def _rows(t: Tensor, prefix: _Prefix, heads: int) -> Tensor:
-    """The prefix's query rows of flat ``[b, h * n, block, ...]`` as ``[b, hg, R * block, ...]``."""
-    if not prefix.whole:
-        t = t.index_select(1, prefix.flat)
-    return t.reshape(t.shape[0], heads, -1, *t.shape[3:])
+def _rows(t: Tensor, order: _Order, prefix: _Prefix) -> Tensor:
+    """The prefix's rows of ``[b, h, n, block, ...]`` as ``[b, hg, R * block, ...]``: a view
+    when the layout is every head's."""
+    region = t[:, :, prefix.start:prefix.stop]
+    if not order.every_head:
+        region = region.index_select(1, order.heads)
+    return region.flatten(2, 3)
+
+
+def _put(t: Tensor, order: _Order, prefix: _Prefix, value: Tensor, add: bool) -> None:
+    """Writes (or adds) ``[b, hg, R * block, ...]`` into the prefix's rows of ``[b, h, n, block, ...]``."""
+    region = t[:, :, prefix.start:prefix.stop]
+    value = value.reshape(region.shape[0], -1, *region.shape[2:])
+    if order.every_head:
+        region.add_(value) if add else region.copy_(value)
+    else:
+        region.index_add_(1, order.heads, value) if add else region.index_copy_(1, order.heads, value)
 
 
 class SplitAttention(torch.autograd.Function):
@@ -271,11 +292,11 @@ class SplitAttention(torch.autograd.Function):
             keys, values = _ordered(blocks[1], order), _ordered(blocks[2], order)
             for prefix in (p for p in plan.prefixes if p.order == order_index):
                 span = prefix.width * block
-                part_out, part_lse = _attend(_rows(flat_q, prefix, len(order.heads)), keys[:, :, :span],
+                part_out, part_lse = _attend(_rows(blocks[0], order, prefix), keys[:, :, :span],
                                              values[:, :, :span], masks.prefix(order, prefix), scale)
                 # Prefixes come first and share no row: their results are copied, not merged.
-                out.index_copy_(1, prefix.flat, part_out.reshape(batch, -1, block, dim).float())
-                lse.index_copy_(1, prefix.flat, part_lse.reshape(batch, -1, block))
+                _put(out.view(blocks[0].shape), order, prefix, part_out, add=False)
+                _put(lse.view(blocks[0].shape[:4]), order, prefix, part_lse, add=False)
         for chunk in plan.chunks:
             num_rows = len(chunk.flat)
             q = flat_q.index_select(1, chunk.flat)
@@ -309,20 +330,18 @@ def _prefix_backward(ctx, order: _Order, prefixes: list[_Prefix], saved: tuple, 
     q_blocks, k_blocks, v_blocks, grad, out, lse = saved
     dq, dk, dv = grads
     batch, num_heads, n, block, dim = q_blocks.shape
-    flat_q = q_blocks.view(grad.shape)
     keys, values = _ordered(k_blocks, order), _ordered(v_blocks, order)
     if order.every_head and order.cols is None:  # the keys are a view: add into the gradients
         dkeys, dvalues = (g.view(keys.shape) for g in (dk, dv))
     else:
         dkeys, dvalues = torch.zeros(keys.shape), torch.zeros(values.shape)
-    heads = len(order.heads)
     for prefix in prefixes:
         span = prefix.width * block
-        q, g, o = (_rows(t, prefix, heads) for t in (flat_q, grad, out))
+        q, g, o = (_rows(t.view(q_blocks.shape), order, prefix) for t in (q_blocks, grad, out))
         parts = _flash_backward(g, q, keys[:, :, :span], values[:, :, :span], o,
-                                _rows(lse, prefix, heads), 0.0, False,
+                                _rows(lse.view(q_blocks.shape[:4]), order, prefix), 0.0, False,
                                 attn_mask=ctx.masks.prefix(order, prefix), scale=ctx.scale)
-        dq.index_add_(1, prefix.flat, parts[0].reshape(batch, -1, block, dim).float())
+        _put(dq.view(q_blocks.shape), order, prefix, parts[0], add=True)
         dkeys[:, :, :span] += parts[1]
         dvalues[:, :, :span] += parts[2]
     if not (order.every_head and order.cols is None):
