@@ -26,7 +26,9 @@ Rows (``--rows``), each a fresh process (DeepSpeed's in its own interpreter,
   (the fast decoder).
 - ``shardwise``: ``replace_with_kernel_inject=False`` (the model's own ``generate``).
 - ``shardwise-inject-tp2``: ``tensor_parallel={"tp_size": 2}``, 2 processes
-  (``torch.distributed.run``, gloo) with 1 thread each; rank 0's times.
+  (``torch.distributed.run``, gloo) with 1 thread each; rank 0's times. Its all-reduces and
+  the logits' all-gather go through shardwise's same-host shared memory ([Note:
+  shared-memory all-reduce] in ``shardwise/comm/_shm.py``), not through gloo.
 - ``deepspeed-tp2``: DeepSpeed's AutoTP at ``tensor_parallel={"tp_size": 2}`` (no kernel
   inject), the same 2 x 1 layout: context for the shardwise tp2 row. Its block outputs are
   summed by its shared-memory all-reduce (``deepspeed_shm_comm_op``, JIT-built on first use),
@@ -632,7 +634,9 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
                               f"{1000 * comm['seconds'] / args.new_tokens:.2f} ms of its "
                               f"{1000 * comm['total_s'] / args.new_tokens:.2f} ms" + (
                                   " (DeepSpeed's shared-memory all-reduce does not go through torch.distributed and "
-                                  "is not counted)" if row.startswith("deepspeed") else "") + ".", ""]
+                                  "is not counted)" if row.startswith("deepspeed") else
+                                  " (the tensor group's shared-memory all-reduces and all-gathers do not go through "
+                                  "torch.distributed and are not counted)") + ".", ""]
         int8 = rows.get("shardwise-int8-inject", {}).get("info", {}).get("int8")
         if int8:
             lines += [f"int8 (shardwise-int8-inject): {int8['layers']} linear layers (LM head kept fp32), weights "

@@ -59,6 +59,8 @@ from shardwise.comm._deadline import DeadlineWaiter, note_group_timeout
 from shardwise.comm._exit import note_failure
 from shardwise.comm._hang_watch import HangWatch
 from shardwise.comm._logger import OpTimer, comms_logger
+from shardwise.comm._shm import SharedMemoryAllReduce, open_shared
+from shardwise.comm._shm import capacity as shm_capacity
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +159,13 @@ class Communicator:
         check_hangs: exchange what every rank waited in when a collective fails (False:
             the error names this rank's collective only, and comes without the grace
             period spent waiting for the peers' states).
+        shared_memory: on gloo, sum small CPU all-reduces through memory shared by the
+            ranks when they all run on one host (see [Note: shared-memory all-reduce] in
+            ``_shm.py``); for latency-bound groups such as the tensor-parallel one.
     """
 
-    def __init__(self, group=None, *, timeout_s: float = 1800.0, name: str = "world", check_hangs: bool = True):
+    def __init__(self, group=None, *, timeout_s: float = 1800.0, name: str = "world", check_hangs: bool = True,
+                 shared_memory: bool = False):
         self.group = group
         self.name = name
         self.check_hangs = check_hangs
@@ -185,6 +191,8 @@ class Communicator:
         ``all_gather_scratch`` from ``scratch_gather_min_numel`` elements (see [Note: gloo
         reduce-scatter and all-gather by all-reduce])."""
         self.scratch_gather_min_numel = _GLOO_ALL_GATHER_MIN_NUMEL
+        self._shm_wanted = shared_memory and backend == "gloo" and self.world_size > 1
+        self._shm: SharedMemoryAllReduce | None = None
         self.waiter = DeadlineWaiter()
         self._hang_watch: HangWatch | None = None
         self.calls: Counter[str] = Counter()
@@ -219,9 +227,37 @@ class Communicator:
         """Start an in-place all-reduce of ``tensor``; returns a handle to wait on."""
         if self.world_size == 1:
             return _DONE
+        if self._shm_wanted and op == dist.ReduceOp.SUM and tensor.device.type == "cpu":
+            done = self._through_shared_memory("all_reduce", tensor, tensor, tag)
+            if done is not None:
+                return done
         record = self._record("all_reduce", tensor, tag)
         return Handle(self, dist.all_reduce(tensor, op=op, group=self.group, async_op=True), record,
                       honours_timeout=self.gloo_waits_natively)
+
+    def _through_shared_memory(self, op: str, output: torch.Tensor, tensor: torch.Tensor, tag: str) -> Handle | None:
+        """``op`` (an all-reduce of ``tensor``, or an all-gather of it into ``output``) done
+        through shared memory, or None where that does not apply (the mapping is set up on
+        the first call that would use it, by all ranks together)."""
+        if self._shm is None:
+            if tensor.numel() * tensor.element_size() > shm_capacity():
+                return None
+            self._shm = open_shared(self)
+            if self._shm is None:
+                self._shm_wanted = False
+                return None
+        summed = op == "all_reduce"
+        if not self._shm.eligible(tensor, summed=summed) or not output.is_contiguous():
+            return None
+        record = self._record(op, output, tag)
+        timeout_s = self.timeout.total_seconds()
+        done = self._shm.all_reduce(tensor, timeout_s) if summed else self._shm.all_gather(output, tensor, timeout_s)
+        if not done:
+            self._shm_wanted = False
+            raise self.diagnose(record, None)
+        if record.timer is not None:
+            record.timer.stop()
+        return _DONE
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, tag: str = "") -> Handle:
         """Start an in-place broadcast from group rank ``src``."""
@@ -237,6 +273,10 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(input.reshape(output.shape))
             return _DONE
+        if self._shm_wanted and input.device.type == "cpu" and output.numel() == input.numel() * self.world_size:
+            done = self._through_shared_memory("all_gather", output, input, tag)
+            if done is not None:
+                return done
         record = self._record("all_gather", output, tag)
         work = _all_gather_single(output, input, group=self.group, async_op=True)
         return Handle(self, work, record, honours_timeout=self.gloo_waits_natively)
@@ -301,15 +341,17 @@ class Communicator:
         self.all_reduce(token, tag=tag or "barrier").wait()
         token.item()
 
-    def all_gather_object(self, obj, *, tag: str = "") -> list:
+    def all_gather_object(self, obj, *, tag: str = "", counted: bool = True) -> list:
         """Every rank's picklable ``obj``, indexed by group rank (small metadata only).
 
         Two all-gathers (sizes, then the padded pickles) under the same deadline as every
         collective; they count as one ``all_gather_object`` call. Pickle travels between
-        this job's own ranks here; nothing read from disk is unpickled."""
+        this job's own ranks here; nothing read from disk is unpickled. ``counted=False``
+        leaves it out of :attr:`calls` (the library's own set-up exchanges)."""
         if self.world_size == 1:
             return [obj]
-        self.calls["all_gather_object"] += 1
+        if counted:
+            self.calls["all_gather_object"] += 1
         device = self._device()
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=device)

@@ -191,7 +191,9 @@ class ParallelGrid:
 
     def _comm(self, axis: str, label: str) -> Communicator:
         if axis not in self._comms:
-            self._comms[axis] = Communicator(self._group(axis), name=label, **self._comm_options)
+            # the tensor group's all-reduces sit on the critical path of every layer: latency-bound
+            self._comms[axis] = Communicator(self._group(axis), name=label, shared_memory=axis == "tensor",
+                                             **self._comm_options)
         return self._comms[axis]
 
     def _group(self, axis: str):

@@ -18,7 +18,7 @@ def as_tensor_comm(group) -> Communicator:
     ``tensor_comm`` attribute (a ``shardwise.parallel.ParallelGrid``); an mpu-like object
     with ``get_tensor_model_parallel_group()`` or else ``get_model_parallel_group()``
     (Megatron's ``parallel_state``, DeepSpeed's mpu); a torch ``ProcessGroup``. A process
-    group is wrapped in ``Communicator(group, name="tensor-parallel")`` once; later calls
+    group is wrapped in ``Communicator(group, name="tensor-parallel", shared_memory=True)`` once; later calls
     with the same group return that Communicator.
 
     Raises:
@@ -40,7 +40,7 @@ def as_tensor_comm(group) -> Communicator:
             return as_tensor_comm(found)
     if isinstance(group, dist.ProcessGroup):
         if group not in _COMMS:
-            _COMMS[group] = Communicator(group, name="tensor-parallel")
+            _COMMS[group] = Communicator(group, name="tensor-parallel", shared_memory=True)
         return _COMMS[group]
     raise TypeError(f"group= must be the tensor-parallel process group, a Communicator, a grid "
                     f"with tensor_comm or an mpu; got {type(group).__name__}")

@@ -83,7 +83,8 @@ class CheckpointSettings:
                              "shardwise.checkpointing.configure(), or set partition_activations to false")
         group, _, world_size = tensor_group_of(self.mpu)
         if world_size > 1:
-            self.tensor_comm = Communicator(group, timeout_s=self.comm_timeout_s, name="tensor-parallel")
+            self.tensor_comm = Communicator(group, timeout_s=self.comm_timeout_s, name="tensor-parallel",
+                                            shared_memory=True)
             return
         where = "a tensor-parallel group of 1 rank"
         layout = (", and contiguous_memory_optimization has no partitions to lay out"

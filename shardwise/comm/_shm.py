@@ -1,0 +1,221 @@
+"""Small all-reduces through shared memory between the ranks of one host.
+
+[Note: shared-memory all-reduce]
+On gloo every all-reduce is a round trip through gloo's threads and TCP: about 0.25 ms
+between two idle processes and about 0.8 ms inside a tensor-parallel decode loop, where a
+step issues two per layer (bench/results/2026-11-25-cpu-inference.md: 17 per token took
+13 of 23 ms). When every rank of a group runs on one host, the ranks map one shared file
+instead (``/dev/shm``), laid out as
+
+- one 64-byte line per rank holding the number of the last all-reduce it has posted;
+- two sets (by the parity of that number) of one slot per rank, ``capacity`` bytes each.
+
+All-reduce number ``s``: copy the tensor into this rank's slot of set ``s % 2``, store
+``s`` in this rank's line, wait until every line holds at least ``s``, then sum the slots in
+rank order into the tensor. Every rank adds the same values in the same order, so all
+ranks get the same bits. Two sets make a second barrier unnecessary: a rank can only be
+writing set ``s % 2`` again (for ``s + 2``) after every rank posted ``s + 1``, which each did
+after it finished reading ``s``.
+
+The store of ``s`` is a plain 8-byte store after the slot's copy: x86-64 keeps stores (and
+loads) in program order, which is what makes the slot visible before the number; other
+architectures are not enabled. A rank that never posts makes the others wait until
+``comm.timeout_s`` and raise the usual ``CollectiveError``. Waiting spins for a short while
+(the peers of a decode step arrive within microseconds), then yields the CPU, then sleeps
+in 0.1 ms steps, so a long wait (a peer saving a checkpoint) does not hold a core.
+
+The mapping is set up collectively on the group's first eligible all-reduce: rank 0
+creates the file, every rank opens it and checks a random token rank 0 wrote, and the
+file is unlinked once all have it open (nothing is left in ``/dev/shm``, even after a
+crash). Where that fails (ranks on several hosts, a private ``/dev/shm`` per container),
+the group keeps using the backend, decided by all ranks together.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import platform
+import secrets
+import socket
+import time
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+CAPACITY_BYTES = 1 << 20
+"""The largest all-reduce payload that goes through shared memory; larger ones gain less
+(their time is the sum itself) and keep the backend's asynchronous overlap."""
+_LINE = 64
+_SETUP = "shared-memory all-reduce setup"
+_SPINS = 2000
+"""Checks before waiting starts to yield the CPU."""
+_YIELDS = 20000
+"""Further checks, each after ``os.sched_yield()``, before waiting sleeps between checks."""
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+
+
+def capacity() -> int:
+    """The payload bound in bytes (``CAPACITY_BYTES``, read at each call so tests can lower it)."""
+    return CAPACITY_BYTES
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def supported() -> bool:
+    """Whether this platform may use the shared-memory all-reduce (see the note)."""
+    return (platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+            and os.environ.get("SHARDWISE_SHM_ALLREDUCE", "1").strip() != "0")
+
+
+class SharedMemoryAllReduce:
+    """The shared mapping of one group. Build it with :func:`open_shared` (collective)."""
+
+    def __init__(self, buffer: mmap.mmap, rank: int, world_size: int, capacity: int) -> None:
+        self._buffer, self.rank, self.world_size, self.capacity = buffer, rank, world_size, capacity
+        self._posted = np.ndarray((world_size,), dtype=np.int64, buffer=buffer, offset=_LINE,
+                                  strides=(_LINE,))
+        data = torch.frombuffer(buffer, dtype=torch.uint8, offset=_data_offset(world_size))
+        self._slots = data.view(2, world_size, capacity)
+        self._seq = 0
+
+    def eligible(self, tensor: torch.Tensor, *, summed: bool = True) -> bool:
+        """Whether ``tensor`` (an all-reduce's, or an all-gather's input) can go through here."""
+        return (tensor.device.type == "cpu" and tensor.is_contiguous()
+                and (tensor.dtype in _DTYPES or not summed)
+                and tensor.numel() * tensor.element_size() <= self.capacity)
+
+    def all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> bool:
+        """Sum ``tensor`` over the group in place; False if a peer did not arrive in time
+        (then this mapping must not be used again)."""
+        slots = self._exchange(tensor, timeout_s)
+        if slots is None:
+            return False
+        flat = tensor.view(-1)
+        torch.add(slots[0], slots[1], out=flat)
+        for peer in range(2, self.world_size):
+            flat.add_(slots[peer])
+        return True
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float) -> bool:
+        """Every rank's ``tensor`` into the contiguous ``output``, rank-major; False as above."""
+        slots = self._exchange(tensor, timeout_s)
+        if slots is None:
+            return False
+        rows = output.view(self.world_size, -1)
+        for row, slot in zip(rows, slots):
+            row.copy_(slot)
+        return True
+
+    def _exchange(self, tensor: torch.Tensor, timeout_s: float) -> list[torch.Tensor] | None:
+        """Post ``tensor`` and wait for every rank's: their slots (flat, ``tensor``'s dtype)."""
+        self._seq += 1
+        seq = self._seq
+        nbytes = tensor.numel() * tensor.element_size()
+        slots = [slot.view(tensor.dtype) for slot in self._slots[seq % 2, :, :nbytes]]
+        slots[self.rank].copy_(tensor.view(-1))
+        self._posted[self.rank] = seq
+        return slots if self._wait(seq, timeout_s) else None
+
+    def _wait(self, seq: int, timeout_s: float) -> bool:
+        posted = self._posted
+        deadline = time.monotonic() + timeout_s
+        checks = 0
+        while posted.min() < seq:
+            checks += 1
+            if checks <= _SPINS:
+                continue
+            if checks & 255 == 0 and time.monotonic() > deadline:
+                return False
+            if checks <= _SPINS + _YIELDS:
+                os.sched_yield()
+            else:
+                time.sleep(1e-4)
+        return True
+
+    def close(self) -> None:
+        self._slots = self._posted = None
+        try:
+            self._buffer.close()
+        except BufferError:  # a tensor view still exists; the mapping goes with it
+            pass
+
+
+def _data_offset(world_size: int) -> int:
+    return _LINE * (1 + world_size)
+
+
+def open_shared(comm) -> SharedMemoryAllReduce | None:
+    """Collective over ``comm``'s group: the shared mapping, or None on every rank where
+    any rank cannot have it (see [Note: shared-memory all-reduce])."""
+    slot = capacity()
+    hosts = comm.all_gather_object((supported(), _host_id()), tag=_SETUP, counted=False)
+    if not all(flag for flag, _ in hosts) or len({host for _, host in hosts}) != 1:
+        return None
+    size = _data_offset(comm.world_size) + 2 * comm.world_size * slot
+    path, token = None, 0
+    if comm.rank == 0:
+        path, token = _create(size)
+    path, token = comm.all_gather_object((path, token), tag=_SETUP, counted=False)[0]
+    buffer = None
+    if path is not None:
+        buffer = _attach(path, size, token)
+    opened = comm.all_gather_object(buffer is not None, tag=_SETUP, counted=False)
+    if comm.rank == 0 and path is not None:
+        os.unlink(path)
+    if not all(opened):
+        if buffer is not None:
+            buffer.close()
+        logger.info("%s group: shared-memory all-reduce unavailable (the ranks could not map one file)",
+                    comm.name)
+        return None
+    return SharedMemoryAllReduce(buffer, comm.rank, comm.world_size, slot)
+
+
+def _create(size: int) -> tuple[str | None, int]:
+    path = f"/dev/shm/shardwise-allreduce-{os.getpid()}-{secrets.token_hex(8)}"
+    token = secrets.randbits(62) + 1
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None, 0
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # a full /dev/shm refuses here, not with SIGBUS on first touch
+        with mmap.mmap(fd, size) as buffer:
+            buffer[:8] = token.to_bytes(8, "little")
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        return None, 0
+    os.close(fd)
+    return path, token
+
+
+def _attach(path: str, size: int, token: int) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        buffer = mmap.mmap(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if int.from_bytes(buffer[:8], "little") != token:
+        buffer.close()
+        return None
+    return buffer

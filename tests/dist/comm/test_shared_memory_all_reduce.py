@@ -1,0 +1,113 @@
+"""The shared-memory all-reduce and all-gather of same-host groups ([Note: shared-memory
+all-reduce]): sums equal the rank-order sum bit for bit on every rank, gathers equal the
+inputs, skewed ranks never read a slot that is being rewritten, nothing goes through gloo
+below the capacity, a missing peer is a CollectiveError within the deadline, and the ranks
+fall back to gloo together."""
+
+import glob
+import os
+import random
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.comm import CollectiveError, Communicator
+from shardwise.comm import _collectives, _shm
+from shardwise.testing import DistributedTestError, run_distributed
+
+
+def _rank_values(rank, numel, dtype, step):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=generator).to(dtype)
+    return torch.randint(-1000, 1000, (numel,), generator=generator, dtype=dtype)
+
+
+def _expected(world_size, numel, dtype, step):
+    total = _rank_values(0, numel, dtype, step) + _rank_values(1, numel, dtype, step)
+    for peer in range(2, world_size):
+        total = total + _rank_values(peer, numel, dtype, step)
+    return total
+
+
+def _sums(rank, world_size, disable_on=None, skew=False):
+    if rank == disable_on:
+        os.environ["SHARDWISE_SHM_ALLREDUCE"] = "0"
+    gloo_calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda tensor, *a, **k: gloo_calls.append(tensor.numel()) or real(tensor, *a, **k)
+    real_gather = _collectives._all_gather_single
+    _collectives._all_gather_single = lambda out, *a, **k: gloo_calls.append(-out.numel()) or real_gather(out, *a, **k)
+    comm = Communicator(timeout_s=30, name="tensor-parallel", shared_memory=True)
+    cases = [(1, torch.float32), (1000, torch.float32), (777, torch.bfloat16), (513, torch.float16),
+             (100, torch.float64), (257, torch.int64), (33, torch.int32)]
+    rng = random.Random(rank)
+    mismatches = []
+    for step in range(60):
+        numel, dtype = cases[step % len(cases)]
+        if skew and rng.random() < 0.3:
+            time.sleep(rng.random() * 0.003)
+        tensor = _rank_values(rank, numel, dtype, step)
+        comm.all_reduce(tensor, tag=f"step {step}").wait()
+        if step == 0:
+            gloo_calls.clear()  # the set-up's exchanges (on the first call) are gloo's
+        if not torch.equal(tensor, _expected(world_size, numel, dtype, step)):
+            mismatches.append(step)
+    for step in range(60, 80):  # all-gathers, of every dtype (bool too: nothing is summed)
+        numel, dtype = cases[step % len(cases)]
+        tensor = _rank_values(rank, numel, dtype, step)
+        if step == 79:
+            tensor = tensor > 0
+        out = torch.empty(world_size * numel, dtype=tensor.dtype)
+        comm.all_gather_into_tensor(out, tensor, tag=f"step {step}").wait()
+        want = torch.cat([_rank_values(peer, numel, dtype, step) for peer in range(world_size)])
+        if not torch.equal(out, want if step < 79 else want > 0):
+            mismatches.append(step)
+    big = torch.ones(_shm.CAPACITY_BYTES // 4 + 1)  # one element over the capacity: gloo
+    comm.all_reduce(big).wait()
+    leftovers = glob.glob("/dev/shm/shardwise-allreduce-*")
+    return {"mismatches": mismatches, "shm": comm._shm is not None, "gloo_calls": gloo_calls,
+            "big": big[0].item(), "calls": dict(comm.calls), "leftovers": leftovers}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sums_are_the_rank_order_sum_on_every_rank(tmp_path, world_size):
+    for result in run_distributed(_sums, world_size=world_size, tmp_path=tmp_path, skew=True):
+        assert result["mismatches"] == []
+        assert result["shm"]
+        assert result["gloo_calls"] == [_shm.CAPACITY_BYTES // 4 + 1]  # only the one over the capacity
+        assert result["big"] == world_size
+        assert result["calls"] == {"all_reduce": 61, "all_gather": 20}  # the setup's exchanges are not counted
+        assert result["leftovers"] == []
+
+
+def test_ranks_fall_back_to_gloo_together(tmp_path):
+    for result in run_distributed(_sums, world_size=2, tmp_path=tmp_path, disable_on=1):
+        assert result["mismatches"] == []
+        assert not result["shm"]
+        assert len(result["gloo_calls"]) == 80  # all but the first call
+
+
+def _missing_peer(rank, world_size):
+    comm = Communicator(timeout_s=3, name="tensor-parallel", shared_memory=True)
+    comm.all_reduce(torch.ones(4), tag="first").wait()
+    assert comm._shm is not None
+    if rank == 1:
+        time.sleep(8)  # past rank 0's deadline: it must not wait for this rank
+        return
+    comm.all_reduce(torch.ones(4), tag="row-parallel output").wait()
+
+
+def test_a_missing_peer_is_a_collective_error_within_the_deadline(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_missing_peer, world_size=2, tmp_path=tmp_path)
+    message = str(info.value)
+    assert "CollectiveError" in message
+    assert re.search(r"rank 0 waited in tensor-parallel group rank 0: all_reduce #\d+ \(4 x float32\) "
+                     r"\[row-parallel output\] which did not complete within 3 s", message), message
+    assert "rank 1: published nothing" in message
+    assert time.monotonic() - start < 60  # spawn and imports included; the deadline itself is 3 s
