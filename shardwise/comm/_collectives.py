@@ -60,7 +60,6 @@ from shardwise.comm._exit import note_failure
 from shardwise.comm._hang_watch import HangWatch
 from shardwise.comm._logger import OpTimer, comms_logger
 from shardwise.comm._shm import SharedMemoryAllReduce, open_shared
-from shardwise.comm._shm import capacity as shm_capacity
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +158,8 @@ class Communicator:
         check_hangs: exchange what every rank waited in when a collective fails (False:
             the error names this rank's collective only, and comes without the grace
             period spent waiting for the peers' states).
-        shared_memory: on gloo, sum small CPU all-reduces through memory shared by the
-            ranks when they all run on one host (see [Note: shared-memory all-reduce] in
+        shared_memory: on gloo, run CPU all-reduces (sums) and all-gathers through memory
+            shared by the ranks when they all run on one host (see [Note: shared-memory all-reduce] in
             ``_shm.py``); for latency-bound groups such as the tensor-parallel one.
     """
 
@@ -240,14 +239,12 @@ class Communicator:
         through shared memory, or None where that does not apply (the mapping is set up on
         the first call that would use it, by all ranks together)."""
         if self._shm is None:
-            if tensor.numel() * tensor.element_size() > shm_capacity():
-                return None
             self._shm = open_shared(self)
             if self._shm is None:
                 self._shm_wanted = False
                 return None
         summed = op == "all_reduce"
-        if not self._shm.eligible(tensor, summed=summed) or not output.is_contiguous():
+        if not SharedMemoryAllReduce.eligible(tensor, summed=summed) or not output.is_contiguous():
             return None
         record = self._record(op, output, tag)
         timeout_s = self.timeout.total_seconds()

@@ -8,7 +8,8 @@ step issues two per layer (bench/results/2026-11-25-cpu-inference.md: 17 per tok
 instead (``/dev/shm``), laid out as
 
 - one 64-byte line per rank holding the number of the last all-reduce it has posted;
-- two sets (by the parity of that number) of one slot per rank, ``capacity`` bytes each.
+- two sets (by the parity of that number) of one slot per rank, ``CAPACITY_BYTES`` each;
+  a larger tensor goes through in pieces of that size, one numbered exchange each.
 
 All-reduce number ``s``: copy the tensor into this rank's slot of set ``s % 2``, store
 ``s`` in this rank's line, wait until every line holds at least ``s``, then sum the slots in
@@ -47,8 +48,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CAPACITY_BYTES = 1 << 20
-"""The largest all-reduce payload that goes through shared memory; larger ones gain less
-(their time is the sum itself) and keep the backend's asynchronous overlap."""
+"""The bytes of one slot: larger tensors go through in pieces of this size, one exchange each."""
 _LINE = 64
 _SETUP = "shared-memory all-reduce setup"
 _SPINS = 2000
@@ -56,11 +56,6 @@ _SPINS = 2000
 _YIELDS = 20000
 """Further checks, each after ``os.sched_yield()``, before waiting sleeps between checks."""
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
-
-
-def capacity() -> int:
-    """The payload bound in bytes (``CAPACITY_BYTES``, read at each call so tests can lower it)."""
-    return CAPACITY_BYTES
 
 
 def _host_id() -> str:
@@ -89,41 +84,46 @@ class SharedMemoryAllReduce:
         self._slots = data.view(2, world_size, capacity)
         self._seq = 0
 
-    def eligible(self, tensor: torch.Tensor, *, summed: bool = True) -> bool:
+    @staticmethod
+    def eligible(tensor: torch.Tensor, *, summed: bool = True) -> bool:
         """Whether ``tensor`` (an all-reduce's, or an all-gather's input) can go through here."""
-        return (tensor.device.type == "cpu" and tensor.is_contiguous()
-                and (tensor.dtype in _DTYPES or not summed)
-                and tensor.numel() * tensor.element_size() <= self.capacity)
+        return tensor.device.type == "cpu" and tensor.is_contiguous() and (tensor.dtype in _DTYPES or not summed)
 
     def all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> bool:
-        """Sum ``tensor`` over the group in place; False if a peer did not arrive in time
-        (then this mapping must not be used again)."""
-        slots = self._exchange(tensor, timeout_s)
-        if slots is None:
-            return False
-        flat = tensor.view(-1)
-        torch.add(slots[0], slots[1], out=flat)
-        for peer in range(2, self.world_size):
-            flat.add_(slots[peer])
+        """Sum ``tensor`` over the group in place, a slot's worth at a time; False if a peer
+        did not arrive in time (then this mapping must not be used again)."""
+        for piece in self._pieces(tensor.view(-1)):
+            slots = self._exchange(piece, timeout_s)
+            if slots is None:
+                return False
+            torch.add(slots[0], slots[1], out=piece)
+            for peer in range(2, self.world_size):
+                piece.add_(slots[peer])
         return True
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float) -> bool:
         """Every rank's ``tensor`` into the contiguous ``output``, rank-major; False as above."""
-        slots = self._exchange(tensor, timeout_s)
-        if slots is None:
-            return False
         rows = output.view(self.world_size, -1)
-        for row, slot in zip(rows, slots):
-            row.copy_(slot)
+        start = 0
+        for piece in self._pieces(tensor.view(-1)):
+            slots = self._exchange(piece, timeout_s)
+            if slots is None:
+                return False
+            for row, slot in zip(rows, slots):
+                row[start:start + len(piece)].copy_(slot)
+            start += len(piece)
         return True
 
-    def _exchange(self, tensor: torch.Tensor, timeout_s: float) -> list[torch.Tensor] | None:
-        """Post ``tensor`` and wait for every rank's: their slots (flat, ``tensor``'s dtype)."""
+    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(flat.split(max(1, self.capacity // flat.element_size())))
+
+    def _exchange(self, piece: torch.Tensor, timeout_s: float) -> list[torch.Tensor] | None:
+        """Post the 1-D ``piece`` and wait for every rank's: their slots (``piece``'s dtype)."""
         self._seq += 1
         seq = self._seq
-        nbytes = tensor.numel() * tensor.element_size()
-        slots = [slot.view(tensor.dtype) for slot in self._slots[seq % 2, :, :nbytes]]
-        slots[self.rank].copy_(tensor.view(-1))
+        nbytes = piece.numel() * piece.element_size()
+        slots = [slot.view(piece.dtype) for slot in self._slots[seq % 2, :, :nbytes]]
+        slots[self.rank].copy_(piece)
         self._posted[self.rank] = seq
         return slots if self._wait(seq, timeout_s) else None
 
@@ -158,7 +158,7 @@ def _data_offset(world_size: int) -> int:
 def open_shared(comm) -> SharedMemoryAllReduce | None:
     """Collective over ``comm``'s group: the shared mapping, or None on every rank where
     any rank cannot have it (see [Note: shared-memory all-reduce])."""
-    slot = capacity()
+    slot = CAPACITY_BYTES
     hosts = comm.all_gather_object((supported(), _host_id()), tag=_SETUP, counted=False)
     if not all(flag for flag, _ in hosts) or len({host for _, host in hosts}) != 1:
         return None

@@ -33,9 +33,11 @@ def _expected(world_size, numel, dtype, step):
     return total
 
 
-def _sums(rank, world_size, disable_on=None, skew=False):
+def _sums(rank, world_size, disable_on=None, skew=False, slot_bytes=None):
     if rank == disable_on:
         os.environ["SHARDWISE_SHM_ALLREDUCE"] = "0"
+    if slot_bytes is not None:  # tensors over a slot go through in pieces
+        _shm.CAPACITY_BYTES = slot_bytes
     gloo_calls = []
     real = dist.all_reduce
     dist.all_reduce = lambda tensor, *a, **k: gloo_calls.append(tensor.numel()) or real(tensor, *a, **k)
@@ -66,20 +68,23 @@ def _sums(rank, world_size, disable_on=None, skew=False):
         want = torch.cat([_rank_values(peer, numel, dtype, step) for peer in range(world_size)])
         if not torch.equal(out, want if step < 79 else want > 0):
             mismatches.append(step)
-    big = torch.ones(_shm.CAPACITY_BYTES // 4 + 1)  # one element over the capacity: gloo
+    big = torch.arange(float(_shm.CAPACITY_BYTES // 4 + 3))  # a slot and 3 elements: 2 pieces
     comm.all_reduce(big).wait()
+    if not torch.equal(big, torch.arange(float(big.numel())) * world_size):
+        mismatches.append("big")
     leftovers = glob.glob("/dev/shm/shardwise-allreduce-*")
     return {"mismatches": mismatches, "shm": comm._shm is not None, "gloo_calls": gloo_calls,
-            "big": big[0].item(), "calls": dict(comm.calls), "leftovers": leftovers}
+            "calls": dict(comm.calls), "leftovers": leftovers}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_sums_are_the_rank_order_sum_on_every_rank(tmp_path, world_size):
-    for result in run_distributed(_sums, world_size=world_size, tmp_path=tmp_path, skew=True):
+@pytest.mark.parametrize("world_size, slot_bytes", [(2, None), (4, None), (2, 96)],
+                         ids=["2-ranks", "4-ranks", "2-ranks-96-byte-slots"])
+def test_sums_are_the_rank_order_sum_on_every_rank(tmp_path, world_size, slot_bytes):
+    for result in run_distributed(_sums, world_size=world_size, tmp_path=tmp_path, skew=True,
+                                  slot_bytes=slot_bytes):
         assert result["mismatches"] == []
         assert result["shm"]
-        assert result["gloo_calls"] == [_shm.CAPACITY_BYTES // 4 + 1]  # only the one over the capacity
-        assert result["big"] == world_size
+        assert result["gloo_calls"] == []
         assert result["calls"] == {"all_reduce": 61, "all_gather": 20}  # the setup's exchanges are not counted
         assert result["leftovers"] == []
 
