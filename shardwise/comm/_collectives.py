@@ -59,7 +59,7 @@ from shardwise.comm._deadline import DeadlineWaiter, note_group_timeout
 from shardwise.comm._exit import note_failure
 from shardwise.comm._hang_watch import HangWatch
 from shardwise.comm._logger import OpTimer, comms_logger
-from shardwise.comm._shm import SharedMemoryAllReduce, open_shared
+from shardwise.comm._shm import CollectiveMismatch, SharedMemoryAllReduce, open_shared
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,12 @@ class Communicator:
             return None
         record = self._record(op, output, tag)
         timeout_s = self.timeout.total_seconds()
-        done = self._shm.all_reduce(tensor, timeout_s) if summed else self._shm.all_gather(output, tensor, timeout_s)
+        try:
+            done = (self._shm.all_reduce(tensor, timeout_s) if summed
+                    else self._shm.all_gather(output, tensor, timeout_s))
+        except CollectiveMismatch as exc:
+            self._shm_wanted = False
+            raise self.diagnose(record, exc) from None
         if not done:
             self._shm_wanted = False
             raise self.diagnose(record, None)

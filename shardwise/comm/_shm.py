@@ -7,7 +7,10 @@ step issues two per layer (bench/results/2026-11-25-cpu-inference.md: 17 per tok
 13 of 23 ms). When every rank of a group runs on one host, the ranks map one shared file
 instead (``/dev/shm``), laid out as
 
-- one 64-byte line per rank holding the number of the last all-reduce it has posted;
+- one 64-byte line per rank holding the number of the last exchange it has posted and, per
+  parity, what that exchange is (op, dtype, element count: ranks that diverged into
+  different collectives get a ``CollectiveError`` naming both instead of summing unrelated
+  data);
 - two sets (by the parity of that number) of one slot per rank, ``CAPACITY_BYTES`` each;
   a larger tensor goes through in pieces of that size, one numbered exchange each.
 
@@ -73,13 +76,40 @@ def supported() -> bool:
             and os.environ.get("SHARDWISE_SHM_ALLREDUCE", "1").strip() != "0")
 
 
+class CollectiveMismatch(Exception):
+    """Ranks posted different collectives to one exchange (they diverged)."""
+
+
+_OPS = ("all_reduce", "all_gather")
+_ALL_DTYPES = (*_DTYPES, torch.bool, torch.uint8, torch.int8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _signature(op: str, tensor: torch.Tensor) -> int:
+    """``op``, dtype and element count packed in 64 bits (decoded by :func:`_describe`)."""
+    dtype = _ALL_DTYPES.index(tensor.dtype) if tensor.dtype in _ALL_DTYPES else 255
+    return (_OPS.index(op) << 56) | (dtype << 48) | (tensor.numel() & ((1 << 48) - 1))
+
+
+def _describe(signature: int) -> str:
+    op, dtype, numel = signature >> 56, (signature >> 48) & 255, signature & ((1 << 48) - 1)
+    name = str(_ALL_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_ALL_DTYPES) else "another dtype"
+    return f"{_OPS[op] if op < len(_OPS) else 'unknown'} ({numel} x {name})"
+
+
 class SharedMemoryAllReduce:
-    """The shared mapping of one group. Build it with :func:`open_shared` (collective)."""
+    """The shared mapping of one group. Build it with :func:`open_shared` (collective).
+
+    ``all_reduce`` and ``all_gather`` return False when a peer did not arrive within the
+    timeout and raise :class:`CollectiveMismatch` when the ranks posted different collectives;
+    after either, the mapping must not be used again."""
 
     def __init__(self, buffer: mmap.mmap, rank: int, world_size: int, capacity: int) -> None:
         self._buffer, self.rank, self.world_size, self.capacity = buffer, rank, world_size, capacity
-        self._posted = np.ndarray((world_size,), dtype=np.int64, buffer=buffer, offset=_LINE,
-                                  strides=(_LINE,))
+        lines = {"offset": _LINE, "strides": (_LINE,), "buffer": buffer, "dtype": np.int64}
+        self._posted = np.ndarray((world_size,), **lines)
+        # by parity, as the slots: a peer may already have posted the next exchange
+        self._signatures = [np.ndarray((world_size,), **{**lines, "offset": _LINE + 8 * (1 + parity)})
+                            for parity in range(2)]
         data = torch.frombuffer(buffer, dtype=torch.uint8, offset=_data_offset(world_size))
         self._slots = data.view(2, world_size, capacity)
         self._seq = 0
@@ -90,10 +120,10 @@ class SharedMemoryAllReduce:
         return tensor.device.type == "cpu" and tensor.is_contiguous() and (tensor.dtype in _DTYPES or not summed)
 
     def all_reduce(self, tensor: torch.Tensor, timeout_s: float) -> bool:
-        """Sum ``tensor`` over the group in place, a slot's worth at a time; False if a peer
-        did not arrive in time (then this mapping must not be used again)."""
+        """Sum ``tensor`` over the group in place, a slot's worth at a time."""
+        signature = _signature("all_reduce", tensor)
         for piece in self._pieces(tensor.view(-1)):
-            slots = self._exchange(piece, timeout_s)
+            slots = self._exchange(piece, signature, timeout_s)
             if slots is None:
                 return False
             torch.add(slots[0], slots[1], out=piece)
@@ -102,11 +132,12 @@ class SharedMemoryAllReduce:
         return True
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float) -> bool:
-        """Every rank's ``tensor`` into the contiguous ``output``, rank-major; False as above."""
+        """Every rank's ``tensor`` into the contiguous ``output``, rank-major."""
+        signature = _signature("all_gather", tensor)
         rows = output.view(self.world_size, -1)
         start = 0
         for piece in self._pieces(tensor.view(-1)):
-            slots = self._exchange(piece, timeout_s)
+            slots = self._exchange(piece, signature, timeout_s)
             if slots is None:
                 return False
             for row, slot in zip(rows, slots):
@@ -117,15 +148,23 @@ class SharedMemoryAllReduce:
     def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(flat.split(max(1, self.capacity // flat.element_size())))
 
-    def _exchange(self, piece: torch.Tensor, timeout_s: float) -> list[torch.Tensor] | None:
-        """Post the 1-D ``piece`` and wait for every rank's: their slots (``piece``'s dtype)."""
+    def _exchange(self, piece: torch.Tensor, signature: int, timeout_s: float) -> list[torch.Tensor] | None:
+        """Post the 1-D ``piece`` of the collective ``signature`` names and wait for every
+        rank's: their slots (``piece``'s dtype)."""
         self._seq += 1
         seq = self._seq
         nbytes = piece.numel() * piece.element_size()
         slots = [slot.view(piece.dtype) for slot in self._slots[seq % 2, :, :nbytes]]
         slots[self.rank].copy_(piece)
+        self._signatures[seq % 2][self.rank] = signature
         self._posted[self.rank] = seq
-        return slots if self._wait(seq, timeout_s) else None
+        if not self._wait(seq, timeout_s):
+            return None
+        signatures = self._signatures[seq % 2].tolist()
+        if any(other != signature for other in signatures):
+            raise CollectiveMismatch("ranks posted different collectives: " + ", ".join(
+                f"rank {rank} {_describe(other)}" for rank, other in enumerate(signatures)))
+        return slots
 
     def _wait(self, seq: int, timeout_s: float) -> bool:
         posted = self._posted

@@ -116,3 +116,21 @@ def test_a_missing_peer_is_a_collective_error_within_the_deadline(tmp_path):
                      r"\[row-parallel output\] which did not complete within 3 s", message), message
     assert "rank 1: published nothing" in message
     assert time.monotonic() - start < 60  # spawn and imports included; the deadline itself is 3 s
+
+
+def _different_collectives(rank, world_size):
+    comm = Communicator(timeout_s=10, name="tensor-parallel", shared_memory=True)
+    comm.all_reduce(torch.ones(4), tag="first").wait()
+    if rank == 0:
+        comm.all_reduce(torch.ones(8), tag="row-parallel output").wait()
+    else:  # diverged: a gather where rank 0 sums
+        comm.all_gather_into_tensor(torch.empty(8), torch.ones(4), tag="logits").wait()
+
+
+def test_ranks_in_different_collectives_get_an_error_naming_both(tmp_path):
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_different_collectives, world_size=2, tmp_path=tmp_path)
+    message = str(info.value)
+    assert "CollectiveError" in message
+    assert ("failed: ranks posted different collectives: rank 0 all_reduce (8 x float32), "
+            "rank 1 all_gather (4 x float32)") in message, message
