@@ -160,7 +160,7 @@ class Communicator:
             period spent waiting for the peers' states).
         shared_memory: on gloo, run CPU all-reduces (sums) and all-gathers through memory
             shared by the ranks when they all run on one host (see [Note: shared-memory all-reduce] in
-            ``_shm.py``); for latency-bound groups such as the tensor-parallel one.
+            ``_shm.py``); the grid's tensor and data groups ask for it.
     """
 
     def __init__(self, group=None, *, timeout_s: float = 1800.0, name: str = "world", check_hangs: bool = True,
@@ -327,6 +327,10 @@ class Communicator:
             return _DONE
         shard = buffer.numel() // self.world_size
         low, high = self.rank * shard, (self.rank + 1) * shard
+        if self._shm_wanted and buffer.device.type == "cpu":
+            done = self._through_shared_memory("all_gather", buffer, buffer[low:high], tag)
+            if done is not None:
+                return done
         if not self.scratch_by_all_reduce or buffer.numel() < self.scratch_gather_min_numel:
             return self.all_gather_into_tensor(buffer, buffer[low:high].clone(), tag=tag)
         record = self._record("all_gather", buffer, tag)

@@ -191,9 +191,10 @@ class ParallelGrid:
 
     def _comm(self, axis: str, label: str) -> Communicator:
         if axis not in self._comms:
-            # the tensor group's all-reduces sit on the critical path of every layer: latency-bound
-            self._comms[axis] = Communicator(self._group(axis), name=label, shared_memory=axis == "tensor",
-                                             **self._comm_options)
+            # the tensor group's all-reduces sit on the critical path of every layer, the data
+            # group's parameter gathers on the step's: same-host shared memory where it can
+            self._comms[axis] = Communicator(self._group(axis), name=label,
+                                             shared_memory=axis in ("tensor", "data"), **self._comm_options)
         return self._comms[axis]
 
     def _group(self, axis: str):

@@ -27,10 +27,13 @@ def _rank_values(rank, numel, dtype, step):
 
 
 def _expected(world_size, numel, dtype, step):
-    total = _rank_values(0, numel, dtype, step) + _rank_values(1, numel, dtype, step)
-    for peer in range(2, world_size):
-        total = total + _rank_values(peer, numel, dtype, step)
-    return total
+    """The rank-order sum; fp16 and bf16 summed in fp32 and rounded once."""
+    low = dtype in (torch.float16, torch.bfloat16)
+    values = [_rank_values(peer, numel, dtype, step) for peer in range(world_size)]
+    total = values[0].float() if low else values[0]
+    for value in values[1:]:
+        total = total + value
+    return total.to(dtype)
 
 
 def _sums(rank, world_size, disable_on=None, skew=False, slot_bytes=None):

@@ -60,8 +60,11 @@ def _check_parity(rank, world_size, cases):
 
 
 # Tolerances: fp32 differs from one process only by the summation order of the all-reduce;
-# bf16/fp16 keep fp32 master weights but compute in 8/11-bit mantissas.
-TOLERANCE = {"fp32": 2e-5, "bf16": 5e-2, "fp16": 1e-2}
+# bf16/fp16 keep fp32 master weights but compute in 8/11-bit mantissas. Their largest weight
+# difference comes from AdamW's normalised step on near-zero gradients, where rounding decides
+# the sign: at 4 ranks fp16 measured 0.0099 with gloo's ring sum and 0.0195 with the (more
+# exact) rank-order sum in shared memory, update errors 0.012 and 0.023.
+TOLERANCE = {"fp32": 2e-5, "bf16": 5e-2, "fp16": 3e-2}
 # The bf16 bound exceeds the distance AdamW moves any weight here (0.04): the update as a
 # whole (|engine - reference| / |reference - initial|, 1.0 for no update) is bounded too.
 UPDATE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.15, "fp16": 0.1}
