@@ -325,6 +325,8 @@ def run(args, optimizer: str, world: int, *, steps: int, net: ThrottledNet | Non
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                    "MASTER_ADDR": net.address(0) if net else "127.0.0.1", "MASTER_PORT": str(port),
                    "OMP_NUM_THREADS": "1", "SHARDWISE_ACCELERATOR": "cpu",
+                   # the ranks stand for separate hosts: no same-host shared memory (comm/_shm.py)
+                   "SHARDWISE_SHM_ALLREDUCE": "0",
                    "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
             interface = "lo"
             prefix: list[str] = []
