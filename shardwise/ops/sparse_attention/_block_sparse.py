@@ -7,7 +7,8 @@ outside the layout (expanded from blocks to tokens) is ``-inf``, with DeepSpeed'
 [Note: block-sparse gather plan]
 The layout ``[heads, n, n]`` (``n = seq / block``) is turned once into a *plan*: the
 ``heads * n`` query block rows are sorted by their number of nonzero key blocks and cut into
-groups whose rows need at most ``_MAX_PADDING_FRACTION`` of padding to share one width ``k``.
+groups whose rows need at most ``MAX_PADDING_FRACTION`` of padding to share one width ``k``
+(``width_groups`` in ``_split_attention.py``, which the split kernel's remainder uses too).
 The plan holds the flat index (``head * n + row``) of each group's query blocks and of the
 ``k`` key blocks each attends to, padded with masked blocks where a row has fewer than ``k``.
 A call gathers, with one ``index_select`` per tensor split into groups, each group's query
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
 import warnings
 import weakref
@@ -41,14 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._split_attention import SUPPORTED_DTYPES, SplitAttention, _additive, _Masks, build_split_plan
+from ._split_attention import (SUPPORTED_DTYPES, SplitAttention, _additive, _Masks, build_split_plan,
+                               width_groups)
 
 logger = logging.getLogger("shardwise")
 
 MaskMode = Literal["add", "mul"]
-
-_MAX_PADDING_FRACTION = 0.25
-"""A row joins a group whose width is ``k`` if it attends to at least ``(1 - this) * k`` blocks."""
 
 _CACHE_SIZE = 32
 _FLEX_TILE = 128
@@ -116,25 +114,15 @@ def _build_plan(layout: Tensor, device: torch.device) -> _Plan:
         head, row = (int(x) for x in empty[0])
         raise ValueError(f"layout head {head} row {row} has no nonzero block: query block {row} "
                          f"of head {head} attends to no key ({len(empty)} such rows in all)")
-    flat = layout.reshape(num_heads * n, n)
-    counts = counts.reshape(-1)
-    order = torch.argsort(counts, descending=True, stable=True)
-    sorted_counts = counts[order]
-    groups, kv, start = [], [], 0
-    while start < len(order):
-        width = int(sorted_counts[start])
-        floor = width - math.floor(width * _MAX_PADDING_FRACTION)
-        end = start + int((sorted_counts[start:] >= floor).sum())
-        rows = order[start:end]
-        # A stable descending sort puts each row's nonzero columns first, in ascending order.
-        present, cols = torch.sort(flat[rows].to(torch.uint8), dim=1, descending=True, stable=True)
-        cols, valid = cols[:, :width], present[:, :width].bool()
+    groups, kv, ordered = [], [], []
+    for rows, cols, valid in width_groups(layout.reshape(num_heads * n, n)):  # every row: none is empty
         heads = rows // n
+        ordered.append(rows)
         kv.append((heads[:, None] * n + cols).reshape(-1))
         groups.append(_RowGroup(
             num_rows=len(rows), heads=heads.to(device), row_blocks=(rows % n).to(device),
             cols=cols.to(device), valid=None if bool(valid.all()) else valid.to(device)))
-        start = end
+    order = torch.cat(ordered)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order))
     return _Plan(groups=tuple(groups), rows=order.to(device), inverse=inverse.to(device),

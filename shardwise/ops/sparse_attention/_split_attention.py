@@ -32,6 +32,7 @@ zero gradients, as the gather path gives.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -146,25 +147,37 @@ def _runs(widths: Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _remainder_chunks(remainder: Tensor, block: int, device: torch.device) -> tuple[_Chunk, ...]:
-    """Rows of the remainder grouped by width (at most 25 % padding), cut into chunks."""
-    num_heads, n, block_cols = remainder.shape
-    flat_layout = remainder.reshape(num_heads * n, block_cols)
+MAX_PADDING_FRACTION = 0.25
+"""A row joins a group whose width is ``k`` if it attends to at least ``(1 - this) * k`` blocks."""
+
+
+def width_groups(flat_layout: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """The nonempty rows of a bool ``[rows, n]`` layout, most blocks first, in groups that
+    share one padded width ``k``: ``(rows [R], cols [R, k], valid [R, k])`` per group, each
+    row's columns ascending, padding slots (columns outside the row) marked invalid."""
     counts = flat_layout.sum(-1)
     order = torch.argsort(counts, descending=True, stable=True)
     order = order[counts[order] > 0]
     sorted_counts = counts[order]
-    chunks, start = [], 0
+    start = 0
     while start < len(order):
         width = int(sorted_counts[start])
-        floor = width - math.floor(width * 0.25)
+        floor = width - math.floor(width * MAX_PADDING_FRACTION)
         end = start + int((sorted_counts[start:] >= floor).sum())
         rows = order[start:end]
         # A stable descending sort puts each row's nonzero columns first, in ascending order.
         present, cols = torch.sort(flat_layout[rows].to(torch.uint8), dim=1, descending=True, stable=True)
-        cols, valid = cols[:, :width], present[:, :width].bool()
+        yield rows, cols[:, :width], present[:, :width].bool()
+        start = end
+
+
+def _remainder_chunks(remainder: Tensor, block: int, device: torch.device) -> tuple[_Chunk, ...]:
+    """Rows of the remainder grouped by width, cut into chunks."""
+    num_heads, n, block_cols = remainder.shape
+    chunks = []
+    for rows, cols, valid in width_groups(remainder.reshape(num_heads * n, block_cols)):
         heads = rows // n
-        step = max(1, _CHUNK_TOKENS // (width * block))
+        step = max(1, _CHUNK_TOKENS // (cols.shape[1] * block))
         for first in range(0, len(rows), step):
             part = slice(first, first + step)
             chunk_valid = valid[part]
@@ -173,7 +186,6 @@ def _remainder_chunks(remainder: Tensor, block: int, device: torch.device) -> tu
                 cols=cols[part].to(device),
                 valid=None if bool(chunk_valid.all()) else chunk_valid.to(device),
                 flat=rows[part].to(device), kv=(heads[part, None] * n + cols[part]).reshape(-1).to(device)))
-        start = end
     return tuple(chunks)
 
 
