@@ -137,3 +137,42 @@ def test_ranks_in_different_collectives_get_an_error_naming_both(tmp_path):
     assert "CollectiveError" in message
     assert ("failed: ranks posted different collectives: rank 0 all_reduce (8 x float32), "
             "rank 1 all_gather (4 x float32)") in message, message
+
+
+def _grid_groups(rank, world_size):
+    """The grid's tensor and data groups take the shared mapping (pipe x data x tensor = 1 x 2 x 2);
+    the data group's ZeRO parameter gather (all_gather_scratch) goes through it too."""
+    from shardwise.parallel import ParallelGrid
+
+    gloo_calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda tensor, *a, **k: gloo_calls.append(tensor.numel()) or real(tensor, *a, **k)
+    grid = ParallelGrid.build(tensor=2)
+    sums = {}
+    for axis, comm in (("tensor", grid.tensor_comm), ("data", grid.data_comm)):
+        tensor = torch.full((3,), float(rank))
+        comm.all_reduce(tensor).wait()
+        sums[axis] = (tensor[0].item(), comm._shm is not None)
+    buffer = torch.zeros(6)
+    shard = buffer.numel() // grid.data_comm.world_size
+    buffer[grid.data_comm.rank * shard:(grid.data_comm.rank + 1) * shard] = rank + 1.0
+    gloo_calls.clear()  # the set-up exchanges of the first calls above
+    grid.data_comm.scratch_gather_min_numel = 0  # on gloo this buffer would be all-reduced
+    grid.data_comm.all_gather_scratch(buffer).wait()
+    from shardwise.tensor_parallel._comm import as_tensor_comm
+
+    wrapped = as_tensor_comm(grid.tensor_comm.group)  # a bare process group, as a user may pass
+    return sums, buffer.tolist(), gloo_calls, grid.pipe_comm._shm_wanted, wrapped._shm_wanted
+
+
+def test_the_grids_tensor_and_data_groups_use_it(tmp_path):
+    for rank, (sums, gathered, gloo_calls, pipe_wanted, wrapped_wanted) in enumerate(
+            run_distributed(_grid_groups, world_size=4, tmp_path=tmp_path)):
+        tensor_peer, data_peer = rank ^ 1, rank ^ 2  # tensor innermost: groups {0,1},{2,3} and {0,2},{1,3}
+        assert sums["tensor"] == (float(rank + tensor_peer), True)
+        assert sums["data"] == (float(rank + data_peer), True)
+        data_ranks = sorted((rank, data_peer))
+        assert gathered == [float(r + 1) for r in data_ranks for _ in range(3)]
+        assert gloo_calls == []
+        assert not pipe_wanted
+        assert wrapped_wanted
