@@ -1,0 +1,67 @@
+"""``init_inference`` on a CUDA GPU: the engine moves the model to the GPU and gives the
+plain model's logits and greedy tokens (fp32, with and without kernel injection, batch 1
+and a left-padded batch), bf16 logits close to the fp32 model's, and weight-only int8.
+Skipped without a GPU."""
+
+import copy
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.testing.causal_lm import FAMILIES, prompts, tiny_lm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NEW = 32
+
+
+@pytest.mark.parametrize("inject", [False, True], ids=["plain", "kernel_inject"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_on_gpu_generates_what_the_model_generates(family, inject):
+    reference = tiny_lm(family)
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
+                                      replace_with_kernel_inject=inject)
+    reference = reference.cuda()
+    assert all(p.is_cuda for p in engine.module.parameters())
+    single, (batch, mask) = prompts()
+    single, batch, mask = single.cuda(), batch.cuda(), mask.cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(engine(batch, attention_mask=mask).logits,
+                                   reference(batch, attention_mask=mask).logits, rtol=0, atol=1e-4)
+    for ids, kwargs in ((single, {}), (batch, {"attention_mask": mask})):
+        kwargs.update(max_new_tokens=NEW, do_sample=False)
+        want, got = reference.generate(ids, **kwargs), engine.generate(ids, **kwargs)
+        assert torch.equal(got, want), (got, want)
+    assert engine.last_generation.tokens_per_s > 0
+
+
+@pytest.mark.parametrize("inject", [False, True], ids=["plain", "kernel_inject"])
+def test_bf16_engine_on_gpu_is_close_to_the_fp32_model(inject):
+    reference = tiny_lm("llama").cuda()
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.bfloat16,
+                                      replace_with_kernel_inject=inject)
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+    _, (batch, mask) = prompts()
+    batch, mask = batch.cuda(), mask.cuda()
+    with torch.no_grad():
+        want = reference(batch, attention_mask=mask).logits
+        got = engine(batch, attention_mask=mask).logits.float()
+    valid = mask.bool()
+    error = (got - want)[valid].abs().max().item() / want[valid].abs().max().item()
+    assert error < 0.03, error
+    assert (got.argmax(-1) == want.argmax(-1))[valid].float().mean() > 0.95
+
+
+def test_int8_weights_on_gpu():
+    reference = tiny_lm("llama").cuda()
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.int8, replace_with_kernel_inject=True)
+    _, (batch, mask) = prompts()
+    batch, mask = batch.cuda(), mask.cuda()
+    with torch.no_grad():
+        want = reference(batch, attention_mask=mask).logits
+        got = engine(batch, attention_mask=mask).logits.float()
+    valid = mask.bool()
+    assert (got.argmax(-1) == want.argmax(-1))[valid].float().mean() > 0.9
+    tokens = engine.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert tokens.shape == (batch.shape[0], batch.shape[1] + 8) and tokens.is_cuda

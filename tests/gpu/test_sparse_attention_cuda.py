@@ -1,0 +1,112 @@
+"""Block-sparse attention on a CUDA GPU goes through FlexAttention (compiled once) and equals
+dense attention masked by the expanded layout, outputs and q/k/v gradients, for DeepSpeed's
+layouts, with key-padding and attention masks, in fp32, fp16 and bf16. Skipped without a GPU."""
+
+import warnings
+
+import pytest
+import torch
+
+from shardwise.ops.sparse_attention import _block_sparse
+from shardwise.ops.sparse_attention._block_sparse import block_sparse_attention
+from shardwise.ops.sparse_attention.sparsity_config import (
+    BigBirdSparsityConfig,
+    BSLongformerSparsityConfig,
+    FixedSparsityConfig,
+    VariableSparsityConfig,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HEADS, DIM, SEQ = 4, 32, 512
+LAYOUTS = {
+    "fixed": lambda block: FixedSparsityConfig(HEADS, block, num_local_blocks=4, num_global_blocks=1),
+    "fixed_causal": lambda block: FixedSparsityConfig(HEADS, block, num_local_blocks=4, num_global_blocks=1,
+                                                      attention="unidirectional"),
+    "variable": lambda block: VariableSparsityConfig(HEADS, block, num_random_blocks=1,
+                                                     local_window_blocks=(2, 4), global_block_indices=(0, 5)),
+    "bigbird": lambda block: BigBirdSparsityConfig(HEADS, block, different_layout_per_head=True),
+    "longformer": lambda block: BSLongformerSparsityConfig(HEADS, block),
+}
+TOL = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+
+def _reference(q, k, v, layout, block, kpm=None, am=None):
+    """Dense float64 attention: scale, then additive key padding, then a multiplicative
+    attention mask, then the layout."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if kpm is not None:
+        scores = scores + kpm.double()[:, None, None, :]
+    if am is not None:
+        scores = scores.masked_fill(am == 0, float("-inf"))
+    allowed = layout.bool().repeat_interleave(block, 1).repeat_interleave(block, 2).to(q.device)
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+
+CASES = ([(name, 64, torch.bfloat16, False) for name in sorted(LAYOUTS)]
+         + [(name, 32, torch.float32, False) for name in ("fixed", "longformer")]
+         + [("bigbird", 64, torch.float16, False), ("fixed", 64, torch.bfloat16, True),
+            ("longformer", 32, torch.float32, True), ("fixed", 128, torch.bfloat16, True)])
+
+
+@pytest.fixture(params=[True, False], ids=["exact_tiles", "tiles_128"])
+def exact_tiles(request):
+    """64-token layouts on 64-token tiles (the default), or on 128-token tiles with a mask_mod
+    (the fallback), see [Note: FlexAttention tiles]."""
+    _block_sparse._flex_state["exact_tiles"] = request.param
+    yield request.param
+    assert _block_sparse._flex_state["exact_tiles"] == request.param  # the 64-token kernels compiled
+    _block_sparse._flex_state["exact_tiles"] = True
+
+
+@pytest.mark.parametrize(("name", "block", "dtype", "masks"), CASES,
+                         ids=[f"{n}-{b}-{str(d)[6:]}-{'masks' if m else 'plain'}" for n, b, d, m in CASES])
+def test_flex_attention_equals_masked_dense_attention(name, block, dtype, masks, exact_tiles):
+    if not exact_tiles and block != 64:
+        pytest.skip("the tile choice only concerns 64-token blocks")
+    layout = LAYOUTS[name](block).make_layout(SEQ)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, HEADS, SEQ, DIM, device="cuda", generator=generator).to(dtype).requires_grad_()
+               for _ in range(3))
+    kwargs, ref_masks = {}, {}
+    if masks:
+        kpm = torch.zeros(2, SEQ, device="cuda")
+        kpm[1, -block // 2:] = -10000.0  # the second sequence's padding
+        am = torch.ones(SEQ, SEQ, device="cuda").tril()  # every row keeps its own position
+        kwargs = dict(key_padding_mask=kpm.to(dtype), key_padding_mask_mode="add", attn_mask=am.to(dtype),
+                      attn_mask_mode="mul")
+        ref_masks = dict(kpm=kpm.to(dtype), am=am)
+    with warnings.catch_warnings():  # a compile failure would warn and fall back to the gather path
+        warnings.filterwarnings("error", message="FlexAttention failed")
+        out = block_sparse_attention(q, k, v, layout, block, **kwargs)
+    assert not _block_sparse._flex_state["failed"]
+    ref = _reference(q, k, v, layout, block, **ref_masks)
+    grad = torch.randn(out.shape, device="cuda", generator=generator)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    want = torch.autograd.grad(ref, (q, k, v), grad.double())
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    for name_, g, w in zip("qkv", got, want):
+        scale = w.abs().max().item()
+        torch.testing.assert_close(g.double(), w, atol=tol * max(scale, 1.0), rtol=tol, msg=f"d{name_}")
+
+
+def test_flex_path_is_taken_and_matches_the_gather_path():
+    """The CUDA call is the FlexAttention kernel (the gather path is not called) and agrees
+    with the gather path run on the same GPU."""
+    layout = LAYOUTS["bigbird"](64).make_layout(1024)
+    q, k, v = (torch.randn(1, HEADS, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    calls = []
+    original = _block_sparse._gather_attention
+    _block_sparse._gather_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    try:
+        flex = block_sparse_attention(q, k, v, layout, 64)
+        assert not calls
+        _block_sparse._flex_state["failed"] = True  # force the fallback once
+        gather = block_sparse_attention(q, k, v, layout, 64)
+        assert calls
+    finally:
+        _block_sparse._flex_state["failed"] = False
+        _block_sparse._gather_attention = original
+    torch.testing.assert_close(flex.float(), gather.float(), atol=3e-2, rtol=3e-2)
