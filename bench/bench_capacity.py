@@ -141,7 +141,7 @@ def _run_trial(args, variant: str, layers: int) -> dict | None:
 def search(args, variant: str, low: int, high: int) -> tuple[int, dict]:
     """Deepest model in [low, high] layers that trains (fits at ``low`` is checked first)."""
     results = {}
-    for layers in (low, high):
+    for layers in sorted({low, high}):  # one trial when low == high
         results[layers] = _run_trial(args, variant, layers)
         print(f"  {variant} {layers} layers: {results[layers]}", file=sys.stderr, flush=True)
     if results[low] is None:

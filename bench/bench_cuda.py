@@ -1,13 +1,15 @@
 """CUDA checks of sparse attention and inference, on a lent GPU, in one process.
 
 ``sparse``: block-sparse attention (FlexAttention path) against torch's dense SDPA (flash)
-on bf16 ``[1, 16, seq, 64]``, forward plus backward, median of ``--repeats`` after warm-up;
-the first call's time (compilation included) is reported apart, and a second layout of the
-same shape shows whether a new layout recompiles.
+on bf16 ``[1, 16, seq, 64]``, forward plus backward, median of ``--repeats`` after warm-up,
+each layout on 64-token tiles (the default for 64-token blocks) and on 128-token tiles with
+a mask_mod ([Note: FlexAttention tiles]); the first call's time (compilation included) is
+reported apart, so a layout that recompiles shows.
 
 ``inference``: greedy decoding of a 1B-class Llama (TinyLlama-1.1B's shape, random weights,
 bf16) with prompt 32 and 128 new tokens, batch 1 and 8: the plain model's ``generate``
-against ``shardwise.init_inference`` with and without ``replace_with_kernel_inject``. Time
+against ``shardwise.init_inference`` without and with ``replace_with_kernel_inject``, the
+latter with its decode steps eager and as CUDA graphs (the default on a GPU). Time
 to first token (the plain model's: a ``max_new_tokens=1`` call), tokens/s, total seconds,
 and the fraction of the plain model's greedy tokens each engine reproduces (bf16 kernels
 differ, so ties can flip).
@@ -56,6 +58,7 @@ def _time(fn, repeats: int) -> tuple[float, float]:
 def sparse(args) -> list[str]:
     import torch.nn.functional as F
 
+    from shardwise.ops.sparse_attention import _block_sparse
     from shardwise.ops.sparse_attention._block_sparse import block_sparse_attention
     from shardwise.ops.sparse_attention.sparsity_config import (
         BigBirdSparsityConfig,
@@ -69,28 +72,37 @@ def sparse(args) -> list[str]:
                "bigbird": BigBirdSparsityConfig(heads, block)}
     lines = ["## Block-sparse attention (FlexAttention) against dense SDPA, bf16 forward + backward", "",
              f"`[1, {heads}, seq, {dim}]`, block {block}; ms are medians of {args.repeats} calls after a warm-up.",
-             "", "| seq | variant | first call s | ms | vs dense | density | peak MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| seq | variant | first call s | forward ms | forward + backward ms | vs dense | density | peak MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for seq in [int(s) for s in args.lengths.split(",")]:
         q, k, v = (torch.randn(1, heads, seq, dim, device=args.device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         grad = torch.randn(1, heads, seq, dim, device=args.device, dtype=torch.bfloat16)
-        variants = {"dense": (lambda: F.scaled_dot_product_attention(q, k, v), 1.0)}
+        variants = {"dense": (lambda: F.scaled_dot_product_attention(q, k, v), 1.0, True)}
         for name, config in layouts.items():
             layout = config.make_layout(seq)
-            variants[name] = ((lambda layout=layout: block_sparse_attention(q, k, v, layout, block)),
-                              layout.float().mean().item())
+            for exact in (True, False):
+                variants[name + ("" if exact else ", 128-token tiles")] = (
+                    (lambda layout=layout: block_sparse_attention(q, k, v, layout, block)),
+                    layout.float().mean().item(), exact)
         dense_ms = None
-        for name, (forward, density) in variants.items():
-            def step(forward=forward):
+        for name, (forward, density, exact) in variants.items():
+            def step(forward=forward, exact=exact):
+                _block_sparse._flex_state["exact_tiles"] = exact
                 torch.autograd.grad(forward(), (q, k, v), grad)
+                assert not _block_sparse._flex_state["failed"] and _block_sparse._flex_state["exact_tiles"] == exact
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             first, median = _time(step, args.repeats)
             peak = torch.cuda.max_memory_allocated() / 2 ** 20 if args.device == "cuda" else 0.0
+
+            def forward_only(forward=forward):
+                with torch.no_grad():
+                    forward()
+            _, forward_s = _time(forward_only, args.repeats)
             dense_ms = dense_ms or median * 1e3
-            lines.append(f"| {seq} | {name} | {first:.1f} | {median * 1e3:.2f} | {median * 1e3 / dense_ms:.3f}x "
-                         f"| {density:.3f} | {peak:.0f} |")
+            lines.append(f"| {seq} | {name} | {first:.1f} | {forward_s * 1e3:.2f} | {median * 1e3:.2f} | "
+                         f"{median * 1e3 / dense_ms:.3f}x | {density:.3f} | {peak:.0f} |")
             print(lines[-1], flush=True)
     return lines
 
@@ -102,6 +114,7 @@ def _llama(args):
         dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22)
     config = transformers.LlamaConfig(**size, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
                                       max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+                                      initializer_range=0.05,  # logits far enough apart that bf16 rarely flips one
                                       eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(args.device):
@@ -115,10 +128,13 @@ def inference(args) -> list[str]:
 
     model = _llama(args)
     params = sum(p.numel() for p in model.parameters())
-    engines = {"hf generate": model}
-    for inject in (False, True):
-        engines["shardwise" + (" inject" if inject else "")] = shardwise.init_inference(
-            copy.deepcopy(model), dtype=torch.bfloat16, replace_with_kernel_inject=inject)
+    engines = {"hf generate": model,
+               "shardwise": shardwise.init_inference(copy.deepcopy(model), dtype=torch.bfloat16),
+               "shardwise inject, no graph": shardwise.init_inference(
+                   copy.deepcopy(model), dtype=torch.bfloat16, replace_with_kernel_inject=True,
+                   enable_cuda_graph=False),
+               "shardwise inject": shardwise.init_inference(copy.deepcopy(model), dtype=torch.bfloat16,
+                                                            replace_with_kernel_inject=True)}
     lines = [f"## Greedy decoding, Llama {params / 1e9:.2f}B (TinyLlama shape, random weights), bf16", "",
              f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats} runs after a "
              "warm-up.", "", "| batch | engine | TTFT ms | tokens/s | total s | vs hf | tokens equal to hf |",
@@ -136,7 +152,8 @@ def inference(args) -> list[str]:
                 reference = out
                 _, ttft = _time(lambda: engine.generate(ids, **{**kwargs, "max_new_tokens": 1}), args.repeats)
             else:
-                assert engine.fast_path == name.endswith("inject")
+                assert engine.fast_path == ("inject" in name)
+                assert engine.cuda_graph == (name == "shardwise inject" and args.device == "cuda")
                 ttft = engine.last_generation.time_to_first_token_s
             hf_total = hf_total or total
             same = (out[:, args.prompt_len:] == reference[:, args.prompt_len:]).float().mean().item()

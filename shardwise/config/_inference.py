@@ -53,8 +53,10 @@ class InferenceConfig:
     None: the first ``tp_size`` ranks of the world form it, and so on."""
     replace_with_kernel_inject: bool = False
     """The fast path: static KV cache, fused projections, SDPA (see [Note: the fast decoder])."""
-    enable_cuda_graph: bool = False
-    """DeepSpeed's CUDA-graph capture of the decode step; refused when true (not built)."""
+    enable_cuda_graph: bool | None = None
+    """Replay the fast path's decode step as a CUDA graph ([Note: decode graphs]). None
+    (the default): on a CUDA device at tp 1 with the fast path; True: required (refused
+    where it cannot be: no CUDA device, no fast path, tp > 1); False: never."""
     injection_policy: dict | None = None
     """Module class (or its name) -> names of the linear layers whose outputs are reduced
     (row-parallel); the other linear layers of those modules are split by columns."""
@@ -79,7 +81,8 @@ class InferenceConfig:
         as_int("tensor_parallel.tp_size", self.tp_size, minimum=1)
         as_int("max_out_tokens", self.max_out_tokens, minimum=1)
         as_bool("replace_with_kernel_inject", self.replace_with_kernel_inject)
-        as_bool("enable_cuda_graph", self.enable_cuda_graph)
+        if self.enable_cuda_graph is not None:
+            as_bool("enable_cuda_graph", self.enable_cuda_graph)
 
     @property
     def int8_weights(self) -> bool:
@@ -184,10 +187,6 @@ def _refuse_unsupported(values: dict) -> None:
     if values.get("save_mp_checkpoint_path"):
         raise ConfigError("save_mp_checkpoint_path: saving the tensor-parallel shards is not available; load "
                           "from the original checkpoint on every start (each rank reads only its slices)")
-    if values.get("enable_cuda_graph"):
-        raise ConfigError("enable_cuda_graph: capturing the decode step in a CUDA graph is not available in this "
-                          "version of shardwise; remove it (replace_with_kernel_inject=True runs the fast path "
-                          "without a graph)")
 
 
 def _dtype(value: Any) -> torch.dtype:

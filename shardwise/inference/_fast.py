@@ -166,9 +166,15 @@ class StaticCache:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, start: int | torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` (``[batch, kv_heads, n, head_dim]``) at ``start`` and return
-        the filled part of the layer's cache."""
+        the filled part of the layer's cache; a tensor ``start`` (one position, on the
+        device) writes one token there and returns the whole cache ([Note: decode graphs])."""
+        if isinstance(start, torch.Tensor):
+            self.keys[layer].index_copy_(2, start, k)
+            self.values[layer].index_copy_(2, start, v)
+            return self.keys[layer], self.values[layer]
         end = start + k.shape[2]
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v

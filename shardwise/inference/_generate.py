@@ -146,9 +146,11 @@ def _warpers(config) -> list:
     return warpers
 
 
-def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.Tensor, GenerationStats]:
+def run_fast(decoder, request: Request, *, max_out_tokens: int,
+             steps=None) -> tuple[torch.Tensor, GenerationStats]:
     """Generate with the fast decoder; returns the sequences (prompt and new tokens, as
-    ``generate`` does) and the timings."""
+    ``generate`` does) and the timings. With ``steps`` (``StaticSteps``) the decode steps
+    run with fixed shapes, as CUDA graphs on a GPU ([Note: decode graphs])."""
     start_time = time.perf_counter()
     ids = request.input_ids
     batch, prompt = ids.shape
@@ -166,12 +168,15 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     else:
         positions = torch.arange(prompt, device=ids.device).expand(batch, prompt)
-    cache = decoder.new_cache(batch, total)
+    static = steps.get(batch, total) if steps is not None else None
+    cache = static.cache if static is not None else decoder.new_cache(batch, total)
     unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
     tokens = [ids]
     kept = {"scores": [], "logits": []}
     with torch.inference_mode():
         logits = decoder.forward(ids, positions, _prefill_mask(valid, prompt, decoder.sliding_window), cache, 0)
+        if static is not None:
+            static.prepare(prompt, mask if padded else None)
         for step in range(request.max_new_tokens):
             sequence = torch.cat(tokens, dim=1) if request.warpers else None
             token, scores = _choose(logits, request, sequence)
@@ -184,11 +189,17 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
                 unfinished &= ~torch.isin(token, request.eos)
             tokens.append(token[:, None])
             if step == 0:
+                _sync(ids.device)
                 stats.time_to_first_token_s = time.perf_counter() - start_time
             stats.new_tokens = step + 1
             length = prompt + step
-            if step == request.max_new_tokens - 1 or not bool(unfinished.any()):
+            if step == request.max_new_tokens - 1 or (request.eos is not None and not bool(unfinished.any())):
                 break
+            if static is not None:
+                logits = static.step(token)
+                if static.graph is not None and (request.keep_logits or request.keep_scores):
+                    logits = logits.clone()  # the graph's output is overwritten by the next step
+                continue
             if padded:
                 valid[:, length] = True
                 positions = valid[:, :length + 1].sum(-1, keepdim=True) - 1
@@ -197,8 +208,9 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
                 positions = torch.full((batch, 1), length, device=ids.device, dtype=torch.long)
                 step_mask = _window_mask(length, decoder.sliding_window, ids.device)
             logits = decoder.forward(token[:, None], positions, step_mask, cache, length)
-    stats.total_s = time.perf_counter() - start_time
     sequences = torch.cat(tokens, dim=1)
+    _sync(ids.device)
+    stats.total_s = time.perf_counter() - start_time
     if not request.return_dict:
         return sequences, stats
     from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -206,6 +218,12 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int) -> tuple[torch.T
     return GenerateDecoderOnlyOutput(sequences=sequences,
                                      scores=tuple(kept["scores"]) if request.keep_scores else None,
                                      logits=tuple(kept["logits"]) if request.keep_logits else None), stats
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so that timings count it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def check_length(prompt: int, new: int, max_out_tokens: int) -> None:

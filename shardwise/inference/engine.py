@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.config._errors import ConfigError
 from shardwise.config._inference import InferenceConfig, inference_config
 from shardwise.inference._generate import GenerationStats, fast_request, run_fast, run_model_generate
 
@@ -36,12 +37,13 @@ class InferenceEngine(nn.Module):
     """
 
     def __init__(self, model: nn.Module, config: InferenceConfig, *, comm=None, decoder=None,
-                 int8_report: dict | None = None) -> None:
+                 int8_report: dict | None = None, steps=None) -> None:
         super().__init__()
         self.module = model
         self._config = config
         self._comm = comm
         self._decoder = decoder
+        self._steps = steps
         self.int8_report = int8_report
         """``{"layers", "bytes_before", "bytes_after"}`` of the int8 weights, or None."""
         self.last_generation = GenerationStats()
@@ -61,6 +63,11 @@ class InferenceEngine(nn.Module):
     def mp_world_size(self) -> int:
         """The tensor-parallel degree (DeepSpeed's name)."""
         return self._comm.world_size if self._comm is not None else 1
+
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether the fast path's decode steps replay as CUDA graphs ([Note: decode graphs])."""
+        return self._steps is not None and self._steps.graph
 
     @property
     def fast_path(self) -> bool:
@@ -88,7 +95,8 @@ class InferenceEngine(nn.Module):
         if self._decoder is not None:
             request = fast_request(self.module, args, kwargs)
             if not isinstance(request, str):
-                out, self.last_generation = run_fast(self._decoder, request, max_out_tokens=max_out)
+                out, self.last_generation = run_fast(self._decoder, request, max_out_tokens=max_out,
+                                                     steps=self._steps)
                 return out
             if request not in self._fallback_logged:
                 self._fallback_logged.add(request)
@@ -143,8 +151,35 @@ def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = N
         if decoder is None:
             logger.warning("init_inference: replace_with_kernel_inject: %s; generation runs the model's own "
                            "forward (correct, not faster)", why)
+    steps = _decode_graphs(cfg, device, decoder, comm.world_size if comm is not None else 1)
     _sharding.log_placement(model, comm.world_size if comm is not None else 1, cfg.dtype)
-    return InferenceEngine(model, cfg, comm=comm, decoder=decoder, int8_report=int8_report)
+    return InferenceEngine(model, cfg, comm=comm, decoder=decoder, int8_report=int8_report, steps=steps)
+
+
+def _decode_graphs(cfg: InferenceConfig, device: torch.device, decoder, tp: int):
+    """The CUDA-graph decode steps ([Note: decode graphs]) when ``enable_cuda_graph`` asks
+    for them or leaves the choice (None) and they can run; an explicit request that cannot
+    run is refused."""
+    from shardwise.inference._graphs import StaticSteps
+
+    wanted = cfg.enable_cuda_graph
+    if wanted is False:
+        return None
+    problem = None
+    if device.type != "cuda":
+        problem = f"it needs a CUDA device and this process runs on {device.type}"
+    elif not cfg.replace_with_kernel_inject:
+        problem = ("it captures the fast path's decode step; set replace_with_kernel_inject=True (the model's own "
+                   "generate grows its cache every step)")
+    elif decoder is None:
+        problem = "this model has no fast decoder (see the replace_with_kernel_inject warning above)"
+    elif tp > 1:
+        problem = f"tensor-parallel decode steps (tp_size={tp}) are not captured; use tp_size=1 or leave it unset"
+    if problem is None:
+        return StaticSteps(decoder, graph=True)
+    if wanted:
+        raise ConfigError(f"enable_cuda_graph=True: {problem}")
+    return None
 
 
 def _check_materialised(model: nn.Module) -> None:

@@ -51,7 +51,6 @@ def test_quant_section_means_int8_weights():
     ("zero", {"stage": 3}, "ZeRO-Inference"),
     ("moe", True, "expert-parallel inference"),
     ("save_mp_checkpoint_path", "/tmp/x", "saving the tensor-parallel shards"),
-    ("enable_cuda_graph", True, "CUDA graph is not available"),
     ("dtype", "fp8", "dtype must be a torch dtype or one of"),
     ("dtype", torch.int32, "dtype must be float32, float16, bfloat16 or int8"),
     ("max_out_tokens", 0, "max_out_tokens must be a positive integer"),
