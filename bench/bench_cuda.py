@@ -1,10 +1,9 @@
 """CUDA checks of sparse attention and inference, on a lent GPU, in one process.
 
 ``sparse``: block-sparse attention (FlexAttention path) against torch's dense SDPA (flash)
-on bf16 ``[1, 16, seq, 64]``, forward plus backward, median of ``--repeats`` after warm-up,
-each layout on 64-token tiles (the default for 64-token blocks) and on 128-token tiles with
-a mask_mod ([Note: FlexAttention tiles]); the first call's time (compilation included) is
-reported apart, so a layout that recompiles shows.
+on bf16 ``[1, 16, seq, 64]``, forward alone and forward plus backward, medians of
+``--repeats`` after a warm-up; the first call's time (compilation included) is reported
+apart, so a layout that recompiles shows.
 
 ``inference``: greedy decoding of a 1B-class Llama (TinyLlama-1.1B's shape, random weights,
 bf16) with prompt 32 and 128 new tokens, batch 1 and 8: the plain model's ``generate``
@@ -78,19 +77,16 @@ def sparse(args) -> list[str]:
         q, k, v = (torch.randn(1, heads, seq, dim, device=args.device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         grad = torch.randn(1, heads, seq, dim, device=args.device, dtype=torch.bfloat16)
-        variants = {"dense": (lambda: F.scaled_dot_product_attention(q, k, v), 1.0, True)}
+        variants = {"dense": (lambda: F.scaled_dot_product_attention(q, k, v), 1.0)}
         for name, config in layouts.items():
             layout = config.make_layout(seq)
-            for exact in (True, False):
-                variants[name + ("" if exact else ", 128-token tiles")] = (
-                    (lambda layout=layout: block_sparse_attention(q, k, v, layout, block)),
-                    layout.float().mean().item(), exact)
+            variants[name] = ((lambda layout=layout: block_sparse_attention(q, k, v, layout, block)),
+                              layout.float().mean().item())
         dense_ms = None
-        for name, (forward, density, exact) in variants.items():
-            def step(forward=forward, exact=exact):
-                _block_sparse._flex_state["exact_tiles"] = exact
+        for name, (forward, density) in variants.items():
+            def step(forward=forward):
                 torch.autograd.grad(forward(), (q, k, v), grad)
-                assert not _block_sparse._flex_state["failed"] and _block_sparse._flex_state["exact_tiles"] == exact
+                assert not _block_sparse._flex_state["failed"]  # not the gather fallback
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             first, median = _time(step, args.repeats)

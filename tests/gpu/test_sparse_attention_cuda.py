@@ -50,21 +50,9 @@ CASES = ([(name, 64, torch.bfloat16, False) for name in sorted(LAYOUTS)]
             ("longformer", 32, torch.float32, True), ("fixed", 128, torch.bfloat16, True)])
 
 
-@pytest.fixture(params=[True, False], ids=["exact_tiles", "tiles_128"])
-def exact_tiles(request):
-    """64-token layouts on 64-token tiles (the default), or on 128-token tiles with a mask_mod
-    (the fallback), see [Note: FlexAttention tiles]."""
-    _block_sparse._flex_state["exact_tiles"] = request.param
-    yield request.param
-    assert _block_sparse._flex_state["exact_tiles"] == request.param  # the 64-token kernels compiled
-    _block_sparse._flex_state["exact_tiles"] = True
-
-
 @pytest.mark.parametrize(("name", "block", "dtype", "masks"), CASES,
                          ids=[f"{n}-{b}-{str(d)[6:]}-{'masks' if m else 'plain'}" for n, b, d, m in CASES])
-def test_flex_attention_equals_masked_dense_attention(name, block, dtype, masks, exact_tiles):
-    if not exact_tiles and block != 64:
-        pytest.skip("the tile choice only concerns 64-token blocks")
+def test_flex_attention_equals_masked_dense_attention(name, block, dtype, masks):
     layout = LAYOUTS[name](block).make_layout(SEQ)
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, HEADS, SEQ, DIM, device="cuda", generator=generator).to(dtype).requires_grad_()
@@ -89,7 +77,8 @@ def test_flex_attention_equals_masked_dense_attention(name, block, dtype, masks,
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     for name_, g, w in zip("qkv", got, want):
         scale = w.abs().max().item()
-        torch.testing.assert_close(g.double(), w, atol=tol * max(scale, 1.0), rtol=tol, msg=f"d{name_}")
+        torch.testing.assert_close(g.double(), w.double(), atol=tol * max(scale, 1.0), rtol=tol,
+                                   msg=lambda m, name_=name_: f"d{name_}: {m}")
 
 
 def test_flex_path_is_taken_and_matches_the_gather_path():

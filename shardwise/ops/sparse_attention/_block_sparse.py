@@ -50,9 +50,8 @@ MaskMode = Literal["add", "mul"]
 
 _CACHE_SIZE = 32
 _FLEX_TILE = 128
-"""FlexAttention's default sparse tile: its kernels need the ``BlockMask`` tile to be a
-multiple of their own tile, so layouts with blocks under 64 tokens are coarsened to this and
-refined by a mask_mod (see [Note: FlexAttention tiles])."""
+"""FlexAttention's sparse tile: its kernels need the ``BlockMask`` tile to be a multiple of
+their own tile, so layouts with smaller blocks are coarsened to this and refined by a mask_mod."""
 
 
 @dataclass(frozen=True)
@@ -277,38 +276,20 @@ def block_sparse_attention(query: Tensor, key: Tensor, value: Tensor, layout: Te
     return _gather_attention(query, key, value, plan, block, scale, masks, rpe)
 
 
-_flex_state: dict = {"compiled": None, "failed": False, "timed": set(), "exact_tiles": True}
+_flex_state: dict = {"compiled": None, "failed": False, "timed": set()}
 _block_masks: OrderedDict[tuple, object] = OrderedDict()
 
-_EXACT_TILE_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64,
-                       "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32}
-"""Kernel tiles that divide a 64-token sparse tile, for [Note: FlexAttention tiles]."""
 
-# [Note: FlexAttention tiles]
-# A BlockMask tile that is wholly inside the layout runs without any mask_mod; a tile that
-# is partly inside evaluates the mask_mod on every score. With the default 128-token tile a
-# 64-token layout makes most touched tiles partial (a fixed layout's global columns are 64
-# wide; a sliding window's edges fall mid-tile), so layouts of 64-token blocks use 64-token
-# tiles, which need kernel tiles that divide 64 (``_EXACT_TILE_OPTIONS``): every tile is
-# then full or empty. Layouts of 128-token blocks are exact at the default tile; 16- and
-# 32-token blocks keep the 128-token tile with a mask_mod. If the 64-token kernels fail to
-# compile, 128-token tiles are used from then on.
-
-
-def _flex_tile(block: int) -> int:
-    return block if block == 64 and _flex_state["exact_tiles"] else _FLEX_TILE
-
-
-def _flex_block_mask(layout: Tensor, block: int, seq: int, device: torch.device, tile: int):
-    """A ``BlockMask`` of ``tile``-token tiles: tiles wholly inside the layout are full, tiles
+def _flex_block_mask(layout: Tensor, block: int, seq: int, device: torch.device):
+    """A ``BlockMask`` of ``_FLEX_TILE`` tiles: tiles wholly inside the layout are full, tiles
     partly inside are refined token-wise by a mask_mod that looks the layout up."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    key = (_content_key(layout, block), seq, device, tile)
+    key = (_content_key(layout, block), seq, device)
     if key in _block_masks:
         return _block_masks[key]
     num_heads, n, _ = layout.shape
-    per_tile = tile // block
+    per_tile = _FLEX_TILE // block
     tiles = layout.detach().to(device, torch.bool).reshape(num_heads, n // per_tile, per_tile,
                                                            n // per_tile, per_tile)
     full = tiles.all(dim=4).all(dim=2)
@@ -323,13 +304,13 @@ def _flex_block_mask(layout: Tensor, block: int, seq: int, device: torch.device,
     def mask_mod(b, h, q_idx, kv_idx):
         return dense_layout[h, q_idx // block, kv_idx // block]
 
-    block_mask = BlockMask.from_kv_blocks(*indices(partial), *indices(full), BLOCK_SIZE=tile,
+    block_mask = BlockMask.from_kv_blocks(*indices(partial), *indices(full), BLOCK_SIZE=_FLEX_TILE,
                                           mask_mod=mask_mod, seq_lengths=(seq, seq))
     _remember(_block_masks, key, block_mask)
     return block_mask
 
 
-def _flex_call(query, key, value, block_mask, scale, kpm, am, rpe, kernel_options):
+def _flex_call(query, key, value, block_mask, scale, kpm, am, rpe):
     from torch.nn.attention.flex_attention import flex_attention
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -343,19 +324,17 @@ def _flex_call(query, key, value, block_mask, scale, kpm, am, rpe, kernel_option
 
     plain = kpm is None and am is None and rpe is None
     return flex_attention(query, key, value, score_mod=None if plain else score_mod,
-                          block_mask=block_mask, scale=scale, kernel_options=kernel_options)
+                          block_mask=block_mask, scale=scale)
 
 
 def _flex_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int,
                     scale: float | None, masks: tuple) -> Tensor | None:
     """FlexAttention on CUDA, compiled once; None (use the gather path) when not applicable.
 
-    A compile failure on the first call warns once and disables this path for the process
-    (a failure of the 64-token tiles only falls back to 128-token tiles, see [Note:
-    FlexAttention tiles]); the compile time of each (shape, dtype) is logged once at INFO."""
+    A compile failure on the first call warns once and disables this path for the process;
+    the compile time of each (shape, dtype) is logged once at INFO."""
     batch, num_heads, seq, _ = query.shape
-    tile = _flex_tile(block)
-    if _flex_state["failed"] or seq % tile or tile % block:
+    if _flex_state["failed"] or seq % _FLEX_TILE or _FLEX_TILE % block:
         return None
     kpm, am, am_mode, rpe = masks
     kpm = None if kpm is None else kpm.expand(batch, seq)
@@ -364,19 +343,13 @@ def _flex_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, b
     try:
         if _flex_state["compiled"] is None:
             _flex_state["compiled"] = torch.compile(_flex_call)
-        block_mask = _flex_block_mask(layout, block, seq, query.device, tile)
-        timing_key = (tuple(query.shape), query.dtype, kpm is None, am is None, rpe is None, tile)
+        block_mask = _flex_block_mask(layout, block, seq, query.device)
+        timing_key = (tuple(query.shape), query.dtype, kpm is None, am is None, rpe is None)
         start = time.perf_counter()
-        options = _EXACT_TILE_OPTIONS if tile < _FLEX_TILE else None
         with warnings.catch_warnings():  # torch's own deprecation warnings while compiling are not failures
             warnings.simplefilter("ignore", DeprecationWarning)
-            out = _flex_state["compiled"](query, key, value, block_mask, scale, kpm, am, rpe, options)
+            out = _flex_state["compiled"](query, key, value, block_mask, scale, kpm, am, rpe)
     except Exception as error:  # noqa: BLE001 - any compile failure falls back
-        if tile < _FLEX_TILE:
-            _flex_state["exact_tiles"] = False
-            logger.info("block-sparse FlexAttention: 64-token tiles failed (%s: %s); using 128-token tiles",
-                        type(error).__name__, error)
-            return _flex_attention(query, key, value, layout, block, scale, masks)
         _flex_state["failed"] = True
         warnings.warn(f"FlexAttention failed ({type(error).__name__}: {error}); block-sparse attention "
                       "uses the gather path from now on", RuntimeWarning, stacklevel=3)
@@ -384,6 +357,6 @@ def _flex_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, b
     if timing_key not in _flex_state["timed"]:
         _flex_state["timed"].add(timing_key)
         torch.cuda.synchronize(query.device)
-        logger.info("block-sparse FlexAttention compiled for %s %s (%d-token tiles) in %.1f s", tuple(query.shape),
-                    query.dtype, tile, time.perf_counter() - start)
+        logger.info("block-sparse FlexAttention compiled for %s %s in %.1f s", tuple(query.shape),
+                    query.dtype, time.perf_counter() - start)
     return out

@@ -138,23 +138,22 @@ def test_fully_masked_query_gets_zeros():
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("tile", [64, 128])
-def test_flex_block_mask_and_score_mod_match_the_gather_path(tile):
-    # The CUDA path's BlockMask (tiles refined by a mask_mod) and score_mod, run by eager
-    # FlexAttention: forward only, as CPU FlexAttention has no backward.
+def test_flex_block_mask_and_score_mod_match_the_gather_path():
+    # The CUDA path's BlockMask (128-token tiles refined by a mask_mod) and score_mod, run by
+    # eager FlexAttention: forward only, as CPU FlexAttention has no backward.
     seq = 256
     layout = _layout("random", seq // BLOCK, seed=6)
     layout[:, :8, :8] = 1  # one full 128-token tile, the rest partial or empty
     q, k, v = (t.detach() for t in _inputs(seq))
-    block_mask = _block_sparse._flex_block_mask(layout, BLOCK, seq, q.device, tile)
-    assert block_mask.full_kv_num_blocks[0, :, 0].eq(128 // tile).all()
+    block_mask = _block_sparse._flex_block_mask(layout, BLOCK, seq, q.device)
+    assert block_mask.full_kv_num_blocks[0, :, 0].eq(1).all()
     kpm = _kpm(seq, "mul")
     am = torch.randn(seq, seq, generator=torch.Generator().manual_seed(8))
     rpe = torch.randn(1, HEADS, seq, seq, generator=torch.Generator().manual_seed(9))
     for masks in [(None, None, None), (_block_sparse._additive(kpm, "mul"), am, rpe)]:
         kpm_add, attn, pos = masks
         out = _block_sparse._flex_call(q, k, v, block_mask, None, kpm_add, attn,
-                                       None if pos is None else pos.expand(BATCH, -1, -1, -1), None)
+                                       None if pos is None else pos.expand(BATCH, -1, -1, -1))
         ref = _reference(q, k, v, layout, BLOCK, kpm=None if kpm_add is None else kpm, kpm_mode="mul",
                          am=attn, am_mode="add", rpe=pos)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
