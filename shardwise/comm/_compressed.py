@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from shardwise.comm._collectives import Communicator
@@ -52,8 +53,24 @@ def _shifts(device) -> torch.Tensor:
     return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
 
 
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether NumPy can work on ``tensors`` in place (see [Note: compression on the CPU])."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+# [Note: compression on the CPU]
+# On the CPU the bit work goes through NumPy, on the tensors' own memory: torch's
+# ``signbit`` and comparisons that write bool tensors, and the eight strided shift/OR
+# passes of ``pack_bits``, took 89 ms to pack the signs of 27M floats on one core, against
+# 12 ms for ``np.signbit`` + ``np.packbits`` (vectorised); unpacking took 20 ms against 3 ms.
+# The results are the same bytes and the same fp32 bit patterns either way (tests compare
+# both paths); other devices keep the torch operations.
+
+
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Bool or 0/1 uint8 ``[..., 8k]`` as bytes ``[..., k]``, most significant bit first."""
+    if _on_cpu(bits):
+        return torch.from_numpy(np.packbits(bits.view(torch.bool).numpy(), axis=-1))
     grouped = bits.view(torch.uint8).view(*bits.shape[:-1], -1, 8)
     packed = grouped[..., 0] << 7
     for i in range(1, 8):
@@ -64,6 +81,9 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``[..., k]`` bytes to 0/1 uint8 ``[..., 8k]``
     (into ``out`` when given)."""
+    if _on_cpu(packed):
+        bits = torch.from_numpy(np.unpackbits(packed.numpy(), axis=-1))
+        return bits if out is None else out.copy_(bits)
     if out is None:
         out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 8, dtype=torch.uint8, device=packed.device)
     grouped = out.view(*packed.shape, 8)
@@ -75,6 +95,8 @@ def unpack_bits(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 def pack_signs(values: torch.Tensor) -> torch.Tensor:
     """The signs of ``values`` (``[..., 8k]``) as bits, 8 per byte: bit 1 where the sign
     bit is clear (``>= +0.0``). Returns uint8 ``[..., k]``."""
+    if _on_cpu(values):
+        return torch.from_numpy(np.packbits(np.signbit(values.detach().numpy()), axis=-1)).bitwise_not_()
     return pack_bits(torch.signbit(values).logical_not_())
 
 
@@ -96,11 +118,16 @@ def compress(values: torch.Tensor | None, error: torch.Tensor, *, scratch: torch
         error.add_(values)
     scales = torch.linalg.vector_norm(error, dim=-1, dtype=torch.float32) / math.sqrt(error.shape[-1])
     packed = pack_signs(error)
-    signed = (scratch if scratch is not None else torch.empty_like(error)).view(torch.int32)
-    torch.bitwise_and(error.view(torch.int32), _SIGN_BIT, out=signed)  # the sign of each value
-    for row, bits in enumerate(_scale_bits(scales)):
-        signed[row].bitwise_or_(bits)  # ... with the row's scale as magnitude
-    error.sub_(signed.view(torch.float32))
+    signed = scratch if scratch is not None else torch.empty_like(error)
+    if _on_cpu(error):  # the row's scale with each value's sign bit (the scale is >= 0 or NaN)
+        torch.copysign(scales.reshape(-1, 1), error, out=signed)
+    else:
+        signed = signed.view(torch.int32)
+        torch.bitwise_and(error.view(torch.int32), _SIGN_BIT, out=signed)  # the sign of each value
+        for row, bits in enumerate(_scale_bits(scales)):
+            signed[row].bitwise_or_(bits)  # ... with the row's scale as magnitude
+        signed = signed.view(torch.float32)
+    error.sub_(signed)
     return torch.cat([packed, scales.reshape(-1, 1).view(torch.uint8)], dim=-1)
 
 
@@ -112,6 +139,12 @@ def decompress(message: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
     scales = message[:, -_SCALE_BYTES:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     if out is None:
         out = torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=torch.float32, device=message.device)
+    if _on_cpu(message, out):
+        negative = np.unpackbits(np.invert(packed.numpy()), axis=-1)  # 1 where the sign bit is set
+        signed = out.numpy().view(np.uint32)
+        np.left_shift(negative, 31, out=signed, dtype=np.uint32, casting="unsafe")
+        np.bitwise_or(signed, scales.numpy().view(np.uint32).reshape(-1, 1), out=signed)
+        return out
     signed = out.view(torch.int32)
     signed.copy_(unpack_bits(packed))
     signed.bitwise_xor_(1).bitwise_left_shift_(31)  # bit 0 (negative) -> the sign bit
@@ -158,7 +191,11 @@ class CompressedAllReduce:
             send = compress(None, worker_error, scratch=scratch)
         received = torch.empty_like(send)
         self.comm.all_to_all_single(received, send, tag=f"{self.tag}: worker signs").wait()
-        average = torch.sum(decompress(received, out=scratch), 0, out=self._average).div_(world)
+        values = decompress(received, out=scratch)
+        average = torch.add(values[0], values[1], out=self._average)  # in rank order; faster than sum(0)
+        for row in values[2:]:
+            average.add_(row)
+        average.div_(world)
         message = compress(average.unsqueeze(0), self.server_error.view(1, -1), scratch=scratch[0].view(1, -1))
         gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=message.device)
         self.comm.all_gather_into_tensor(gathered, message.reshape(-1), tag=f"{self.tag}: server signs").wait()

@@ -34,6 +34,7 @@ and is saved by parameter name like theirs.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._exchanges: dict[str, CompressedAllReduce] = {}
         self._flats: dict[str, torch.Tensor] = {}
         self._pending_rank_state: dict | None = None
+        self._unmeasured_cache: dict[int, tuple] = {}
 
     # -- the engine's side (see [Note: optimizers that exchange data themselves]) ----------
 
@@ -186,8 +188,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(members, [piece.view_as(t) for piece, t in
                                            zip(flat.split([t.numel() for t in members]), members)])
 
-    @staticmethod
-    def mask_unmeasured_(group: dict, tensor: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    def mask_unmeasured_(self, group: dict, tensor: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Zero what came back from a compressed exchange (a momentum, gradient or update of
         one parameter) where it must not move the parameter: where the group's
         ``exp_avg_mask`` (DeepSpeed's param-group key, a 0/1 tensor that broadcasts to
@@ -199,7 +200,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
         mask = group.get("exp_avg_mask")
         if mask is not None:
             tensor.mul_(mask.to(tensor.device, tensor.dtype))
-        tensor.masked_fill_(exp_avg_sq == 0, 0.0)
+        zeros = self._unmeasured(exp_avg_sq)
+        if zeros is not None:
+            tensor.masked_fill_(zeros, 0.0)
+
+    def _unmeasured(self, exp_avg_sq: torch.Tensor) -> torch.Tensor | None:
+        """Where ``exp_avg_sq`` is 0 (None where nowhere), kept while the variance is
+        unchanged (frozen): the comparison costs a pass and a fresh bool tensor per step."""
+        key = id(exp_avg_sq)
+        cached = self._unmeasured_cache.get(key)
+        if cached is not None and cached[0]() is exp_avg_sq and cached[1] == exp_avg_sq._version:
+            return cached[2]
+        zeros = exp_avg_sq == 0
+        zeros = zeros if bool(zeros.any()) else None
+        self._unmeasured_cache[key] = (weakref.ref(exp_avg_sq), exp_avg_sq._version, zeros)
+        return zeros
 
     def exchange_keys(self, params: list[torch.Tensor]) -> list[str]:
         """The exchange each of ``params`` joins (see [Note: copies on several
