@@ -150,7 +150,7 @@ def worker(args) -> None:
     if args.exact_exchange:
         from shardwise.optim.onebit import CompressedOptimizer
 
-        def exact_average_(self, tensors, *, tag, params=None):
+        def exact_average_(self, tensors, *, tag, params=None, state=False):
             comm = self.communicator()
             flat = torch.cat([t.reshape(-1).float() for t in tensors])
             comm.all_reduce(flat, tag=f"exact {tag}").wait()

@@ -95,6 +95,35 @@ def check_freeze_step(owner: str, key: str, value) -> None:
                          "variance that later steps freeze; with no warm-up step it would stay zero)")
 
 
+# [Note: exchanged tensors live in the flat buffer]
+# The compressed exchange works on one flat fp32 vector. The first exchange copies the
+# tensors (the momenta) into it and then re-points each tensor at its slice of it
+# (``Tensor.set_``), so the optimizer's state tensors are views of the flat buffer from
+# then on and later exchanges need no copy in and out (two passes over every parameter's
+# state per step). A tensor replaced since (a loaded checkpoint) is copied and re-pointed
+# again (safetensors writes such views as they are: they do not overlap).
+
+
+def _live_in(members: list[torch.Tensor], flat: torch.Tensor) -> bool:
+    """Whether ``members`` are, in order, contiguous views covering ``flat``."""
+    offset = 0
+    storage = flat.untyped_storage().data_ptr()
+    for t in members:
+        if (t.dtype != flat.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage
+                or t.storage_offset() != flat.storage_offset() + offset):
+            return False
+        offset += t.numel()
+    return offset == flat.numel()
+
+
+def _rehome(members: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Point each of ``members`` at its slice of ``flat`` (which holds their values)."""
+    offset = flat.storage_offset()
+    for t in members:
+        t.set_(flat.untyped_storage(), offset, t.shape, t.stride())
+        offset += t.numel()
+
+
 class CompressedOptimizer(torch.optim.Optimizer):
     """Base class of the 1-bit optimizers: binding to the data-parallel ranks, the
     compressed average of a list of tensors, and the per-rank error buffers."""
@@ -111,7 +140,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._comm: Communicator | None = None
         self._exchange_key = None
         self._exchanges: dict[str, CompressedAllReduce] = {}
-        self._flats: dict[str, torch.Tensor] = {}
+        self._flats: dict[tuple[str, bool], torch.Tensor] = {}
         self._pending_rank_state: dict | None = None
         self._unmeasured_cache: dict[int, tuple] = {}
 
@@ -157,10 +186,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def compressed_average_(self, tensors: list[torch.Tensor], *, tag: str,
-                            params: list[torch.Tensor] | None = None) -> None:
+                            params: list[torch.Tensor] | None = None, state: bool = False) -> None:
         """Replace ``tensors`` (the same shapes on every rank, every call) by their 1-bit
         compressed average over the data-parallel ranks, with error feedback; ``params``
-        (the parameter each tensor belongs to) sorts them into their exchanges."""
+        (the parameter each tensor belongs to) sorts them into their exchanges. ``state``:
+        the tensors are this optimizer's own state, which then lives in the exchange's flat
+        buffer (see [Note: exchanged tensors live in the flat buffer]); other tensors (the
+        gradients) are copied in and out of a scratch buffer."""
         comm = self.communicator()
         if comm is None or comm.world_size == 1:
             return
@@ -170,11 +202,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
             groups.setdefault(name, []).append(tensor)
         for name, members in groups.items():
             numel = sum(t.numel() for t in members)
-            flat = self._flats.get(name)
+            flat = self._flats.get((name, state))
             if flat is None or flat.numel() != numel:  # kept: a fresh buffer each step costs page faults
-                flat = self._flats[name] = torch.empty(numel, dtype=torch.float32, device=members[0].device)
-            if all(t.dtype == torch.float32 for t in members):
-                torch.cat([t.reshape(-1) for t in members], out=flat)
+                flat = torch.empty(numel, dtype=torch.float32, device=members[0].device)
+                self._flats[(name, state)] = flat
+            in_place = state and _live_in(members, flat)
+            if in_place:
+                pass  # the tensors are views of flat already
+            elif all(t.dtype == torch.float32 for t in members):
+                storage = flat.untyped_storage().data_ptr()
+                if any(t.untyped_storage().data_ptr() == storage for t in members):  # views in another order
+                    flat.copy_(torch.cat([t.reshape(-1) for t in members]))
+                else:
+                    torch.cat([t.reshape(-1) for t in members], out=flat)
+                if state and all(t.is_contiguous() for t in members):
+                    _rehome(members, flat)
+                    in_place = True
             else:
                 flat.copy_(torch.cat([t.reshape(-1) for t in members]))
             exchange = self._exchanges.get(name)
@@ -185,8 +228,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 if pending is not None:
                     self._load_exchange(name, pending)
             exchange(flat)
-            torch._foreach_copy_(members, [piece.view_as(t) for piece, t in
-                                           zip(flat.split([t.numel() for t in members]), members)])
+            if not in_place:
+                torch._foreach_copy_(members, [piece.view_as(t) for piece, t in
+                                               zip(flat.split([t.numel() for t in members]), members)])
 
     def mask_unmeasured_(self, group: dict, tensor: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Zero what came back from a compressed exchange (a momentum, gradient or update of

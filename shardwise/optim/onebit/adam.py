@@ -107,7 +107,7 @@ class OneBitAdam(CompressedOptimizer):
                 work.append((group, p, state))
         if compressed:
             self.compressed_average_([state["exp_avg"] for _, _, state in work], tag="momentum",
-                                     params=[p for _, p, _ in work])
+                                     params=[p for _, p, _ in work], state=True)
             for group, _, state in work:
                 self.mask_unmeasured_(group, state["exp_avg"], state["exp_avg_sq"])
         for group, p, state in work:

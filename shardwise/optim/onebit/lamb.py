@@ -192,7 +192,7 @@ class OneBitLamb(CompressedOptimizer):
             state["exp_avg"].lerp_(grad, 1 - group["betas"][0]).mul_(state["scaling_coeff"])
             state["step"] += 1
             momenta.append(state["exp_avg"])
-        self.compressed_average_(momenta, tag="momentum", params=[p for _, p, _ in work])
+        self.compressed_average_(momenta, tag="momentum", params=[p for _, p, _ in work], state=True)
         for (group, p, state), m_prev in zip(work, previous):
             state["exp_avg"].div_(state["scaling_coeff"])
             self.mask_unmeasured_(group, state["exp_avg"], state["exp_avg_sq"])

@@ -30,7 +30,7 @@ SCHEDULE = (["var", "var", "grad", "var", "grad", "var", "sync", "sync", "local"
             + ["local", "local", "local", "sync"] * 4)
 
 
-def _exact_average_(optimizer, tensors, *, tag, params=None):
+def _exact_average_(optimizer, tensors, *, tag, params=None, state=False):
     """The compressed average's stand-in: a full-precision all-reduce."""
     comm = optimizer.communicator()
     flat = torch.cat([t.reshape(-1) for t in tensors])

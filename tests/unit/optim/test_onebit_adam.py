@@ -122,3 +122,33 @@ def test_after_the_warm_up_masked_and_never_measured_elements_stay_put():
     opt.step()
     assert torch.equal(weight[:2], before[:2])
     assert (weight[2] - before[2]).abs().min() > 0.05  # the rest moves on
+
+
+def test_state_views_of_the_flat_buffer_survive_a_new_order(monkeypatch):
+    """[Note: exchanged tensors live in the flat buffer]: the state tensors become views of
+    the flat buffer, and a call with the same tensors in another order (views of the buffer
+    in the wrong places) still averages the right values."""
+    from shardwise.optim.onebit import _base
+
+    optimizer = OneBitAdam([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(5))], freeze_step=1)
+
+    class _Identity:  # a one-rank stand-in for the exchange: the average of one rank is its value
+        numel = 8
+
+        def __call__(self, flat):
+            flat.mul_(2)  # visible: every element doubled in place
+
+    class _Comm:
+        world_size, rank = 2, 0
+
+    monkeypatch.setattr(optimizer, "communicator", lambda: _Comm())
+    optimizer._exchanges["all"] = _Identity()
+    a, b = torch.arange(3.0), torch.arange(5.0) + 10
+    optimizer.compressed_average_([a, b], tag="momentum", state=True)
+    flat = optimizer._flats[("all", True)]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert torch.equal(flat, torch.cat([torch.arange(3.0), torch.arange(5.0) + 10]) * 2)
+    optimizer._exchanges["all"].numel = 8
+    optimizer.compressed_average_([b, a], tag="momentum", state=True)  # the other order
+    assert torch.equal(a, torch.arange(3.0) * 4) and torch.equal(b, (torch.arange(5.0) + 10) * 4)
+    assert not _base._live_in([a, b], flat)  # re-pointed in the new order
