@@ -152,3 +152,32 @@ def test_state_views_of_the_flat_buffer_survive_a_new_order(monkeypatch):
     optimizer.compressed_average_([b, a], tag="momentum", state=True)  # the other order
     assert torch.equal(a, torch.arange(3.0) * 4) and torch.equal(b, (torch.arange(5.0) + 10) * 4)
     assert not _base._live_in([a, b], flat)  # re-pointed in the new order
+
+
+def test_exp_avg_mask_param_group_survives_a_checkpoint(tmp_path):
+    """DeepSpeed's per-group ``exp_avg_mask`` (a tensor in the param group) is saved with
+    the optimizer and restored by ``load_checkpoint``, replacing the new run's mask."""
+    import shardwise
+    from shardwise.testing.models import TinyMLP, token_batches
+
+    def engine_with_mask(seed, fill):
+        model = TinyMLP(seed=seed)
+        params = list(model.parameters())
+        mask = torch.full_like(params[0], fill)
+        optimizer = OneBitAdam([{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}],
+                               lr=1e-2, freeze_step=2)
+        engine, *_ = shardwise.initialize(model=model, optimizer=optimizer,
+                                          config={"train_micro_batch_size_per_gpu": 4})
+        return engine
+
+    engine = engine_with_mask(1, 1.0)
+    engine.optimizer.param_groups[0]["exp_avg_mask"][0] = 0.0  # a row masked, as for padding tokens
+    for tokens, targets in token_batches(num_steps=4, batch=4, seed=2):
+        engine.backward(engine(tokens, targets))
+        engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    resumed = engine_with_mask(3, 0.5)
+    resumed.load_checkpoint(str(tmp_path))
+    torch.testing.assert_close(resumed.optimizer.param_groups[0]["exp_avg_mask"],
+                               engine.optimizer.param_groups[0]["exp_avg_mask"], rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), resumed.module.parameters()))
