@@ -87,7 +87,11 @@ def test_deepspeeds_config_class_takes_its_keywords():
     from shardwise.inference.config import DeepSpeedInferenceConfig
 
     cfg = DeepSpeedInferenceConfig(tensor_parallel={"tp_size": 2}, kernel_inject=True, dtype=torch.float32)
+    assert isinstance(cfg, DeepSpeedInferenceConfig) and isinstance(cfg, InferenceConfig)
     assert (cfg.tp_size, cfg.replace_with_kernel_inject, cfg.dtype) == (2, True, torch.float32)
+    assert repr(cfg).startswith("DeepSpeedInferenceConfig(dtype=torch.float32")
+    with pytest.raises(ConfigError, match="did you mean 'max_out_tokens'"):
+        DeepSpeedInferenceConfig(max_out_token=8)
     assert inference_config(cfg) is cfg  # what init_inference(model, config=cfg) reads
     assert inference_config(triangular_masking=True, training_mp_size=1, ckpt_config={}).tp_size == 1
 
