@@ -35,6 +35,7 @@ from shardwise.pipe import schedules as sched
 from shardwise.pipe._transfer import Channel
 from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.runtime.engine import Engine
+from shardwise.zero import GatheredParameters
 
 logger = logging.getLogger("shardwise")
 
@@ -77,10 +78,6 @@ class PipelineEngine(Engine):
         self._device = get_accelerator().device()
         self._channels: dict[tuple[str, int], Channel] = {}
         self._tied = []
-        if model.tied_weights() and config.zero.stage == 3:
-            raise NotImplementedError("tied layers across pipeline stages (TiedLayerSpec) with ZeRO stage 3 are not "
-                                      "available in this version of shardwise yet; use ZeRO stage 0, 1 or 2, or "
-                                      "untie the layers")
         for key, param, ranks, comm in model.tied_weights():  # the module made the copies equal
             comm.timeout = timedelta(seconds=config.comm.timeout_s)
             param.pipe_copies = len(ranks)
@@ -175,15 +172,16 @@ class PipelineEngine(Engine):
         the parameters in one backward, the accumulation boundary (see [Note: one batch on
         one stage])."""
         outputs, grads = [], []
-        for key, param, comm, store in self._tied:
-            grad = store["grad"] if store["grad"] is not None else torch.zeros_like(param)
-            store["grad"] = None
-            comm.all_reduce(grad, tag=f"tied weight {key} gradient").wait()
-            outputs.append(param * 1.0)
-            grads.append(grad)
-        self.strategy.pre_backward(boundary=True, sync=True)
-        torch.autograd.backward(outputs, grads)
-        self.strategy.finalize_backward()
+        with GatheredParameters([param for _, param, _, _ in self._tied]):  # whole under stage 3
+            for key, param, comm, store in self._tied:
+                grad = store["grad"] if store["grad"] is not None else torch.zeros_like(param)
+                store["grad"] = None
+                comm.all_reduce(grad, tag=f"tied weight {key} gradient").wait()
+                outputs.append(param * 1.0)
+                grads.append(grad)
+            self.strategy.pre_backward(boundary=True, sync=True)
+            torch.autograd.backward(outputs, grads)
+            self.strategy.finalize_backward()
 
     def _batch_loss(self, losses: list[torch.Tensor], *, broadcast: bool = True) -> torch.Tensor:
         """The batch's mean loss: averaged over micro-batches and data-parallel ranks on the
@@ -409,10 +407,29 @@ class _CapturedCall:
         self.fn, self.owner, self.attr, self.store = fn, owner, attr, store
 
     def __call__(self, x):
-        param = self.owner._parameters.pop(self.attr)
-        try:
-            self.owner.__dict__[self.attr] = _CaptureGrad.apply(param, self.store)
-            return self.fn(x)
-        finally:
-            self.owner.__dict__.pop(self.attr, None)
-            self.owner._parameters[self.attr] = param
+        param = self.owner._parameters[self.attr]
+        # under ZeRO stage 3 the weight is gathered before the capture reads it (the module's
+        # own pre-forward hook would gather it only inside fn); its backward gathers it again
+        with GatheredParameters([param]):
+            del self.owner._parameters[self.attr]
+            try:
+                self.owner.__dict__[self.attr] = _CaptureGrad.apply(param, self.store)
+                out = self.fn(x)
+            finally:
+                self.owner.__dict__.pop(self.attr, None)
+                self.owner._parameters[self.attr] = param
+        owner = getattr(param, "_shardwise_unit", None)
+        if owner is not None:  # a forward_fn need not call the module, whose hooks would gather it for backward
+            strategy, unit = owner
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(_gather_first(strategy, unit))
+        return out
+
+
+def _gather_first(strategy, unit):
+    """A gradient hook that gathers ``unit`` (stage 3) before the backward that reads it."""
+    def hook(grad):
+        strategy.gather_units([unit])
+        return grad
+    return hook

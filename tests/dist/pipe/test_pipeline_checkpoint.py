@@ -1,5 +1,5 @@
 """Pipeline checkpoints are one model's: a pp2 x dp2 run with tied layers (SGD with
-momentum, ZeRO 0-2; untied at ZeRO 3) saves; pp4, pp2 x dp2 and pp1 on one process load
+momentum, ZeRO 0-3, stage 3 partitioning every layer) saves; pp4, pp2 x dp2 and pp1 on one process load
 it and continue, matching single-process training of the same steps; consolidate() names
 every layer with its full shape; module_state_dict() and save_16bit_model give the whole
 model, and load_module_state_dict() takes it back at another stage count."""
@@ -16,7 +16,7 @@ from shardwise.testing.models import pipeline_specs
 
 V, H, S, MICRO, GBS, LR, MOMENTUM, BASE_SEED = 32, 16, 6, 2, 8, 0.3, 0.9, 1234
 SAVED_STEPS, MORE_STEPS = 2, 2
-SAVES = {"z0": (0, True), "z1": (1, True), "z2": (2, True), "z3 untied": (3, False)}
+SAVES = {"z0": (0, True), "z1": (1, True), "z2": (2, True), "z3": (3, True)}
 """Checkpoint name: (ZeRO stage of the pp2 x dp2 run saving it, tied layers)."""
 
 
@@ -67,7 +67,8 @@ def _engine(stages: int, world_size: int, zero: int, tied: bool = True):
     dp = world_size // stages
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GBS // (MICRO * dp),
               "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}, "steps_per_print": 1000,
-              "zero_optimization": {"stage": zero, "reduce_bucket_size": 300}}
+              "zero_optimization": {"stage": zero, "reduce_bucket_size": 300,
+                                    **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})}}
     engine, *_ = shardwise.initialize(model=model, config=config)
     return engine
 
@@ -106,7 +107,7 @@ def _save_then_resume(rank, world_size, *, root):
             engine.load_module_state_dict({"module": state})
             report["state dict at pp4"] = {"losses": [], "diff": _diff(engine, _reference(SAVED_STEPS)[0])}
     for stages, saved, zero in [(2, "z0", 0), (2, "z1", 1), (2, "z2", 2), (4, "z1", 0), (4, "z2", 1), (4, "z0", 2),
-                                (4, "z3 untied", 3)]:
+                                (4, "z3", 3), (2, "z2", 3)]:
         tied = SAVES[saved][1]
         engine = _engine(stages, world_size, zero, tied)
         engine.load_checkpoint(f"{root}/{saved}", tag="saved")
@@ -151,7 +152,7 @@ def test_pipeline_checkpoint_loads_at_other_stage_counts(tmp_path):
                     assert torch.allclose(value, after_save[name], atol=1e-5), f"rank {rank} {case}: {name}"
             else:
                 assert got["diff"] <= 1e-4 * moved, f"rank {rank} {case}: |diff| {got['diff']:.3g} vs moved {moved:.3g}"
-    assert len(checked) == len(SAVES) * 2 + 8, sorted(checked)
+    assert len(checked) == len(SAVES) * 2 + 9, sorted(checked)
     for saved, (_, tied) in SAVES.items():
         after_save = references[tied][0]
         directory = root / saved
