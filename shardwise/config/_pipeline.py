@@ -15,7 +15,10 @@ chunks per stage, which ``PipelineModule(virtual_stages=...)`` must also have)."
 def check_pipeline(section: Any) -> None:
     """Validate a ``pipeline`` section; refuse what the engine cannot honour, by name."""
     check_keys("pipeline", section, {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
-                                     "pipe_partitioned", "grad_partitioned", "schedule", "virtual_stages"})
+                                     "pipe_partitioned", "grad_partitioned", "schedule", "virtual_stages",
+                                     "keep_gathered"})
+    if not isinstance(section.get("keep_gathered", True), bool):
+        raise ConfigError(f"pipeline.keep_gathered must be true or false, got {section['keep_gathered']!r}")
     schedule = section.get("schedule", "1f1b")
     virtual = section.get("virtual_stages", 2 if schedule == "interleaved" else 1)
     if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:

@@ -24,6 +24,7 @@ grid] in ``zero/_strategy.py``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 
@@ -76,6 +77,8 @@ class PipelineEngine(Engine):
         if section.get("activation_checkpoint_interval"):  # the config's wins, as in DeepSpeed
             model.set_checkpoint_interval(section["activation_checkpoint_interval"])
         self._device = get_accelerator().device()
+        self._keep_gathered = bool(section.get("keep_gathered", True))
+        self._holding = None
         self._channels: dict[tuple[str, int], Channel] = {}
         self._tied = []
         for key, param, ranks, comm in model.tied_weights():  # the module made the copies equal
@@ -138,17 +141,40 @@ class PipelineEngine(Engine):
         actions = sched.build_schedule(self.schedule_name, self.num_stages, self.micro_batches, self.stage_id,
                                        **self.schedule_options)
         run = _BatchRun(self, training=True)
-        for action in actions:
-            run.execute(action)
+        with self._kept_gathered():
+            for action in actions:
+                run.execute(action)
         run.finish()  # every training schedule ends with its OptimizerStep
         self.agg_train_loss = self._batch_loss(run.losses)
         self._progress.record_loss(self.agg_train_loss)
         self._progress.after_model_step()
         return self.agg_train_loss
 
+    @contextlib.contextmanager
+    def _kept_gathered(self):
+        """ZeRO stage 3: the stage's layers stay gathered across the batch's micro-batches
+        (see ``keep_gathered``) unless the config's ``pipeline.keep_gathered`` is false;
+        freed before the optimizer step (:meth:`_reduce_and_step`) or on the way out."""
+        keep = getattr(self.strategy, "keep_gathered", None)
+        if keep is None or not self._keep_gathered:
+            yield
+            return
+        self._holding = keep()
+        self._holding.__enter__()
+        try:
+            yield
+        finally:
+            self._release_held()
+
+    def _release_held(self) -> None:
+        holding, self._holding = self._holding, None
+        if holding is not None:
+            holding.__exit__(None, None, None)
+
     def _reduce_and_step(self) -> None:
         if self._tied:
             self._feed_tied_gradients()
+        self._release_held()  # the step changes the shards the gathered layers came from
         with self._progress.timer("step"):
             self._take_model_step(None)
         self.micro_steps += self.micro_batches

@@ -97,6 +97,8 @@ class Stage3Strategy(ShardedStrategy):
         self._reuse_distance: list[float] = []
         self._cursor = 0
         self._order_recorded = False
+        self._keeping = False
+        """Inside ``keep_gathered``: units stay whole until it ends."""
         self._units_of: dict[nn.Module, list[_Bucket]] = {}
         self._reading: collections.deque[_Bucket] = collections.deque()
         """Units whose shards are being read from swap files, in the order the reads began."""
@@ -308,8 +310,8 @@ class Stage3Strategy(ShardedStrategy):
         if getattr(unit, "persistent", False) or not getattr(unit, "gathered", True) and \
                 not self._gathering(unit):
             return  # persistent units stay whole; a sharded unit has nothing to free
-        if not force and self._is_root(unit):
-            return  # tied / shared parameters stay gathered until backward ends
+        if not force and (self._is_root(unit) or self._keeping):
+            return  # tied / shared parameters stay gathered until backward ends; see keep_gathered
         if getattr(unit, "reading", None) is not None:  # a prefetched read nobody used: no collective
             unit.reading.result()
             unit.reading = None
@@ -429,7 +431,7 @@ class Stage3Strategy(ShardedStrategy):
         self._cursor = 0
         for unit in self.buckets:
             # a prefetch still in flight would read the shard the optimizer is about to change
-            if getattr(unit, "gathered", False) or self._gathering(unit):
+            if not self._keeping and (getattr(unit, "gathered", False) or self._gathering(unit)):
                 self._reshard(unit, force=True)
             unit.active = 0
             unit.calls.clear()
@@ -556,6 +558,20 @@ class Stage3Strategy(ShardedStrategy):
         if unit not in self._units_of[module]:
             self._units_of[module].append(unit)
 
+    @contextlib.contextmanager
+    def keep_gathered(self):
+        """Keep every unit whole from its first gather until the block ends, then free them
+        all (before the optimizer step changes the shards): a pipeline stage runs many
+        micro-batches through the same layers in one batch, and each would otherwise
+        gather every unit twice (forward and backward). Costs the units' full parameters
+        for the block, over ``stage3_max_live_parameters`` if need be."""
+        self._keeping = True
+        try:
+            yield
+        finally:
+            self._keeping = False
+            self.release_gathered()
+
     def release_gathered(self) -> None:
         """Free every non-persistent unit still gathered (e.g. by evaluation outside the
         engine's step)."""
@@ -576,4 +592,4 @@ class Stage3Strategy(ShardedStrategy):
                     self.comm.broadcast(unit.flat_param, src=modifier_rank, tag="GatheredParameters").wait()
                     with self._resident([unit]):
                         unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
-                self._reshard(unit, force=True)
+                self._reshard(unit, force=not self._keeping)

@@ -337,3 +337,35 @@ def test_pipeline_with_tensor_parallel_stages(tmp_path):
         for mine, ref in zip(losses, ref_losses):
             assert abs(mine - ref) <= 1e-5 * abs(ref), f"rank {rank}: loss {mine} vs {ref}"
         assert up_shapes == [(H, H)], f"rank {rank} (stage {stage}): up projections {up_shapes}, want one of ({H}, {H})"
+
+
+def _gathers(rank, world_size, keep):
+    specs = _specs(4, True)
+    model = PipelineModule(specs, num_stages=2, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
+                           partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"keep_gathered": keep},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    tokens, labels = _batches(MICRO * 4 * 2, None)[0]
+    dp_rank = engine.grid.get_data_parallel_rank()
+    rows = [slice((m * 2 + dp_rank) * MICRO, (m * 2 + dp_rank + 1) * MICRO) for m in range(4)]
+    before = engine.strategy.comm.calls["all_gather"]
+    at_step = []
+    step = engine._take_model_step
+    engine._take_model_step = lambda *a: (at_step.append(sum(p.numel() for p in engine.module.parameters())),
+                                          step(*a))
+    loss = float(engine.train_batch(iter([(tokens[r], labels[r]) for r in rows])))
+    return loss, engine.strategy.comm.calls["all_gather"] - before, len(engine.strategy.buckets), at_step
+
+
+def test_stage3_keeps_a_stages_layers_gathered_across_the_batch(tmp_path):
+    """ZeRO-3 under a pipeline gathers each of a stage's units once per batch (4 micro-
+    batches), not in every micro-batch's forward and backward, with the same loss; and
+    frees them before the step. ``pipeline.keep_gathered: false`` gathers per use."""
+    kept = run_distributed(_gathers, world_size=4, tmp_path=tmp_path, keep=True)
+    per_use = run_distributed(_gathers, world_size=4, tmp_path=tmp_path, keep=False)
+    for (loss, gathers, units, whole), (loss_per_use, gathers_per_use, _, _) in zip(kept, per_use):
+        assert loss == loss_per_use
+        assert gathers == units and whole == [0], (gathers, units, whole)  # freed before the step
+        assert gathers_per_use >= 4 * units, gathers_per_use  # every unit in every micro-batch, at least
