@@ -109,6 +109,15 @@ class OneBitLamb(CompressedOptimizer):
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self._lamb_coeffs: list[torch.Tensor] = []
+        self._previous: dict = {}
+        """param -> a buffer for last step's momentum (then the gradient rebuilt from it)."""
+        self._frozen_denominators: dict = {}
+        """param -> (key, the frozen variance's denominator), computed once after the warm-up."""
+
+    def load_state_dict(self, state_dict) -> None:
+        self._previous.clear()
+        self._frozen_denominators.clear()
+        super().load_state_dict(state_dict)
 
     def averages_gradients_itself(self) -> bool:
         """True once ``freeze_step`` steps are done: gradients stay local from then on."""
@@ -185,7 +194,12 @@ class OneBitLamb(CompressedOptimizer):
                 work.append((group, p, self._state(p)))
         if "scaling_coeff" not in work[0][2]:
             self._freeze([state for _, _, state in work], self.exchange_keys([p for _, p, _ in work]))
-        previous = [state["exp_avg"].clone() for _, _, state in work]
+        previous = []
+        for _, p, state in work:  # kept buffers: a fresh tensor per step costs its page faults on the CPU
+            buffer = self._previous.get(p)
+            if buffer is None or buffer.shape != state["exp_avg"].shape:
+                buffer = self._previous[p] = torch.empty_like(state["exp_avg"])
+            previous.append(buffer.copy_(state["exp_avg"]))
         momenta = []
         for group, p, state in work:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -218,14 +232,20 @@ class OneBitLamb(CompressedOptimizer):
         beta1, beta2 = group["betas"]
         eps, weight_decay = group["eps"], group["weight_decay"]
         exp_avg, fresh = state["exp_avg"], state["exp_avg_sq_fresh"]
-        grad = (exp_avg - m_prev * beta1).div_(1 - beta1)
+        grad = m_prev.mul_(-beta1).add_(exp_avg).div_(1 - beta1)  # exp_avg - beta1 m_prev, in m_prev's buffer
         fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step = int(state["step"])
         (c1,), (c2, c2_fresh) = self._corrections(group, [step], [state["frozen_step"], step])
-        denom, denom_fresh = (self._denominator(v, c, eps, group["eps_inside_sqrt"])
-                              for v, c in ((state["exp_avg_sq"], c2), (fresh, c2_fresh)))
+        frozen = state["exp_avg_sq"]
+        key = (c2, eps, group["eps_inside_sqrt"], id(frozen), frozen._version)  # a loaded or changed one: recompute
+        cached = self._frozen_denominators.get(p)
+        if cached is None or cached[0] != key:  # the frozen variance's denominator does not change
+            cached = self._frozen_denominators[p] = (key, self._denominator(state["exp_avg_sq"], c2, eps,
+                                                                            group["eps_inside_sqrt"]))
+        denom = cached[1]
+        denom_fresh = self._denominator(fresh, c2_fresh, eps, group["eps_inside_sqrt"])
         update = (exp_avg / c1).div_(denom)
-        factor = (denom / denom_fresh).max().float()
+        factor = torch.div(denom, denom_fresh, out=denom_fresh).max().float()
         if weight_decay:
             adam_norm = torch.linalg.vector_norm(update)
             update.add_(p, alpha=weight_decay)
