@@ -71,7 +71,8 @@ def sparse(args) -> list[str]:
                "bigbird": BigBirdSparsityConfig(heads, block)}
     lines = ["## Block-sparse attention (FlexAttention) against dense SDPA, bf16 forward + backward", "",
              f"`[1, {heads}, seq, {dim}]`, block {block}; ms are medians of {args.repeats} calls after a warm-up.",
-             "", "| seq | variant | first call s | forward ms | forward + backward ms | vs dense | density | peak MiB |",
+             "",
+             "| seq | variant | first call s | forward ms | forward + backward ms | vs dense | density | peak MiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for seq in [int(s) for s in args.lengths.split(",")]:
         q, k, v = (torch.randn(1, heads, seq, dim, device=args.device, dtype=torch.bfloat16, requires_grad=True)
@@ -171,9 +172,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model, for a smoke run of the script")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     head = ["# CUDA checks: sparse attention and inference", "",
-            f"{date.today()} | {torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'} | torch {torch.__version__} | "
-            f"`bench/bench_cuda.py --sections {args.sections}`", ""]
+            f"{date.today()} | {device} | torch {torch.__version__} | `bench/bench_cuda.py --sections {args.sections}`",
+            ""]
     body = []
     for section in args.sections.split(","):
         body += {"sparse": sparse, "inference": inference}[section](args) + [""]

@@ -190,7 +190,8 @@ def _check(reports, cases):
             if cases[name].get("zero") == 3:  # the split: each data rank holds 1 / dp of its stage's layers
                 whole, shards, full = got["resident"]
                 dp = 4 // cases[name]["stages"]
-                assert whole == 0 and full // dp <= shards <= full // dp + 8 * dp, f"rank {rank} {name}: {got['resident']}"
+                assert whole == 0 and full // dp <= shards <= full // dp + 8 * dp, \
+                    f"rank {rank} {name}: {got['resident']}"
             parts, stage, stages = got["parts"], got["stage"], cases[name]["stages"]
             mine = {int(n.split(".")[0]) for n in got["names"] if not n.startswith("tied_modules")}
             tied_only = any(n.startswith("tied_modules") for n in got["names"])
