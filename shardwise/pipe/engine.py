@@ -79,6 +79,12 @@ class PipelineEngine(Engine):
         self._device = get_accelerator().device()
         self._keep_gathered = bool(section.get("keep_gathered", True))
         self._holding = None
+        # ZeRO 2 (and 3 with its layers kept gathered): gradients accumulate whole over the
+        # batch and are reduced once, at its last backward, instead of after every micro-batch
+        stage = config.zero.stage
+        self._reduce_once = stage == 2 or (stage == 3 and self._keep_gathered)
+        if self._reduce_once:
+            self.strategy.accumulate_unreduced = True
         self._channels: dict[tuple[str, int], Channel] = {}
         self._tied = []
         for key, param, ranks, comm in model.tied_weights():  # the module made the copies equal
@@ -272,6 +278,7 @@ class _BatchRun:
         self.losses: list[torch.Tensor] = []
         self.logits: list = []
         self.backwards = 0
+        self.chunk_backwards: dict[int, int] = {}
         self.read = 0
 
     def execute(self, action) -> None:
@@ -383,9 +390,12 @@ class _BatchRun:
         e = self.e
         key = (mb, chunk)
         self.backwards += 1
-        boundary = self.backwards == e.micro_batches * e.virtual_stages and not e._tied
+        self.chunk_backwards[chunk] = self.chunk_backwards.get(chunk, 0) + 1
+        boundary = self.backwards == e.micro_batches * e.virtual_stages and not e._tied  # else the fed gradient's
+        # reduced once: at each chunk's last backward, the one that fires its parameters' hooks for the batch
+        sync = self.chunk_backwards[chunk] == e.micro_batches or not e._reduce_once
         with e._progress.timer("backward"):
-            e.strategy.pre_backward(boundary=boundary, sync=True)
+            e.strategy.pre_backward(boundary=boundary, sync=sync)
             out = self.outputs.pop(key)
             if chunk == e.module.num_chunks - 1:
                 scaled = out.float() / e.micro_batches

@@ -125,6 +125,10 @@ class ShardedStrategy:
         self._offset_of: dict[nn.Parameter, int] = {}
         self._group_options: list[dict] = []
         self._reducing = False
+        self.accumulate_unreduced = False
+        """Let a micro-step skip the reduction at stage 2 and 3 (``sync=False``): the full
+        gradients then accumulate on the parameters until the boundary's reduction, which
+        costs them in memory (as at stage 1); the pipeline engine does this."""
         self._next_launch = 0
         self._in_flight: collections.deque[_Bucket] = collections.deque()
         self._host_copies = None
@@ -273,7 +277,7 @@ class ShardedStrategy:
     def pre_backward(self, *, boundary: bool, sync: bool) -> None:
         self._ensure_layout()
         self._zero_new_grads()
-        if self.stage >= 2 and not sync:
+        if self.stage >= 2 and not sync and not self.accumulate_unreduced:
             raise RuntimeError(f"no_sync() cannot be used with ZeRO stage {self.stage}: gradients are "
                                "reduced on every micro-step; use stage 0 or 1")
         if self.stage == 1:

@@ -351,22 +351,29 @@ def _gathers(rank, world_size, keep):
     tokens, labels = _batches(MICRO * 4 * 2, None)[0]
     dp_rank = engine.grid.get_data_parallel_rank()
     rows = [slice((m * 2 + dp_rank) * MICRO, (m * 2 + dp_rank + 1) * MICRO) for m in range(4)]
-    before = engine.strategy.comm.calls["all_gather"]
+    calls = engine.strategy.comm.calls
+    before, reduced_before = calls["all_gather"], calls["reduce_scatter"]
     at_step = []
     step = engine._take_model_step
     engine._take_model_step = lambda *a: (at_step.append(sum(p.numel() for p in engine.module.parameters())),
                                           step(*a))
     loss = float(engine.train_batch(iter([(tokens[r], labels[r]) for r in rows])))
-    return loss, engine.strategy.comm.calls["all_gather"] - before, len(engine.strategy.buckets), at_step
+    return (loss, calls["all_gather"] - before, len(engine.strategy.buckets), at_step,
+            calls["reduce_scatter"] - reduced_before)
 
 
 def test_stage3_keeps_a_stages_layers_gathered_across_the_batch(tmp_path):
     """ZeRO-3 under a pipeline gathers each of a stage's units once per batch (4 micro-
-    batches), not in every micro-batch's forward and backward, with the same loss; and
-    frees them before the step. ``pipeline.keep_gathered: false`` gathers per use."""
+    batches), not in every micro-batch's forward and backward, reduces the gradients once
+    per batch, with the same loss, and frees the units before the step.
+    ``pipeline.keep_gathered: false`` gathers per use and reduces every micro-batch."""
     kept = run_distributed(_gathers, world_size=4, tmp_path=tmp_path, keep=True)
     per_use = run_distributed(_gathers, world_size=4, tmp_path=tmp_path, keep=False)
-    for (loss, gathers, units, whole), (loss_per_use, gathers_per_use, _, _) in zip(kept, per_use):
+    for (loss, gathers, units, whole, reduced), (loss_per_use, gathers_per_use, _, _, reduced_per_use) in \
+            zip(kept, per_use):
         assert loss == loss_per_use
         assert gathers == units and whole == [0], (gathers, units, whole)  # freed before the step
         assert gathers_per_use >= 4 * units, gathers_per_use  # every unit in every micro-batch, at least
+        # gradients reduced once per batch (the tied weight's fed gradient reduces every bucket
+        # once more), against after every micro-batch
+        assert reduced == 2 * units and reduced_per_use == 5 * units, (reduced, reduced_per_use)
