@@ -55,32 +55,30 @@ def test_graphs_off_gives_the_same_tokens():
         shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32, enable_cuda_graph=True)
 
 
-@pytest.mark.parametrize("inject", [False, True], ids=["plain", "kernel_inject"])
-def test_bf16_engine_on_gpu_is_close_to_the_fp32_model(inject):
+def _padded_logits(**options):
+    """The fp32 model's and an engine's logits on the left-padded batch, the valid
+    positions' mask, the engine and the batch (on the GPU)."""
     reference = tiny_lm("llama").cuda()
-    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.bfloat16,
-                                      replace_with_kernel_inject=inject)
-    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+    engine = shardwise.init_inference(copy.deepcopy(reference), **options)
     _, (batch, mask) = prompts()
     batch, mask = batch.cuda(), mask.cuda()
     with torch.no_grad():
         want = reference(batch, attention_mask=mask).logits
         got = engine(batch, attention_mask=mask).logits.float()
-    valid = mask.bool()
+    return want, got, mask.bool(), engine, (batch, mask)
+
+
+@pytest.mark.parametrize("inject", [False, True], ids=["plain", "kernel_inject"])
+def test_bf16_engine_on_gpu_is_close_to_the_fp32_model(inject):
+    want, got, valid, engine, _ = _padded_logits(dtype=torch.bfloat16, replace_with_kernel_inject=inject)
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
     error = (got - want)[valid].abs().max().item() / want[valid].abs().max().item()
     assert error < 0.03, error
     assert (got.argmax(-1) == want.argmax(-1))[valid].float().mean() > 0.95
 
 
 def test_int8_weights_on_gpu():
-    reference = tiny_lm("llama").cuda()
-    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.int8, replace_with_kernel_inject=True)
-    _, (batch, mask) = prompts()
-    batch, mask = batch.cuda(), mask.cuda()
-    with torch.no_grad():
-        want = reference(batch, attention_mask=mask).logits
-        got = engine(batch, attention_mask=mask).logits.float()
-    valid = mask.bool()
+    want, got, valid, engine, (batch, mask) = _padded_logits(dtype=torch.int8, replace_with_kernel_inject=True)
     assert (got.argmax(-1) == want.argmax(-1))[valid].float().mean() > 0.9
     tokens = engine.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert tokens.shape == (batch.shape[0], batch.shape[1] + 8) and tokens.is_cuda

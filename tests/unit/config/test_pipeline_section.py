@@ -16,6 +16,7 @@ def test_deepspeed_keys_and_schedules_load():
     for schedule in ("1f1b", "gpipe"):
         _load({"schedule": schedule})
     _load({"schedule": "interleaved", "virtual_stages": 2})
+    _load({"keep_gathered": False})
 
 
 @pytest.mark.parametrize("pipeline, message", [
@@ -25,6 +26,7 @@ def test_deepspeed_keys_and_schedules_load():
     ({"schedule": "looped"}, "is not one of"),
     ({"activation_checkpoint_interval": -1}, "non-negative integer"),
     ({"stage": 2}, "pipeline"),
+    ({"keep_gathered": "no"}, "pipeline.keep_gathered must be true or false"),
 ])
 def test_what_the_engine_cannot_honour_is_refused(pipeline, message):
     with pytest.raises(ConfigError, match=message):
