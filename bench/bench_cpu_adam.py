@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench_step import _cpu_model  # this folder is on sys.path when run as a script
+from _machine import cpu_model  # this folder is on sys.path when run as a script
 
 VARIANTS = "torch-forloop,torch-foreach,torch-fused,shardwise,deepspeed-cpuadam"
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -235,7 +235,7 @@ def table(args, variants: list[str], stats: dict, errors: dict, diffs: dict, ds_
     n_tensors = len(layout(args.numel))
     lines = [f"# AdamW step throughput on the CPU, {args.numel / 1e6:g}M fp32 parameters in {n_tensors} tensors, "
              f"{args.threads} threads",
-             "", f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(ds_version)} | "
+             "", f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(ds_version)} | "
              f"torch.set_num_threads({args.threads}) in every variant | median over {args.repeats} rounds of "
              f"the median of {args.steps} steps after {args.warmup} warm-up", "",
              "| variant | median s/step | min-max | params/s | speed vs torch-foreach | speed vs deepspeed-cpuadam "

@@ -42,7 +42,8 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tensor_parallel import REPO, _cpu_model, _free_port, _med, _versions  # noqa: E402
+from _machine import cpu_model, median_or_nan  # noqa: E402
+from bench_tensor_parallel import REPO, _free_port, _versions  # noqa: E402
 
 WAIT = ("RecvActivation", "RecvGrad", "SendActivation", "SendGrad")
 COMPUTE = ("Forward", "Backward")
@@ -192,10 +193,10 @@ def run_variant(args, variant: str) -> dict:
     for r in ranks:
         steps = list(zip(r["times"][skip:], r["acc"][skip:]))
         stages.append({
-            "wait": _med([sum(a.get(k, 0.0) for k in WAIT) / t for t, a in steps]),
-            "idle": _med([1 - sum(a.get(k, 0.0) for k in COMPUTE) / t for t, a in steps]),
-            "fwd": _med([a.get("Forward", 0.0) / m for _, a in steps]),
-            "bwd": _med([a.get("Backward", 0.0) / m for _, a in steps]),
+            "wait": median_or_nan([sum(a.get(k, 0.0) for k in WAIT) / t for t, a in steps]),
+            "idle": median_or_nan([1 - sum(a.get(k, 0.0) for k in COMPUTE) / t for t, a in steps]),
+            "fwd": median_or_nan([a.get("Forward", 0.0) / m for _, a in steps]),
+            "bwd": median_or_nan([a.get("Backward", 0.0) / m for _, a in steps]),
             "rss_mb": r["rss_mb"], "params": r["params"]})
     return {"median": median, "min": min(times), "max": max(times), "losses": ranks[0]["losses"],
             "stages": stages, "wall_s": wall}
@@ -205,7 +206,7 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
     from shardwise.pipe.schedules import simulate
 
     ok = {v: [r for r in rs if "median" in r] for v, rs in runs.items()}
-    med = {v: _med([r["median"] for r in rs]) for v, rs in ok.items()}
+    med = {v: median_or_nan([r["median"] for r in rs]) for v, rs in ok.items()}
     base = med.get("deepspeed", float("nan"))
     lines = [f"## Step time, idle time and memory (round order: {'; '.join(' '.join(o) for o in order)})", "",
              "| variant | runs | median s/step | run medians min-max | vs deepspeed | fwd ms/mb (stage 0, 1) "
@@ -221,9 +222,9 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         st = [[r["stages"][s] for r in rs] for s in range(2)]
 
         def pair(key, scale=1.0, fmt="{:.0f}"):
-            return ", ".join(fmt.format(_med([x[key] for x in st[s]]) * scale) for s in range(2))
-        fwd = _med([x["fwd"] for s in range(2) for x in st[s]])
-        bwd = _med([x["bwd"] for s in range(2) for x in st[s]])
+            return ", ".join(fmt.format(median_or_nan([x[key] for x in st[s]]) * scale) for s in range(2))
+        fwd = median_or_nan([x["fwd"] for s in range(2) for x in st[s]])
+        bwd = median_or_nan([x["bwd"] for s in range(2) for x in st[s]])
         sched = sim_names[v.rpartition("-")[2]]
         sim = simulate(sched, 2, args.micro_batches, t_forward=fwd, t_backward=bwd)
         lines.append(
@@ -255,7 +256,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8, help="gradient_accumulation_steps")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
-    parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/.venv-ds/bin/python"))
+    parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -279,7 +280,7 @@ def main() -> None:
                 out["median"], out["wall_s"], out["losses"][:3])), file=sys.stderr, flush=True)
     text = "\n".join([
         "# Pipeline parallelism: shardwise PipelineEngine against DeepSpeed's", "",
-        f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | gloo, fp32", "",
+        f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | gloo, fp32", "",
         f"Model: embedding (vocab {args.vocab}, width {args.width}) + {args.blocks} blocks (LayerNorm + MLP "
         f"{args.width}->{args.mlp_ratio * args.width}->{args.width}, residual) + LayerNorm/head; sequence "
         f"{args.seq_len}; 2 stages (uniform partition) x 1 thread; micro-batch {args.micro_batch}, "

@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_step import _cpu_model
+    from _machine import cpu_model
 
     nbytes = int(args.gib * (1 << 30)) // CHUNK * CHUNK
     tensors = [torch.randn(CHUNK // 4) for _ in range(nbytes // CHUNK)]
@@ -132,7 +132,7 @@ def main() -> None:
     disk = subprocess.run(["df", args.dir or tempfile.gettempdir()], capture_output=True,
                           text=True).stdout.splitlines()[-1].split()[0]
     lines = [f"# Swap bandwidth, {nbytes / 2 ** 30:.1f} GiB in {CHUNK >> 20} MiB files, block {args.block} B",
-             "", f"{date.today()} | {_cpu_model()} ({os.cpu_count()} cores) | disk {disk} | torch {torch.__version__} | "
+             "", f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | disk {disk} | torch {torch.__version__} | "
              f"median of {args.repeats}; fsync'd writes, cold-cache reads", "",
              "| what | GB/s | vs plain write | vs plain read |", "| --- | --- | --- | --- |"]
     for name, value in gbps.items():

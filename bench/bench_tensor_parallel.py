@@ -524,7 +524,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
     parser.add_argument("--loss-steps", type=int, default=5)
-    parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/.venv-ds/bin/python"))
+    parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--profile", action="store_true", help="torch.profiler table of two steps per variant")
     parser.add_argument("--profile-rows", type=int, default=25)
