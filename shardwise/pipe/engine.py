@@ -29,10 +29,11 @@ import logging
 from datetime import timedelta
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from shardwise.accelerator import get_accelerator
 from shardwise.pipe import schedules as sched
+from shardwise.pipe._split_backward import backward_input
 from shardwise.pipe._transfer import Channel
 from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.runtime.engine import Engine
@@ -85,6 +86,12 @@ class PipelineEngine(Engine):
         self._reduce_once = stage == 2 or (stage == 3 and self._keep_gathered)
         if self._reduce_once:
             self.strategy.accumulate_unreduced = True
+        if self.schedule_name == "zero_bubble" and stage == 3 and not self._keep_gathered:
+            raise PipelineError("the zero_bubble schedule computes weight gradients after other micro-batches' "
+                                "work, so at ZeRO stage 3 it keeps a stage's layers gathered across the batch: "
+                                "remove pipeline.keep_gathered: false, or use the 1f1b schedule")
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        """What a split backward's weight half computes gradients for (see [Note: split backward])."""
         self._channels: dict[tuple[str, int], Channel] = {}
         self._tied = []
         for key, param, ranks, comm in model.tied_weights():  # the module made the copies equal
@@ -279,6 +286,8 @@ class _BatchRun:
         self.logits: list = []
         self.backwards = 0
         self.chunk_backwards: dict[int, int] = {}
+        self.weight_halves: dict[tuple[int, int], object] = {}
+        """(micro-batch, chunk) -> what its ``BackwardInput`` left for its ``BackwardWeight``."""
         self.read = 0
 
     def execute(self, action) -> None:
@@ -380,36 +389,64 @@ class _BatchRun:
     def _Backward(self, a) -> None:  # noqa: N802
         self._backward(a.micro_batch, a.chunk)
 
-    def _BackwardInput(self, a) -> None:  # noqa: N802 -- the combined backward does both halves
-        self._backward(a.micro_batch, a.chunk)
+    def _BackwardInput(self, a) -> None:  # noqa: N802
+        if self.e.module.activation_checkpoint_interval > 0:  # not split: see [Note: split backward]
+            self._backward(a.micro_batch, a.chunk)
+            return
+        key = (a.micro_batch, a.chunk)
+        with self.e._progress.timer("backward"):
+            outputs, grads = self._roots(key)
+            x = self.inputs.pop(key)
+            leaves, spec = tree_flatten(x)
+            wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            found, self.weight_halves[key] = backward_input(outputs, grads, wanted, self.e._trainable)
+        if a.chunk > 0:
+            by_id = {id(t): g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, found)}
+            self.grads_out[key] = tree_unflatten([by_id.get(id(t)) for t in leaves], spec)
 
-    def _BackwardWeight(self, a) -> None:  # noqa: N802 -- done with its BackwardInput
-        pass
+    def _BackwardWeight(self, a) -> None:  # noqa: N802
+        half = self.weight_halves.pop((a.micro_batch, a.chunk), None)
+        if half is None:  # the chunk's backward ran whole at its BackwardInput
+            return
+        with self.e._progress.timer("backward"), self._accumulating(a.chunk):
+            half.run()
 
-    def _backward(self, mb: int, chunk: int) -> None:
+    def _roots(self, key):
+        """The tensors the backward of (micro-batch, chunk) ``key`` starts from, with their
+        gradients: the scaled loss on the last chunk, else the outputs that need one."""
         e = self.e
-        key = (mb, chunk)
+        out = self.outputs.pop(key)
+        if key[1] == e.module.num_chunks - 1:
+            scaled = out.float() / e.micro_batches
+            if e.loss_scaler is not None:
+                scaled = scaled * e.loss_scaler.scale
+            return [scaled], [None]
+        outs, _ = tree_flatten(out)
+        gs, _ = tree_flatten(self.grads_in.pop(key))
+        pairs = [(o, g) for o, g in zip(outs, gs)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    @contextlib.contextmanager
+    def _accumulating(self, chunk: int):
+        """Around a backward that accumulates parameter gradients (a whole ``Backward`` or a
+        ``BackwardWeight``): the ZeRO strategy's hooks, armed to reduce at the right one."""
+        e = self.e
         self.backwards += 1
         self.chunk_backwards[chunk] = self.chunk_backwards.get(chunk, 0) + 1
         boundary = self.backwards == e.micro_batches * e.virtual_stages and not e._tied  # else the fed gradient's
         # reduced once: at each chunk's last backward, the one that fires its parameters' hooks for the batch
         sync = self.chunk_backwards[chunk] == e.micro_batches or not e._reduce_once
-        with e._progress.timer("backward"):
-            e.strategy.pre_backward(boundary=boundary, sync=sync)
-            out = self.outputs.pop(key)
-            if chunk == e.module.num_chunks - 1:
-                scaled = out.float() / e.micro_batches
-                if e.loss_scaler is not None:
-                    scaled = scaled * e.loss_scaler.scale
-                scaled.backward()
-            else:
-                outs, _ = tree_flatten(out)
-                gs, _ = tree_flatten(self.grads_in.pop(key))
-                pairs = [(o, g) for o, g in zip(outs, gs)
-                         if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            e.strategy.finalize_backward()
+        e.strategy.pre_backward(boundary=boundary, sync=sync)
+        yield
+        e.strategy.finalize_backward()
+
+    def _backward(self, mb: int, chunk: int) -> None:
+        key = (mb, chunk)
+        with self.e._progress.timer("backward"), self._accumulating(chunk):
+            outputs, grads = self._roots(key)
+            if outputs:
+                torch.autograd.backward(outputs, grads)
         x = self.inputs.pop(key)
         if chunk > 0:
             self.grads_out[key] = tree_map(

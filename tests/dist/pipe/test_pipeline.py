@@ -209,6 +209,9 @@ TWO_RANKS = {
     "pp2 bf16": dict(stages=2, gas=4, dtype="bf16"),
     "pp2 fp16 tied": dict(stages=2, gas=4, dtype="fp16", tied=True),
     "pp2 zero bubble": dict(stages=2, gas=4, schedule="zero_bubble"),
+    "pp2 zero bubble tied fp16": dict(stages=2, gas=4, schedule="zero_bubble", tied=True, dtype="fp16"),
+    "pp2 zero bubble gas8 adamw": dict(stages=2, gas=8, schedule="zero_bubble", opt="AdamW"),
+    "pp2 zero bubble checkpointed": dict(stages=2, gas=4, schedule="zero_bubble", interval=1),
     "pp2 interleaved x2 tied": dict(stages=2, gas=4, schedule="interleaved", virtual=2, tied=True, blocks=6),
     "pp2 checkpointed": dict(stages=2, gas=4, interval=1),
     "pp2 checkpointed by config": dict(stages=2, gas=2, extra={"pipeline": {"activation_checkpoint_interval": 2}}),
@@ -220,6 +223,9 @@ FOUR_RANKS = {
     "pp2 dp2 tied zero2": dict(stages=2, gas=4, zero=2, tied=True),
     "pp2 dp2 tied zero3": dict(stages=2, gas=4, zero=3, tied=True),
     "pp4 tied": dict(stages=4, gas=4, tied=True, blocks=4),
+    "pp4 zero bubble tied": dict(stages=4, gas=8, schedule="zero_bubble", tied=True, blocks=4),
+    **{f"pp2 dp2 zero bubble zero{z} tied": dict(stages=2, gas=4, zero=z, schedule="zero_bubble", tied=True)
+       for z in (1, 2, 3)},
     "pp2 dp2 interleaved zero2": dict(stages=2, gas=4, zero=2, schedule="interleaved", virtual=2, blocks=6),
 }
 
@@ -258,6 +264,9 @@ def _errors(rank, world_size, failure):
     tokens = torch.randint(0, V, (MICRO, S))
     plain, *_ = shardwise.initialize(model=nn.Linear(2, 2), config=base)
     out["not a pipeline"] = error(lambda: plain.train_batch(iter([])))
+    out["zero bubble per use"] = error(lambda: shardwise.initialize(
+        model=PipelineModule(specs, num_stages=2, loss_fn=_loss),
+        config={**base, "zero_optimization": {"stage": 3}, "pipeline": {"schedule": "zero_bubble", "keep_gathered": False}}))
     # last: a failure inside a batch parts the stages (the other stage then waits in vain
     # for its peer, a short deadline later)
     timeout = {**base, "comm": {"timeout_s": 5}}
@@ -281,6 +290,7 @@ def test_pipeline_bad_input_is_named(tmp_path, failure):
         assert "matches no layer" in got["regex"] and "Block" in got["regex"]
         assert "different shapes on different stages" in got["tied shapes"]
         assert "must be a shardwise.pipe.PipelineModule" in got["not a pipeline"]
+        assert "zero_bubble schedule" in got["zero bubble per use"] and "keep_gathered" in got["zero bubble per use"]
         if failure == "no loss":
             assert "a pipeline engine runs whole batches" in got["forward"]
             if rank == 1:  # the last stage finds no loss; the first then waits for gradients in vain
@@ -377,3 +387,63 @@ def test_stage3_keeps_a_stages_layers_gathered_across_the_batch(tmp_path):
         # gradients reduced once per batch (the tied weight's fed gradient reduces every bucket
         # once more), against after every micro-batch
         assert reduced == 2 * units and reduced_per_use == 5 * units, (reduced, reduced_per_use)
+
+
+def _backward_halves(rank, world_size, schedule):
+    """Per backward action on this stage: matmuls run, and parameter gradients changed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardwise.pipe import engine as pipe_engine
+
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                Matmuls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model = PipelineModule(_specs(4, False), num_stages=2, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
+                           partition_method="uniform")
+    engine, *_ = shardwise.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"schedule": schedule}})
+    seen = []
+    for name in ("_Backward", "_BackwardInput", "_BackwardWeight"):
+        def wrapped(run, action, name=name, original=getattr(pipe_engine._BatchRun, name)):
+            grads = [None if p.grad is None else p.grad.clone() for p in engine.module.parameters()]
+            Matmuls.count = 0
+            with Matmuls():
+                original(run, action)
+            changed = sum(not (a is None and p.grad is None) and (a is None or not torch.equal(a, p.grad))
+                          for a, p in zip(grads, engine.module.parameters()))
+            seen.append((name.strip("_"), Matmuls.count, changed))
+        setattr(pipe_engine._BatchRun, name, wrapped)
+    tokens, labels = _batches(MICRO * 4)[0]
+    engine.train_batch(iter([(tokens[m * MICRO:(m + 1) * MICRO], labels[m * MICRO:(m + 1) * MICRO])
+                             for m in range(4)]))
+    return seen, len(list(engine.module.parameters()))
+
+
+def test_zero_bubble_splits_the_backward_into_input_and_weight_halves(tmp_path):
+    """On the last stage (2 blocks and the head: 3 linears) a zero-bubble BackwardInput
+    runs one matmul per linear and changes no parameter gradient; its BackwardWeight runs
+    one per linear and gives every parameter its gradient; together they are exactly
+    1F1B's whole Backward. The first stage's input (token ids) needs no gradient, so its
+    whole backward is weight gradients, run at BackwardWeight."""
+    split = run_distributed(_backward_halves, world_size=2, tmp_path=tmp_path, schedule="zero_bubble")
+    whole = run_distributed(_backward_halves, world_size=2, tmp_path=tmp_path, schedule="1f1b")
+    (first, first_params), (last, last_params) = split
+    whole_last = {count for name, count, _ in whole[1][0]}
+    assert {name for name, _, _ in last} == {"BackwardInput", "BackwardWeight"} and len(last) == 8, last
+    assert whole_last == {6}, whole[1][0]  # 3 linears: input and weight matmul each
+    for name, count, changed in last:
+        if name == "BackwardInput":
+            assert (count, changed) == (3, 0), last
+        else:
+            assert (count, changed) == (3, last_params), last
+    for name, count, changed in first:
+        if name == "BackwardInput":
+            assert (count, changed) == (0, 0), first
+        else:  # 2 linears, input and weight matmul each (the embedding needs the former)
+            assert count == 4 and changed == first_params, first
