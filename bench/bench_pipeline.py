@@ -1,5 +1,6 @@
-"""Pipeline-parallel step time, idle time and memory: shardwise's PipelineEngine (1F1B and GPipe
-schedules) against DeepSpeed's PipelineEngine, in one run, rounds alternating the order.
+"""Pipeline-parallel step time, idle time and memory: shardwise's PipelineEngine (1F1B, zero-bubble,
+interleaved and GPipe schedules) against DeepSpeed's PipelineEngine, in one run, rounds alternating
+the order.
 
 A GPT-like stack written as a list of ``LayerSpec`` s: token embedding (+ learned positions),
 ``--blocks`` pre-LN residual blocks of LayerNorm + an attention-free MLP (width ``--width``,
@@ -12,18 +13,21 @@ micro-batches, so their first losses agree::
 
     python bench/bench_pipeline.py --rounds 2 --out bench/results/<date>-cpu-pipeline.md
 
-Variants: ``shardwise-1f1b``, ``shardwise-gpipe`` (``"pipeline": {"schedule": ...}``) and
-``deepspeed`` (``deepspeed.pipe``, its own interpreter ``--ds-python``; its only schedule,
+Variants: ``shardwise-1f1b``, ``shardwise-zero_bubble``, ``shardwise-interleaved`` (two chunks per
+stage, ``PipelineModule(virtual_stages=2)``: layers cut uniformly into 4 chunks), ``shardwise-gpipe``
+(``"pipeline": {"schedule": ...}``) and ``deepspeed`` (``deepspeed.pipe``, its own interpreter ``--ds-python``; its only schedule,
 ``TrainSchedule``, is 1F1B). Each is launched under ``torch.distributed.run`` (the launcher and
 report helpers are bench_tensor_parallel.py's).
 
 Idle time: the bench wraps each engine's per-action handlers (shardwise's ``_BatchRun``
-``_Forward``/``_Backward``/``_Recv*``/``_Send*``; DeepSpeed's ``_INSTRUCTION_MAP`` entries) with
+``_Forward``/``_Backward``/``_BackwardInput``/``_BackwardWeight``/``_Recv*``/``_Send*``; DeepSpeed's ``_INSTRUCTION_MAP`` entries) with
 timers. Per stage and step: "wait" = time inside receives and sends, "compute" = time inside
 forwards and backwards; measured idle = 1 - compute / step time (everything that is not model
 compute: waiting, loading, the optimizer step and the loss broadcast), next to the wait fraction.
 The simulator (``shardwise.pipe.schedules.simulate(name, 2, M, t_forward=..., t_backward=...)``)
-gets the measured per-micro-batch forward and backward times (mean over the stages).
+gets the measured per-micro-batch forward and backward times (mean over the stages; for the
+zero-bubble schedule the input and weight halves separately; for the interleaved one the per-chunk
+times).
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ from _machine import cpu_model, median_or_nan  # noqa: E402
 from bench_tensor_parallel import REPO, _free_port, _versions  # noqa: E402
 
 WAIT = ("RecvActivation", "RecvGrad", "SendActivation", "SendGrad")
-COMPUTE = ("Forward", "Backward")
+COMPUTE = ("Forward", "Backward", "BackwardInput", "BackwardWeight")
+DS_COMPUTE = ("Forward", "Backward")
+"""DeepSpeed's schedule has no split backward."""
 
 
 # -- the model (imported by both interpreters) -------------------------------------------------
@@ -128,8 +134,8 @@ def worker(args) -> None:
         from deepspeed.runtime.pipe import engine as ds_engine, schedule as ds_sched
         deepspeed.init_distributed(dist_backend="gloo")
         table = ds_engine.PipelineEngine._INSTRUCTION_MAP
-        for name in WAIT + COMPUTE:
-            cls = getattr(ds_sched, name + ("Pass" if name in COMPUTE else ""))
+        for name in WAIT + DS_COMPUTE:
+            cls = getattr(ds_sched, name + ("Pass" if name in DS_COMPUTE else ""))
             table[cls] = _timed(table[cls], name, acc)
         library = deepspeed
     else:
@@ -142,7 +148,8 @@ def worker(args) -> None:
             setattr(sw_engine._BatchRun, attr, _timed(getattr(sw_engine._BatchRun, attr), name, acc))
         config["pipeline"] = {"schedule": schedule}
         library = shardwise
-    model = PipelineModule(layers=_layers(args, LayerSpec), num_stages=2, loss_fn=_loss_fn, seed_layers=True,
+    chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
+    model = PipelineModule(layers=_layers(args, LayerSpec), num_stages=2, loss_fn=_loss_fn, seed_layers=True, **chunks,
                            base_seed=1234, partition_method="uniform")
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -196,7 +203,9 @@ def run_variant(args, variant: str) -> dict:
             "wait": median_or_nan([sum(a.get(k, 0.0) for k in WAIT) / t for t, a in steps]),
             "idle": median_or_nan([1 - sum(a.get(k, 0.0) for k in COMPUTE) / t for t, a in steps]),
             "fwd": median_or_nan([a.get("Forward", 0.0) / m for _, a in steps]),
-            "bwd": median_or_nan([a.get("Backward", 0.0) / m for _, a in steps]),
+            "bwd": median_or_nan([sum(a.get(k, 0.0) for k in COMPUTE[1:]) / m for _, a in steps]),
+            "bwd_input": median_or_nan([a.get("BackwardInput", 0.0) / m for _, a in steps]),
+            "bwd_weight": median_or_nan([a.get("BackwardWeight", 0.0) / m for _, a in steps]),
             "rss_mb": r["rss_mb"], "params": r["params"]})
     return {"median": median, "min": min(times), "max": max(times), "losses": ranks[0]["losses"],
             "stages": stages, "wall_s": wall}
@@ -213,7 +222,9 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
              "| bwd ms/mb (stage 0, 1) | wait fraction (stage 0, 1) | measured idle (stage 0, 1) "
              "| simulated idle (stage mean) | peak RSS MiB (stage 0, 1) | params (stage 0, 1) |",
              "|" + " --- |" * 12]
-    sim_names = {"1f1b": "1f1b", "gpipe": "gpipe", "deepspeed": "1f1b"}
+    sim_names = {"1f1b": "1f1b", "gpipe": "gpipe", "deepspeed": "1f1b", "zero_bubble": "zero_bubble",
+                 "interleaved": "interleaved"}
+    halves = []
     for v, rs in ok.items():
         if not rs:
             err = runs[v][0].get("error", "no run") if runs[v] else "no run"
@@ -226,12 +237,25 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         fwd = median_or_nan([x["fwd"] for s in range(2) for x in st[s]])
         bwd = median_or_nan([x["bwd"] for s in range(2) for x in st[s]])
         sched = sim_names[v.rpartition("-")[2]]
-        sim = simulate(sched, 2, args.micro_batches, t_forward=fwd, t_backward=bwd)
+        if sched == "zero_bubble":
+            t_in = median_or_nan([x["bwd_input"] for s in range(2) for x in st[s]])
+            t_weight = median_or_nan([x["bwd_weight"] for s in range(2) for x in st[s]])
+            sim = simulate(sched, 2, args.micro_batches, t_forward=fwd, t_backward_input=t_in,
+                           t_backward_weight=t_weight)
+            halves.append(f"- {v}: backward ms/mb, input half (stage 0, 1): {pair('bwd_input', 1000)}; "
+                          f"weight half: {pair('bwd_weight', 1000)} (the first stage's input is token ids, so "
+                          "its whole backward is the weight half)")
+        elif sched == "interleaved":  # the timers add up both chunks of a micro-batch
+            sim = simulate(sched, 2, args.micro_batches, t_forward=fwd / 2, t_backward=bwd / 2, virtual_stages=2)
+        else:
+            sim = simulate(sched, 2, args.micro_batches, t_forward=fwd, t_backward=bwd)
         lines.append(
             f"| {v} | {len(rs)} | {med[v]:.3f} | {min(r['median'] for r in rs):.3f}-{max(r['median'] for r in rs):.3f} "
             f"| {med[v] / base:.3f} | {pair('fwd', 1000)} | {pair('bwd', 1000)} | {pair('wait', fmt='{:.3f}')} "
             f"| {pair('idle', fmt='{:.3f}')} | {sim.idle_fraction:.3f} ({sched}, makespan {sim.makespan:.3f} s) "
             f"| {pair('rss_mb')} | {pair('params', fmt='{:,.0f}')} |")
+    if halves:
+        lines += ["", "Split backward:", ""] + halves
     lines += ["", "First-step losses (rank 0, every run):", ""]
     first = []
     for v, rs in ok.items():
@@ -245,7 +269,7 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="shardwise-1f1b,deepspeed,shardwise-gpipe")
+    parser.add_argument("--variants", default="shardwise-1f1b,deepspeed,shardwise-zero_bubble,shardwise-interleaved")
     parser.add_argument("--rounds", type=int, default=2, help="odd rounds run the variants in reverse order")
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--width", type=int, default=512)
