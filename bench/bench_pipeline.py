@@ -25,9 +25,10 @@ timers. Per stage and step: "wait" = time inside receives and sends, "compute" =
 forwards and backwards; measured idle = 1 - compute / step time (everything that is not model
 compute: waiting, loading, the optimizer step and the loss broadcast), next to the wait fraction.
 The simulator (``shardwise.pipe.schedules.simulate(name, 2, M, t_forward=..., t_backward=...)``)
-gets the measured per-micro-batch forward and backward times (mean over the stages; for the
-zero-bubble schedule the input and weight halves separately; for the interleaved one the per-chunk
-times).
+gets each stage's measured per-micro-batch forward and backward times (for the zero-bubble
+schedule the input and weight halves separately; for the interleaved one half of each, per chunk),
+so its makespan is the schedule's bound for these stage costs with free communication and a free
+optimizer step.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
     lines = [f"## Step time, idle time and memory (round order: {'; '.join(' '.join(o) for o in order)})", "",
              "| variant | runs | median s/step | run medians min-max | vs deepspeed | fwd ms/mb (stage 0, 1) "
              "| bwd ms/mb (stage 0, 1) | wait fraction (stage 0, 1) | measured idle (stage 0, 1) "
-             "| simulated idle (stage mean) | peak RSS MiB (stage 0, 1) | params (stage 0, 1) |",
+             "| simulated idle (measured stage costs) | peak RSS MiB (stage 0, 1) | params (stage 0, 1) |",
              "|" + " --- |" * 12]
     sim_names = {"1f1b": "1f1b", "gpipe": "gpipe", "deepspeed": "1f1b", "zero_bubble": "zero_bubble",
                  "interleaved": "interleaved"}
@@ -234,21 +235,20 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
 
         def pair(key, scale=1.0, fmt="{:.0f}"):
             return ", ".join(fmt.format(median_or_nan([x[key] for x in st[s]]) * scale) for s in range(2))
-        fwd = median_or_nan([x["fwd"] for s in range(2) for x in st[s]])
-        bwd = median_or_nan([x["bwd"] for s in range(2) for x in st[s]])
+        def per_stage(key, scale=1.0):  # one duration per stage, for the simulator
+            return [median_or_nan([x[key] for x in st[s]]) * scale for s in range(2)]
         sched = sim_names[v.rpartition("-")[2]]
         if sched == "zero_bubble":
-            t_in = median_or_nan([x["bwd_input"] for s in range(2) for x in st[s]])
-            t_weight = median_or_nan([x["bwd_weight"] for s in range(2) for x in st[s]])
-            sim = simulate(sched, 2, args.micro_batches, t_forward=fwd, t_backward_input=t_in,
-                           t_backward_weight=t_weight)
+            sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd"),
+                           t_backward_input=per_stage("bwd_input"), t_backward_weight=per_stage("bwd_weight"))
             halves.append(f"- {v}: backward ms/mb, input half (stage 0, 1): {pair('bwd_input', 1000)}; "
                           f"weight half: {pair('bwd_weight', 1000)} (the first stage's input is token ids, so "
                           "its whole backward is the weight half)")
         elif sched == "interleaved":  # the timers add up both chunks of a micro-batch
-            sim = simulate(sched, 2, args.micro_batches, t_forward=fwd / 2, t_backward=bwd / 2, virtual_stages=2)
+            sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd", 0.5),
+                           t_backward=per_stage("bwd", 0.5), virtual_stages=2)
         else:
-            sim = simulate(sched, 2, args.micro_batches, t_forward=fwd, t_backward=bwd)
+            sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd"), t_backward=per_stage("bwd"))
         lines.append(
             f"| {v} | {len(rs)} | {med[v]:.3f} | {min(r['median'] for r in rs):.3f}-{max(r['median'] for r in rs):.3f} "
             f"| {med[v] / base:.3f} | {pair('fwd', 1000)} | {pair('bwd', 1000)} | {pair('wait', fmt='{:.3f}')} "

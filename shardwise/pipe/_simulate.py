@@ -180,9 +180,13 @@ def _deadlock_message(plans, pos, ends, needs_of) -> str:
     return "\n".join(lines)
 
 
-def simulate_plans(plans: Sequence[Sequence[Action]], *, costs: Costs) -> SimResult:
-    """Simulate one batch of the per-stage action lists ``plans`` (index = stage id)."""
+def simulate_plans(plans: Sequence[Sequence[Action]], *, costs: Costs | Sequence[Costs]) -> SimResult:
+    """Simulate one batch of the per-stage action lists ``plans`` (index = stage id), with
+    one ``Costs`` for every stage or one per stage (unequal stages)."""
     _check_plans(plans)
+    per_stage = [costs] * len(plans) if isinstance(costs, Costs) else list(costs)
+    if len(per_stage) != len(plans):
+        raise ValueError(f"{len(per_stage)} stage costs for {len(plans)} stages")
     sets = [set(plan) for plan in plans]
     chunks = [a.chunk for plan in plans for a in plan if isinstance(a, COMPUTE)]
     num_chunks = max(chunks, default=-1) + 1
@@ -203,8 +207,9 @@ def simulate_plans(plans: Sequence[Sequence[Action]], *, costs: Costs) -> SimRes
                 needs = needs_of(action, s)
                 if any((ds, da) not in ends for ds, da, _ in needs):
                     break
-                start = max([free[s]] + [ends[(ds, da)] + (costs.comm if msg else 0.0) for ds, da, msg in needs])
-                end = start + costs.of(action)
+                start = max([free[s]] + [ends[(ds, da)] + (per_stage[ds].comm if msg else 0.0)
+                                         for ds, da, msg in needs])
+                end = start + per_stage[s].of(action)
                 ends[(s, action)] = free[s] = end
                 busy[s] += end - start if isinstance(action, COMPUTE) else 0.0
                 timeline[s].append((start, end, action))

@@ -301,11 +301,11 @@ def simulate(
     num_stages: int,
     num_micro_batches: int,
     *,
-    t_forward: float = 1.0,
-    t_backward_input: float = 1.0,
-    t_backward_weight: float = 1.0,
-    t_backward: float | None = None,
-    t_comm: float = 0.0,
+    t_forward: float | Sequence[float] = 1.0,
+    t_backward_input: float | Sequence[float] = 1.0,
+    t_backward_weight: float | Sequence[float] = 1.0,
+    t_backward: float | Sequence[float] | None = None,
+    t_comm: float | Sequence[float] = 0.0,
     **options,
 ) -> SimResult:
     """Run every stage's action list together and measure makespan and idle time.
@@ -318,7 +318,9 @@ def simulate(
 
     Durations are per action, i.e. per chunk: to compare makespans of an interleaved
     schedule (``v`` chunks per stage) with 1F1B, divide its durations by ``v``. The idle
-    fraction does not depend on that scale.
+    fraction does not depend on that scale. Every duration is one number for all stages
+    or a sequence with one per stage (stages of unequal cost; ``t_comm`` then belongs to
+    the sending stage).
 
     Args:
         schedule: a name from ``SCHEDULES``, ``"eval"``, or a schedule function.
@@ -332,14 +334,19 @@ def simulate(
     """
     fn = _resolve(schedule)
     plans = [fn(num_stages, num_micro_batches, s, **options) for s in range(num_stages)]
-    whole = t_backward_input + t_backward_weight if t_backward is None else t_backward
-    costs = Costs(
-        forward=t_forward,
-        backward=whole,
-        backward_input=t_backward_input,
-        backward_weight=t_backward_weight,
-        comm=t_comm,
-    )
+
+    def at(value, stage: int) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if len(value) != num_stages:
+            raise ValueError(f"per-stage durations need one value per stage ({num_stages}), got {list(value)}")
+        return float(value[stage])
+
+    costs = []
+    for s in range(num_stages):
+        whole = at(t_backward_input, s) + at(t_backward_weight, s) if t_backward is None else at(t_backward, s)
+        costs.append(Costs(forward=at(t_forward, s), backward=whole, backward_input=at(t_backward_input, s),
+                           backward_weight=at(t_backward_weight, s), comm=at(t_comm, s)))
     return simulate_plans(plans, costs=costs)
 
 

@@ -278,3 +278,19 @@ def test_simulator_refuses_unmatched_messages_and_misplaced_reductions():
 
     with pytest.raises(ValueError, match=r"runs B\(mb=0, chunk=0\) after ReduceGrads\(chunk=0\)"):
         simulate(early_reduce, 2, 2)
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_per_stage_durations_give_the_slow_stages_bound(m):
+    """Two unequal stages under 1F1B: when the last stage is the slower one (forward +
+    backward), the step is the first stage's first forward, the last stage's m forwards
+    and backwards back to back, and the first stage's last backward."""
+    f, b = (3.0, 4.0), (5.0, 7.0)
+    result = simulate("1f1b", 2, m, t_forward=f, t_backward=b)
+    assert result.makespan == f[0] + m * (f[1] + b[1]) + b[0]
+    assert result.busy == (m * (f[0] + b[0]), m * (f[1] + b[1]))
+    # one number for all stages is the same as that number per stage
+    assert simulate("zero_bubble", 2, m, t_forward=2.0).makespan == \
+        simulate("zero_bubble", 2, m, t_forward=(2.0, 2.0)).makespan
+    with pytest.raises(ValueError, match="one value per stage"):
+        simulate("1f1b", 2, m, t_forward=(1.0, 2.0, 3.0))
