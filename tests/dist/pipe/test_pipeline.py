@@ -320,7 +320,7 @@ class TPBlock(nn.Module):
         return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
-def _pipe_and_tensor(rank, world_size):
+def _pipe_and_tensor(rank, world_size, schedule):
     from shardwise.parallel import ParallelGrid, PipeModelDataParallelTopology
 
     grid = ParallelGrid.from_topology(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))
@@ -335,16 +335,18 @@ def _pipe_and_tensor(rank, world_size):
                            partition_method="uniform")
     engine, *_ = shardwise.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "steps_per_print": 1000})
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "steps_per_print": 1000,
+        "pipeline": {"schedule": schedule}})
     losses = [float(engine.train_batch(iter([(t[m * MICRO:(m + 1) * MICRO], y[m * MICRO:(m + 1) * MICRO])
                                              for m in range(4)]))) for t, y in batches]
     up = [p for n, p in engine.module.named_parameters() if n.endswith("up.weight")]
     return losses, ref_losses, [tuple(p.shape) for p in up], engine.grid.stage_id
 
 
-def test_pipeline_with_tensor_parallel_stages(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pipeline_with_tensor_parallel_stages(tmp_path, schedule):
     for rank, (losses, ref_losses, up_shapes, stage) in enumerate(
-            run_distributed(_pipe_and_tensor, world_size=4, tmp_path=tmp_path)):
+            run_distributed(_pipe_and_tensor, world_size=4, tmp_path=tmp_path, schedule=schedule)):
         for mine, ref in zip(losses, ref_losses):
             assert abs(mine - ref) <= 1e-5 * abs(ref), f"rank {rank}: loss {mine} vs {ref}"
         assert up_shapes == [(H, H)], f"rank {rank} (stage {stage}): up projections {up_shapes}, want one of ({H}, {H})"
