@@ -199,31 +199,43 @@ def open_shared(comm) -> SharedMemoryAllReduce | None:
     """Collective over ``comm``'s group: the shared mapping, or None on every rank where
     any rank cannot have it (see [Note: shared-memory all-reduce])."""
     slot = CAPACITY_BYTES
-    hosts = comm.all_gather_object((supported(), _host_id()), tag=_SETUP, counted=False)
-    if not all(flag for flag, _ in hosts) or len({host for _, host in hosts}) != 1:
-        return None
-    size = _data_offset(comm.world_size) + 2 * comm.world_size * slot
-    path, token = None, 0
-    if comm.rank == 0:
-        path, token = _create(size)
-    path, token = comm.all_gather_object((path, token), tag=_SETUP, counted=False)[0]
-    buffer = None
-    if path is not None:
-        buffer = _attach(path, size, token)
-    opened = comm.all_gather_object(buffer is not None, tag=_SETUP, counted=False)
-    if comm.rank == 0 and path is not None:
-        os.unlink(path)
-    if not all(opened):
-        if buffer is not None:
-            buffer.close()
+    buffer = map_shared_file(comm, _data_offset(comm.world_size) + 2 * comm.world_size * slot,
+                             purpose="allreduce", tag=_SETUP)
+    if buffer is None:
         logger.info("%s group: shared-memory all-reduce unavailable (the ranks could not map one file)",
                     comm.name)
         return None
     return SharedMemoryAllReduce(buffer, comm.rank, comm.world_size, slot)
 
 
-def _create(size: int) -> tuple[str | None, int]:
-    path = f"/dev/shm/shardwise-allreduce-{os.getpid()}-{secrets.token_hex(8)}"
+def map_shared_file(comm, size: int, *, purpose: str, tag: str, enabled: bool = True) -> mmap.mmap | None:
+    """Collective over ``comm``'s group: one zeroed file of ``size`` bytes in ``/dev/shm``
+    mapped by every rank, or None on every rank where any rank cannot map it (another
+    host, no ``/dev/shm``, not enough room in it, ``enabled`` false on some rank). The
+    group's rank 0 creates it; it is unlinked once every rank has it open, so nothing is
+    left behind, even after a crash. The first 8 bytes hold a check token."""
+    hosts = comm.all_gather_object((enabled and supported(), _host_id()), tag=tag, counted=False)
+    if not all(flag for flag, _ in hosts) or len({host for _, host in hosts}) != 1:
+        return None
+    path, token = None, 0
+    if comm.rank == 0:
+        path, token = _create(size, purpose)
+    path, token = comm.all_gather_object((path, token), tag=tag, counted=False)[0]
+    buffer = None
+    if path is not None:
+        buffer = _attach(path, size, token)
+    opened = comm.all_gather_object(buffer is not None, tag=tag, counted=False)
+    if comm.rank == 0 and path is not None:
+        os.unlink(path)
+    if not all(opened):
+        if buffer is not None:
+            buffer.close()
+        return None
+    return buffer
+
+
+def _create(size: int, purpose: str) -> tuple[str | None, int]:
+    path = f"/dev/shm/shardwise-{purpose}-{os.getpid()}-{secrets.token_hex(8)}"
     token = secrets.randbits(62) + 1
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

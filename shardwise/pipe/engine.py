@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from shardwise.accelerator import get_accelerator
 from shardwise.pipe import schedules as sched
 from shardwise.pipe._split_backward import backward_input
+from shardwise.pipe._shared_transfer import SharedChannel, open_links
 from shardwise.pipe._transfer import Channel
 from shardwise.pipe.module import PipelineError, PipelineModule
 from shardwise.runtime.engine import Engine
@@ -92,7 +93,9 @@ class PipelineEngine(Engine):
                                 "remove pipeline.keep_gathered: false, or use the 1f1b schedule")
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         """What a split backward's weight half computes gradients for (see [Note: split backward])."""
-        self._channels: dict[tuple[str, int], Channel] = {}
+        self._channels: dict[tuple[str, int], Channel | SharedChannel] = {}
+        # stages on one host with CPU tensors: transfers through shared memory (collective)
+        self._links = open_links(grid.pipe_comm, self._device) if self.num_stages > 1 else None
         self._tied = []
         for key, param, ranks, comm in model.tied_weights():  # the module made the copies equal
             comm.timeout = timedelta(seconds=config.comm.timeout_s)
@@ -112,9 +115,14 @@ class PipelineEngine(Engine):
         ``stage``, one message stream per kind (so the two never interleave)."""
         key = (kind, stage)
         if key not in self._channels:
-            self._channels[key] = Channel(self.grid.pipe_comm, self.grid.stage_to_global(stage),
-                                          what=f"pipeline stage {self.stage_id} <-> stage {stage} {kind}",
-                                          device=self._device, stream=0 if kind == "activation" else 1)
+            what, stream = f"pipeline stage {self.stage_id} <-> stage {stage} {kind}", 0 if kind == "activation" else 1
+            if self._links is not None:
+                self._channels[key] = SharedChannel(self._links, self.grid.pipe_comm, self.stage_id, stage,
+                                                    peer_rank=self.grid.stage_to_global(stage), what=what,
+                                                    stream=stream)
+            else:
+                self._channels[key] = Channel(self.grid.pipe_comm, self.grid.stage_to_global(stage), what=what,
+                                              device=self._device, stream=stream)
         return self._channels[key]
 
     # -- stages -----------------------------------------------------------------------------
