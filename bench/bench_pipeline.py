@@ -15,7 +15,8 @@ micro-batches, so their first losses agree::
 
 Variants: ``shardwise-1f1b``, ``shardwise-zero_bubble``, ``shardwise-interleaved`` (two chunks per
 stage, ``PipelineModule(virtual_stages=2)``: layers cut uniformly into 4 chunks), ``shardwise-gpipe``
-(``"pipeline": {"schedule": ...}``) and ``deepspeed`` (``deepspeed.pipe``, its own interpreter ``--ds-python``; its only schedule,
+(``"pipeline": {"schedule": ...}``; a suffix ``@gloo`` sends stage-to-stage transfers through gloo
+instead of shared memory, ``SHARDWISE_SHM_P2P=0``) and ``deepspeed`` (``deepspeed.pipe``, its own interpreter ``--ds-python``; its only schedule,
 ``TrainSchedule``, is 1F1B). Each is launched under ``torch.distributed.run`` (the launcher and
 report helpers are bench_tensor_parallel.py's).
 
@@ -125,7 +126,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     acc: dict[str, float] = defaultdict(float)
-    system, _, schedule = args.variant.partition("-")
+    system, _, schedule = args.variant.partition("@")[0].partition("-")
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.micro_batches,
               "train_batch_size": args.micro_batch * args.micro_batches, "steps_per_print": 10 ** 9,
               "wall_clock_breakdown": False}
@@ -182,6 +183,8 @@ def run_variant(args, variant: str) -> dict:
         result = Path(tmp) / "result"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SHARDWISE_ACCELERATOR": "cpu",
                "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+        if variant.endswith("@gloo"):  # stage-to-stage transfers through gloo instead of shared memory
+            env["SHARDWISE_SHM_P2P"] = "0"
         cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(_free_port()), __file__, "--worker", "--variant", variant, "--result", str(result)]
         for key in ("vocab", "width", "mlp_ratio", "blocks", "seq_len", "micro_batch", "micro_batches", "steps"):
@@ -237,7 +240,7 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
             return ", ".join(fmt.format(median_or_nan([x[key] for x in st[s]]) * scale) for s in range(2))
         def per_stage(key, scale=1.0):  # one duration per stage, for the simulator
             return [median_or_nan([x[key] for x in st[s]]) * scale for s in range(2)]
-        sched = sim_names[v.rpartition("-")[2]]
+        sched = sim_names[v.partition("@")[0].rpartition("-")[2]]
         if sched == "zero_bubble":
             sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd"),
                            t_backward_input=per_stage("bwd_input"), t_backward_weight=per_stage("bwd_weight"))
