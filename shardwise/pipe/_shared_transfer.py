@@ -52,9 +52,9 @@ from shardwise.comm._shm import map_shared_file
 
 _LINE = 64
 _SETUP = "pipeline shared-memory transfers setup"
-_BUDGET = 32 << 20
+_BUDGET = 8 << 20
 """Bytes of ring buffer per pipe group, split among its rings."""
-_MIN_RING, _MAX_RING = 256 << 10, 4 << 20
+_MIN_RING, _MAX_RING = 256 << 10, 2 << 20
 _SPINS, _YIELDS = 100, 1000
 """A wait first checks this many times, then yields the CPU between checks this many
 times (about 1-3 ms), then sleeps 50 us between checks: a stage often waits tens of ms."""
@@ -80,25 +80,26 @@ class _Ring:
 
     def __init__(self, buffer, offset: int, capacity: int):
         self._counts = np.ndarray((2,), dtype=np.int64, buffer=buffer, offset=offset, strides=(_LINE,))
+        """Shared: bytes written (stored by the sender only), bytes read (by the receiver only)."""
         self.data = torch.frombuffer(buffer, dtype=torch.uint8, offset=offset + 2 * _LINE, count=capacity)
         self.capacity = capacity
-        self.written = 0
-        """This side's count (the sender's bytes written, or the receiver's bytes read)."""
+        self.sent = self.received = 0
+        """This process's own counts, as the sender and as the receiver."""
 
     def put(self, src: torch.Tensor) -> int:
         """Copy as much of the 1-D uint8 ``src`` as fits; returns how many bytes."""
-        n = min(self.capacity - (self.written - int(self._counts[1])), src.numel())
-        self._copy(src[:n], self.written, into_ring=True)
-        self.written += n
-        self._counts[0] = self.written
+        n = min(self.capacity - (self.sent - int(self._counts[1])), src.numel())
+        self._copy(src[:n], self.sent, into_ring=True)
+        self.sent += n
+        self._counts[0] = self.sent
         return n
 
     def take(self, dst: torch.Tensor) -> int:
         """Copy as much of the available bytes as fit into the 1-D uint8 ``dst``."""
-        n = min(int(self._counts[0]) - self.written, dst.numel())
-        self._copy(dst[:n], self.written, into_ring=False)
-        self.written += n
-        self._counts[1] = self.written
+        n = min(int(self._counts[0]) - self.received, dst.numel())
+        self._copy(dst[:n], self.received, into_ring=False)
+        self.received += n
+        self._counts[1] = self.received
         return n
 
     def _copy(self, part: torch.Tensor, position: int, *, into_ring: bool) -> None:

@@ -75,7 +75,10 @@ def _batches(gbs, seqs=None):
 
 
 def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b", interval=0, blocks=4, opt="SGD",
-          extra=None, seqs=None, virtual=1, dtype="fp32"):
+          extra=None, seqs=None, virtual=1, dtype="fp32", transport="shared memory"):
+    import os
+
+    os.environ["SHARDWISE_SHM_P2P"] = "1" if transport == "shared memory" else "0"  # read by initialize
     specs = _specs(blocks, tied)
     reference = Reference(specs)
     initial = copy.deepcopy(reference)
@@ -157,7 +160,18 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     return {"losses": (losses, ref_losses), "eval": (float(eval_loss), ref_eval, len(logits or []), engine.is_last_stage()),
             "eval one micro-batch": (first_only, ref_first, restored),
             "diff": diff, "moved": moved, "names": names, "resident": resident,
-            "parts": engine.module.parts, "stage": engine.grid.stage_id}
+            "parts": engine.module.parts, "stage": engine.grid.stage_id,
+            "channels": sorted({type(c).__name__ for c in engine._channels.values()})}
+
+
+def _shm_room() -> bool:
+    import os
+
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize >= 256 << 20
 
 
 def _run(rank, world_size, cases):
@@ -192,6 +206,12 @@ def _check(reports, cases):
                 dp = 4 // cases[name]["stages"]
                 assert whole == 0 and full // dp <= shards <= full // dp + 8 * dp, \
                     f"rank {rank} {name}: {got['resident']}"
+            # stages on one host talk through shared memory unless it is turned off (or
+            # /dev/shm has no room for the rings: then the backend carries the transfers)
+            gloo = cases[name].get("transport") == "gloo"
+            if gloo or _shm_room():
+                assert got["channels"] == ["Channel" if gloo else "SharedChannel"], \
+                    f"rank {rank} {name}: {got['channels']}"
             parts, stage, stages = got["parts"], got["stage"], cases[name]["stages"]
             mine = {int(n.split(".")[0]) for n in got["names"] if not n.startswith("tied_modules")}
             tied_only = any(n.startswith("tied_modules") for n in got["names"])
@@ -216,6 +236,9 @@ TWO_RANKS = {
     "pp2 checkpointed": dict(stages=2, gas=4, interval=1),
     "pp2 checkpointed by config": dict(stages=2, gas=2, extra={"pipeline": {"activation_checkpoint_interval": 2}}),
     "pp2 variable sequence length": dict(stages=2, gas=2, seqs=[6, 3, 9]),
+    "pp2 variable sequence length over gloo": dict(stages=2, gas=2, seqs=[6, 3, 9], transport="gloo"),
+    "pp2 interleaved x2 tied over gloo": dict(stages=2, gas=4, schedule="interleaved", virtual=2, tied=True, blocks=6,
+                                              transport="gloo"),
 }
 FOUR_RANKS = {
     **{f"pp2 dp2 zero{z}": dict(stages=2, gas=4, zero=z) for z in (0, 1, 2, 3)},
@@ -227,6 +250,7 @@ FOUR_RANKS = {
     **{f"pp2 dp2 zero bubble zero{z} tied": dict(stages=2, gas=4, zero=z, schedule="zero_bubble", tied=True)
        for z in (1, 2, 3)},
     "pp2 dp2 interleaved zero2": dict(stages=2, gas=4, zero=2, schedule="interleaved", virtual=2, blocks=6),
+    "pp4 tied over gloo": dict(stages=4, gas=4, tied=True, blocks=4, transport="gloo"),
 }
 
 

@@ -13,10 +13,13 @@ from test_diverged_ranks import _launch  # noqa: E402 -- the launch-and-kill hel
 DEADLINE_S, MARGIN_S = 8, 45
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "shardwise run"])
-def test_a_stalled_stage_fails_the_pipeline_job_within_the_deadline(tmp_path, launcher):
+@pytest.mark.parametrize("launcher, transport", [("torchrun", "shared memory"), ("shardwise run", "shared memory"),
+                                                  ("torchrun", "gloo")])
+def test_a_stalled_stage_fails_the_pipeline_job_within_the_deadline(tmp_path, monkeypatch, launcher, transport):
+    monkeypatch.setenv("SHARDWISE_SHM_P2P", "1" if transport == "shared memory" else "0")
     code, out, elapsed = _launch(launcher, tmp_path, Path(__file__).parent / "stalling_stage.py", str(DEADLINE_S),
                                  kill_after_s=DEADLINE_S + MARGIN_S + 60)
     assert code != 0 and "FINISHED" not in out, out[-3000:]
     assert elapsed < DEADLINE_S + MARGIN_S, f"took {elapsed:.0f} s\n{out[-3000:]}"
     assert "CollectiveError" in out and "from rank 1" in out and "pipeline stage 0 <-> stage 1" in out, out[-4000:]
+    assert ("(shared memory)" in out) == (transport == "shared memory"), out[-4000:]
