@@ -208,8 +208,10 @@ def run_variant(args, variant: str) -> dict:
             "idle": median_or_nan([1 - sum(a.get(k, 0.0) for k in COMPUTE) / t for t, a in steps]),
             "fwd": median_or_nan([a.get("Forward", 0.0) / m for _, a in steps]),
             "bwd": median_or_nan([sum(a.get(k, 0.0) for k in COMPUTE[1:]) / m for _, a in steps]),
-            "bwd_input": median_or_nan([a.get("BackwardInput", 0.0) / m for _, a in steps]),
-            "bwd_weight": median_or_nan([a.get("BackwardWeight", 0.0) / m for _, a in steps]),
+            # per action: a split schedule may run some backwards whole and some in halves
+            **{key: median_or_nan([a.get(name, 0.0) / max(a.get(name + "#", 0), 1) for _, a in steps])
+               for key, name in (("bwd_input", "BackwardInput"), ("bwd_weight", "BackwardWeight"),
+                                 ("bwd_whole", "Backward"))},
             "rss_mb": r["rss_mb"], "params": r["params"]})
     return {"median": median, "min": min(times), "max": max(times), "losses": ranks[0]["losses"],
             "stages": stages, "wall_s": wall}
@@ -227,7 +229,7 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
              "| simulated idle (measured stage costs) | peak RSS MiB (stage 0, 1) | params (stage 0, 1) |",
              "|" + " --- |" * 12]
     sim_names = {"1f1b": "1f1b", "gpipe": "gpipe", "deepspeed": "1f1b", "zero_bubble": "zero_bubble",
-                 "interleaved": "interleaved"}
+                 "interleaved": "interleaved", "1f1b_split": "1f1b_split"}
     halves = []
     for v, rs in ok.items():
         if not rs:
@@ -241,12 +243,13 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         def per_stage(key, scale=1.0):  # one duration per stage, for the simulator
             return [median_or_nan([x[key] for x in st[s]]) * scale for s in range(2)]
         sched = sim_names[v.partition("@")[0].rpartition("-")[2]]
-        if sched == "zero_bubble":
+        if sched in ("zero_bubble", "1f1b_split"):
             sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd"),
-                           t_backward_input=per_stage("bwd_input"), t_backward_weight=per_stage("bwd_weight"))
-            halves.append(f"- {v}: backward ms/mb, input half (stage 0, 1): {pair('bwd_input', 1000)}; "
-                          f"weight half: {pair('bwd_weight', 1000)} (the first stage's input is token ids, so "
-                          "its whole backward is the weight half)")
+                           t_backward_input=per_stage("bwd_input"), t_backward_weight=per_stage("bwd_weight"),
+                           t_backward=per_stage("bwd_whole"))
+            halves.append(f"- {v}: ms per action, input half (stage 0, 1): {pair('bwd_input', 1000)}; "
+                          f"weight half: {pair('bwd_weight', 1000)}; whole backward: {pair('bwd_whole', 1000)} "
+                          "(the first stage's input is token ids, so its whole backward is the weight half)")
         elif sched == "interleaved":  # the timers add up both chunks of a micro-batch
             sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd", 0.5),
                            t_backward=per_stage("bwd", 0.5), virtual_stages=2)

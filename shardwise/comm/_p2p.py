@@ -27,3 +27,12 @@ def recv(comm: Communicator, tensor: torch.Tensor, peer: int, *, tag: str = "", 
     record = comm._record("recv", tensor, f"from rank {peer}" + (f", {tag}" if tag else ""))
     return Handle(comm, dist.irecv(tensor, src=peer, group=comm.group, tag=stream), record,
                   honours_timeout=comm.gloo_waits_natively)
+
+
+def count(comm: Communicator, op: str, nbytes: int, peer: int, *, tag: str = ""):
+    """Number and count a ``"send"`` or ``"recv"`` of ``nbytes`` with global rank ``peer``
+    that does not go through the backend (pipeline transfers through shared memory); the
+    record names it in a ``comm.diagnose`` error."""
+    direction = "to" if op == "send" else "from"
+    return comm._record(op, torch.empty(nbytes, dtype=torch.uint8, device="meta"),
+                        f"{direction} rank {peer}" + (f", {tag}" if tag else ""))

@@ -7,7 +7,7 @@ from typing import Any
 
 from shardwise.config._errors import ConfigError, check_keys
 
-SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved")
+SCHEDULES = ("1f1b", "1f1b_split", "gpipe", "zero_bubble", "interleaved")
 """Schedules the pipeline engine runs (``interleaved`` with ``virtual_stages`` model
 chunks per stage, which ``PipelineModule(virtual_stages=...)`` must also have)."""
 

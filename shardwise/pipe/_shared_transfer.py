@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
+from shardwise.comm._p2p import count
 from shardwise.comm._shm import map_shared_file
 
 _LINE = 64
@@ -106,8 +107,12 @@ class _Ring:
         start, n = position % self.capacity, part.numel()
         first = min(n, self.capacity - start)
         for ring, flat in ((self.data[start:start + first], part[:first]), (self.data[:n - first], part[first:])):
-            if flat.numel():
-                (ring if into_ring else flat).copy_(flat if into_ring else ring)
+            if not flat.numel():
+                continue
+            if into_ring:
+                ring.copy_(flat)
+            else:
+                flat.copy_(ring)
 
 
 class SharedLinks:
@@ -161,12 +166,12 @@ class SharedChannel:
         described = tuple(("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."), bool(x.requires_grad))
                           if isinstance(x, torch.Tensor) else ("value", x) for x in leaves)
         meta = pickle.dumps((treespec_dumps(spec), described))
-        self.comm._record("send", torch.empty(0), f"to rank {self.peer_rank}, {self.what} {tag}")
-        self.queue.append(torch.tensor([len(meta)], dtype=torch.int64).view(torch.uint8))
-        self.queue.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.numel():
-                self.queue.append(leaf.detach().contiguous().reshape(-1).view(torch.uint8))
+        parts = [torch.tensor([len(meta)], dtype=torch.int64).view(torch.uint8),
+                 torch.frombuffer(bytearray(meta), dtype=torch.uint8)]
+        parts += [leaf.detach().contiguous().reshape(-1).view(torch.uint8)
+                  for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.numel()]
+        count(self.comm, "send", sum(part.numel() for part in parts), self.peer_rank, tag=f"{self.what} {tag}")
+        self.queue.extend(parts)
         self.flush()
 
     def flush(self) -> None:
@@ -183,8 +188,7 @@ class SharedChannel:
     def finish(self) -> None:
         """Wait until every queued byte is in the ring."""
         if self.queue:
-            self._wait(lambda: self.links.flush() or not self.queue, self.queue[0], "send", "to",
-                       "at the end of the batch")
+            self._wait(lambda: self.links.flush() or not self.queue, "send", "at the end of the batch")
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -195,6 +199,7 @@ class SharedChannel:
         self._read(length.view(torch.uint8), tag)
         blob = torch.empty(int(length), dtype=torch.uint8)
         self._read(blob, tag)
+        received = 8 + blob.numel()
         spec, described = pickle.loads(blob.numpy().tobytes())
         leaves = []
         for item in described:
@@ -205,7 +210,9 @@ class SharedChannel:
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             if tensor.numel():
                 self._read(tensor.view(-1).view(torch.uint8), tag)
+                received += tensor.numel() * tensor.element_size()
             leaves.append(tensor.requires_grad_(requires_grad and tensor.is_floating_point()))
+        count(self.comm, "recv", received, self.peer_rank, tag=f"{self.what} {tag}")
         return tree_unflatten(leaves, treespec_loads(spec))
 
     def _read(self, dst: torch.Tensor, tag: str) -> None:
@@ -218,11 +225,13 @@ class SharedChannel:
             self.links.flush()
             done += self._in.take(dst[done:])
             return done == dst.numel()
-        self._wait(progress, dst, "recv", "from", tag)
+        self._wait(progress, "recv", tag)
 
     # -- waiting ----------------------------------------------------------------------------
 
-    def _wait(self, ready, tensor: torch.Tensor, op: str, direction: str, tag: str) -> None:
+    def _wait(self, ready, op: str, tag: str) -> None:
+        """Until ``ready()``; a ``CollectiveError`` naming ``op`` and ``tag`` at the deadline
+        or once the peer's process has exited."""
         deadline = time.monotonic() + self.comm.timeout.total_seconds()
         next_check = time.monotonic() + _LIVENESS_S
         checks = 0
@@ -240,8 +249,7 @@ class SharedChannel:
             if now > deadline or (now > next_check and not _alive(self.links.pids[self.peer])):
                 failure = None if now > deadline else RuntimeError(
                     f"rank {self.peer_rank}'s process (pid {self.links.pids[self.peer]}) has exited")
-                record = self.comm._record(op, tensor, f"{direction} rank {self.peer_rank}, "
-                                                               f"{self.what} {tag} (shared memory)")
+                record = count(self.comm, op, 0, self.peer_rank, tag=f"{self.what} {tag} (shared memory)")
                 raise self.comm.diagnose(record, failure)
             if now > next_check:
                 next_check = now + _LIVENESS_S

@@ -87,10 +87,10 @@ class PipelineEngine(Engine):
         self._reduce_once = stage == 2 or (stage == 3 and self._keep_gathered)
         if self._reduce_once:
             self.strategy.accumulate_unreduced = True
-        if self.schedule_name == "zero_bubble" and stage == 3 and not self._keep_gathered:
-            raise PipelineError("the zero_bubble schedule computes weight gradients after other micro-batches' "
-                                "work, so at ZeRO stage 3 it keeps a stage's layers gathered across the batch: "
-                                "remove pipeline.keep_gathered: false, or use the 1f1b schedule")
+        if self.schedule_name in ("zero_bubble", "1f1b_split") and stage == 3 and not self._keep_gathered:
+            raise PipelineError(f"the {self.schedule_name} schedule splits backwards into input and weight halves, "
+                                "so at ZeRO stage 3 it keeps a stage's layers gathered across the batch: remove "
+                                "pipeline.keep_gathered: false, or use the 1f1b schedule")
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         """What a split backward's weight half computes gradients for (see [Note: split backward])."""
         self._channels: dict[tuple[str, int], Channel | SharedChannel] = {}

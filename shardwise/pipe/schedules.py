@@ -75,6 +75,7 @@ __all__ = [
     "interleaved_1f1b",
     "message_key",
     "one_f_one_b",
+    "one_f_one_b_split",
     "peak_in_flight",
     "simulate",
     "zero_bubble",
@@ -146,6 +147,37 @@ def one_f_one_b(num_stages: int, num_micro_batches: int, stage_id: int) -> list[
     for i in range(m - warmup):
         order += [Forward(warmup + i, s), Backward(i, s)]
     order += [Backward(i, s) for i in range(m - warmup, m)]
+    return _place_comm_and_step(order, num_stages, s, num_stages)
+
+
+def one_f_one_b_split(num_stages: int, num_micro_batches: int, stage_id: int) -> list[Action]:
+    """1F1B with the drain's backwards split: for the cheapest part of zero-bubble's gain.
+
+    1F1B's compute order, but stage ``s`` runs the backwards of its last ``p - s``
+    micro-batches (its cool-down, and the one before it) as ``BackwardInput``, then at once
+    ``BackwardWeight``. The input gradient leaves for the previous stage a weight half
+    earlier at each stage of the drain, and this stage computes its weight half while the
+    previous one works. The split costs something where the weight half is slower on its
+    own (on a CPU, 15-25 % of a backward: see [Note: split backward]); this schedule pays
+    it ``p - s`` times per batch instead of zero-bubble's ``m`` times, and holds what 1F1B
+    holds (``p - s`` micro-batches) since no weight half waits. With forward = input half =
+    weight half the bubble shrinks from ``(p-1)/(m+p-1)`` of 1F1B by one weight half per
+    stage of the drain (the stages' last gradient arrives ``p - 1`` weight halves sooner).
+    """
+    _check_args(num_stages, num_micro_batches, stage_id)
+    m, s = num_micro_batches, stage_id
+    warmup = min(num_stages - s - 1, m)
+    split_from = m - (num_stages - s)
+    order: list[Action] = [Forward(i, s) for i in range(warmup)]
+
+    def backward(i: int) -> None:
+        order.extend([BackwardInput(i, s), BackwardWeight(i, s)] if i >= split_from else [Backward(i, s)])
+
+    for i in range(m - warmup):
+        order.append(Forward(warmup + i, s))
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
     return _place_comm_and_step(order, num_stages, s, num_stages)
 
 
@@ -257,6 +289,7 @@ def eval_schedule(
 
 SCHEDULES: dict[str, Schedule] = {
     "1f1b": one_f_one_b,
+    "1f1b_split": one_f_one_b_split,
     "interleaved": interleaved_1f1b,
     "zero_bubble": zero_bubble,
     "gpipe": gpipe,

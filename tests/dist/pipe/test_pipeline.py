@@ -232,6 +232,7 @@ TWO_RANKS = {
     "pp2 zero bubble tied fp16": dict(stages=2, gas=4, schedule="zero_bubble", tied=True, dtype="fp16"),
     "pp2 zero bubble gas8 adamw": dict(stages=2, gas=8, schedule="zero_bubble", opt="AdamW"),
     "pp2 zero bubble checkpointed": dict(stages=2, gas=4, schedule="zero_bubble", interval=1),
+    "pp2 1f1b split drain bf16": dict(stages=2, gas=4, schedule="1f1b_split", dtype="bf16", tied=True),
     "pp2 interleaved x2 tied": dict(stages=2, gas=4, schedule="interleaved", virtual=2, tied=True, blocks=6),
     "pp2 checkpointed": dict(stages=2, gas=4, interval=1),
     "pp2 checkpointed by config": dict(stages=2, gas=2, extra={"pipeline": {"activation_checkpoint_interval": 2}}),
@@ -247,6 +248,8 @@ FOUR_RANKS = {
     "pp2 dp2 tied zero3": dict(stages=2, gas=4, zero=3, tied=True),
     "pp4 tied": dict(stages=4, gas=4, tied=True, blocks=4),
     "pp4 zero bubble tied": dict(stages=4, gas=8, schedule="zero_bubble", tied=True, blocks=4),
+    "pp4 1f1b split drain tied": dict(stages=4, gas=8, schedule="1f1b_split", tied=True, blocks=4),
+    "pp2 dp2 1f1b split drain zero3 tied": dict(stages=2, gas=4, zero=3, schedule="1f1b_split", tied=True),
     **{f"pp2 dp2 zero bubble zero{z} tied": dict(stages=2, gas=4, zero=z, schedule="zero_bubble", tied=True)
        for z in (1, 2, 3)},
     "pp2 dp2 interleaved zero2": dict(stages=2, gas=4, zero=2, schedule="interleaved", virtual=2, blocks=6),
@@ -451,7 +454,7 @@ def _backward_halves(rank, world_size, schedule):
     return seen, len(list(engine.module.parameters()))
 
 
-def test_zero_bubble_splits_the_backward_into_input_and_weight_halves(tmp_path):
+def test_split_schedules_split_the_backward_into_input_and_weight_halves(tmp_path):
     """On the last stage (2 blocks and the head: 3 linears) a zero-bubble BackwardInput
     runs one matmul per linear and changes no parameter gradient; its BackwardWeight runs
     one per linear and gives every parameter its gradient; together they are exactly
@@ -473,3 +476,9 @@ def test_zero_bubble_splits_the_backward_into_input_and_weight_halves(tmp_path):
             assert (count, changed) == (0, 0), first
         else:  # 2 linears, input and weight matmul each (the embedding needs the former)
             assert count == 4 and changed == first_params, first
+    # 1f1b_split: the last stage splits its last micro-batch's backward only, the first its last two
+    drain = run_distributed(_backward_halves, world_size=2, tmp_path=tmp_path, schedule="1f1b_split")
+    (first, _), (last, _) = drain
+    assert [name for name, _, _ in last] == ["Backward"] * 3 + ["BackwardInput", "BackwardWeight"], last
+    assert [(count, changed) for _, count, changed in last[3:]] == [(3, 0), (3, last_params)], last
+    assert [name for name, _, _ in first] == ["Backward"] * 2 + ["BackwardInput", "BackwardWeight"] * 2, first

@@ -36,7 +36,7 @@ MICRO_BATCHES = (1, 2, 4, 8)
 
 
 def _cases():
-    for name in ("1f1b", "gpipe", "zero_bubble"):
+    for name in ("1f1b", "1f1b_split", "gpipe", "zero_bubble"):
         for p in STAGES:
             for m in MICRO_BATCHES:
                 yield pytest.param(name, p, m, {}, id=f"{name}-p{p}-m{m}")
@@ -76,7 +76,8 @@ def test_each_micro_batch_runs_forward_then_backward_once_per_chunk(name, p, m, 
                     assert at[f] < at[bi] < at[bw], f"stage {s}: {f}, {bi}, {bw} out of order"
         compute = [a for a in plan if isinstance(a, (Forward, Backward, BackwardInput, BackwardWeight))]
         backwards = [a for a in compute if not isinstance(a, Forward)]
-        expected = m * _virtual(opts) * (2 if name == "zero_bubble" else 1)
+        split = {"zero_bubble": m, "1f1b_split": min(m, p - s)}.get(name, 0)  # backwards run as two halves
+        expected = m * _virtual(opts) + split
         assert len(backwards) == expected, f"stage {s}: {len(backwards)} backward actions, expected {expected}"
 
 
@@ -177,6 +178,18 @@ def test_zero_bubble_idles_less_than_1f1b(p, m):
         assert zb <= simulate("1f1b", p, m).idle_fraction + 1e-12
 
 
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", MICRO_BATCHES)
+def test_1f1b_split_saves_a_weight_half_per_stage_of_the_drain(p, m):
+    """With forward = input half = weight half = 1: 1F1B's makespan is 3 (m + p - 1);
+    splitting the drain's backwards sends each stage's last input gradient a weight half
+    sooner, p - 1 in all: 3m + 2 (p - 1), idle (2p - 2) / (3m + 2p - 2)."""
+    split = simulate("1f1b_split", p, m)
+    assert split.makespan == 3 * m + 2 * (p - 1)
+    assert abs(split.idle_fraction - (2 * p - 2) / (3 * m + 2 * p - 2)) < 1e-9
+    assert simulate("1f1b", p, m).makespan - split.makespan == p - 1
+
+
 def _held(plan):
     held = peak = 0
     for a in plan:
@@ -195,6 +208,7 @@ def test_activation_memory_per_stage(p, m):
         plan = one_f_one_b(p, m, s)
         assert _held(plan) == peak_in_flight(plan) == min(m, p - s), f"1f1b stage {s}"
         assert _held(build_schedule("zero_bubble", p, m, s)) <= min(m, p), f"zero_bubble stage {s}"
+        assert _held(build_schedule("1f1b_split", p, m, s)) == min(m, p - s), f"1f1b_split stage {s}"
         assert _held(build_schedule("gpipe", p, m, s)) == m
 
 
@@ -232,10 +246,10 @@ def test_schedule_table_and_timeline_print():
 
 
 def test_bad_names_and_options_are_refused():
-    with pytest.raises(ValueError, match=r"allowed: 1f1b, gpipe, interleaved, zero_bubble \(or 'eval'"):
+    with pytest.raises(ValueError, match=r"allowed: 1f1b, 1f1b_split, gpipe, interleaved, zero_bubble \(or 'eval'"):
         build_schedule("1F1B", 2, 4, 0)
     assert build_schedule("eval", 2, 4, 1) == eval_schedule(2, 4, 1)
-    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "interleaved", "zero_bubble"]
+    assert sorted(SCHEDULES) == ["1f1b", "1f1b_split", "gpipe", "interleaved", "zero_bubble"]
     with pytest.raises(ValueError, match="'1f1b' takes no option virtual_stages"):
         build_schedule("1f1b", 2, 4, 0, virtual_stages=2)
     with pytest.raises(ValueError, match="multiple of num_stages"):

@@ -24,7 +24,7 @@ class FakeComm:
         self.records = []
 
     def _record(self, op, tensor, tag):
-        self.records.append((op, tag))
+        self.records.append((op, tensor.numel(), tag))
         return (op, tag)
 
     def diagnose(self, record, exc):
@@ -71,12 +71,14 @@ def test_pytrees_of_changing_shapes_arrive_in_order_through_a_small_ring():
     messages.append(torch.randn(1000, generator=g))
     sender, receiver, comm = _pair()
     for message in messages:  # queued: far more bytes than the ring holds
-        sender.send(message, tag=f"m{len(comm.records)}")
+        sender.send(message, tag="m")
     assert sender.queue  # the rest waits for the receiver
     for message in messages:
         _same(message, receiver.recv(tag="r"))  # each wait writes more of the sender's queue
     sender.finish()
     assert not sender.queue
+    sent = [n for op, n, _ in comm.records if op == "send"]
+    assert sent == [n for op, n, _ in comm.records if op == "recv"] and len(sent) == len(messages)
 
 
 def test_both_directions_queue_without_deadlock():
