@@ -16,7 +16,9 @@ micro-batches, so their first losses agree::
 Variants: ``shardwise-1f1b``, ``shardwise-zero_bubble``, ``shardwise-interleaved`` (two chunks per
 stage, ``PipelineModule(virtual_stages=2)``: layers cut uniformly into 4 chunks), ``shardwise-gpipe``
 (``"pipeline": {"schedule": ...}``; a suffix ``@gloo`` sends stage-to-stage transfers through gloo
-instead of shared memory, ``SHARDWISE_SHM_P2P=0``) and ``deepspeed`` (``deepspeed.pipe``, its own interpreter ``--ds-python``; its only schedule,
+instead of shared memory, ``SHARDWISE_SHM_P2P=0``), ``torch-1f1b`` and ``torch-gpipe``
+(``torch.distributed.pipelining``'s ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe`` on
+the same layers, not timed per action) and ``deepspeed`` (``deepspeed.pipe``, its own interpreter ``--ds-python``; its only schedule,
 ``TrainSchedule``, is 1F1B). Each is launched under ``torch.distributed.run`` (the launcher and
 report helpers are bench_tensor_parallel.py's).
 
@@ -140,6 +142,9 @@ def worker(args) -> None:
             cls = getattr(ds_sched, name + ("Pass" if name in DS_COMPUTE else ""))
             table[cls] = _timed(table[cls], name, acc)
         library = deepspeed
+    elif system == "torch":
+        dist.init_process_group("gloo")
+        engine, n_params = _torch_pipelining(args, schedule, rank)
     else:
         import shardwise
         from shardwise.pipe import LayerSpec, PipelineModule
@@ -150,12 +155,13 @@ def worker(args) -> None:
             setattr(sw_engine._BatchRun, attr, _timed(getattr(sw_engine._BatchRun, attr), name, acc))
         config["pipeline"] = {"schedule": schedule}
         library = shardwise
-    chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
-    model = PipelineModule(layers=_layers(args, LayerSpec), num_stages=2, loss_fn=_loss_fn, seed_layers=True, **chunks,
-                           base_seed=1234, partition_method="uniform")
-    n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    engine, _, _, _ = library.initialize(model=model, optimizer=optimizer, config=config)
+    if system != "torch":
+        chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
+        model = PipelineModule(layers=_layers(args, LayerSpec), num_stages=2, loss_fn=_loss_fn, seed_layers=True,
+                               **chunks, base_seed=1234, partition_method="uniform")
+        n_params = sum(p.numel() for p in model.parameters())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        engine, _, _, _ = library.initialize(model=model, optimizer=optimizer, config=config)
     data = _micro_batches(args)
     times, losses, per_step = [], [], []
     for step in range(args.steps):
@@ -173,6 +179,55 @@ def worker(args) -> None:
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)
+
+
+class _TorchPipelining:
+    """``torch.distributed.pipelining`` on the same layers: a ``train_batch`` like the engines'."""
+
+    def __init__(self, schedule, optimizer, rank: int):
+        self.schedule, self.optimizer, self.rank = schedule, optimizer, rank
+
+    def train_batch(self, batches):
+        import torch
+        import torch.distributed as dist
+
+        batches = list(batches)
+        inputs, labels = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+        loss = torch.zeros(1)
+        if self.rank == 0:
+            self.schedule.step(inputs)
+        else:
+            losses: list = []
+            self.schedule.step(target=labels, losses=losses)
+            loss = torch.stack([x.detach() for x in losses]).mean().reshape(1)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        dist.broadcast(loss, src=1)  # the batch loss on every rank, as both engines return it
+        return loss[0]
+
+
+def _torch_pipelining(args, schedule: str, rank: int):
+    """This rank's stage of the same model under torch's own pipeline schedules: layers
+    ``[0, n/2)`` and ``[n/2, n)`` (the uniform partition), each seeded with 1234 + its index
+    as ``seed_layers=True`` does, the engines' loss function; torch averages the gradients
+    over the micro-batches (``scale_grads``)."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from shardwise.pipe import LayerSpec
+
+    specs = _layers(args, LayerSpec)
+    bounds = [0, len(specs) // 2, len(specs)]
+    layers = []
+    for index in range(bounds[rank], bounds[rank + 1]):
+        torch.manual_seed(1234 + index)
+        layers.append(specs[index].build())
+    module = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    pipe = kind(stage, n_microbatches=args.micro_batches, loss_fn=_loss_fn)
+    return _TorchPipelining(pipe, optimizer, rank), sum(p.numel() for p in module.parameters())
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -255,11 +310,13 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
                            t_backward=per_stage("bwd", 0.5), virtual_stages=2)
         else:
             sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd"), t_backward=per_stage("bwd"))
+        timed = not v.startswith("torch-")  # torch's schedules are not timed per action
+        cells = (f"{pair('fwd', 1000)} | {pair('bwd', 1000)} | {pair('wait', fmt='{:.3f}')} "
+                 f"| {pair('idle', fmt='{:.3f}')} | {sim.idle_fraction:.3f} ({sched}, makespan {sim.makespan:.3f} s)"
+                 ) if timed else "- | - | - | - | -"
         lines.append(
             f"| {v} | {len(rs)} | {med[v]:.3f} | {min(r['median'] for r in rs):.3f}-{max(r['median'] for r in rs):.3f} "
-            f"| {med[v] / base:.3f} | {pair('fwd', 1000)} | {pair('bwd', 1000)} | {pair('wait', fmt='{:.3f}')} "
-            f"| {pair('idle', fmt='{:.3f}')} | {sim.idle_fraction:.3f} ({sched}, makespan {sim.makespan:.3f} s) "
-            f"| {pair('rss_mb')} | {pair('params', fmt='{:,.0f}')} |")
+            f"| {med[v] / base:.3f} | {cells} | {pair('rss_mb')} | {pair('params', fmt='{:,.0f}')} |")
     if halves:
         lines += ["", "Split backward:", ""] + halves
     lines += ["", "First-step losses (rank 0, every run):", ""]
