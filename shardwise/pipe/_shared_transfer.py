@@ -192,6 +192,9 @@ class SharedChannel:
 
     # -- receiving --------------------------------------------------------------------------
 
+    def post_ahead(self) -> None:
+        """Nothing to post: a message lands in the ring whenever it is sent."""
+
     def recv(self, *, tag: str):
         """The next object sent on this stream; floating tensors the sender had requiring
         grad come back requiring grad (leaves of this stage's graph)."""

@@ -10,7 +10,9 @@ byte length of the new description, which then follows. The tensors follow one b
 So a steady run of equal shapes costs one 16-byte header per transfer, and a new shape
 one extra small message. Sends are asynchronous and their handles are waited on before
 the batch ends (a stage never blocks on its own send, which could deadlock two stages
-sending to each other); receives are waited on when their data is needed. The peers are
+sending to each other); receives are waited on when their data is needed, and the engine
+posts each header's receive ahead, once the previous message on the channel has arrived
+and the schedule has another one coming (``Channel.post_ahead``). The peers are
 the job's own ranks (the description is pickled, as ``all_gather_object`` does).
 """
 
@@ -37,6 +39,8 @@ class Channel:
         self.comm, self.peer, self.what, self.device, self.stream = comm, peer, what, device, stream
         self._sent_meta = None
         self._received_meta = None
+        self._header: tuple[torch.Tensor, Handle] | None = None
+        """The next message's header receive, posted ahead (:meth:`post_ahead`)."""
         self.pending: list[tuple[Handle, object]] = []
         """Sends in flight with the tensors they read (kept alive until waited on)."""
 
@@ -60,11 +64,25 @@ class Channel:
         self.pending.append((send(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream),
                              tensor))
 
+    def post_ahead(self) -> None:
+        """Post the receive of the next message's header now, before its data is needed, so
+        the peer's send of it completes when made (gloo matches a send to a posted receive:
+        a receive posted only when needed costs a round trip through both ranks' gloo
+        threads; torch's own pipeline schedules post ahead too). Only when a next message
+        will come, or the receive stays pending."""
+        if self._header is None:
+            header = torch.empty(2, dtype=torch.int64, device=self.device)
+            self._header = header, recv(self.comm, header, self.peer, tag=f"{self.what} (next message)",
+                                        stream=self.stream)
+
     def recv(self, *, tag: str):
         """The next object sent on this channel; floating tensors the sender had requiring
         grad come back requiring grad (leaves of this stage's graph)."""
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        recv(self.comm, header, self.peer, tag=f"{self.what} {tag}", stream=self.stream).wait()
+        if self._header is None:
+            self.post_ahead()
+        header, handle = self._header
+        self._header = None
+        handle.wait()
         if int(header[0]):
             blob = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
             recv(self.comm, blob, self.peer, tag=f"{self.what} {tag}", stream=self.stream).wait()

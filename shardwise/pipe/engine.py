@@ -162,6 +162,7 @@ class PipelineEngine(Engine):
         actions = sched.build_schedule(self.schedule_name, self.num_stages, self.micro_batches, self.stage_id,
                                        **self.schedule_options)
         run = _BatchRun(self, training=True)
+        run.post_receives_ahead(actions)
         with self._kept_gathered():
             for action in actions:
                 run.execute(action)
@@ -262,8 +263,10 @@ class PipelineEngine(Engine):
         run = _BatchRun(self, training=False, compute_loss=compute_loss)
         try:
             with torch.no_grad():
-                for action in sched.build_schedule("eval", self.num_stages, micro_batches, self.stage_id,
-                                                   **self.schedule_options):
+                actions = sched.build_schedule("eval", self.num_stages, micro_batches, self.stage_id,
+                                               **self.schedule_options)
+                run.post_receives_ahead(actions)
+                for action in actions:
                     run.execute(action)
             run.finish()
         finally:
@@ -297,6 +300,23 @@ class _BatchRun:
         self.weight_halves: dict[tuple[int, int], object] = {}
         """(micro-batch, chunk) -> what its ``BackwardInput`` left for its ``BackwardWeight``."""
         self.read = 0
+
+    def post_receives_ahead(self, actions) -> None:
+        """Count this batch's receives per channel and post the first one's start now (see
+        ``Channel.post_ahead``); each receive then posts the next one on its channel."""
+        self.receives_left: dict[tuple[str, int], int] = {}
+        for a in actions:
+            if isinstance(a, (sched.RecvActivation, sched.RecvGrad)):
+                key = ("activation" if isinstance(a, sched.RecvActivation) else "gradient", a.from_stage)
+                self.receives_left[key] = self.receives_left.get(key, 0) + 1
+        for kind, stage in self.receives_left:
+            self.e._channel(kind, stage).post_ahead()
+
+    def _received(self, kind: str, stage: int) -> None:
+        key = (kind, stage)
+        self.receives_left[key] -= 1
+        if self.receives_left[key]:
+            self.e._channel(kind, stage).post_ahead()
 
     def execute(self, action) -> None:
         kind = type(action).__name__
@@ -335,6 +355,7 @@ class _BatchRun:
         with self.e._progress.timer("pipe_recv_input"):
             self.inputs[(a.micro_batch, a.chunk)] = self.e._channel("activation", a.from_stage).recv(
                 tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
+        self._received("activation", a.from_stage)
 
     def _SendActivation(self, a) -> None:  # noqa: N802
         key = (a.micro_batch, a.chunk)
@@ -348,6 +369,7 @@ class _BatchRun:
         with self.e._progress.timer("pipe_recv_grad"):
             self.grads_in[(a.micro_batch, a.chunk)] = self.e._channel("gradient", a.from_stage).recv(
                 tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
+        self._received("gradient", a.from_stage)
 
     def _SendGrad(self, a) -> None:  # noqa: N802
         with self.e._progress.timer("pipe_send_grad"):
