@@ -5,7 +5,10 @@
 ``schedules.py``) and executes it: the first and the last stage read each micro-batch
 ``(inputs, labels)`` from the data iterator (inputs feed the first stage, labels the loss
 on the last); activations and gradients travel as pytrees over the pipe axis (see [Note:
-pytree transfers with a shape handshake] in ``_transfer.py``). Each backward goes
+pytree transfers with a shape handshake] in ``_transfer.py``; between stages on one host
+with CPU tensors, [Note: pipeline transfers through shared memory] in
+``_shared_transfer.py``). A split schedule's ``BackwardInput`` and ``BackwardWeight`` run
+the two halves of [Note: split backward]. Each backward goes
 through the ZeRO strategy like the ordinary engine's, with the last micro-batch's
 backward as the accumulation boundary, so gradients are reduced over the data-parallel
 group once per batch, overlapped with that backward. The loss of every micro-batch is
