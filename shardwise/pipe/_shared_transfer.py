@@ -46,12 +46,13 @@ import time
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from shardwise.comm._p2p import count
 from shardwise.comm._shm import map_shared_file
+from shardwise.pipe._transfer import describe, rebuild
 
 _LINE = 64
+"""Bytes between the two counters of a ring (a cache line each)."""
 _SETUP = "pipeline shared-memory transfers setup"
 _BUDGET = 8 << 20
 """Bytes of ring buffer per pipe group, split among its rings."""
@@ -162,10 +163,8 @@ class SharedChannel:
     # -- sending ----------------------------------------------------------------------------
 
     def send(self, obj, *, tag: str) -> None:
-        leaves, spec = tree_flatten(obj)
-        described = tuple(("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."), bool(x.requires_grad))
-                          if isinstance(x, torch.Tensor) else ("value", x) for x in leaves)
-        meta = pickle.dumps((treespec_dumps(spec), described))
+        leaves, description = describe(obj)
+        meta = pickle.dumps(description)
         parts = [torch.tensor([len(meta)], dtype=torch.int64).view(torch.uint8),
                  torch.frombuffer(bytearray(meta), dtype=torch.uint8)]
         parts += [leaf.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -203,20 +202,16 @@ class SharedChannel:
         blob = torch.empty(int(length), dtype=torch.uint8)
         self._read(blob, tag)
         received = 8 + blob.numel()
-        spec, described = pickle.loads(blob.numpy().tobytes())
-        leaves = []
-        for item in described:
-            if item[0] == "value":
-                leaves.append(item[1])
-                continue
-            _, shape, dtype, requires_grad = item
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+
+        def fill(tensor: torch.Tensor) -> None:
+            nonlocal received
             if tensor.numel():
                 self._read(tensor.view(-1).view(torch.uint8), tag)
                 received += tensor.numel() * tensor.element_size()
-            leaves.append(tensor.requires_grad_(requires_grad and tensor.is_floating_point()))
+
+        obj = rebuild(pickle.loads(blob.numpy().tobytes()), torch.device("cpu"), fill)
         count(self.comm, "recv", received, self.peer_rank, tag=f"{self.what} {tag}")
-        return tree_unflatten(leaves, treespec_loads(spec))
+        return obj
 
     def _read(self, dst: torch.Tensor, tag: str) -> None:
         done = self._in.take(dst)

@@ -27,9 +27,36 @@ from shardwise.comm import Communicator, Handle
 from shardwise.comm._p2p import recv, send
 
 
-def _describe(leaves) -> tuple:
-    return tuple(("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."), bool(x.requires_grad))
-                 if isinstance(x, torch.Tensor) else ("value", x) for x in leaves)
+def describe(obj) -> tuple[list, tuple]:
+    """``obj``'s leaves and its description: the tree structure, and per leaf its shape,
+    dtype and requires_grad (tensors) or its value (anything else)."""
+    leaves, spec = tree_flatten(obj)
+    return leaves, (treespec_dumps(spec), tuple(
+        ("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."), bool(x.requires_grad))
+        if isinstance(x, torch.Tensor) else ("value", x) for x in leaves))
+
+
+def rebuild(description, device: torch.device, fill) -> object:
+    """The object a description describes: values as sent, and tensors ``fill(tensor)``
+    writes into (``fill`` returns whatever must be waited for before they are read, or
+    None); floating tensors sent requiring grad come back requiring grad (leaves of this
+    stage's graph)."""
+    spec, described = description
+    leaves, pending = [], []
+    for item in described:
+        if item[0] == "value":
+            leaves.append(item[1])
+            continue
+        tensor = torch.empty(item[1], dtype=getattr(torch, item[2]), device=device)
+        pending.append(fill(tensor))
+        leaves.append(tensor)
+    for handle in pending:
+        if handle is not None:
+            handle.wait()
+    for leaf, item in zip(leaves, described):
+        if item[0] == "tensor":
+            leaf.requires_grad_(item[3] and leaf.is_floating_point())
+    return tree_unflatten(leaves, treespec_loads(spec))
 
 
 class Channel:
@@ -45,8 +72,7 @@ class Channel:
         """Sends in flight with the tensors they read (kept alive until waited on)."""
 
     def send(self, obj, *, tag: str) -> None:
-        leaves, spec = tree_flatten(obj)
-        meta = (treespec_dumps(spec), _describe(leaves))
+        leaves, meta = describe(obj)
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         blob = None
         if meta != self._sent_meta:
@@ -89,23 +115,8 @@ class Channel:
             self._received_meta = pickle.loads(blob.cpu().numpy().tobytes())
         if self._received_meta is None:
             raise RuntimeError(f"{self.what} from rank {self.peer}: no payload description was received")
-        spec, described = self._received_meta
-        spec = treespec_loads(spec)
-        leaves, handles, tensors = [], [], []
-        for item in described:
-            if item[0] == "value":
-                leaves.append(item[1])
-                continue
-            _, shape, dtype, requires_grad = item
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            handles.append(recv(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream))
-            tensors.append((len(leaves), requires_grad))
-            leaves.append(tensor)
-        for handle in handles:
-            handle.wait()
-        for index, requires_grad in tensors:
-            leaves[index].requires_grad_(requires_grad and leaves[index].is_floating_point())
-        return tree_unflatten(leaves, spec)
+        return rebuild(self._received_meta, self.device,
+                       lambda tensor: recv(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream))
 
     def finish(self) -> None:
         """Wait for every send in flight."""
