@@ -103,6 +103,11 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     elif dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     engine, *_ = shardwise.initialize(model=model, config=config)
+    # over gloo each receive finds its header's receive posted ahead (Channel.post_ahead)
+    from shardwise.pipe._transfer import Channel
+
+    ahead, original_recv = [], Channel.recv
+    Channel.recv = lambda self, *, tag: (ahead.append(self._header is not None), original_recv(self, tag=tag))[1]
     dp_rank = engine.grid.get_data_parallel_rank()
     losses = []
     for tokens, labels in batches:
@@ -157,11 +162,15 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     moved = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(reference.parameters(),
                                                                              initial.parameters()))
     first_only = float(first_only) if first_only is not None else None
+    Channel.recv = original_recv
     return {"losses": (losses, ref_losses), "eval": (float(eval_loss), ref_eval, len(logits or []), engine.is_last_stage()),
             "eval one micro-batch": (first_only, ref_first, restored),
             "diff": diff, "moved": moved, "names": names, "resident": resident,
             "parts": engine.module.parts, "stage": engine.grid.stage_id,
-            "channels": sorted({type(c).__name__ for c in engine._channels.values()})}
+            "channels": sorted({type(c).__name__ for c in engine._channels.values()}),
+            # ... and none is left posted after the batches (nothing more was coming)
+            "posted ahead": (sum(ahead), len(ahead), sum(getattr(c, "_header", None) is not None
+                                                          for c in engine._channels.values()))}
 
 
 def _shm_room() -> bool:
@@ -212,6 +221,9 @@ def _check(reports, cases):
             if gloo or _shm_room():
                 assert got["channels"] == ["Channel" if gloo else "SharedChannel"], \
                     f"rank {rank} {name}: {got['channels']}"
+            if gloo:
+                posted, received, left = got["posted ahead"]
+                assert posted == received > 0 and left == 0, f"rank {rank} {name}: {got['posted ahead']}"
             parts, stage, stages = got["parts"], got["stage"], cases[name]["stages"]
             mine = {int(n.split(".")[0]) for n in got["names"] if not n.startswith("tied_modules")}
             tied_only = any(n.startswith("tied_modules") for n in got["names"])

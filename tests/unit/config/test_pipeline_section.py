@@ -13,7 +13,7 @@ def _load(pipeline):
 def test_deepspeed_keys_and_schedules_load():
     _load({"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 2,
            "pipe_partitioned": True, "grad_partitioned": True, "schedule": "zero_bubble"})
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in ("1f1b", "1f1b_split", "gpipe"):
         _load({"schedule": schedule})
     _load({"schedule": "interleaved", "virtual_stages": 2})
     _load({"keep_gathered": False})
