@@ -167,10 +167,10 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
             "eval one micro-batch": (first_only, ref_first, restored),
             "diff": diff, "moved": moved, "names": names, "resident": resident,
             "parts": engine.module.parts, "stage": engine.grid.stage_id,
-            "channels": sorted({type(c).__name__ for c in engine._channels.values()}),
+            "channels": sorted({type(c).__name__ for c in engine._runner.channels.values()}),
             # ... and none is left posted after the batches (nothing more was coming)
             "posted ahead": (sum(ahead), len(ahead), sum(getattr(c, "_header", None) is not None
-                                                          for c in engine._channels.values()))}
+                                                          for c in engine._runner.channels.values()))}
 
 
 def _shm_room() -> bool:
@@ -434,7 +434,8 @@ def _backward_halves(rank, world_size, schedule):
     """Per backward action on this stage: matmuls run, and parameter gradients changed."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from shardwise.pipe import engine as pipe_engine
+    from shardwise.pipe import _actions
+    from shardwise.pipe._runner import HANDLERS
 
     class Matmuls(TorchDispatchMode):
         count = 0
@@ -450,16 +451,16 @@ def _backward_halves(rank, world_size, schedule):
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
         "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"schedule": schedule}})
     seen = []
-    for name in ("_Backward", "_BackwardInput", "_BackwardWeight"):
-        def wrapped(run, action, name=name, original=getattr(pipe_engine._BatchRun, name)):
+    for kind in (_actions.Backward, _actions.BackwardInput, _actions.BackwardWeight):
+        def wrapped(run, action, name=kind.__name__, original=HANDLERS[kind]):
             grads = [None if p.grad is None else p.grad.clone() for p in engine.module.parameters()]
             Matmuls.count = 0
             with Matmuls():
                 original(run, action)
             changed = sum(not (a is None and p.grad is None) and (a is None or not torch.equal(a, p.grad))
                           for a, p in zip(grads, engine.module.parameters()))
-            seen.append((name.strip("_"), Matmuls.count, changed))
-        setattr(pipe_engine._BatchRun, name, wrapped)
+            seen.append((name, Matmuls.count, changed))
+        HANDLERS[kind] = wrapped
     tokens, labels = _batches(MICRO * 4)[0]
     engine.train_batch(iter([(tokens[m * MICRO:(m + 1) * MICRO], labels[m * MICRO:(m + 1) * MICRO])
                              for m in range(4)]))
