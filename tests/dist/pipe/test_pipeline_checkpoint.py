@@ -2,7 +2,8 @@
 momentum, ZeRO 0-3, stage 3 partitioning every layer) saves; pp4, pp2 x dp2 and pp1 on one process load
 it and continue, matching single-process training of the same steps; consolidate() names
 every layer with its full shape; module_state_dict() and save_16bit_model give the whole
-model, and load_module_state_dict() takes it back at another stage count."""
+model, and load_module_state_dict() takes it back at another stage count. A stage names
+its layers by global index, checked by value on layers of one shape."""
 
 from functools import partial
 
@@ -167,3 +168,41 @@ def test_pipeline_checkpoint_loads_at_other_stage_counts(tmp_path):
             assert list(exported) == list(after_save) or set(exported) == set(after_save), sorted(exported)
             for name, value in exported.items():
                 assert torch.allclose(value, after_save[name], atol=1e-5), f"{saved} exported {name}"
+
+
+def _same_shaped_specs():
+    """Four blocks of one shape: a layer under another layer's name has the right shape and
+    only its values can tell."""
+    from shardwise.pipe import LayerSpec
+    from shardwise.testing.models import PipelineBlock
+
+    return [LayerSpec(PipelineBlock, H) for _ in range(4)]
+
+
+def _names_held(rank, world_size, *, root):
+    """pp2 of four same-shaped blocks: each stage's state dict, saved as a checkpoint."""
+    model = PipelineModule(_same_shaped_specs(), num_stages=2, loss_fn=F.mse_loss, seed_layers=True,
+                           base_seed=BASE_SEED, partition_method="uniform")
+    engine, *_ = shardwise.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    engine.save_checkpoint(root, tag="built")
+    return {name: value.clone() for name, value in engine.module.state_dict().items()}
+
+
+def test_stages_name_their_layers_by_global_index_by_value(tmp_path):
+    """Stage 1 of a pp2 model holds layers 2 and 3 under the names ``2.*`` and ``3.*`` (not
+    its local ``0.*`` / ``1.*``): each stage's tensors, and the checkpoint read back whole,
+    equal tensor by tensor the single-process layer built with that global index's seed."""
+    root = tmp_path / "checkpoint"
+    reports = run_distributed(_names_held, world_size=2, tmp_path=tmp_path, root=str(root))
+    reference = {}
+    for index, spec in enumerate(_same_shaped_specs()):
+        torch.manual_seed(BASE_SEED + index)
+        reference.update({f"{index}.{n}": t for n, t in spec.build().state_dict().items()})
+    consolidated = shardwise.checkpoint.consolidate(root, "built")
+    for where, state in [*((f"stage {rank}", held) for rank, held in enumerate(reports)), ("checkpoint", consolidated)]:
+        for name, value in state.items():
+            twins = [n for n, t in reference.items() if t.shape == value.shape and torch.equal(t, value)]
+            assert name in twins, f"{where}: {name} holds the values of {twins or 'no layer'}"
+    assert sorted(reports[0]) + sorted(reports[1]) == sorted(reference) == sorted(consolidated)
