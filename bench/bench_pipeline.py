@@ -22,9 +22,9 @@ the same layers, not timed per action) and ``deepspeed`` (``deepspeed.pipe``, it
 ``TrainSchedule``, is 1F1B). Each is launched under ``torch.distributed.run`` (the launcher and
 report helpers are bench_tensor_parallel.py's).
 
-Idle time: the bench wraps each engine's per-action handlers (shardwise's ``_BatchRun``
-``_Forward``/``_Backward``/``_BackwardInput``/``_BackwardWeight``/``_Recv*``/``_Send*``; DeepSpeed's ``_INSTRUCTION_MAP`` entries) with
-timers. Per stage and step: "wait" = time inside receives and sends, "compute" = time inside
+Idle time: the bench wraps each engine's per-action handlers (shardwise's ``_runner.HANDLERS``
+entries for Forward/Backward/BackwardInput/BackwardWeight/Recv*/Send*; DeepSpeed's
+``_INSTRUCTION_MAP`` entries) with timers. Per stage and step: "wait" = time inside receives and sends, "compute" = time inside
 forwards and backwards; measured idle = 1 - compute / step time (everything that is not model
 compute: waiting, loading, the optimizer step and the loss broadcast), next to the wait fraction.
 The simulator (``shardwise.pipe.schedules.simulate(name, 2, M, t_forward=..., t_backward=...)``)
@@ -148,11 +148,12 @@ def worker(args) -> None:
     else:
         import shardwise
         from shardwise.pipe import LayerSpec, PipelineModule
-        from shardwise.pipe import engine as sw_engine
+        from shardwise.pipe import _actions as sw_actions
+        from shardwise.pipe._runner import HANDLERS as sw_handlers
         dist.init_process_group("gloo")
         for name in WAIT + COMPUTE:
-            attr = "_" + name
-            setattr(sw_engine._BatchRun, attr, _timed(getattr(sw_engine._BatchRun, attr), name, acc))
+            kind = getattr(sw_actions, name)
+            sw_handlers[kind] = _timed(sw_handlers[kind], name, acc)
         config["pipeline"] = {"schedule": schedule}
         library = shardwise
     if system != "torch":
