@@ -55,7 +55,11 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @dataclass(eq=False)
-class _Bucket:
+class ShardedBucket:
+    """Parameters laid out back to back in one flat buffer that is sharded over the
+    data-parallel ranks (stages 1-3): its gradients are reduce-scattered and its
+    parameters all-gathered with one collective each. See [Note: bucket partition rule]."""
+
     index: int
     group: int
     params: list[nn.Parameter]
@@ -120,8 +124,8 @@ class ShardedStrategy:
         broadcast_module_state(module, comm)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self.names = {p: n for n, p in module.named_parameters()}
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[nn.Parameter, _Bucket] = {}
+        self.buckets: list[ShardedBucket] = []
+        self._bucket_of: dict[nn.Parameter, ShardedBucket] = {}
         self._offset_of: dict[nn.Parameter, int] = {}
         self._group_options: list[dict] = []
         self._reducing = False
@@ -130,7 +134,7 @@ class ShardedStrategy:
         gradients then accumulate on the parameters until the boundary's reduction, which
         costs them in memory (as at stage 1); the pipeline engine does this."""
         self._next_launch = 0
-        self._in_flight: collections.deque[_Bucket] = collections.deque()
+        self._in_flight: collections.deque[ShardedBucket] = collections.deque()
         self._host_copies = None
         """Device-to-host gradient copies (``offload.HostCopies``), made on first use."""
         self._to_host: collections.deque[tuple] = collections.deque()
@@ -198,7 +202,7 @@ class ShardedStrategy:
             for p, off in zip(params, offsets):
                 flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = flat[off:off + p.numel()].view_as(p)
-        bucket = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat,
+        bucket = ShardedBucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat,
                          shapes=[p.shape for p in params])
         local = bucket.local(flat, rank)
         separate = self.policy.needs_master_copy or host != device
@@ -263,7 +267,7 @@ class ShardedStrategy:
         return frozenset()
 
     @staticmethod
-    def _master_is_copy(bucket: _Bucket) -> bool:
+    def _master_is_copy(bucket: ShardedBucket) -> bool:
         """Whether the bucket's master is a separate tensor (fp32 copy of 16-bit parameters,
         or in CPU memory for parameters on a GPU), not a slice of the flat parameters."""
         return not _same_storage(bucket.master, bucket.flat_param)
@@ -320,7 +324,7 @@ class ShardedStrategy:
             self._launch(bucket)
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: ShardedBucket) -> None:
         if self.stage >= 2 and bucket.staging is None:  # no gradient reached it this micro-step
             bucket.staging = torch.zeros(bucket.padded, dtype=bucket.flat_param.dtype,
                                          device=bucket.flat_param.device)
@@ -334,7 +338,7 @@ class ShardedStrategy:
         if self.stage >= 2 and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
 
-    def _complete(self, bucket: _Bucket) -> None:
+    def _complete(self, bucket: ShardedBucket) -> None:
         bucket.handle.wait()
         out = bucket.out.div_(self.comm.world_size / self.predivide_factor)
         if self.stage >= 2:
@@ -346,7 +350,7 @@ class ShardedStrategy:
                 self._into_grad_shard(bucket, out, accumulate=False)
         bucket.out = bucket.handle = None
 
-    def _into_grad_shard(self, bucket: _Bucket, out: torch.Tensor, *, accumulate: bool) -> None:
+    def _into_grad_shard(self, bucket: ShardedBucket, out: torch.Tensor, *, accumulate: bool) -> None:
         """Add (or copy) a reduced gradient shard into ``bucket.grad_shard``. An offloaded
         shard on the CPU receives it through a copy that overlaps backward (see [Note: host
         copies] in ``offload/_copies.py``); at most ``_MAX_IN_FLIGHT`` copies wait at once.
@@ -367,7 +371,7 @@ class ShardedStrategy:
             self._fold(bucket, copy.result(), accumulate)
 
     @staticmethod
-    def _fold(bucket: _Bucket, shard: torch.Tensor, accumulate: bool) -> None:
+    def _fold(bucket: ShardedBucket, shard: torch.Tensor, accumulate: bool) -> None:
         if accumulate:
             bucket.grad_shard.add_(shard)
         else:
@@ -429,7 +433,7 @@ class ShardedStrategy:
                     views.append((bucket.grad_shard[start - low:end - low], weight))
         return views
 
-    def _copy_masters_to_params(self, buckets: list[_Bucket]) -> None:
+    def _copy_masters_to_params(self, buckets: list[ShardedBucket]) -> None:
         """Write updated masters into this rank's slice of the parameters (when they are copies)."""
         with torch.no_grad():
             for bucket in buckets:
@@ -444,7 +448,7 @@ class ShardedStrategy:
             handle.wait()
 
     @contextlib.contextmanager
-    def _resident(self, buckets: list[_Bucket]):
+    def _resident(self, buckets: list[ShardedBucket]):
         """Masters and optimizer state of ``buckets`` in memory for the block (nvme tier)."""
         if self.swapper is None:
             yield
@@ -495,7 +499,7 @@ class ShardedStrategy:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def _gather(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+    def _gather(self, bucket: ShardedBucket, shard: torch.Tensor) -> torch.Tensor:
         device = bucket.flat_param.device  # where collectives run (shards may be offloaded)
         full = torch.empty(bucket.padded, dtype=shard.dtype, device=device)
         self.comm.all_gather_into_tensor(full, shard.to(device).contiguous(), tag="checkpoint gather").wait()
@@ -527,7 +531,7 @@ class ShardedStrategy:
                 "master": master}
 
     @staticmethod
-    def _is_shard_state(bucket: _Bucket, key: str, value) -> bool:
+    def _is_shard_state(bucket: ShardedBucket, key: str, value) -> bool:
         """Whether an optimizer state value is this rank's shard of a per-element tensor."""
         return key != "step" and isinstance(value, torch.Tensor) and value.numel() == bucket.shard
 
@@ -629,7 +633,7 @@ class ShardedStrategy:
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.sync_params_from_master()
 
-    def _saved_entry(self, bucket: _Bucket, saved_state: dict) -> dict:
+    def _saved_entry(self, bucket: ShardedBucket, saved_state: dict) -> dict:
         """This rank's shard of the saved optimizer state of ``bucket``'s parameters."""
         named = [saved_state.get(self.names[p], {}) for p in bucket.params]
         entry = {}
@@ -642,7 +646,7 @@ class ShardedStrategy:
                 entry[key] = self._local_slice(bucket, values, first.dtype)
         return entry
 
-    def _local_slice(self, bucket: _Bucket, values, dtype) -> torch.Tensor:
+    def _local_slice(self, bucket: ShardedBucket, values, dtype) -> torch.Tensor:
         """This rank's shard of ``bucket`` cut from full per-parameter ``values`` (None: zeros),
         copying only the overlapping ranges (a mapped checkpoint file is read only there)."""
         out = torch.zeros(bucket.shard, dtype=dtype, device=bucket.master.device)
@@ -655,7 +659,7 @@ class ShardedStrategy:
 
     # -- one parameter's state (see ZeroStrategy) -----------------------------------------------
 
-    def _state_shard(self, bucket: _Bucket, key: str) -> torch.Tensor | None:
+    def _state_shard(self, bucket: ShardedBucket, key: str) -> torch.Tensor | None:
         """This rank's shard of ``key`` for ``bucket`` (call inside ``_resident``)."""
         if key == MASTER_KEY:
             return bucket.master.detach()
@@ -665,7 +669,7 @@ class ShardedStrategy:
         value = self.optimizer.state.get(bucket.master, {}).get(key) if self.optimizer is not None else None
         return value if self._is_shard_state(bucket, key, value) else None
 
-    def _overlap(self, bucket: _Bucket, param: nn.Parameter) -> tuple[int, int, int, torch.Size]:
+    def _overlap(self, bucket: ShardedBucket, param: nn.Parameter) -> tuple[int, int, int, torch.Size]:
         """``(param offset, start, end)`` of the part of ``param`` in this rank's shard, and its shape."""
         index = next(i for i, p in enumerate(bucket.params) if p is param)
         off, shape = bucket.offsets[index], bucket.shapes[index]

@@ -61,9 +61,10 @@ from shardwise.offload import to_device
 from shardwise.zero._leaf import unit_roots
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._partition import partition
-from shardwise.zero._sharded import ShardedStrategy, _Bucket
+from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._strategy import PARAM_KEY, ModelStateBytes
 from shardwise.zero._stage0 import optimizer_state_bytes
+from shardwise.zero._unit import Stage3Unit, UnitState
 
 
 class Stage3Strategy(ShardedStrategy):
@@ -91,18 +92,18 @@ class Stage3Strategy(ShardedStrategy):
         """The most ``live_numel`` has been since construction (tests bound it)."""
         self._owner, self._sharers = self._owners(module)
         self._persistent_params: dict[int, list[nn.Parameter]] = {}
-        self._forward_order: list[_Bucket] = []
-        self._trace: list[_Bucket] = []
+        self._forward_order: list[Stage3Unit] = []
+        self._trace: list[Stage3Unit] = []
         """Units in the order the first step's forward gathered them, repeats included."""
         self._reuse_distance: list[float] = []
         self._cursor = 0
         self._order_recorded = False
         self._keeping = False
         """Inside ``keep_gathered``: units stay whole until it ends."""
-        self._units_of: dict[nn.Module, list[_Bucket]] = {}
-        self._reading: collections.deque[_Bucket] = collections.deque()
+        self._units_of: dict[nn.Module, list[Stage3Unit]] = {}
+        self._reading: collections.deque[Stage3Unit] = collections.deque()
         """Units whose shards are being read from swap files, in the order the reads began."""
-        self._holding: collections.deque[_Bucket] = collections.deque()
+        self._holding: collections.deque[Stage3Unit] = collections.deque()
         """Units holding a parameter read buffer (read or all-gather not complete), oldest first."""
         self.peak_param_buffers = 0
         """The most read buffers held at once (tests bound it by offload_param.buffer_count)."""
@@ -129,8 +130,7 @@ class Stage3Strategy(ShardedStrategy):
         out last, so waiting for its gradients delays no other unit's reduction)."""
         super().optimizer_params(model_parameters)
         for group, params in self._persistent_params.items():
-            self._add_bucket(params, group, persistent=True)
-            self.buckets[-1].module = self.module
+            self._add_bucket(params, group, module=self.module, persistent=True)
         self._persistent_params.clear()
         self._check_param_buffer_size()
         return [{**options, "params": [b.master for b in self.buckets if b.group == g]}
@@ -144,9 +144,8 @@ class Stage3Strategy(ShardedStrategy):
                 continue
             by_owner.setdefault(self._owner[p], []).append(p)
         for owner, owned in by_owner.items():
-            self._add_bucket(owned, group)
+            self._add_bucket(owned, group, module=owner)
             unit = self.buckets[-1]
-            unit.module = owner
             if owner not in self._units_of:
                 self._units_of[owner] = []
                 owner.register_forward_pre_hook(self._pre_forward)
@@ -161,7 +160,8 @@ class Stage3Strategy(ShardedStrategy):
                 if p in self._bucket_of:
                     self.add_external_user(user, self._bucket_of[p])
 
-    def _add_bucket(self, params: list[nn.Parameter], group: int, *, persistent: bool = False) -> None:
+    def _add_bucket(self, params: list[nn.Parameter], group: int, *, module: nn.Module,
+                    persistent: bool = False) -> None:
         """A unit: flat buffer of the full parameters (freed right away), an fp32 master
         shard and an fp32 gradient shard. Parameters built by ``zero.Init`` arrive as
         per-parameter slices and are gathered here one unit at a time."""
@@ -183,8 +183,8 @@ class Stage3Strategy(ShardedStrategy):
         for p in built_partitioned:
             del p._shardwise_init, p.ds_tensor
             p.__dict__.pop("__deepcopy__", None)
-        unit = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat, shapes=shapes)
-        unit.persistent, unit.gathered, unit.calls = persistent, True, []
+        unit = Stage3Unit(len(self.buckets), group, params, offsets, numel, padded, shard, flat, shapes=shapes,
+                          module=module, persistent=persistent)
         self._count_live(unit, +1)
         host = self._master_device(device)
         unit.master = nn.Parameter(self._host_tensor(unit.local(flat, rank).detach().to(host, torch.float32, copy=True)))
@@ -197,72 +197,59 @@ class Stage3Strategy(ShardedStrategy):
         self._bucket_of.update({p: unit for p in params})
         self._offset_of.update(zip(params, offsets))
 
-    def _is_root(self, unit: _Bucket) -> bool:
+    def _is_root(self, unit: Stage3Unit) -> bool:
         return unit.module is self.module
 
-    def _count_live(self, unit: _Bucket, sign: int) -> None:
-        if not getattr(unit, "persistent", False):
+    def _count_live(self, unit: Stage3Unit, sign: int) -> None:
+        if not unit.persistent:
             self.live_numel += sign * unit.padded
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
-    @staticmethod
-    def _gathering(unit: _Bucket) -> bool:
-        """Its shard is being read from a swap file, or its all-gather is running."""
-        return getattr(unit, "pending", None) is not None or getattr(unit, "reading", None) is not None
-
-    def _start_unshard(self, unit: _Bucket) -> None:
+    def _start_unshard(self, unit: Stage3Unit) -> None:
         """Allocate the unit's full buffer and launch its all-gather (see [Note: prefetch]).
         A shard in a swap file (offload_param nvme) is read first: see [Note: gathering
         swapped shards]."""
-        if getattr(unit, "gathered", True) or self._gathering(unit):
+        if unit.state is not UnitState.SHARDED:
             return
-        storage = unit.flat_param.untyped_storage()
-        storage.resize_(unit.padded * unit.flat_param.element_size())
         self._count_live(unit, +1)
         if self._needs_read(unit):
             while len(self._holding) >= self.param_offload.buffer_count:
                 self._finish_gather(self._holding[0])  # free the oldest buffer
-            unit.reading = self.swapper.read_master(unit.index)
+            unit.begin_read(self.swapper.read_master(unit.index))
             self._reading.append(unit)
             self._holding.append(unit)
             self.peak_param_buffers = max(self.peak_param_buffers, len(self._holding))
             return
         self._launch_gather(unit, unit.master.detach())
 
-    def _needs_read(self, unit: _Bucket) -> bool:
+    def _needs_read(self, unit: Stage3Unit) -> bool:
         """Whether gathering ``unit`` starts with reading its shard from a swap file."""
         return self.swapper is not None and self.swapper.master_swapped(unit.index)
 
-    def _finish_gather(self, unit: _Bucket) -> None:
+    def _finish_gather(self, unit: Stage3Unit) -> None:
         """Complete ``unit``'s read (launching the gathers read before it) and all-gather,
         and point its parameters at the full buffer."""
         with self.timer("gather_params"):
-            if getattr(unit, "reading", None) is not None:
+            if unit.state is UnitState.READING:
                 self._gather_read(unit)
-            unit.pending.wait()
-        unit.pending = None
+            unit.finish_gather()
         self._release_buffer(unit)
-        for p, off, shape in zip(unit.params, unit.offsets, unit.shapes):
-            p.data = unit.flat_param[off:off + shape.numel()].view(shape)
-        unit.gathered = True
 
-    def _release_buffer(self, unit: _Bucket) -> None:
+    def _release_buffer(self, unit: Stage3Unit) -> None:
         if unit in self._holding:
             self._holding.remove(unit)
 
-    def _launch_gather(self, unit: _Bucket, shard: torch.Tensor) -> None:
-        unit.pending = self.comm.all_gather_into_tensor(
-            unit.flat_param, to_device(shard, unit.flat_param.device, unit.flat_param.dtype),
-            tag=f"parameters of unit {unit.index} ({type(unit.module).__name__})")
+    def _launch_gather(self, unit: Stage3Unit, shard: torch.Tensor) -> None:
+        tag = f"parameters of unit {unit.index} ({type(unit.module).__name__})"
+        unit.begin_gather(lambda flat: self.comm.all_gather_into_tensor(
+            flat, to_device(shard, flat.device, flat.dtype), tag=tag))
 
-    def _gather_read(self, upto: _Bucket) -> None:
+    def _gather_read(self, upto: Stage3Unit) -> None:
         """Launch the all-gathers of units whose shards were being read, in the order the
         reads started, up to ``upto``. See [Note: gathering swapped shards]."""
         while self._reading:
             unit = self._reading.popleft()
-            shard = unit.reading.result()
-            unit.reading = None
-            self._launch_gather(unit, shard)
+            self._launch_gather(unit, unit.take_read())
             if unit is upto:
                 return
 
@@ -300,31 +287,22 @@ class Stage3Strategy(ShardedStrategy):
                 f"{unit.shard} elements per rank); raise buffer_size to at least {unit.shard}, use more "
                 "ranks, or keep those parameters in CPU memory with offload_param.max_in_cpu")
 
-    def _unshard(self, unit: _Bucket) -> None:
-        if getattr(unit, "gathered", True):
+    def _unshard(self, unit: Stage3Unit) -> None:
+        if unit.state is UnitState.GATHERED:
             return
         self._start_unshard(unit)
         self._finish_gather(unit)
 
-    def _reshard(self, unit: _Bucket, *, force: bool = False) -> None:
-        if getattr(unit, "persistent", False) or not getattr(unit, "gathered", True) and \
-                not self._gathering(unit):
+    def _reshard(self, unit: Stage3Unit, *, force: bool = False) -> None:
+        if unit.persistent or unit.state is UnitState.SHARDED:
             return  # persistent units stay whole; a sharded unit has nothing to free
         if not force and (self._is_root(unit) or self._keeping):
             return  # tied / shared parameters stay gathered until backward ends; see keep_gathered
-        if getattr(unit, "reading", None) is not None:  # a prefetched read nobody used: no collective
-            unit.reading.result()
-            unit.reading = None
+        if unit.state is UnitState.READING:  # a prefetched read nobody used: no collective
             self._reading.remove(unit)
-        if getattr(unit, "pending", None) is not None:  # a prefetch nobody used
-            unit.pending.wait()
-            unit.pending = None
         self._release_buffer(unit)
-        unit.flat_param.untyped_storage().resize_(0)
+        unit.free()  # a prefetched all-gather nobody used is waited for
         self._count_live(unit, -1)
-        for p in unit.params:  # an empty tensor, so reading a sharded parameter cannot crash
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        unit.gathered = False
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -334,8 +312,7 @@ class Stage3Strategy(ShardedStrategy):
             self._cursor = 0  # a new forward
         units = self._units_of.get(module, ())
         for unit in units:
-            unit.active = getattr(unit, "active", 0) + 1  # nested users keep it gathered
-            unit.calls.append(self._cursor)  # this call's position on the trace
+            unit.enter(self._cursor)  # nested users keep it gathered
             self._cursor += 1
             self._unshard(unit)
             if not self._order_recorded:
@@ -345,7 +322,7 @@ class Stage3Strategy(ShardedStrategy):
         if units and self._order_recorded:
             self._prefetch(units[-1], step=1)
 
-    def _prefetch(self, unit: _Bucket, *, step: int) -> None:
+    def _prefetch(self, unit: Stage3Unit, *, step: int) -> None:
         """Start gathering the units that ran after (``step=1``, forward) or before
         (``step=-1``, backward) ``unit`` on the recorded first step, up to
         ``prefetch_numel`` elements. See [Note: prefetch]."""
@@ -354,7 +331,7 @@ class Stage3Strategy(ShardedStrategy):
             return
         budget, i = self.prefetch_numel, order.index(unit) + step
         while 0 <= i < len(order) and budget >= order[i].padded:
-            if getattr(order[i], "gathered", True) or self._gathering(order[i]):
+            if order[i].state is not UnitState.SHARDED:
                 i += step  # already whole (kept for reuse, persistent, or in flight)
                 continue
             if self.live_numel + order[i].padded > self.max_live_numel:
@@ -370,8 +347,7 @@ class Stage3Strategy(ShardedStrategy):
         if self._is_root_module(module):
             return output
         for unit in units:
-            unit.active -= 1
-            position = unit.calls.pop()
+            position = unit.exit()
             if unit.active == 0 and not self._keep_for_reuse(position):
                 self._reshard(unit)
         if torch.is_grad_enabled():
@@ -431,10 +407,9 @@ class Stage3Strategy(ShardedStrategy):
         self._cursor = 0
         for unit in self.buckets:
             # a prefetch still in flight would read the shard the optimizer is about to change
-            if not self._keeping and (getattr(unit, "gathered", False) or self._gathering(unit)):
+            if not self._keeping and unit.state is not UnitState.SHARDED:
                 self._reshard(unit, force=True)
-            unit.active = 0
-            unit.calls.clear()
+            unit.forget_calls()
 
     # -- step and state -------------------------------------------------------------------------
 
@@ -481,7 +456,7 @@ class Stage3Strategy(ShardedStrategy):
             keys_of.setdefault(id(tensor), []).append(key)
         yield {k: v.detach() for k, v in current.items() if v not in self._bucket_of}
         for unit in self.buckets:
-            was_gathered = getattr(unit, "gathered", False)
+            was_gathered = unit.state is UnitState.GATHERED
             self._unshard(unit)
             yield {key: p.detach() for p in unit.params for key in keys_of.get(id(p), [])}
             if not was_gathered:
@@ -526,7 +501,7 @@ class Stage3Strategy(ShardedStrategy):
                 present = [key_of.get(id(p)) for p in unit.params]
                 if not any(present):
                     continue
-                if getattr(unit, "gathered", False) and not unit.persistent:
+                if unit.state is UnitState.GATHERED and not unit.persistent:
                     self._reshard(unit, force=True)
                 with self._resident([unit]):
                     if all(present):
@@ -549,7 +524,7 @@ class Stage3Strategy(ShardedStrategy):
         return ModelStateBytes(live + (0 if mixed else masters), grads, masters if mixed else 0,
                                optimizer_state_bytes(self.optimizer))
 
-    def add_external_user(self, module: nn.Module, unit: _Bucket) -> None:
+    def add_external_user(self, module: nn.Module, unit: Stage3Unit) -> None:
         """Gather ``unit`` for ``module``'s forward and backward too (its owner is elsewhere)."""
         if module not in self._units_of:
             self._units_of[module] = []
@@ -576,7 +551,7 @@ class Stage3Strategy(ShardedStrategy):
         """Free every non-persistent unit still gathered (e.g. by evaluation outside the
         engine's step)."""
         for unit in self.buckets:
-            if not unit.persistent and (getattr(unit, "gathered", False) or self._gathering(unit)):
+            if not unit.persistent and unit.state is not UnitState.SHARDED:
                 self._reshard(unit, force=True)
 
     def gather_units(self, units) -> None:
