@@ -24,14 +24,15 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from shardwise.comm import Communicator, Handle
-from shardwise.offload import HostCopies, copy_from_host_
+from shardwise.comm import Communicator
+from shardwise.offload import HostCopies
 from shardwise.precision import PrecisionPolicy
+from shardwise.zero._bucket import ShardedBucket, master_is_copy, same_storage
+from shardwise.zero._gatherer import BucketGatherer
 from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
 from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes, optimizer_state_tensors
@@ -48,38 +49,6 @@ from shardwise.zero._strategy import (
 )
 
 _MAX_IN_FLIGHT = 2
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-@dataclass(eq=False)
-class ShardedBucket:
-    """Parameters laid out back to back in one flat buffer that is sharded over the
-    data-parallel ranks (stages 1-3): its gradients are reduce-scattered and its
-    parameters all-gathered with one collective each. See [Note: bucket partition rule]."""
-
-    index: int
-    group: int
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int
-    padded: int
-    shard: int
-    flat_param: torch.Tensor
-    master: nn.Parameter | None = None
-    grad_full: torch.Tensor | None = None
-    grad_shard: torch.Tensor | None = None
-    staging: torch.Tensor | None = None
-    out: torch.Tensor | None = None
-    handle: Handle | None = None
-    ready: set[int] = field(default_factory=set)
-    shapes: list[torch.Size] = field(default_factory=list)
-    """Parameter shapes (stage 3 empties the parameters themselves while sharded)."""
-
-    def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
-        return tensor[rank * self.shard:(rank + 1) * self.shard]
 
 
 def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
@@ -117,8 +86,11 @@ class ShardedStrategy:
         self.offload = offload if offload is not None and offload.enabled else None
         self.aio, self.sub_group_size = aio, sub_group_size
         self.swapper = None
-        self.timer = no_timer
         """The nvme tier's :class:`~shardwise.offload.OptimizerSwapper` (None otherwise)."""
+        self.timer = no_timer
+        self.gatherer = BucketGatherer(self)
+        """When parameters are gathered and where the shards live (stage 3 holds a
+        ``UnitGatherer`` instead)."""
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
         broadcast_module_state(module, comm)
@@ -175,13 +147,9 @@ class ShardedStrategy:
         if pending:
             self._add_bucket(pending, group)
 
-    def _offloads(self) -> bool:
-        """Whether masters, gradient shards and optimizer state live in CPU memory."""
-        return self.offload is not None
-
     def _master_device(self, device: torch.device) -> torch.device:
         """Where masters, gradient shards and optimizer state live: the CPU when offloaded."""
-        return torch.device("cpu") if self._offloads() else device
+        return torch.device("cpu") if self.gatherer.offloads() else device
 
     def _host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """Page-locked when offload asks for pin_memory and there is a GPU to copy to."""
@@ -254,23 +222,8 @@ class ShardedStrategy:
             self.swapper = build_optimizer_swapper(
                 optimizer, [b.master for b in self.buckets], comm=self.comm, nvme_path=self.offload.nvme_path,
                 aio=self.aio, sub_group_size=self.sub_group_size, buffer_count=self.offload.buffer_count,
-                swap_masters=self._swap_masters(), pinned=self._pinned_masters())
+                swap_masters=self.gatherer.swap_masters(), pinned=self.gatherer.pinned_masters())
         return optimizer
-
-    def _swap_masters(self) -> bool:
-        """Whether the nvme tier swaps the masters' values too: here, when they are copies
-        (a master that is the parameters' own storage must stay for the forward)."""
-        return any(self._master_is_copy(b) for b in self.buckets)
-
-    def _pinned_masters(self) -> frozenset[int]:
-        """Buckets whose masters never go to swap files."""
-        return frozenset()
-
-    @staticmethod
-    def _master_is_copy(bucket: ShardedBucket) -> bool:
-        """Whether the bucket's master is a separate tensor (fp32 copy of 16-bit parameters,
-        or in CPU memory for parameters on a GPU), not a slice of the flat parameters."""
-        return not _same_storage(bucket.master, bucket.flat_param)
 
     def _ensure_layout(self) -> None:
         if not self.buckets:
@@ -304,8 +257,13 @@ class ShardedStrategy:
                 p.grad = view
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._reducing:
-            return
+        if self._reducing:
+            self._stage_grad(param)
+        self.gatherer.grad_ready(param)
+
+    def _stage_grad(self, param: nn.Parameter) -> None:
+        """Mark ``param``'s gradient ready (at stage 2 and 3, copied into its bucket's
+        staging buffer) and launch the buckets that are complete, in order."""
         bucket = self._bucket_of[param]
         if self.stage >= 2:
             if bucket.staging is None:
@@ -346,7 +304,7 @@ class ShardedStrategy:
             bucket.staging = None
         else:
             bucket.local(bucket.grad_full, self.comm.rank).copy_(out)
-            if not _same_storage(bucket.grad_shard, bucket.grad_full):
+            if not same_storage(bucket.grad_shard, bucket.grad_full):
                 self._into_grad_shard(bucket, out, accumulate=False)
         bucket.out = bucket.handle = None
 
@@ -355,7 +313,7 @@ class ShardedStrategy:
         shard on the CPU receives it through a copy that overlaps backward (see [Note: host
         copies] in ``offload/_copies.py``); at most ``_MAX_IN_FLIGHT`` copies wait at once.
         (On the CPU the copy is the tensor itself, landed at once, through the same queue.)"""
-        if not self._offloads():
+        if not self.gatherer.offloads():
             self._fold(bucket, out, accumulate)
             return
         if self._host_copies is None:
@@ -379,14 +337,15 @@ class ShardedStrategy:
 
     def finalize_backward(self) -> None:
         """Launch what is left and wait for every reduction of this micro-step (and, when
-        offloaded, for its gradient shards to reach CPU memory)."""
-        if not self._reducing:
-            return
-        self._launch_ready(force=True)
-        while self._in_flight:
-            self._complete(self._in_flight.popleft())
-        self._land_host_copies(keep=0)
-        self._reducing = False
+        offloaded, for its gradient shards to reach CPU memory); then the gatherer's
+        ``backward_done``."""
+        if self._reducing:
+            self._launch_ready(force=True)
+            while self._in_flight:
+                self._complete(self._in_flight.popleft())
+            self._land_host_copies(keep=0)
+            self._reducing = False
+        self.gatherer.backward_done()
 
     # -- step -------------------------------------------------------------------------------
 
@@ -409,12 +368,12 @@ class ShardedStrategy:
         if max_grad_norm > 0:
             clip_by_total_norm_(grads, max_grad_norm, float(norm))
         if self.swapper is not None:
-            self.swapper.step(lambda indices: self._copy_masters_to_params([self.buckets[i] for i in indices]),
+            self.swapper.step(lambda indices: self.gatherer.copy_masters_to_params([self.buckets[i] for i in indices]),
                               timer=self.timer)
         else:
             self.optimizer.step()
-            self._copy_masters_to_params(self.buckets)
-        self._gather_params()
+            self.gatherer.copy_masters_to_params(self.buckets)
+        self.gatherer.gather_params()
         self.zero_grad()
         return StepResult(True, float(norm))
 
@@ -433,20 +392,6 @@ class ShardedStrategy:
                     views.append((bucket.grad_shard[start - low:end - low], weight))
         return views
 
-    def _copy_masters_to_params(self, buckets: list[ShardedBucket]) -> None:
-        """Write updated masters into this rank's slice of the parameters (when they are copies)."""
-        with torch.no_grad():
-            for bucket in buckets:
-                if self._master_is_copy(bucket):
-                    copy_from_host_(bucket.local(bucket.flat_param, self.comm.rank), bucket.master)
-
-    def _gather_params(self) -> None:
-        """All-gather every bucket from each rank's slice."""
-        handles = [self.comm.all_gather_scratch(bucket.flat_param, tag=f"parameter bucket {bucket.index}")
-                   for bucket in self.buckets]
-        for handle in handles:
-            handle.wait()
-
     @contextlib.contextmanager
     def _resident(self, buckets: list[ShardedBucket]):
         """Masters and optimizer state of ``buckets`` in memory for the block (nvme tier)."""
@@ -457,11 +402,8 @@ class ShardedStrategy:
             yield
 
     def sync_params_from_master(self) -> None:
-        """Write each rank's updated shard into place and all-gather every bucket."""
-        for bucket in self.buckets:
-            with self._resident([bucket]):
-                self._copy_masters_to_params([bucket])
-        self._gather_params()
+        """Bring the parameters in line with the masters (see the gatherer's)."""
+        self.gatherer.sync_params_from_master()
 
     def module_state_dict(self) -> dict:
         """The module's full state dict (parameters are whole on every rank here)."""
@@ -474,11 +416,8 @@ class ShardedStrategy:
         return result
 
     def reset_master_from_params(self) -> None:
-        with torch.no_grad():
-            for bucket in self.buckets:
-                with self._resident([bucket]):
-                    if self._master_is_copy(bucket):
-                        bucket.master.copy_(bucket.local(bucket.flat_param, self.comm.rank))
+        """Bring the masters in line with the parameters (see the gatherer's)."""
+        self.gatherer.reset_master_from_params()
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -493,8 +432,8 @@ class ShardedStrategy:
         params = sum(size(b.flat_param) for b in self.buckets) + sum(size(p) for p in untouched)
         grads = sum(size(b.grad_full) for b in self.buckets)
         grads += sum(size(b.grad_shard) for b in self.buckets
-                     if b.grad_full is None or not _same_storage(b.grad_shard, b.grad_full))
-        master = sum(size(b.master) for b in self.buckets if self._master_is_copy(b))
+                     if b.grad_full is None or not same_storage(b.grad_shard, b.grad_full))
+        master = sum(size(b.master) for b in self.buckets if master_is_copy(b))
         return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -719,19 +658,20 @@ class ShardedStrategy:
                 raise KeyError(f"the optimizer holds no state {key!r} for this parameter")
             shard[start - low:end - low].copy_(part)
             if key == MASTER_KEY:
-                self._copy_masters_to_params([bucket])
+                self.gatherer.copy_masters_to_params([bucket])
         if key == MASTER_KEY:
-            self._gather_params()
+            self.gatherer.gather_params()
 
     def state_tensors(self, kind: str) -> list[torch.Tensor]:
         """The tensors holding ``kind`` of state (see ZeroStrategy)."""
         self._ensure_layout()
         tensors = {"optim_states": optimizer_state_tensors(self.optimizer),
-                   "hp_params": [b.master for b in self.buckets if self._master_is_copy(b)],
+                   "hp_params": [b.master for b in self.buckets if master_is_copy(b)],
                    "lp_params": [b.flat_param for b in self.buckets],
                    "lp_grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None],
                    "contiguous_grad_buffer": [b.staging for b in self.buckets if b.staging is not None]}
         return tensors[kind]
 
     def release_gathered(self) -> None:
-        """Parameters are whole by design at stages 1 and 2: nothing to release."""
+        """Free parameters held gathered beyond their use (see the gatherer's)."""
+        self.gatherer.release_gathered()

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Handle
-from shardwise.zero._sharded import ShardedBucket
+from shardwise.zero._bucket import ShardedBucket
 
 
 class UnitState(enum.Enum):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from shardwise.zero._partition import partition
-from shardwise.zero._sharded import ShardedBucket
+from shardwise.zero._bucket import ShardedBucket
 
 
 @pytest.mark.parametrize("numel, world_size, expected", [
