@@ -95,6 +95,7 @@ class Stage3Unit(ShardedBucket):
         self.pending = launch(self.flat_param)
 
     def _allocate(self) -> None:
+        # see [Note: unshard and reshard by storage resize] in _stage3.py
         self.flat_param.untyped_storage().resize_(self.padded * self.flat_param.element_size())
 
     def finish_gather(self) -> None:
