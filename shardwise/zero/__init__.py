@@ -8,6 +8,11 @@ Glossary (used with these meanings throughout the package):
   gathered from every rank's slice (stage 3).
 - *grad shard*: the slice of a reduced gradient a rank owns (stages 2 and 3).
 - *bucket*: a flat buffer holding several gradients that are reduced by one collective.
+- *unit* (stage 3): the bucket of the parameters one module owns in one param group,
+  gathered and freed together; its states are ``_unit.UnitState``.
+- *gatherer*: the object a sharded strategy holds that decides when parameters are whole
+  (``_gatherer.py``: every bucket after the step at stages 1-2, each unit around its
+  module's forward and backward at stage 3).
 
 Stages are implementations of :class:`ZeroStrategy`; the engine calls only that interface.
 """

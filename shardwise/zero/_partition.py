@@ -20,8 +20,3 @@ def partition(numel: int, world_size: int) -> tuple[int, int]:
     shard = -(-numel // world_size)
     return shard * world_size, shard
 
-
-def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of ``rank``'s range in the padded buffer."""
-    _, shard = partition(numel, world_size)
-    return rank * shard, (rank + 1) * shard

@@ -24,14 +24,15 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from shardwise.comm import Communicator, Handle
-from shardwise.offload import HostCopies, copy_from_host_
+from shardwise.comm import Communicator
+from shardwise.offload import HostCopies
 from shardwise.precision import PrecisionPolicy
+from shardwise.zero._bucket import ShardedBucket, master_is_copy, same_storage
+from shardwise.zero._gatherer import BucketGatherer
 from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
 from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes, optimizer_state_tensors
@@ -48,34 +49,6 @@ from shardwise.zero._strategy import (
 )
 
 _MAX_IN_FLIGHT = 2
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-@dataclass(eq=False)
-class _Bucket:
-    index: int
-    group: int
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int
-    padded: int
-    shard: int
-    flat_param: torch.Tensor
-    master: nn.Parameter | None = None
-    grad_full: torch.Tensor | None = None
-    grad_shard: torch.Tensor | None = None
-    staging: torch.Tensor | None = None
-    out: torch.Tensor | None = None
-    handle: Handle | None = None
-    ready: set[int] = field(default_factory=set)
-    shapes: list[torch.Size] = field(default_factory=list)
-    """Parameter shapes (stage 3 empties the parameters themselves while sharded)."""
-
-    def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
-        return tensor[rank * self.shard:(rank + 1) * self.shard]
 
 
 def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
@@ -113,15 +86,18 @@ class ShardedStrategy:
         self.offload = offload if offload is not None and offload.enabled else None
         self.aio, self.sub_group_size = aio, sub_group_size
         self.swapper = None
-        self.timer = no_timer
         """The nvme tier's :class:`~shardwise.offload.OptimizerSwapper` (None otherwise)."""
+        self.timer = no_timer
+        self.gatherer = BucketGatherer(self)
+        """When parameters are gathered and where the shards live (stage 3 holds a
+        ``UnitGatherer`` instead)."""
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
         broadcast_module_state(module, comm)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self.names = {p: n for n, p in module.named_parameters()}
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[nn.Parameter, _Bucket] = {}
+        self.buckets: list[ShardedBucket] = []
+        self._bucket_of: dict[nn.Parameter, ShardedBucket] = {}
         self._offset_of: dict[nn.Parameter, int] = {}
         self._group_options: list[dict] = []
         self._reducing = False
@@ -130,7 +106,7 @@ class ShardedStrategy:
         gradients then accumulate on the parameters until the boundary's reduction, which
         costs them in memory (as at stage 1); the pipeline engine does this."""
         self._next_launch = 0
-        self._in_flight: collections.deque[_Bucket] = collections.deque()
+        self._in_flight: collections.deque[ShardedBucket] = collections.deque()
         self._host_copies = None
         """Device-to-host gradient copies (``offload.HostCopies``), made on first use."""
         self._to_host: collections.deque[tuple] = collections.deque()
@@ -171,13 +147,9 @@ class ShardedStrategy:
         if pending:
             self._add_bucket(pending, group)
 
-    def _offloads(self) -> bool:
-        """Whether masters, gradient shards and optimizer state live in CPU memory."""
-        return self.offload is not None
-
     def _master_device(self, device: torch.device) -> torch.device:
         """Where masters, gradient shards and optimizer state live: the CPU when offloaded."""
-        return torch.device("cpu") if self._offloads() else device
+        return torch.device("cpu") if self.gatherer.offloads() else device
 
     def _host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """Page-locked when offload asks for pin_memory and there is a GPU to copy to."""
@@ -198,7 +170,7 @@ class ShardedStrategy:
             for p, off in zip(params, offsets):
                 flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = flat[off:off + p.numel()].view_as(p)
-        bucket = _Bucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat,
+        bucket = ShardedBucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat,
                          shapes=[p.shape for p in params])
         local = bucket.local(flat, rank)
         separate = self.policy.needs_master_copy or host != device
@@ -250,23 +222,8 @@ class ShardedStrategy:
             self.swapper = build_optimizer_swapper(
                 optimizer, [b.master for b in self.buckets], comm=self.comm, nvme_path=self.offload.nvme_path,
                 aio=self.aio, sub_group_size=self.sub_group_size, buffer_count=self.offload.buffer_count,
-                swap_masters=self._swap_masters(), pinned=self._pinned_masters())
+                swap_masters=self.gatherer.swap_masters(), pinned=self.gatherer.pinned_masters())
         return optimizer
-
-    def _swap_masters(self) -> bool:
-        """Whether the nvme tier swaps the masters' values too: here, when they are copies
-        (a master that is the parameters' own storage must stay for the forward)."""
-        return any(self._master_is_copy(b) for b in self.buckets)
-
-    def _pinned_masters(self) -> frozenset[int]:
-        """Buckets whose masters never go to swap files."""
-        return frozenset()
-
-    @staticmethod
-    def _master_is_copy(bucket: _Bucket) -> bool:
-        """Whether the bucket's master is a separate tensor (fp32 copy of 16-bit parameters,
-        or in CPU memory for parameters on a GPU), not a slice of the flat parameters."""
-        return not _same_storage(bucket.master, bucket.flat_param)
 
     def _ensure_layout(self) -> None:
         if not self.buckets:
@@ -300,8 +257,13 @@ class ShardedStrategy:
                 p.grad = view
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._reducing:
-            return
+        if self._reducing:
+            self._stage_grad(param)
+        self.gatherer.grad_ready(param)
+
+    def _stage_grad(self, param: nn.Parameter) -> None:
+        """Mark ``param``'s gradient ready (at stage 2 and 3, copied into its bucket's
+        staging buffer) and launch the buckets that are complete, in order."""
         bucket = self._bucket_of[param]
         if self.stage >= 2:
             if bucket.staging is None:
@@ -320,7 +282,7 @@ class ShardedStrategy:
             self._launch(bucket)
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: ShardedBucket) -> None:
         if self.stage >= 2 and bucket.staging is None:  # no gradient reached it this micro-step
             bucket.staging = torch.zeros(bucket.padded, dtype=bucket.flat_param.dtype,
                                          device=bucket.flat_param.device)
@@ -334,7 +296,7 @@ class ShardedStrategy:
         if self.stage >= 2 and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
 
-    def _complete(self, bucket: _Bucket) -> None:
+    def _complete(self, bucket: ShardedBucket) -> None:
         bucket.handle.wait()
         out = bucket.out.div_(self.comm.world_size / self.predivide_factor)
         if self.stage >= 2:
@@ -342,16 +304,16 @@ class ShardedStrategy:
             bucket.staging = None
         else:
             bucket.local(bucket.grad_full, self.comm.rank).copy_(out)
-            if not _same_storage(bucket.grad_shard, bucket.grad_full):
+            if not same_storage(bucket.grad_shard, bucket.grad_full):
                 self._into_grad_shard(bucket, out, accumulate=False)
         bucket.out = bucket.handle = None
 
-    def _into_grad_shard(self, bucket: _Bucket, out: torch.Tensor, *, accumulate: bool) -> None:
+    def _into_grad_shard(self, bucket: ShardedBucket, out: torch.Tensor, *, accumulate: bool) -> None:
         """Add (or copy) a reduced gradient shard into ``bucket.grad_shard``. An offloaded
         shard on the CPU receives it through a copy that overlaps backward (see [Note: host
         copies] in ``offload/_copies.py``); at most ``_MAX_IN_FLIGHT`` copies wait at once.
         (On the CPU the copy is the tensor itself, landed at once, through the same queue.)"""
-        if not self._offloads():
+        if not self.gatherer.offloads():
             self._fold(bucket, out, accumulate)
             return
         if self._host_copies is None:
@@ -367,7 +329,7 @@ class ShardedStrategy:
             self._fold(bucket, copy.result(), accumulate)
 
     @staticmethod
-    def _fold(bucket: _Bucket, shard: torch.Tensor, accumulate: bool) -> None:
+    def _fold(bucket: ShardedBucket, shard: torch.Tensor, accumulate: bool) -> None:
         if accumulate:
             bucket.grad_shard.add_(shard)
         else:
@@ -375,14 +337,15 @@ class ShardedStrategy:
 
     def finalize_backward(self) -> None:
         """Launch what is left and wait for every reduction of this micro-step (and, when
-        offloaded, for its gradient shards to reach CPU memory)."""
-        if not self._reducing:
-            return
-        self._launch_ready(force=True)
-        while self._in_flight:
-            self._complete(self._in_flight.popleft())
-        self._land_host_copies(keep=0)
-        self._reducing = False
+        offloaded, for its gradient shards to reach CPU memory); then the gatherer's
+        ``backward_done``."""
+        if self._reducing:
+            self._launch_ready(force=True)
+            while self._in_flight:
+                self._complete(self._in_flight.popleft())
+            self._land_host_copies(keep=0)
+            self._reducing = False
+        self.gatherer.backward_done()
 
     # -- step -------------------------------------------------------------------------------
 
@@ -405,12 +368,12 @@ class ShardedStrategy:
         if max_grad_norm > 0:
             clip_by_total_norm_(grads, max_grad_norm, float(norm))
         if self.swapper is not None:
-            self.swapper.step(lambda indices: self._copy_masters_to_params([self.buckets[i] for i in indices]),
+            self.swapper.step(lambda indices: self.gatherer.copy_masters_to_params([self.buckets[i] for i in indices]),
                               timer=self.timer)
         else:
             self.optimizer.step()
-            self._copy_masters_to_params(self.buckets)
-        self._gather_params()
+            self.gatherer.copy_masters_to_params(self.buckets)
+        self.gatherer.gather_params()
         self.zero_grad()
         return StepResult(True, float(norm))
 
@@ -429,22 +392,8 @@ class ShardedStrategy:
                     views.append((bucket.grad_shard[start - low:end - low], weight))
         return views
 
-    def _copy_masters_to_params(self, buckets: list[_Bucket]) -> None:
-        """Write updated masters into this rank's slice of the parameters (when they are copies)."""
-        with torch.no_grad():
-            for bucket in buckets:
-                if self._master_is_copy(bucket):
-                    copy_from_host_(bucket.local(bucket.flat_param, self.comm.rank), bucket.master)
-
-    def _gather_params(self) -> None:
-        """All-gather every bucket from each rank's slice."""
-        handles = [self.comm.all_gather_scratch(bucket.flat_param, tag=f"parameter bucket {bucket.index}")
-                   for bucket in self.buckets]
-        for handle in handles:
-            handle.wait()
-
     @contextlib.contextmanager
-    def _resident(self, buckets: list[_Bucket]):
+    def _resident(self, buckets: list[ShardedBucket]):
         """Masters and optimizer state of ``buckets`` in memory for the block (nvme tier)."""
         if self.swapper is None:
             yield
@@ -453,11 +402,8 @@ class ShardedStrategy:
             yield
 
     def sync_params_from_master(self) -> None:
-        """Write each rank's updated shard into place and all-gather every bucket."""
-        for bucket in self.buckets:
-            with self._resident([bucket]):
-                self._copy_masters_to_params([bucket])
-        self._gather_params()
+        """Bring the parameters in line with the masters (see the gatherer's)."""
+        self.gatherer.sync_params_from_master()
 
     def module_state_dict(self) -> dict:
         """The module's full state dict (parameters are whole on every rank here)."""
@@ -470,11 +416,8 @@ class ShardedStrategy:
         return result
 
     def reset_master_from_params(self) -> None:
-        with torch.no_grad():
-            for bucket in self.buckets:
-                with self._resident([bucket]):
-                    if self._master_is_copy(bucket):
-                        bucket.master.copy_(bucket.local(bucket.flat_param, self.comm.rank))
+        """Bring the masters in line with the parameters (see the gatherer's)."""
+        self.gatherer.reset_master_from_params()
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -489,13 +432,13 @@ class ShardedStrategy:
         params = sum(size(b.flat_param) for b in self.buckets) + sum(size(p) for p in untouched)
         grads = sum(size(b.grad_full) for b in self.buckets)
         grads += sum(size(b.grad_shard) for b in self.buckets
-                     if b.grad_full is None or not _same_storage(b.grad_shard, b.grad_full))
-        master = sum(size(b.master) for b in self.buckets if self._master_is_copy(b))
+                     if b.grad_full is None or not same_storage(b.grad_shard, b.grad_full))
+        master = sum(size(b.master) for b in self.buckets if master_is_copy(b))
         return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def _gather(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+    def _gather(self, bucket: ShardedBucket, shard: torch.Tensor) -> torch.Tensor:
         device = bucket.flat_param.device  # where collectives run (shards may be offloaded)
         full = torch.empty(bucket.padded, dtype=shard.dtype, device=device)
         self.comm.all_gather_into_tensor(full, shard.to(device).contiguous(), tag="checkpoint gather").wait()
@@ -527,7 +470,7 @@ class ShardedStrategy:
                 "master": master}
 
     @staticmethod
-    def _is_shard_state(bucket: _Bucket, key: str, value) -> bool:
+    def _is_shard_state(bucket: ShardedBucket, key: str, value) -> bool:
         """Whether an optimizer state value is this rank's shard of a per-element tensor."""
         return key != "step" and isinstance(value, torch.Tensor) and value.numel() == bucket.shard
 
@@ -629,7 +572,7 @@ class ShardedStrategy:
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.sync_params_from_master()
 
-    def _saved_entry(self, bucket: _Bucket, saved_state: dict) -> dict:
+    def _saved_entry(self, bucket: ShardedBucket, saved_state: dict) -> dict:
         """This rank's shard of the saved optimizer state of ``bucket``'s parameters."""
         named = [saved_state.get(self.names[p], {}) for p in bucket.params]
         entry = {}
@@ -642,7 +585,7 @@ class ShardedStrategy:
                 entry[key] = self._local_slice(bucket, values, first.dtype)
         return entry
 
-    def _local_slice(self, bucket: _Bucket, values, dtype) -> torch.Tensor:
+    def _local_slice(self, bucket: ShardedBucket, values, dtype) -> torch.Tensor:
         """This rank's shard of ``bucket`` cut from full per-parameter ``values`` (None: zeros),
         copying only the overlapping ranges (a mapped checkpoint file is read only there)."""
         out = torch.zeros(bucket.shard, dtype=dtype, device=bucket.master.device)
@@ -655,7 +598,7 @@ class ShardedStrategy:
 
     # -- one parameter's state (see ZeroStrategy) -----------------------------------------------
 
-    def _state_shard(self, bucket: _Bucket, key: str) -> torch.Tensor | None:
+    def _state_shard(self, bucket: ShardedBucket, key: str) -> torch.Tensor | None:
         """This rank's shard of ``key`` for ``bucket`` (call inside ``_resident``)."""
         if key == MASTER_KEY:
             return bucket.master.detach()
@@ -665,7 +608,7 @@ class ShardedStrategy:
         value = self.optimizer.state.get(bucket.master, {}).get(key) if self.optimizer is not None else None
         return value if self._is_shard_state(bucket, key, value) else None
 
-    def _overlap(self, bucket: _Bucket, param: nn.Parameter) -> tuple[int, int, int, torch.Size]:
+    def _overlap(self, bucket: ShardedBucket, param: nn.Parameter) -> tuple[int, int, int, torch.Size]:
         """``(param offset, start, end)`` of the part of ``param`` in this rank's shard, and its shape."""
         index = next(i for i, p in enumerate(bucket.params) if p is param)
         off, shape = bucket.offsets[index], bucket.shapes[index]
@@ -715,19 +658,20 @@ class ShardedStrategy:
                 raise KeyError(f"the optimizer holds no state {key!r} for this parameter")
             shard[start - low:end - low].copy_(part)
             if key == MASTER_KEY:
-                self._copy_masters_to_params([bucket])
+                self.gatherer.copy_masters_to_params([bucket])
         if key == MASTER_KEY:
-            self._gather_params()
+            self.gatherer.gather_params()
 
     def state_tensors(self, kind: str) -> list[torch.Tensor]:
         """The tensors holding ``kind`` of state (see ZeroStrategy)."""
         self._ensure_layout()
         tensors = {"optim_states": optimizer_state_tensors(self.optimizer),
-                   "hp_params": [b.master for b in self.buckets if self._master_is_copy(b)],
+                   "hp_params": [b.master for b in self.buckets if master_is_copy(b)],
                    "lp_params": [b.flat_param for b in self.buckets],
                    "lp_grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None],
                    "contiguous_grad_buffer": [b.staging for b in self.buckets if b.staging is not None]}
         return tensors[kind]
 
     def release_gathered(self) -> None:
-        """Parameters are whole by design at stages 1 and 2: nothing to release."""
+        """Free parameters held gathered beyond their use (see the gatherer's)."""
+        self.gatherer.release_gathered()

@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _Bucket:
+class _AllReduceBucket:
+    """Gradients laid out back to back in one flat buffer that stage 0 all-reduces whole
+    (parameters stay where they are)."""
+
     index: int
     params: list[nn.Parameter]
     buffer: torch.Tensor
@@ -123,9 +126,9 @@ class Stage0Strategy:
         master.grad = torch.zeros_like(master)
         return master
 
-    def _build_buckets(self, bucket_numel: int) -> list[_Bucket]:
+    def _build_buckets(self, bucket_numel: int) -> list[_AllReduceBucket]:
         # Reverse registration order approximates the order backward produces gradients.
-        buckets: list[_Bucket] = []
+        buckets: list[_AllReduceBucket] = []
         pending: list[nn.Parameter] = []
         for p in reversed(self.trainable):
             if pending and (sum(q.numel() for q in pending) + p.numel() > bucket_numel
@@ -138,10 +141,10 @@ class Stage0Strategy:
         return buckets
 
     @staticmethod
-    def _new_bucket(index: int, params: list[nn.Parameter]) -> _Bucket:
+    def _new_bucket(index: int, params: list[nn.Parameter]) -> _AllReduceBucket:
         numel = sum(p.numel() for p in params)
         buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        return _Bucket(index, params, buffer)
+        return _AllReduceBucket(index, params, buffer)
 
     def _attach_grad_views(self) -> None:
         """Point every ``.grad`` at its slice of the bucket buffer (re-run after user code
@@ -260,7 +263,7 @@ class Stage0Strategy:
             self._launch(bucket)
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: _AllReduceBucket) -> None:
         if self.predivide_factor != 1.0:
             bucket.buffer.div_(self.predivide_factor)
         bucket.handle = self.comm.all_reduce(bucket.buffer, tag=f"gradient bucket {bucket.index}")
