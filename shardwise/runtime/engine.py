@@ -19,7 +19,7 @@ from shardwise.comm import comms_logger_from_config
 from shardwise.monitor import MonitorMaster
 from shardwise.parallel import ParallelGrid
 from shardwise.precision import LossScaler, PrecisionPolicy
-from shardwise.runtime import _checkpointing
+from shardwise.runtime import _checkpointing, _full_state
 from shardwise.runtime._checkpoint_state import ClientState, ModuleState, OptimizerState, Stateful
 from shardwise.runtime._counters import StepCounters, counter
 from shardwise.runtime._deepspeed_names import DeepSpeedNames
@@ -305,7 +305,7 @@ class Engine(DeepSpeedNames, nn.Module):
         Collective: call on every rank. For full fp32 weights of a mixed-precision run use
         ``shardwise.checkpoint.consolidate`` (or ``shardwise convert``) on a checkpoint."""
         del exclude_frozen_parameters
-        return _checkpointing.save_16bit_model(self._stateful().module, self._placement(), save_dir, save_filename)
+        return _full_state.save_16bit_model(self._stateful().module, self._placement(), save_dir, save_filename)
 
     save_fp16_model = save_16bit_model
 
@@ -314,7 +314,7 @@ class Engine(DeepSpeedNames, nn.Module):
         tensor parallelism, whose slices are gathered into the full tensors, as in the model
         without it)."""
         del destination, keep_vars
-        state = _checkpointing.full_module_state(self.strategy.module_state_dict(), self._placement())
+        state = _full_state.full_module_state(self.strategy.module_state_dict(), self._placement())
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
