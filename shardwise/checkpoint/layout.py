@@ -87,20 +87,5 @@ def consolidate(load_dir, tag: str | None = None, *, dtype: torch.dtype = torch.
         tag: which checkpoint; None reads ``latest``.
         dtype: the floating-point dtype of the result.
     """
-    load_dir = Path(load_dir)
-    if tag is None and (load_dir / "manifest.json").is_file():
-        path = load_dir
-    else:
-        path = load_dir / resolve_tag(load_dir, tag)
-    manifest = read_manifest(path)
-    skeletons = manifest["skeletons"]
-    module = read_module_state(path, manifest)
-    masters = {}
-    if "optimizer" in skeletons and manifest.get("layout", {}).get("param_dtype") != "float32":
-        masters = read_optimizer_state(path, manifest).get("master", {})
-    aliases = skeletons.get("aliases", {})
-    out = {}
-    for key, tensor in module.items():
-        value = masters.get(aliases.get(key, key), tensor)
-        out[key] = value.to(dtype) if value.is_floating_point() else value
-    return out
+    return {key: value.to(dtype) if value.is_floating_point() else value
+            for key, value in consolidated_sources(load_dir, tag).items()}

@@ -61,11 +61,11 @@ class Writers:
     stage: int = 0
 
     @classmethod
-    def of(cls, engine) -> "Writers":
-        grid = engine.grid
+    def of(cls, grid) -> Writers:
+        """The writers of ``grid`` (a ``ParallelGrid``)."""
         tensor = (None, 0, 1) if grid.tensor == 1 else (grid.tensor_comm, grid.tensor_rank, grid.tensor)
         pipe = (None, 0) if grid.pipe == 1 else (grid.pipe_comm, grid.stage_id)
-        return cls(engine.comm, *tensor, *pipe)
+        return cls(grid.data_comm, *tensor, *pipe)
 
     @property
     def stages(self) -> int:

@@ -51,7 +51,6 @@ import logging
 import os
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
 from shardwise import checkpoint as ckpt
@@ -59,7 +58,9 @@ from shardwise.checkpoint import CheckpointError, TensorSplit
 from shardwise.checkpoint import layout as ckpt_layout
 from shardwise.runtime._checkpoint_parts import (Writers, block_groups, block_key, whole_group, without_names,
                                                  write_parts)
-from shardwise.zero._strategy import MASTER_KEY, is_tensor_parallel
+from shardwise.runtime._checkpoint_state import ModuleState, OptimizerState, Stateful
+from shardwise.runtime._placement import Placement
+from shardwise.zero._strategy import MASTER_KEY
 
 logger = logging.getLogger("shardwise")
 
@@ -72,26 +73,121 @@ CHECKPOINT_PART_BYTES = 1 << 30
 ``_checkpoint_parts.py``)."""
 
 
-def _aliases(module) -> dict[str, str]:
-    """State-dict keys that name a tensor already saved under an earlier key (tied weights)."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) in first:
-            aliases[key] = first[id(tensor)]
-        else:
-            first[id(tensor)] = key
-    return aliases
+def save(parts: Stateful, place: Placement, save_dir, *, tag, save_latest: bool, tag_validation: str) -> bool:
+    """Write a checkpoint of ``parts`` under ``save_dir/tag`` (default ``global_step<N>``),
+    this rank writing what ``place`` says it holds. Collective: every rank calls it, with
+    the same ``save_dir`` and ``tag`` (``tag_validation``: the config's ``Ignore`` / ``Warn``
+    / ``Fail`` for a tag that differs)."""
+    writers = place.writers
+    tag = str(tag) if tag is not None else f"global_step{parts.counters.global_steps}"
+    _check_same_directory(place, save_dir)
+    _check_tag_agrees(writers, tag, tag_validation)
+    if writers.rank == 0:
+        _remove_stale_staging(save_dir, tag)
+    staging = ckpt.begin_checkpoint(save_dir, tag, clean=writers.rank == 0)
+    writers.barrier(tag=f"checkpoint {tag}: staging created")
+    skeletons: dict = {}
+    # collective for sharded and tensor-parallel state: every rank takes part
+    records = {}
+    if parts.optimizer is not None:
+        records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(parts.optimizer, place,
+                                                                                          staging)
+    module_records, skeletons["module"], skeletons["module_files"] = _write_module(parts.module, place, staging)
+    records.update(module_records)
+    skeletons["aliases"] = place.aliases
+    rank_records, rank_skeletons = _write_rank_files(parts, place, staging, skeletons)
+    records.update(rank_records)
+    stage_first = writers.data.rank == 0 and writers.tensor_rank == 0
+    all_records = writers.all_gather_object(
+        (place.global_rank, records, rank_skeletons, skeletons if stage_first and writers.stages > 1 else None),
+        tag="checkpoint records")
+    if writers.rank == 0:
+        manifest = {**parts.counters.state_dict(), "layout": place.layout(parts.module.param_dtype),
+                    "skeletons": _manifest_skeletons(skeletons, all_records, writers.stages,
+                                                     rank_state=rank_skeletons[1] is not None)}
+        merged = {name: rec for _, recs, _, _ in all_records for name, rec in recs.items()}
+        ckpt.finalize_checkpoint(save_dir, tag, staging, manifest=manifest, file_records=merged,
+                                 save_latest=save_latest)
+    writers.barrier(tag=f"checkpoint {tag}: finalized")
+    return True
 
 
-def _other_stages_tied(engine) -> set[str]:
-    """Names of the tied weights this stage holds but an earlier stage writes (see [Note:
-    pipeline stages in checkpoints])."""
-    tied = getattr(engine.module, "tied_weights", None)
-    if engine.grid.pipe == 1 or tied is None:
-        return set()
-    name_of = {id(p): name for name, p in engine.module.named_parameters()}
-    return {name_of[id(param)] for _, param, ranks, _ in tied() if engine.grid.global_rank != min(ranks)}
+def _write_rank_files(parts: Stateful, place: Placement, staging, skeletons: dict) -> tuple[dict, tuple]:
+    """Write the state that is not sharded: the engine state (scheduler, loss scaler, client
+    state; global rank 0, its skeleton into ``skeletons``), this rank's RNG and its own
+    optimizer state. Returns the file records and ``(rng skeleton, optimizer-rank skeleton)``."""
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    if place.writers.rank == 0:
+        engine_state = {
+            "lr_scheduler": parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None,
+            "loss_scaler": parts.loss_scaler.state_dict() if parts.loss_scaler is not None else None,
+            "client_state": parts.client.state_dict(),
+        }
+        files[_ENGINE], skeletons["engine_state"] = ckpt.flatten_state(engine_state)
+    files[_rng_file(place.global_rank)], rng_skeleton = ckpt.flatten_state(parts.rng.state_dict())
+    rank_skeleton = None
+    if parts.optimizer is not None and parts.optimizer.has_rank_state:
+        files[_optimizer_rank_file(place.global_rank)], rank_skeleton = ckpt.flatten_state(
+            parts.optimizer.rank_state_dict())
+    return ckpt.write_files(staging, files), (rng_skeleton, rank_skeleton)
+
+
+def _manifest_skeletons(skeletons: dict, all_records: list, stages: int, *, rank_state: bool) -> dict:
+    """The manifest's skeletons: the stages' merged (rank 0's, i.e. stage 0's, first),
+    with every rank's RNG and optimizer-rank skeletons by global rank."""
+    if stages > 1:
+        skeletons = _merge_stage_skeletons([skel for *_, skel in all_records if skel is not None])
+    by_rank = sorted(all_records, key=lambda r: r[0])
+    skeletons["rng"] = {str(rank): skel for rank, _, (skel, _), _ in by_rank}
+    if rank_state:
+        skeletons["optimizer_rank"] = {str(rank): skel for rank, _, (_, skel), _ in by_rank}
+    return skeletons
+
+
+def _check_same_directory(place: Placement, save_dir) -> None:
+    """Raise, on every rank, when the ranks were given different ``save_dir`` s (every rank
+    writes its part of one checkpoint into the same directory)."""
+    given = os.fspath(save_dir)
+    every = place.writers.all_gather_object((place.global_rank, given), tag="checkpoint directory check")
+    ranks_of: dict[str, list[int]] = {}
+    for rank, directory in sorted(every):
+        ranks_of.setdefault(directory, []).append(rank)
+    if len(ranks_of) == 1:
+        return
+    shown = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {directory!r}"
+                      for directory, ranks in list(ranks_of.items())[:8])
+    raise ValueError(
+        f"save_checkpoint was called with a different directory on each rank ({shown}"
+        f"{'; ...' if len(ranks_of) > 8 else ''}). Every rank writes its part of one checkpoint into the "
+        "same directory: pass the same save_dir on every rank (a name made from the time differs between "
+        "ranks that start a second apart; make the name on one rank and broadcast it, or leave the time out)")
+
+
+def _check_tag_agrees(writers: Writers, tag: str, mode: str) -> None:
+    comms = [c for c in (writers.data, writers.tensor) if c is not None and c.world_size > 1]
+    if mode == "Ignore" or not comms:
+        return
+    digest = int(hashlib.sha1(tag.encode()).hexdigest()[:12], 16)
+    agree = True
+    for comm in comms:
+        low, high = comm.all_reduce_scalars([-digest, digest], op=torch.distributed.ReduceOp.MAX,
+                                            tag="checkpoint tag check")
+        agree = agree and -low == high
+    if not agree:
+        message = f"checkpoint tag {tag!r} differs between ranks; pass the same tag on every rank"
+        if mode == "Fail":
+            raise ValueError(message)
+        logger.warning(message)
+
+
+def _remove_stale_staging(save_dir, tag: str) -> None:
+    """Clear what killed saves left in ``save_dir`` before a new save begins, naming each
+    directory removed or kept (see [Note: stale staging directories] in checkpoint/_write.py)."""
+    removed, kept = ckpt.remove_stale_staging(save_dir, current_tag=tag)
+    for path in removed:
+        logger.info("removed %s, the staging directory of an interrupted save", path)
+    for path, reason in kept.items():
+        logger.warning("left %s, the staging directory of an unfinished save, in place: %s", path, reason)
 
 
 def _merge_stage_skeletons(stages: list[dict]) -> dict:
@@ -118,165 +214,22 @@ def _merge_stage_skeletons(stages: list[dict]) -> dict:
     return merged
 
 
-def _this_stage_only(engine, state: dict, names) -> dict:
-    """Of a whole model's named optimizer state, what this stage's parameters ``names`` hold."""
-    if engine.grid.pipe == 1:
-        return state
-    names = set(names)
-    return {**state, "state": {n: v for n, v in state["state"].items() if n in names},
-            "master": {n: v for n, v in state.get("master", {}).items() if n in names},
-            "param_groups": [dict(g, params=[n for n in g["params"] if n in names]) for g in state["param_groups"]]}
-
-
-def tensor_splits(engine) -> dict[str, TensorSplit]:
-    """Each tensor-parallel parameter's slice, by parameter name (see [Note: tensor
-    parallelism in checkpoints]); empty without tensor parallelism."""
-    grid = engine.grid
-    if grid.tensor == 1:
-        return {}
-    return {name: split for name, p in engine.module.named_parameters()
-            if (split := _split_of(name, p, grid)) is not None}
-
-
-def _split_of(name: str, param, grid) -> TensorSplit | None:
-    """Where ``param`` sits in its full tensor, from the marks tensor-parallel layers set
-    (shardwise's ``tensor_parallel_shard``; Megatron's ``partition_dim`` / ``partition_stride``)."""
-    if not is_tensor_parallel(param):
-        return None
-    stride = int(getattr(param, "partition_stride", 1) or 1)
-    transposed = bool(getattr(param, "tensor_parallel_transposed", False))
-    info = getattr(param, "tensor_parallel_shard", None)
-    if info is not None:
-        if (info.parts, info.index) != (grid.tensor, grid.tensor_rank):
-            raise NotImplementedError(f"parameter {name} is slice {info.index} of {info.parts}, but this rank is "
-                                      f"tensor rank {grid.tensor_rank} of {grid.tensor}: checkpoints store slices "
-                                      "split over the grid's tensor group only")
-        return TensorSplit(tuple(info.full_shape), info.dim, info.index, info.parts, stride, transposed)
-    dim = getattr(param, "partition_dim", None)
-    if dim is None:
-        raise NotImplementedError(f"parameter {name} is marked tensor-parallel but has no partition_dim, so a "
-                                  "checkpoint cannot tell where its slice belongs; set param.partition_dim "
-                                  "(and partition_stride) as Megatron's layers do")
-    full = list(getattr(param, "ds_shape", param.shape))
-    full[dim] *= grid.tensor
-    return TensorSplit(tuple(full), dim, grid.tensor_rank, grid.tensor, stride, transposed)
-
-
-def _splits_by_key(engine, splits: dict[str, TensorSplit]) -> dict[str, TensorSplit]:
-    """``splits`` by state-dict key (a tied parameter under each of its keys)."""
-    if not splits:
-        return {}
-    name_of = {id(p): name for name, p in engine.module.named_parameters()}
-    return {key: splits[name_of[id(t)]] for key, t in engine.module.state_dict(keep_vars=True).items()
-            if name_of.get(id(t)) in splits}
-
-
-def _check_tag_agrees(engine, tag: str) -> None:
-    mode = engine.train_config.checkpoint.tag_validation
-    comms = [c for c in (engine.comm, Writers.of(engine).tensor) if c is not None and c.world_size > 1]
-    if mode == "Ignore" or not comms:
-        return
-    digest = int(hashlib.sha1(tag.encode()).hexdigest()[:12], 16)
-    agree = True
-    for comm in comms:
-        low, high = comm.all_reduce_scalars([-digest, digest], op=torch.distributed.ReduceOp.MAX,
-                                            tag="checkpoint tag check")
-        agree = agree and -low == high
-    if not agree:
-        message = f"checkpoint tag {tag!r} differs between ranks; pass the same tag on every rank"
-        if mode == "Fail":
-            raise ValueError(message)
-        logger.warning(message)
-
-
-def save(engine, save_dir, *, tag, client_state: dict, save_latest: bool) -> bool:
-    """Write a checkpoint of ``engine`` (collective: every rank calls it)."""
-    writers = Writers.of(engine)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    _check_tag_agrees(engine, tag)
-    if writers.rank == 0:
-        _remove_stale_staging(save_dir, tag)
-    staging = ckpt.begin_checkpoint(save_dir, tag, clean=writers.rank == 0)
-    writers.barrier(tag=f"checkpoint {tag}: staging created")
-    splits = tensor_splits(engine)
-    files: dict[str, dict[str, torch.Tensor]] = {}
-    skeletons: dict = {}
-    # collective for sharded and tensor-parallel state: every rank takes part
-    records = {}
-    if engine.optimizer is not None:
-        records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(engine, staging, writers,
-                                                                                          splits)
-    module_records, skeletons["module"], skeletons["module_files"] = _write_module(engine, staging, writers, splits)
-    records.update(module_records)
-    skeletons["aliases"] = _aliases(engine.module)
-    if writers.rank == 0:
-        engine_state = {
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "client_state": client_state,
-        }
-        files[_ENGINE], skeletons["engine_state"] = ckpt.flatten_state(engine_state)
-    rng_tensors, rng_skeleton = ckpt.flatten_state(ckpt.capture_rng_state())
-    files[_rng_file(engine.grid.global_rank)] = rng_tensors
-    rank_skeleton = None
-    if hasattr(engine.optimizer, "rank_state_dict"):
-        files[_optimizer_rank_file(engine.grid.global_rank)], rank_skeleton = ckpt.flatten_state(
-            engine.optimizer.rank_state_dict())
-    records.update(ckpt.write_files(staging, files))
-    stage_first = writers.data.rank == 0 and writers.tensor_rank == 0
-    all_records = writers.all_gather_object(
-        (engine.grid.global_rank, records, (rng_skeleton, rank_skeleton),
-         skeletons if stage_first and writers.stages > 1 else None),
-        tag="checkpoint records")
-    if writers.rank == 0:
-        merged = {name: rec for _, recs, _, _ in all_records for name, rec in recs.items()}
-        if writers.stages > 1:  # rank 0's (stage 0's) first, then the other stages' in order
-            skeletons = _merge_stage_skeletons([skel for *_, skel in all_records if skel is not None])
-        by_rank = sorted(all_records, key=lambda r: r[0])
-        skeletons["rng"] = {str(rank): skel for rank, _, (skel, _), _ in by_rank}
-        if rank_skeleton is not None:
-            skeletons["optimizer_rank"] = {str(rank): skel for rank, _, (_, skel), _ in by_rank}
-        manifest = {
-            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-            "layout": {"zero_stage": engine.train_config.zero.stage, "dp_world_size": engine.comm.world_size,
-                       "tp_degree": engine.grid.tensor, "pp_degree": engine.grid.pipe,
-                       "param_dtype": str(engine.policy.param_dtype).removeprefix("torch.")},
-            "skeletons": skeletons,
-        }
-        ckpt.finalize_checkpoint(save_dir, tag, staging, manifest=manifest, file_records=merged,
-                                 save_latest=save_latest)
-    writers.barrier(tag=f"checkpoint {tag}: finalized")
-    return True
-
-
-def _remove_stale_staging(save_dir, tag: str) -> None:
-    """Clear what killed saves left in ``save_dir`` before a new save begins, naming each
-    directory removed or kept (see [Note: stale staging directories] in checkpoint/_write.py)."""
-    removed, kept = ckpt.remove_stale_staging(save_dir, current_tag=tag)
-    for path in removed:
-        logger.info("removed %s, the staging directory of an interrupted save", path)
-    for path, reason in kept.items():
-        logger.warning("left %s, the staging directory of an unfinished save, in place: %s", path, reason)
-
-
-def _write_optimizer(engine, staging, writers: Writers, splits: dict[str, TensorSplit]) -> tuple[dict, dict, list[str]]:
+def _write_optimizer(optimizer: OptimizerState, place: Placement, staging) -> tuple[dict, dict, list[str]]:
     """Write the named optimizer state with no rank gathering it (collective): rank 0
     writes what every rank holds alike (parameter groups, ``step``) to
     ``optimizer.safetensors``; ZeRO shards and the per-element state of tensor-parallel
     parameters go into parts (see [Note: shards written in place]). Returns this rank's
     file records, the state's skeleton and the file names."""
-    strategy = engine.strategy
+    writers, splits = place.writers, place.splits
     records: dict = {}
-    named = strategy.optimizer_state_replicated()
+    named = optimizer.replicated()
     sliced = _take_split_state(named, splits)
     if writers.stages > 1:
         sliced += _take_per_param_state(named)
     tensors, skeleton = ckpt.flatten_state(named)
-    skip = _other_stages_tied(engine)
     if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_OPTIMIZER: tensors}))
-    blocks = strategy.optimizer_state_blocks()
+    blocks = optimizer.blocks()
     refs = [(block.key, name) for block in blocks for name in block.names] + [(k, n) for k, n, _ in sliced]
     for key, name in refs:
         ref = {"__tensor__": block_key(key, name)}
@@ -284,15 +237,14 @@ def _write_optimizer(engine, staging, writers: Writers, splits: dict[str, Tensor
             skeleton["master"][name] = ref
         else:
             skeleton["state"].setdefault(name, {})[key] = ref
-    groups = block_groups(blocks, strategy.optimizer_shards, splits)
+    groups = block_groups(blocks, optimizer.shards, splits)
     groups += [whole_group(block_key(key, name), tensor, splits.get(name), writers.data.world_size, name=name)
                for key, name, tensor in sliced]
-    groups = without_names(groups, skip)
+    groups = without_names(groups, place.tied_elsewhere)
     part_records, parts = write_parts(writers, staging, "optimizer", groups,
                                        part_bytes=CHECKPOINT_PART_BYTES)
     records.update(part_records)
     return records, skeleton, [_OPTIMIZER] + parts
-
 
 def _take_split_state(named: dict, splits: dict[str, TensorSplit]) -> list[tuple[str, str, torch.Tensor]]:
     """Remove from the named optimizer state the tensors that are tensor-parallel slices
@@ -333,117 +285,136 @@ def _take_per_param_state(named: dict) -> list[tuple[str, str, torch.Tensor]]:
     return taken
 
 
-def _write_module(engine, staging, writers: Writers, splits: dict[str, TensorSplit]) -> tuple[dict, dict, list[str]]:
+def _write_module(module: ModuleState, place: Placement, staging) -> tuple[dict, dict, list[str]]:
     """Write the module's state dict the same way: entries every rank holds alike (buffers,
     parameters outside ZeRO buckets) by rank 0 in ``model.safetensors``, the bucketed and
     tensor-parallel parameters by every rank into ``model-00001.safetensors``... under
     their own names (tied names refer to one tensor). Collective."""
-    strategy = engine.strategy
-    name_of = {id(p): name for name, p in engine.module.named_parameters()}
-    current = engine.module.state_dict(keep_vars=True)
-    replicated = strategy.module_state_replicated()
+    writers, splits, name_of = place.writers, place.splits, place.name_of_key
+    replicated = module.replicated()
     piped = writers.stages > 1  # every stage's tensors go to the parts
-    sliced = {name_of.get(id(current[k]), k): v for k, v in replicated.items()
-              if piped or name_of.get(id(current[k])) in splits}
-    plain = {k: v for k, v in replicated.items() if not piped and name_of.get(id(current[k])) not in splits}
+    sliced = {name_of.get(k, k): v for k, v in replicated.items() if piped or name_of.get(k) in splits}
+    plain = {k: v for k, v in replicated.items() if not piped and name_of.get(k) not in splits}
     tensors, flat_skeleton = ckpt.flatten_state(plain)
     records: dict = {}
     if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_MODEL: tensors}))
-    skeleton = {}
-    for key, tensor in current.items():
-        skeleton[key] = flat_skeleton[key] if key in plain else {"__tensor__": name_of.get(id(tensor), key)}
-    groups = block_groups(strategy.module_state_blocks(), strategy.module_shards, splits)
+    skeleton = {key: flat_skeleton[key] if key in plain else {"__tensor__": name_of.get(key, key)}
+                for key in place.keys}
+    groups = block_groups(module.blocks(), module.shards, splits)
     groups += [whole_group(name, tensor, splits.get(name), writers.data.world_size) for name, tensor in sliced.items()]
-    groups = without_names(groups, _other_stages_tied(engine))
+    groups = without_names(groups, place.tied_elsewhere)
     part_records, parts = write_parts(writers, staging, "model", groups,
                                        part_bytes=CHECKPOINT_PART_BYTES)
     records.update(part_records)
     return records, skeleton, [_MODEL] + parts
 
 
-def load(engine, load_dir, *, tag, strict: bool, load_optimizer: bool, load_scheduler: bool,
-         module_only: bool):
-    """Restore ``engine`` from a checkpoint; returns ``(path, client_state)``.
+def load(parts: Stateful, place: Placement, load_dir, *, tag, strict: bool, load_optimizer: bool,
+         load_scheduler: bool, module_only: bool):
+    """Restore ``parts`` from a checkpoint, this rank reading what ``place`` says it holds;
+    returns ``(path, client_state)``.
 
     Like DeepSpeed, asking for the latest checkpoint of a directory that has none is not
     an error: a warning is logged and ``(None, None)`` returned, so "resume if possible"
     scripts work. Anything wrong with a checkpoint that does exist raises CheckpointError;
     what is read is checked against this model and layout before anything is loaded.
     """
+    path = _resolve(load_dir, tag)
+    if path is None:
+        return None, None
+    manifest = ckpt.read_manifest(path)
+    load_optimizer = load_optimizer and not module_only and parts.optimizer is not None
+    if load_optimizer and "optimizer" not in manifest["skeletons"]:
+        raise CheckpointError(f"{path} holds no optimizer state (it was saved without an optimizer); load "
+                              "with load_optimizer_states=False")
+    where = f"checkpoint {path} (saved at {_saved_layout(manifest)})"
+    module_state = _read_module_state(path, manifest, place, where=where)
+    saved_optimizer = _read_optimizer_state(path, manifest, place, where=where) if load_optimizer else None
+    engine_state = ckpt.unflatten_state(ckpt.read_tensors(path, _ENGINE, manifest=manifest),
+                                        manifest["skeletons"]["engine_state"])
+    _load_module(parts.module, module_state, strict=strict)
+    del module_state
+    parts.client.load_state_dict(engine_state["client_state"])
+    if not module_only:
+        if saved_optimizer is not None:
+            parts.optimizer.load_state_dict(saved_optimizer)
+            del saved_optimizer
+            _load_optimizer_rank_state(parts.optimizer, path, manifest, place.global_rank)
+        _load_engine_state(parts, engine_state, load_scheduler=load_scheduler)
+        _load_counters(parts, manifest)
+        _load_rng(parts, path, manifest, place.global_rank)
+    return str(path), parts.client.state_dict()
+
+
+def _resolve(load_dir, tag) -> Path | None:
+    """The checkpoint directory to load; None (with a warning) for no ``latest`` file."""
     if tag is None and not (Path(load_dir) / "latest").is_file():
         logger.warning("no 'latest' file in %s: nothing to resume from, starting fresh "
                        "(pass tag= to load a specific checkpoint)", load_dir)
-        return None, None
-    tag = ckpt.resolve_tag(load_dir, tag)
-    path = Path(load_dir) / tag
-    manifest = ckpt.read_manifest(path)
-    skeletons = manifest["skeletons"]
-    load_optimizer = load_optimizer and not module_only and engine.optimizer is not None
-    if load_optimizer and "optimizer" not in skeletons:
-        raise CheckpointError(f"{path} holds no optimizer state (it was saved without an optimizer); load "
-                              "with load_optimizer_states=False")
-    # mapped, not read: each rank copies out only its slices and shards
-    splits = tensor_splits(engine)
-    where = f"checkpoint {path} (saved at {_saved_layout(manifest)})"
-    module_state = ckpt_layout.read_module_state(path, manifest, mmap=True)
-    if engine.grid.pipe > 1:  # this stage's layers (see [Note: pipeline stages in checkpoints])
-        held = engine.module.state_dict(keep_vars=True)
-        module_state = {k: v for k, v in module_state.items() if k in held}
-    module_state = _module_to_layout(engine, module_state, splits, where=where)
-    saved_optimizer = None
-    if load_optimizer:
-        saved = ckpt_layout.read_optimizer_state(path, manifest, mmap=True)
-        saved = _this_stage_only(engine, saved, (n for n, _ in engine.module.named_parameters()))
-        saved_optimizer = _optimizer_to_layout(engine, saved, splits, where=where)
-    engine_state = ckpt.unflatten_state(ckpt.read_tensors(path, _ENGINE, manifest=manifest),
-                                        skeletons["engine_state"])
-    result = engine.strategy.load_module_state_dict(module_state, strict=strict)
-    del module_state
+        return None
+    return Path(load_dir) / ckpt.resolve_tag(load_dir, tag)
+
+
+def _read_module_state(path: Path, manifest: dict, place: Placement, *, where: str) -> dict:
+    """The module state this rank loads: its stage's keys, its tensor-parallel slices
+    (mapped, not read: each rank copies out only its slices and shards)."""
+    state = ckpt_layout.read_module_state(path, manifest, mmap=True)
+    return _module_to_layout(place.stage_module_state(state), place, where=where)
+
+
+def _read_optimizer_state(path: Path, manifest: dict, place: Placement, *, where: str) -> dict:
+    """The named optimizer state this rank loads: its stage's parameters', sliced."""
+    saved = ckpt_layout.read_optimizer_state(path, manifest, mmap=True)
+    return _optimizer_to_layout(place.stage_optimizer_state(saved), place, where=where)
+
+
+def _load_module(module: ModuleState, state: dict, *, strict: bool) -> None:
+    result = module.load_state_dict(state, strict=strict)
     if not strict and (result.missing_keys or result.unexpected_keys):
         logger.warning("checkpoint loaded non-strictly: missing %s, unexpected %s",
                        result.missing_keys, result.unexpected_keys)
-    if module_only:
-        return str(path), engine_state["client_state"]
-    if saved_optimizer is not None:
-        engine.strategy.load_optimizer_state_by_name(saved_optimizer)
-        del saved_optimizer
-        _load_optimizer_rank_state(engine, path, manifest)
-    if load_scheduler and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
-    if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(engine_state["loss_scaler"])
-    engine.global_steps = manifest["global_steps"]
-    engine.global_samples = manifest["global_samples"]
-    # the accumulation window restarts at a step boundary, whatever the saved layout's
-    # accumulation steps were (a different world size changes them)
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    engine.skipped_steps = manifest["skipped_steps"]
-    rank = engine.grid.global_rank
-    rng_name = _rng_file(rank)
-    if rng_name in manifest.get("files", {}):
-        rng = ckpt.unflatten_state(ckpt.read_tensors(path, rng_name, manifest=manifest), skeletons["rng"][str(rank)])
-        ckpt.restore_rng_state(rng)
-    else:
-        logger.warning("checkpoint %s has no RNG state for rank %d (saved at %s); random streams start fresh",
-                       path, rank, _saved_layout(manifest))
-    return str(path), engine_state["client_state"]
 
 
-def _load_optimizer_rank_state(engine, path: Path, manifest: dict) -> None:
+def _load_optimizer_rank_state(optimizer: OptimizerState, path: Path, manifest: dict, rank: int) -> None:
     """Give the optimizer back this rank's own state (``optimizer_rank<R>``), or an empty
     dict when the checkpoint has none for this rank or comes from another data-parallel
     world size (the optimizer starts that state afresh and says so)."""
-    if not hasattr(engine.optimizer, "load_rank_state_dict"):
+    if not optimizer.takes_rank_state:
         return
-    rank = engine.grid.global_rank
     name = _optimizer_rank_file(rank)
     skeleton = manifest["skeletons"].get("optimizer_rank", {}).get(str(rank))
     if skeleton is None or name not in manifest.get("files", {}):
-        engine.optimizer.load_rank_state_dict({})
+        optimizer.load_rank_state_dict({})
     else:  # the state names the world size it belongs to; the optimizer checks it
-        engine.optimizer.load_rank_state_dict(
-            ckpt.unflatten_state(ckpt.read_tensors(path, name, manifest=manifest), skeleton))
+        optimizer.load_rank_state_dict(ckpt.unflatten_state(ckpt.read_tensors(path, name, manifest=manifest), skeleton))
+
+
+def _load_engine_state(parts: Stateful, engine_state: dict, *, load_scheduler: bool) -> None:
+    """The scheduler (unless ``load_scheduler`` is False) and the loss scaler, where both
+    the engine and the checkpoint have one."""
+    if load_scheduler and parts.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
+        parts.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+    if parts.loss_scaler is not None and engine_state["loss_scaler"] is not None:
+        parts.loss_scaler.load_state_dict(engine_state["loss_scaler"])
+
+
+def _load_counters(parts: Stateful, manifest: dict) -> None:
+    """The saved counters, but the accumulation window restarts at a step boundary,
+    whatever the saved layout's accumulation steps were (a different world size changes
+    them)."""
+    saved = {name: manifest[name] for name in parts.counters.state_dict()}
+    parts.counters.load_state_dict({**saved, "micro_steps": saved["global_steps"] * parts.accumulation_steps})
+
+
+def _load_rng(parts: Stateful, path: Path, manifest: dict, rank: int) -> None:
+    name = _rng_file(rank)
+    if name not in manifest.get("files", {}):
+        logger.warning("checkpoint %s has no RNG state for rank %d (saved at %s); random streams start fresh",
+                       path, rank, _saved_layout(manifest))
+        return
+    parts.rng.load_state_dict(ckpt.unflatten_state(ckpt.read_tensors(path, name, manifest=manifest),
+                                                   manifest["skeletons"]["rng"][str(rank)]))
 
 
 def _saved_layout(manifest: dict) -> str:
@@ -453,41 +424,34 @@ def _saved_layout(manifest: dict) -> str:
             f"{layout.get('tp_degree', 1)}" + (f" x pipe {pipe}" if pipe > 1 else ""))
 
 
-def _engine_layout(engine) -> str:
-    grid = engine.grid
-    return (f"ZeRO stage {engine.train_config.zero.stage}, data {grid.data} x tensor {grid.tensor}"
-            + (f" x pipe {grid.pipe}" if grid.pipe > 1 else ""))
-
-
-def _module_to_layout(engine, state: dict, splits: dict[str, TensorSplit], *, where: str) -> dict:
+def _module_to_layout(state: dict, place: Placement, *, where: str) -> dict:
     """``state`` (full tensors by state-dict key) with each tensor-parallel parameter's
     value cut to this rank's slice (a view where the slice is one); every tensor the model
     holds is checked against its full shape first (see [Note: tensor parallelism in
     checkpoints])."""
-    by_key = _splits_by_key(engine, splits)
+    by_key = place.split_by_key
     out, problems = dict(state), []
-    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+    for key, (_, expected) in place.keys.items():
         if key not in state:
             continue
         split = by_key.get(key)
-        expected = split.stored_shape if split is not None else tuple(getattr(tensor, "ds_shape", tensor.shape))
-        if tuple(state[key].shape) != tuple(expected):
+        if tuple(state[key].shape) != expected:
             problems.append(_mismatch(key, state[key], expected, split))
         elif split is not None:
             out[key] = split.slice_of(state[key])
-    _raise_mismatches(engine, problems, where)
+    _raise_mismatches(place, problems, where)
     return out
 
 
-def _optimizer_to_layout(engine, saved: dict, splits: dict[str, TensorSplit], *, where: str) -> dict:
+def _optimizer_to_layout(saved: dict, place: Placement, *, where: str) -> dict:
     """The named optimizer state with each tensor-parallel parameter's per-element state
     and master cut to this rank's slice, shapes checked first."""
-    if not splits:
+    if not place.splits:
         return saved
     state = {name: dict(entry) for name, entry in saved["state"].items()}
     master = dict(saved.get("master", {}))
     problems = []
-    for name, split in splits.items():
+    for name, split in place.splits.items():
         values = [(state[name], key) for key in state.get(name, {})] + ([(master, name)] if name in master else [])
         for holder, key in values:
             value = holder[key]
@@ -498,7 +462,7 @@ def _optimizer_to_layout(engine, saved: dict, splits: dict[str, TensorSplit], *,
                                           else f"{name} (fp32 master)", value, split.stored_shape, split))
             else:
                 holder[key] = split.slice_of(value)
-    _raise_mismatches(engine, problems, where)
+    _raise_mismatches(place, problems, where)
     return {**saved, "state": state, "master": master}
 
 
@@ -507,112 +471,19 @@ def _mismatch(what: str, value: torch.Tensor, expected, split: TensorSplit | Non
     return f"{what}: stored {list(value.shape)}, this model's full tensor is {list(expected)}{held}"
 
 
-def _raise_mismatches(engine, problems: list[str], where: str) -> None:
+def _raise_mismatches(place: Placement, problems: list[str], where: str) -> None:
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CheckpointError(
-            f"{where} does not fit this model at {_engine_layout(engine)}: {shown}. A checkpoint stores full tensors, "
+            f"{where} does not fit this model at {place.describe()}: {shown}. A checkpoint stores full tensors, "
             "so any ZeRO stage and data x tensor layout loads it, but the model must have the same sizes; nothing "
             "was loaded")
 
 
-def save_16bit_model(engine, save_dir, save_filename: str) -> bool:
-    """Write the module's state_dict (in its training dtype) to one file on rank 0.
-
-    ``.safetensors`` names get a safetensors file, written a piece at a time (at stage 3
-    a unit at a time: only one unit is ever gathered); anything else (DeepSpeed's default
-    ``pytorch_model.bin``) a ``torch.save`` file, which is what Hugging Face loaders read
-    and which needs the whole state on rank 0. Tensor-parallel parameters are gathered
-    over the tensor group into their full tensors (see [Note: tensor parallelism in
-    checkpoints]); a pipeline's stages are all-gathered into the whole model's state dict
-    (see [Note: pipeline stages in checkpoints]). Collective: every rank calls it.
-    """
-    writers, strategy = Writers.of(engine), engine.strategy
-    by_key = _splits_by_key(engine, tensor_splits(engine))
-    path = Path(save_dir) / save_filename
-    tmp = path.with_name(f".{path.name}.tmp")
-    writer = writers.rank == 0
-    if writer:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    if writers.stages > 1:
-        state = full_module_state(engine, strategy.module_state_dict())
-        if writer:
-            state = {k: v.detach().cpu().clone() for k, v in state.items()}
-            if path.suffix == ".safetensors":
-                safetensors.torch.save_file(state, str(tmp), metadata={"format": "pt"})
-            else:
-                torch.save(state, tmp)
-    elif path.suffix == ".safetensors":
-        current = engine.module.state_dict(keep_vars=True)
-        entries = [(k, v.dtype, list(by_key[k].stored_shape if k in by_key else getattr(v, "ds_shape", v.shape)))
-                   for k, v in current.items()]
-        prefix, offsets, _ = ckpt.tensor_file_layout(entries)
-        if writer:
-            with open(tmp, "wb") as handle:
-                handle.write(prefix)
-        for piece in strategy.module_state_pieces():
-            for key, tensor in _gather_slices(writers, piece, by_key).items():
-                if writer:
-                    ckpt.write_into(tmp, offsets[key], tensor)
-    else:
-        state = {}
-        for piece in strategy.module_state_pieces():
-            piece = _gather_slices(writers, piece, by_key)
-            if writer:
-                state.update({k: v.detach().cpu().clone() for k, v in piece.items()})
-        if writer:
-            torch.save(state, tmp)
-    if writer:
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        tmp.replace(path)
-    writers.barrier(tag="save_16bit_model")
-    return True
-
-
-def _gather_slices(writers: Writers, state: dict, by_key: dict[str, TensorSplit]) -> dict:
-    """``state`` with each tensor-parallel slice replaced by its full tensor, all-gathered
-    over the tensor group (collective there: every tensor rank passes the same keys)."""
-    if not by_key:
+def module_state_for_layout(state: dict, place: Placement) -> dict:
+    """A full state dict (``load_module_state_dict``'s) cut to this rank's stage and
+    tensor-parallel slices, shapes checked as a checkpoint load checks them."""
+    state = place.stage_module_state(state)
+    if not place.splits:
         return state
-    out = {}
-    for key, tensor in state.items():
-        split = by_key.get(key)
-        if split is None:
-            out[key] = tensor
-            continue
-        local = tensor.detach().contiguous().reshape(-1)
-        gathered = torch.empty(writers.tensor_size * local.numel(), dtype=local.dtype, device=local.device)
-        writers.tensor.all_gather_into_tensor(gathered, local, tag=f"full tensor of {key}").wait()
-        out[key] = split.full_from(list(gathered.view(writers.tensor_size, -1)))
-    return out
-
-
-def full_module_state(engine, state: dict) -> dict:
-    """``engine.module_state_dict()``'s result with full tensors for tensor-parallel
-    parameters (collective over the tensor group) and, in a pipeline, every stage's
-    layers in stage order (all-gathered over the pipe group, on every rank, in host
-    memory; a tied weight once)."""
-    writers = Writers.of(engine)
-    state = _gather_slices(writers, state, _splits_by_key(engine, tensor_splits(engine)))
-    if writers.pipe is None:
-        return state
-    mine = {k: v.detach().cpu() for k, v in state.items()}
-    stages = writers.pipe.all_gather_object(mine, tag="module state dict of every stage")
-    merged = {}
-    for stage_state in stages:
-        for key, value in stage_state.items():
-            merged.setdefault(key, value)
-    return merged
-
-
-def module_state_for_layout(engine, state: dict) -> dict:
-    """A full state dict (``load_module_state_dict``'s) cut to this rank's tensor-parallel
-    slices, shapes checked as a checkpoint load checks them."""
-    if engine.grid.pipe > 1:  # this stage's layers of a whole model's state dict
-        held = engine.module.state_dict(keep_vars=True)
-        state = {k: v for k, v in state.items() if k in held}
-    splits = tensor_splits(engine)
-    if not splits:
-        return state
-    return _module_to_layout(engine, state, splits, where="the state dict given to load_module_state_dict")
+    return _module_to_layout(state, place, where="the state dict given to load_module_state_dict")

@@ -19,9 +19,12 @@ from shardwise.comm import comms_logger_from_config
 from shardwise.monitor import MonitorMaster
 from shardwise.parallel import ParallelGrid
 from shardwise.precision import LossScaler, PrecisionPolicy
-from shardwise.runtime import _checkpointing
+from shardwise.runtime import _checkpointing, _full_state
+from shardwise.runtime._checkpoint_state import ClientState, ModuleState, OptimizerState, Stateful
+from shardwise.runtime._counters import StepCounters, counter
 from shardwise.runtime._deepspeed_names import DeepSpeedNames
 from shardwise.runtime._offload_states import StateOffloader
+from shardwise.runtime._placement import placement
 from shardwise.runtime._progress import ProgressReporter
 from shardwise.runtime.data import deepspeed_io
 # imported here also so that ``deepspeed.runtime.lr_schedules`` is an attribute after
@@ -75,10 +78,7 @@ class Engine(DeepSpeedNames, nn.Module):
             self.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped
         self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
                                     if training_data is not None else None)
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters()
         self._boundary_override: bool | None = None
         self._no_sync = False
         self._last_result: StepResult | None = None
@@ -89,6 +89,11 @@ class Engine(DeepSpeedNames, nn.Module):
         self._progress = ProgressReporter(self, enabled=grid.global_rank == 0)
         self.strategy.timer = self._progress.timer
         self._offloader = StateOffloader(self.strategy, get_accelerator().device())
+
+    global_steps = counter("global_steps")
+    global_samples = counter("global_samples")
+    micro_steps = counter("micro_steps")
+    skipped_steps = counter("skipped_steps")
 
     # -- construction ---------------------------------------------------------------------
 
@@ -272,23 +277,35 @@ class Engine(DeepSpeedNames, nn.Module):
                         exclude_frozen_parameters=False):
         """Save module, optimizer, scheduler, scaler, counters, RNG and ``client_state``
         under ``save_dir/tag`` (default tag ``global_step<N>``). Collective: call on every rank."""
-        return _checkpointing.save(self, save_dir, tag=tag, client_state=client_state or {},
-                                   save_latest=save_latest)
+        return _checkpointing.save(self._stateful(client_state or {}), self._placement(), save_dir, tag=tag,
+                                   save_latest=save_latest,
+                                   tag_validation=self.train_config.checkpoint.tag_validation)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False):
         """Load a checkpoint saved by :meth:`save_checkpoint`; returns ``(path, client_state)``."""
-        return _checkpointing.load(self, load_dir, tag=tag, strict=load_module_strict,
+        return _checkpointing.load(self._stateful(), self._placement(), load_dir, tag=tag, strict=load_module_strict,
                                    load_optimizer=load_optimizer_states and not load_module_only,
                                    load_scheduler=load_lr_scheduler_states and not load_module_only,
                                    module_only=load_module_only)
+
+    def _stateful(self, client_state: dict | None = None) -> Stateful:
+        """What a checkpoint saves and restores (see ``runtime/_checkpoint_state.py``)."""
+        optimizer = OptimizerState(self.strategy, self.optimizer) if self.optimizer is not None else None
+        return Stateful(ModuleState(self.strategy, param_dtype=self.policy.param_dtype), optimizer, self.lr_scheduler,
+                        self.loss_scaler, self.counters, self.gradient_accumulation_steps(),
+                        client=ClientState(client_state or {}))
+
+    def _placement(self):
+        """Which names of a checkpoint this rank holds (see ``runtime/_placement.py``)."""
+        return placement(self.module, self.grid, zero_stage=self.train_config.zero.stage)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Save the module's weights in their training dtype (fp16/bf16, or fp32) as one file.
         Collective: call on every rank. For full fp32 weights of a mixed-precision run use
         ``shardwise.checkpoint.consolidate`` (or ``shardwise convert``) on a checkpoint."""
         del exclude_frozen_parameters
-        return _checkpointing.save_16bit_model(self, save_dir, save_filename)
+        return _full_state.save_16bit_model(self._stateful().module, self._placement(), save_dir, save_filename)
 
     save_fp16_model = save_16bit_model
 
@@ -297,7 +314,7 @@ class Engine(DeepSpeedNames, nn.Module):
         tensor parallelism, whose slices are gathered into the full tensors, as in the model
         without it)."""
         del destination, keep_vars
-        state = _checkpointing.full_module_state(self, self.strategy.module_state_dict())
+        state = _full_state.full_module_state(self.strategy.module_state_dict(), self._placement())
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
@@ -311,7 +328,7 @@ class Engine(DeepSpeedNames, nn.Module):
         parameters at stage 3) and the fp32 masters are refreshed from the result. Under
         tensor parallelism the full tensors are cut to this rank's slices first. Returns
         None, as DeepSpeed's does."""
-        state = _checkpointing.module_state_for_layout(self, checkpoint["module"])
+        state = _checkpointing.module_state_for_layout(checkpoint["module"], self._placement())
         if custom_load_fn is None:
             result = self.strategy.load_module_state_dict(state, strict=strict and allowed_missing_keys is None)
             unexpected_missing = set(result.missing_keys) - set(allowed_missing_keys or ())

@@ -1,0 +1,114 @@
+"""The whole model's state dict from this rank's sharded, tensor-sliced, single-stage
+one: ``engine.module_state_dict()`` and ``save_16bit_model``, functions of the module's
+stateful part and the ``Placement`` (see [Note: tensor parallelism in checkpoints] and
+[Note: pipeline stages in checkpoints] in ``_checkpointing.py``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from shardwise import checkpoint as ckpt
+from shardwise.checkpoint import TensorSplit
+from shardwise.runtime._checkpoint_parts import Writers
+from shardwise.runtime._checkpoint_state import ModuleState
+from shardwise.runtime._placement import Placement
+
+
+def save_16bit_model(module: ModuleState, place: Placement, save_dir, save_filename: str) -> bool:
+    """Write the module's state_dict (in its training dtype) to one file on rank 0.
+
+    ``.safetensors`` names get a safetensors file, written a piece at a time (at stage 3
+    a unit at a time: only one unit is ever gathered); anything else (DeepSpeed's default
+    ``pytorch_model.bin``) a ``torch.save`` file, which is what Hugging Face loaders read
+    and which needs the whole state on rank 0. Tensor-parallel parameters are gathered
+    over the tensor group into their full tensors (see [Note: tensor parallelism in
+    checkpoints]); a pipeline's stages are all-gathered into the whole model's state dict
+    (see [Note: pipeline stages in checkpoints]). Collective: every rank calls it.
+    """
+    writers = place.writers
+    path = Path(save_dir) / save_filename
+    tmp = path.with_name(f".{path.name}.tmp")
+    writer = writers.rank == 0
+    if writer:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if writers.stages > 1:
+        state = full_module_state(module.state_dict(), place)
+        if writer:
+            _save_whole({k: v.detach().cpu().clone() for k, v in state.items()}, tmp, path.suffix)
+    elif path.suffix == ".safetensors":
+        _save_safetensors_by_piece(module, place, tmp)
+    else:
+        state = {}
+        for piece in module.pieces():
+            piece = _gather_slices(writers, piece, place.split_by_key)
+            if writer:
+                state.update({k: v.detach().cpu().clone() for k, v in piece.items()})
+        if writer:
+            torch.save(state, tmp)
+    if writer:
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    writers.barrier(tag="save_16bit_model")
+    return True
+
+
+def _save_whole(state: dict, tmp: Path, suffix: str) -> None:
+    if suffix == ".safetensors":
+        safetensors.torch.save_file(state, str(tmp), metadata={"format": "pt"})
+    else:
+        torch.save(state, tmp)
+
+
+def _save_safetensors_by_piece(module: ModuleState, place: Placement, tmp: Path) -> None:
+    """Rank 0 writes the file's header, then each piece's full tensors into place."""
+    writer = place.writers.rank == 0
+    by_key = place.split_by_key
+    prefix, offsets, _ = ckpt.tensor_file_layout([(k, dtype, list(shape)) for k, (dtype, shape) in place.keys.items()])
+    if writer:
+        with open(tmp, "wb") as handle:
+            handle.write(prefix)
+    for piece in module.pieces():
+        for key, tensor in _gather_slices(place.writers, piece, by_key).items():
+            if writer:
+                ckpt.write_into(tmp, offsets[key], tensor)
+
+
+def _gather_slices(writers: Writers, state: dict, by_key: dict[str, TensorSplit]) -> dict:
+    """``state`` with each tensor-parallel slice replaced by its full tensor, all-gathered
+    over the tensor group (collective there: every tensor rank passes the same keys)."""
+    if not by_key:
+        return state
+    out = {}
+    for key, tensor in state.items():
+        split = by_key.get(key)
+        if split is None:
+            out[key] = tensor
+            continue
+        local = tensor.detach().contiguous().reshape(-1)
+        gathered = torch.empty(writers.tensor_size * local.numel(), dtype=local.dtype, device=local.device)
+        writers.tensor.all_gather_into_tensor(gathered, local, tag=f"full tensor of {key}").wait()
+        out[key] = split.full_from(list(gathered.view(writers.tensor_size, -1)))
+    return out
+
+
+def full_module_state(state: dict, place: Placement) -> dict:
+    """A module state dict (``ModuleState.state_dict()``'s) with full tensors for
+    tensor-parallel parameters (collective over the tensor group) and, in a pipeline,
+    every stage's layers in stage order (all-gathered over the pipe group, on every rank,
+    in host memory; a tied weight once)."""
+    writers = place.writers
+    state = _gather_slices(writers, state, place.split_by_key)
+    if writers.pipe is None:
+        return state
+    mine = {k: v.detach().cpu() for k, v in state.items()}
+    stages = writers.pipe.all_gather_object(mine, tag="module state dict of every stage")
+    merged = {}
+    for stage_state in stages:
+        for key, value in stage_state.items():
+            merged.setdefault(key, value)
+    return merged
