@@ -6,7 +6,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import shardwise
 from shardwise.runtime.engine import Engine
@@ -24,19 +23,12 @@ class _Wrapped(TinyMLP):
 
 
 @pytest.fixture
-def engine(tmp_path):
-    """A one-rank engine over a file-store process group that the test leaves as it found it."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        built, *_ = shardwise.initialize(model=_Wrapped(), dist_init_required=False, config={
-            "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-        yield built
-    finally:
-        if started:
-            dist.destroy_process_group()
+def engine(one_rank_group):
+    """A one-rank engine (the process group is destroyed after the test)."""
+    built, *_ = shardwise.initialize(model=_Wrapped(), dist_init_required=False, config={
+        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return built
 
 
 def test_unknown_attributes_come_from_the_module(engine):
