@@ -79,7 +79,7 @@ class DeepSpeedConfig:
         return self.config.gradient_clipping
 
     @property
-    def steps_per_print(self) -> int:
+    def steps_per_print(self) -> int | None:
         return self.config.steps_per_print
 
     @property
