@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shardwise.ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer
 

@@ -21,8 +21,8 @@ from shardwise.module_inject import replace_policy
 from shardwise.runtime.config import LAMB_OPTIMIZER, DeepSpeedConfig
 from shardwise.tensor_parallel.policies import POLICIES
 
-REACHABLE = [line.strip() for line in Path(__file__).with_name("deepspeed_import_reachable.txt").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+_LISTED = Path(__file__).with_name("deepspeed_import_reachable.txt").read_text().splitlines()
+REACHABLE = [line.strip() for line in _LISTED if line.strip() and not line.startswith("#")]
 
 _PROBE = """
 import json, os, sys
