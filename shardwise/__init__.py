@@ -17,16 +17,16 @@ from shardwise.inference import InferenceEngine, init_inference
 from shardwise.ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer
 from shardwise.pipe import PipelineModule
 from shardwise.pipe.engine import PipelineEngine
-from shardwise.runtime.config import DeepSpeedConfig
+from shardwise.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from shardwise.runtime.engine import DeepSpeedEngine, Engine
 from shardwise.utils import OnDevice, log_dist, logger
 from shardwise.version import __version__
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedTransformerConfig", "DeepSpeedTransformerLayer", "Engine",
-           "InferenceEngine", "OnDevice", "PipelineEngine", "PipelineModule", "__version__", "add_config_arguments",
-           "checkpointing", "comm", "get_accelerator", "inference", "init_distributed", "init_inference",
-           "initialize", "install_as_deepspeed", "log_dist", "logger", "module_inject", "moe", "monitor", "ops",
-           "pipe", "profiling", "tp_model_init", "utils", "zero"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "DeepSpeedTransformerConfig",
+           "DeepSpeedTransformerLayer", "Engine", "InferenceEngine", "OnDevice", "PipelineEngine", "PipelineModule",
+           "__version__", "add_config_arguments", "checkpointing", "comm", "get_accelerator", "inference",
+           "init_distributed", "init_inference", "initialize", "install_as_deepspeed", "log_dist", "logger",
+           "module_inject", "moe", "monitor", "ops", "pipe", "profiling", "tp_model_init", "utils", "zero"]
 
 _DEEPSPEED_SUBMODULES = ("checkpoint.utils", "profiling.flops_profiler.profiler", "runtime.dataloader", "runtime.fp16",
                          "runtime.pipe.engine", "runtime.pipe.module", "runtime.pipe.topology", "runtime.utils")

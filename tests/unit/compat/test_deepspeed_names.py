@@ -13,7 +13,7 @@ NAMES = {
     "": ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfig",
          "__version__", "zero", "ops", "comm", "utils", "checkpointing", "moe", "tp_model_init", "init_inference",
          "InferenceEngine", "get_accelerator", "OnDevice", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
-         "PipelineModule", "PipelineEngine", "log_dist", "logger", "module_inject", "pipe"],
+         "PipelineModule", "PipelineEngine", "log_dist", "logger", "module_inject", "pipe", "DeepSpeedConfigError"],
     "inference.config": ["DeepSpeedInferenceConfig"],
     "inference.engine": ["InferenceEngine"],
     "zero": ["Init", "GatheredParameters", "register_external_parameter"],
