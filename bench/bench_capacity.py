@@ -83,7 +83,7 @@ def trial(args) -> None:
         import shardwise
         tier = "cpu" if args.variant == "offload-cpu" else "nvme"
         where = {"device": tier, "nvme_path": args.swap}
-        ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch,
+        ds_config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": args.micro_batch,
                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                      "zero_optimization": {"stage": 3, "offload_optimizer": where,
                                            "offload_param": {**where, "max_in_cpu": 0},

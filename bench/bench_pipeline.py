@@ -129,7 +129,8 @@ def worker(args) -> None:
     rank = int(os.environ["RANK"])
     acc: dict[str, float] = defaultdict(float)
     system, _, schedule = args.variant.partition("@")[0].partition("-")
-    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.micro_batches,
+    config = {"gradient_clipping": 0.0,
+              "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.micro_batches,
               "train_batch_size": args.micro_batch * args.micro_batches, "steps_per_print": 10 ** 9,
               "wall_clock_breakdown": False}
     if system == "deepspeed":

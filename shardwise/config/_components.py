@@ -153,8 +153,9 @@ class OffloadOptimizerConfig:
     buffer_count: int = 4
     """Sub-group buffers of optimizer state in memory at once (nvme): at least 2 lets the
     next sub-group's read overlap the current one's step."""
-    pin_memory: bool = False
-    """Page-locked CPU buffers (faster host-device copies; CUDA only)."""
+    pin_memory: bool = True
+    """Page-locked CPU buffers (faster host-device copies; CUDA only, ignored on the CPU).
+    True when not set, as in DeepSpeed 0.19.8."""
     pipeline_read: bool = False
     """Accepted for compatibility: reads are always overlapped with the step."""
     pipeline_write: bool = False
@@ -193,8 +194,9 @@ class OffloadParamConfig:
     """Elements per parameter buffer (nvme)."""
     max_in_cpu: int = 1_000_000_000
     """Parameter elements kept in CPU memory when device is nvme."""
-    pin_memory: bool = False
-    """Page-locked CPU buffers (CUDA only)."""
+    pin_memory: bool = True
+    """Page-locked CPU buffers (CUDA only, ignored on the CPU). True when not set, as in
+    DeepSpeed 0.19.8."""
 
     def __post_init__(self) -> None:
         _check_offload_common("zero_optimization.offload_param", self)

@@ -28,10 +28,12 @@ class TrainConfig:
     """bf16 mixed precision."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """ZeRO partitioning."""
-    gradient_clipping: float = 0.0
-    """Clip gradients to this global norm (0: no clipping)."""
-    steps_per_print: int | None = 10
-    """Print a progress line every this many optimizer steps (None: never)."""
+    gradient_clipping: float = 1.0
+    """Clip gradients to this global norm (0: no clipping). 1.0 when not set, as in DeepSpeed
+    0.19.8 (older DeepSpeed releases did not clip by default)."""
+    steps_per_print: int | None = None
+    """Print a progress line every this many optimizer steps (None, DeepSpeed 0.19.8's
+    default: never)."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step (synchronising the device) and print the split."""
     prescale_gradients: bool = False

@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
-from shardwise.config import load_config
+from shardwise.config import ConfigError, load_config
+
+DeepSpeedConfigError = ConfigError
+"""DeepSpeed's name for a config error."""
+
+# DeepSpeed's optimizer type names (``optimizer.type``, compared lower-case)
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+LION_OPTIMIZER = "lion"
+
+
+def _data_parallel_size(mpu, mesh_device) -> int:
+    """The data-parallel size the batch triangle is resolved for, as DeepSpeed finds it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 1
+    if mpu is not None:
+        if not hasattr(mpu, "get_data_parallel_world_size"):
+            raise ValueError(f"DeepSpeedConfig(mpu=...): {type(mpu).__name__} has no get_data_parallel_world_size(); "
+                             "pass a Megatron-style mpu or a shardwise ParallelGrid")
+        return mpu.get_data_parallel_world_size()
+    if mesh_device is not None:
+        return dist.get_world_size(mesh_device.get_group(mesh_dim="data_parallel"))
+    return dist.get_world_size()
 
 
 class DeepSpeedConfig:
@@ -10,18 +36,13 @@ class DeepSpeedConfig:
 
     Args:
         config: a dict or the path of a DeepSpeed-style JSON file.
-        mpu: must be None (model parallelism is not built yet).
-        mesh_device: accepted for DeepSpeed compatibility (must be None).
+        mpu: a Megatron-style model-parallel unit (or a ``ParallelGrid``): the batch sizes
+            are resolved over its data-parallel size instead of the world size.
+        mesh_device: a ``DeviceMesh`` with a ``"data_parallel"`` dimension, used the same way.
     """
 
     def __init__(self, config, mpu=None, mesh_device=None):
-        if mpu is not None or mesh_device is not None:
-            raise NotImplementedError("DeepSpeedConfig(mpu=..., mesh_device=...): model parallelism is not "
-                                      "available in this version of shardwise yet")
-        import torch.distributed as dist
-
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.config = load_config(config, world_size=world_size)
+        self.config = load_config(config, world_size=_data_parallel_size(mpu, mesh_device))
         """The shardwise ``TrainConfig``."""
         self._param_dict = dict(self.config.raw)
 
@@ -58,7 +79,7 @@ class DeepSpeedConfig:
         return self.config.gradient_clipping
 
     @property
-    def steps_per_print(self) -> int:
+    def steps_per_print(self) -> int | None:
         return self.config.steps_per_print
 
     @property

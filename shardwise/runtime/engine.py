@@ -362,6 +362,23 @@ class Engine(DeepSpeedNames, nn.Module):
         """Bring back what ``offload_states`` moved, into the same tensors."""
         self._offloader.reload(non_blocking=non_blocking)
 
+    def __getattr__(self, name: str):
+        """Attributes the engine lacks come from the wrapped module, as in DeepSpeed
+        (``engine.config`` is the engine's; ``engine.model`` reaches ``module.model``).
+        Dunder names are not passed through (copy and pickle probe them), and before
+        ``module`` is set nothing is (no recursion while the engine is built)."""
+        try:
+            return super().__getattr__(name)  # nn.Module's parameters, buffers, submodules
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or (name.startswith("__") and name.endswith("__")):
+                raise
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"neither the {type(self).__name__} nor its wrapped module "
+                                 f"({type(module).__name__}) has an attribute {name!r}") from None
+
     def __repr__(self) -> str:  # the module repr is long; keep the engine's short
         return (f"Engine(zero_stage={self.train_config.zero.stage}, dtype={self.policy.param_dtype}, "
                 f"dp_world_size={self.comm.world_size}, module={type(self.module).__name__})")

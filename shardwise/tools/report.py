@@ -49,13 +49,14 @@ def collect() -> list[tuple[str, str]]:
     optional = [("tensorboard", "tensorboard", "TensorBoard monitor (pip install tensorboard)"),
                 ("wandb", "wandb", "Weights & Biases monitor (pip install wandb)"),
                 ("transformers", "transformers", "Hugging Face models (pip install transformers)"),
-                ("triton", "triton", "GPU kernels for sparse attention (ships with CUDA torch)"),
+                ("triton", "triton", "compiles sparse attention's FlexAttention kernels on CUDA (ships with "
+                 "CUDA torch)"),
                 ("safetensors", "safetensors", "checkpoint files (required)")]
     for name, module, purpose in optional:
         version = _version(module)
         rows.append((name, version if version else f"not installed: {purpose}"))
-    rows.append(("ZeRO stages", "0-3; optimizer offload to CPU or NVMe at stages 1-3 "
-                 "(parameter offload not yet)"))
+    rows.append(("ZeRO stages", "0-3; optimizer offload to CPU or NVMe at stages 1-3, parameter offload "
+                 "to CPU or NVMe at stage 3"))
     for tool in ("ssh", "pdsh", "srun", "mpirun"):
         rows.append((f"launcher: {tool}", shutil.which(tool) or "not found"))
     return rows

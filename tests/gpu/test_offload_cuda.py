@@ -73,7 +73,7 @@ def test_forward_and_backward_with_offload_never_wait_for_the_gpu(stage):
     (see [Note: stream-ordered waits]). torch's sync debug mode raises at any call that
     would make the Python thread wait for the GPU."""
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
                                     "offload_optimizer": {"device": "cpu", "pin_memory": True}}}

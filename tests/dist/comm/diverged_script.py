@@ -24,6 +24,7 @@ zero = {"stage": args.stage}
 if args.offload:
     zero["offload_optimizer"] = {"device": "cpu"}
 engine, _, _, _ = shardwise.initialize(model=TinyMLP(), config={
+    "gradient_clipping": 0.0,
     "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
     "zero_optimization": zero, "comm": {"timeout_s": args.timeout_s}, "steps_per_print": 1000})
 steps = args.steps + (1 if rank == world - 1 else 0)

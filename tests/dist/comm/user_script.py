@@ -32,6 +32,7 @@ atexit.register(lambda: print(f"rank {rank} passed the exit barrier", flush=True
 dist.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.group_timeout_s))
 if args.engine_timeout_s is not None:
     shardwise.initialize(model=TinyMLP(), config={
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "comm": {"timeout_s": args.engine_timeout_s}, "steps_per_print": 1000})
 in_step = torch.ones(4)

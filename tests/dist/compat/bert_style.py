@@ -50,7 +50,8 @@ def main():
     parser.add_argument("--offload", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+    config = {"gradient_clipping": 0.0,
+              "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "stage3_gather_16bit_weights_on_model_save": True}}

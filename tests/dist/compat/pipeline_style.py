@@ -49,7 +49,8 @@ def main():
               LayerSpec(nn.Linear, 64, 4)]
     net = PipelineModule(layers=layers, loss_fn=nn.MSELoss(), num_stages=args.pipeline_parallel_size,
                          partition_method="parameters", activation_checkpoint_interval=0, dynamic_shape=False)
-    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 100,
+    config = {"gradient_clipping": 0.0,
+              "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 100,
               "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "pipeline": {"seed_layers": False}}
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, config=config,
                                            model_parameters=[p for p in net.parameters() if p.requires_grad],

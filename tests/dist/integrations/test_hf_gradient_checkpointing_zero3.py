@@ -41,7 +41,7 @@ def _train(rank, stage, checkpoint_kwargs):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
     model.train()
     engine, _, _, _ = shardwise.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+        "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "zero_optimization": {"stage": stage, **(STAGE3_PARTITION_ALL if stage == 3 else {})}})
     generator = torch.Generator().manual_seed(1 + rank)  # per-rank data

@@ -54,7 +54,7 @@ def _train(rank, world_size, kind, build="plain", saved=None):
         optimizer.step()
         optimizer.zero_grad()
     engine, _, _, _ = shardwise.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+        "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
         "optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}})
     losses = []
     for ids in _batches(world_size):

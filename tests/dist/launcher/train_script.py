@@ -23,6 +23,7 @@ sys.stdout.write(f"RANKINFO rank={rank} local_rank={os.environ['LOCAL_RANK']} wo
       f"MY_VAR={os.environ.get('MY_VAR')}\n")
 sys.stdout.flush()
 engine, _, _, _ = shardwise.initialize(model=TinyMLP(), config={
+    "gradient_clipping": 0.0,
     "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
     "steps_per_print": 1000})
 for step, (tokens, targets) in enumerate(token_batches(num_steps=args.steps, batch=2, seed=rank)):

@@ -24,7 +24,8 @@ MEMORY_TAGS = [f"Train/Samples/memory_{name}_MB" for name in ("allocated", "max_
 def _train(rank, world_size, out):
     os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(out / "wandb"), WANDB_SILENT="true")
     (out / "wandb").mkdir(exist_ok=True)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 2,
+    config = {"gradient_clipping": 0.0,
+              "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 2,
               "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
               "fp16": {"enabled": True, "initial_scale_power": 8},
               "zero_optimization": {"stage": 2}, "wall_clock_breakdown": True, "memory_breakdown": True,
@@ -116,7 +117,8 @@ def _pipeline(rank, world_size, out):
 
     model = PipelineModule(pipeline_specs(2, tied=False, vocab=32, width=16), num_stages=2, loss_fn=_pipeline_loss,
                            partition_method="uniform")
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+    config = {"gradient_clipping": 0.0,
+              "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": "pipe"},
               "wall_clock_breakdown": True,
@@ -153,7 +155,8 @@ def test_pipeline_engine_logs_the_batch_loss(tmp_path):
 
 
 def _zero3_offload(rank, world_size, out):
-    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "wall_clock_breakdown": True,
+    config = {"gradient_clipping": 0.0,
+              "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "wall_clock_breakdown": True,
               "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "offload_optimizer": {"device": "nvme", "nvme_path": str(out / "nvme")}},
@@ -191,6 +194,7 @@ def test_a_profile_step_never_reached_is_named_at_exit(tmp_path):
         from shardwise.testing.models import TinyMLP, token_batches
         model = TinyMLP(seed=1)
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config={
+            "gradient_clipping": 0.0,
             "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "flops_profiler": {"enabled": True, "profile_step": 50}})
         for x, y in token_batches(num_steps=2, batch=2):

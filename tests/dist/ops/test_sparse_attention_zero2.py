@@ -67,7 +67,7 @@ def _train(rank, world_size):
         reference = reference_run(SparseLM(layout_seed=100), batches, lr=params["lr"], clip=0.0, optimizer=optimizer)
         model = SparseLM(layout_seed=100 + rank)  # each rank draws its own random blocks
         drawn = model.attention.master_layout.clone()
-        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+        config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
                   "optimizer": {"type": name.replace("adamw", "AdamW").replace("sgd", "SGD"), "params": params},
                   "zero_optimization": {"stage": 2, "reduce_bucket_size": 500}, "sparse_attention": SECTION}
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -22,7 +22,8 @@ MICRO, LR, WD, BETAS, EPS, CLIP = 2, 1e-2, 0.01, (0.9, 0.999), 1e-8, 0.05
 
 
 def _config(freeze_step, gas=1, **extra):
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
+    return {"gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
             "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "weight_decay": WD, "freeze_step": freeze_step}},
             **extra}
 
@@ -162,7 +163,8 @@ def _run(rank, world_size, save_dir):
     # ZeRO stages that partition state refuse a 1-bit optimizer built by the user
     try:
         shardwise.initialize(model=copy.deepcopy(model), optimizer=shardwise.optim.OneBitAdam(
-            copy.deepcopy(model).parameters()), config={"train_micro_batch_size_per_gpu": MICRO,
+            copy.deepcopy(model).parameters()), config={"gradient_clipping": 0.0,
+                                                        "train_micro_batch_size_per_gpu": MICRO,
                                                        "zero_optimization": {"stage": 2}})
         report["zero2"] = "accepted"
     except ValueError as exc:

@@ -39,7 +39,7 @@ def _config(freeze_step, optimizer="OneBitAdam", **extra):
     params = {"lr": LR, key: freeze_step}
     if optimizer == "ZeroOneAdam":  # variance steps 1, 2, 4; local steps after, synchronised every 2nd
         params.update(var_update_scaler=2, local_step_scaler=1, local_step_clipper=2)
-    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+    return {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
             "optimizer": {"type": optimizer, "params": params}, **extra}
 
 

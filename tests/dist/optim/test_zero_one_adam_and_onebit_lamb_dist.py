@@ -63,7 +63,7 @@ def _train(rank, model, batches, optimizer, params):
     a class the test builds); return per-step records, the final parameters and the loss
     on the held-out last batch."""
     model = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000}
+    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000}
     if isinstance(optimizer, str):
         config["optimizer"], optimizer = {"type": optimizer, "params": params}, None
     else:
@@ -89,7 +89,7 @@ def _resume(rank, model, batches, optimizer_type, params, *, save_dir, at, until
     """Train ``at`` steps, save, load into a new engine and train on to step ``until``;
     returns the parameters and whether the optimizer kept the gradients local at each
     step after the load."""
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
               "optimizer": {"type": optimizer_type, "params": params}}
     start = rank * MICRO
     engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=config)

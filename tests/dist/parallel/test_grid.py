@@ -113,7 +113,8 @@ def _train_with_mpu(rank, world_size):
     for stage, gas, clip in CASES:
         if isinstance(stage, str):  # built already partitioned over the mpu's data group
             config_stage = 3
-            with shardwise.zero.Init(mpu=mpu, config_dict_or_path={"train_micro_batch_size_per_gpu": MICRO,
+            with shardwise.zero.Init(mpu=mpu, config_dict_or_path={"gradient_clipping": 0.0,
+                                                                   "train_micro_batch_size_per_gpu": MICRO,
                                                                   "zero_optimization": {"stage": 3}}):
                 model = TinyMLP(seed=3)
             reference_model = TinyMLP(seed=3)  # the same values, whole

@@ -29,6 +29,7 @@ class Stall(nn.Module):
 layers = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.Linear, 8, 8), LayerSpec(Stall)]
 model = PipelineModule(layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method=[0, 1, 3])
 engine, *_ = shardwise.initialize(model=model, config={
+    "gradient_clipping": 0.0,
     "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "comm": {"timeout_s": float(sys.argv[1])},
     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
 data = [(torch.randn(2, 8), torch.randn(2, 8)) for _ in range(12)]

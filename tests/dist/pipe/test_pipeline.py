@@ -295,7 +295,7 @@ def _errors(rank, world_size, failure):
         return None
 
     specs = _specs(2, tied=False)
-    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+    base = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
             "optimizer": {"type": "SGD", "params": {"lr": LR}}}
     out = {
         "stages": error(lambda: PipelineModule(specs, num_stages=3)),
@@ -402,7 +402,8 @@ def _gathers(rank, world_size, keep):
     specs = _specs(4, True)
     model = PipelineModule(specs, num_stages=2, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
                            partition_method="uniform")
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
+    config = {"gradient_clipping": 0.0,
+              "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"keep_gathered": keep},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = shardwise.initialize(model=model, config=config)
@@ -455,6 +456,7 @@ def _backward_halves(rank, world_size, schedule):
     model = PipelineModule(_specs(4, False), num_stages=2, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
                            partition_method="uniform")
     engine, *_ = shardwise.initialize(model=model, config={
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
         "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"schedule": schedule}})
     seen = []

@@ -66,7 +66,8 @@ def _engine(stages: int, world_size: int, zero: int, tied: bool = True):
     model = PipelineModule(_specs(tied), num_stages=stages, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
                            partition_method="uniform")
     dp = world_size // stages
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GBS // (MICRO * dp),
+    config = {"gradient_clipping": 0.0,
+              "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GBS // (MICRO * dp),
               "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}, "steps_per_print": 1000,
               "zero_optimization": {"stage": zero, "reduce_bucket_size": 300,
                                     **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})}}

@@ -45,7 +45,7 @@ def _profile_steps(model, phases, tokens, output_file=None, engine=None):
 
 def _zero3_rank(rank, world_size, output_dir):
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}}
     engine, _, _, _ = shardwise.initialize(model=Model(), config=config)

@@ -11,7 +11,7 @@ from shardwise.checkpoint._format import sha256_file
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 
-CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+CONFIG = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2}}
 
 

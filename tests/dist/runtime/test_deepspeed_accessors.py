@@ -13,7 +13,7 @@ from shardwise.testing.parity import STAGE3_PARTITION_ALL
 
 def _accessors(rank, world_size):
     engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config={
-        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+        "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}})
     out = {"info": engine.get_batch_info(), "zero": (engine.zero_optimization(),

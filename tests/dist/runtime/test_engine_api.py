@@ -10,7 +10,8 @@ from shardwise.config import ConfigError
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 
-BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+BASE = {"gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
 
 
 def _expect_error(exc_type, fn):
@@ -60,7 +61,7 @@ def _api(rank, world_size):
     model = TinyMLP()
     engine, optimizer, _, scheduler = shardwise.initialize(
         model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.5), config={
-            "train_micro_batch_size_per_gpu": 2},
+            "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2},
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     engine.backward(engine(tokens, targets))
     engine.step()

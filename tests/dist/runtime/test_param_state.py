@@ -23,7 +23,8 @@ MICRO, LR = 2, 0.05
 
 def _config(stage, optimizer, bf16=False):
     zero = {"stage": stage, **(STAGE3_PARTITION_ALL if stage == 3 else {})}
-    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "bf16": {"enabled": bf16},
+    return {"gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "bf16": {"enabled": bf16},
             "optimizer": {"type": optimizer, "params": {"lr": LR, "weight_decay": 0.01 if optimizer == "AdamW" else 0.0}},
             "zero_optimization": zero}
 

@@ -167,7 +167,8 @@ def _custom_and_errors(rank, world_size):
     specs = [{"patterns": [r".*fc1\.weight$", r".*fc1\.bias$"], "partition_type": "column"},
              {"patterns": [r"fc2"], "partition_type": "row"}]
     engine, *_ = shardwise.initialize(model=candidate, optimizer=torch.optim.SGD(candidate.parameters(), lr=1.0),
-                                      config={"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+                                      config={"gradient_clipping": 0.0,
+                                              "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
                                               "tensor_parallel": {"autotp_size": 2, "partition_config": {
                                                   "layer_specs": specs}}})
     for tokens, targets in batches:
@@ -186,7 +187,8 @@ def _custom_and_errors(rank, world_size):
             return str(exc)
         return None
 
-    base = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    base = {"gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     out["no policy"] = error(lambda: shardwise.initialize(model=TinyMLP(), config={
         **base, "tensor_parallel": {"autotp_size": 2}}))
     out["size 3"] = error(lambda: shardwise.initialize(model=_model("llama"), config={

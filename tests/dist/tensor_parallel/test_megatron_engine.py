@@ -101,6 +101,7 @@ def _train(rank, world_size):
                                 if stage != 3 else tuple(engine.module.fc1.weight.ds_shape))
     # fp16: an overflow on one tensor rank's shard only makes every rank skip the step
     engine, *_ = shardwise.initialize(model=Megatron(Plain(), grid, sequence_parallel=False), mpu=grid, config={
+        "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "fp16": {"enabled": True, "initial_scale_power": 4}, "steps_per_print": 1000})
     tokens, targets = token_batches(num_steps=1, batch=MICRO, seq=S, vocab=V, seed=9)[0]

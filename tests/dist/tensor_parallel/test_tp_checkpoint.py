@@ -57,7 +57,8 @@ def _batches():
 
 
 def _config(stage: int, dtype: str, tp: int) -> dict:
-    config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+    config = {"gradient_clipping": 0.0,
+              "train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
                                     **(STAGE3_PARTITION_ALL if stage == 3 else {})}}

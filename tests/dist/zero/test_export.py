@@ -13,7 +13,7 @@ from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train
 
 
 def _train_and_save(rank, world_size, save_dir, stage, dtype):
-    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+    config = {"gradient_clipping": 0.0, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 1000,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, **STAGE3_PARTITION_ALL}}
     if dtype != "fp32":

@@ -37,7 +37,7 @@ def _run(rank, world_size, knobs, steps=3):
         optimizer.step()
         optimizer.zero_grad()
     engine, _, _, _ = shardwise.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+        "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": {"stage": 3, **knobs}})
     gathers = []

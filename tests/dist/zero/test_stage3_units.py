@@ -44,7 +44,7 @@ class Model(nn.Module):
 def _train(rank, world_size, init, routed):
     torch.manual_seed(0)
     reference = Model(routed)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": {"lr": LR}},
               "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}}
     torch.manual_seed(0)

@@ -151,7 +151,7 @@ def test_offload_sections_take_deepspeeds_names_and_defaults():
     config = _load(train_micro_batch_size_per_gpu=1, aio={"thread_count": 3},
                    zero_optimization={"stage": 3, "offload_optimizer": {"device": "NVMe", "nvme_path": "/x"}})
     off = config.zero.offload_optimizer
-    assert (off.device, off.nvme_path, off.buffer_count, off.pin_memory, off.enabled) == ("nvme", "/x", 4, False, True)
+    assert (off.device, off.nvme_path, off.buffer_count, off.pin_memory, off.enabled) == ("nvme", "/x", 4, True, True)
     assert config.aio.intra_op_parallelism == 3 and config.aio.block_size == 1_048_576
     assert config.zero.offload_param.buffer_count == 5 and config.zero.offload_param.buffer_size == 100_000_000
     assert not config.zero.offload_param.enabled
@@ -165,7 +165,7 @@ def test_offload_sections_take_deepspeeds_names_and_defaults():
 
 def test_defaults_are_deepspeeds():
     config = _load(train_micro_batch_size_per_gpu=1)
-    assert config.steps_per_print == 10 and config.gradient_clipping == 0.0
+    assert config.steps_per_print is None and config.gradient_clipping == 1.0  # DeepSpeed 0.19.8
     assert (config.fp16.enabled, config.fp16.loss_scale, config.fp16.initial_scale_power,
             config.fp16.loss_scale_window, config.fp16.hysteresis, config.fp16.min_loss_scale) == \
         (False, 0.0, 16, 1000, 2, 1.0)

@@ -148,6 +148,7 @@ def _save_training_checkpoints(rank, world_size, root):
     step, so its fp32 masters differ from its bf16 module weights."""
     for family, precision, steps in (("gpt2", {}, 0), ("llama", {"bf16": {"enabled": True}}, 1)):
         engine, *_ = shardwise.initialize(model=tiny_lm(family), config={
+            "gradient_clipping": 0.0,
             "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **precision})
         single, _ = prompts()
         for _ in range(steps):
