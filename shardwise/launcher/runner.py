@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardwise.comm._error_record import ERROR_DIR_ENV
 from shardwise.launcher._port import DEFAULT_MASTER_PORT
-from shardwise.launcher.environment import ERROR_DIR_ENV, NO_LOCAL_RANK_ENV, export_prefix, exports
+from shardwise.launcher.environment import NO_LOCAL_RANK_ENV, export_prefix, exports
 
 DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 """DeepSpeed's name for its environment file (read too; see ``environment.ENV_FILES``)."""
