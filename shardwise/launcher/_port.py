@@ -8,9 +8,9 @@ job started on the same host collide with the first: its torchrun fails to open 
 store and no rank starts, so no rank can say why. So without ``--master_port`` a job on
 one machine takes a port the system reports free, and a port given explicitly for a
 store opened here is checked first, failing with an error that names it. Between the
-check (or the choice) and torchrun opening the store another process could take the
-port; the window is a few milliseconds, the same one torchrun's own ``--standalone``
-choice has.
+check (or the choice) and torchrun opening the store another process could still take
+the port (the window is the launcher's start-up); a collision then fails as it did
+before, which is rare since the system draws a free port from a wide range each time.
 """
 
 from __future__ import annotations
