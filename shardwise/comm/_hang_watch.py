@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable
 
+from shardwise.comm._error_record import record_error
 from shardwise.comm._exit import exit_now
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ logger = logging.getLogger(__name__)
 def _end_process(message: str) -> None:
     """Log the diagnosis, leave it for ``shardwise run`` to report, and end the process
     (the training thread cannot be interrupted)."""
-    from shardwise.launcher._entry import record_error
-
     logger.critical("%s", message)
     record_error(f"CollectiveError: {message}")
     exit_now(1)

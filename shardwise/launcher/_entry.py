@@ -7,15 +7,14 @@ Usage (by the launcher, through torchrun): ``python -m shardwise.launcher._entry
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import runpy
 import sys
-import time
 import traceback
 from pathlib import Path
 
-from shardwise.launcher.environment import ERROR_DIR_ENV, NO_LOCAL_RANK_ENV
+from shardwise.comm._error_record import record_error
+from shardwise.launcher.environment import NO_LOCAL_RANK_ENV
 
 
 def main() -> None:
@@ -46,21 +45,6 @@ def _note_failure(status: int) -> None:
     # comm/_exit.py); an uncaught exception is seen there by itself, a SystemExit is not.
     if "shardwise.comm._exit" in sys.modules:
         sys.modules["shardwise.comm._exit"].note_failure(status)
-
-
-def record_error(message: str) -> None:
-    """Write this rank's error for the launcher (which prints the earliest one); nothing
-    when the process was not started by ``shardwise run``."""
-    folder = os.environ.get(ERROR_DIR_ENV)
-    if not folder:
-        return
-    rank = os.environ.get("RANK", "?")
-    try:
-        Path(folder, f"rank{rank}.json").write_text(json.dumps({
-            "rank": rank, "local_rank": os.environ.get("LOCAL_RANK"), "host": os.uname().nodename,
-            "time": time.time(), "error": message[-4000:]}))
-    except OSError:
-        pass
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ import re
 import shlex
 from pathlib import Path
 
-ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
-"""Where each rank records the error that ended it, for the launcher's report."""
 NO_LOCAL_RANK_ENV = "SHARDWISE_NO_LOCAL_RANK"
 """Set to 1 to keep --local_rank=N off the script's command line."""
 ENV_FILES = (".shardwise_env", ".deepspeed_env")

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from shardwise.launcher._port import DEFAULT_MASTER_PORT, PortInUseError, master_port
 from shardwise.launcher.hostfile import HostfileError, parse_hostfile, select_resources
 from shardwise.launcher.runner import JobSpec, multinode_commands, run_multinode, run_single_node
 
@@ -32,7 +33,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="devices (ranks) per node")
     add("--nproc", type=int, default=-1, help="ranks per node on CPU (default: GPU count, or 1)")
     add("--master_addr", default="", help="address of rank 0's machine (default: first host)")
-    add("--master_port", type=int, default=29500, help="port of the rendezvous store")
+    add("--master_port", type=int, default=None,
+        help=f"port of the rendezvous store (default: a free port when the job runs on this machine "
+             f"only, {DEFAULT_MASTER_PORT} across machines)")
     add("--launcher", default="ssh", choices=["ssh", "pdsh", "slurm", "mpi", "local"],
         help="how to start the per-node launchers on other machines")
     add("--launcher_args", default="", help="extra arguments for pdsh / srun / mpirun")
@@ -70,6 +73,13 @@ def _local_ranks(args, default: int) -> int:
     return default
 
 
+def _run_here(spec: JobSpec, args) -> int:
+    """Run the whole job on this machine (its rendezvous store opens here)."""
+    spec.master_addr = args.master_addr or "127.0.0.1"
+    spec.master_port = master_port(args.master_port, one_machine=True, store_here=True)
+    return run_single_node(spec)
+
+
 def run(args) -> int:
     """Resolve resources and start the job; returns the exit code."""
     if not Path(args.script).is_file():
@@ -77,7 +87,7 @@ def run(args) -> int:
     cuda = _cuda_count()
     hosts = _hosts(args) if args.launcher != "local" else None
     spec = JobSpec(script=args.script, script_args=list(args.script_args), nproc_per_node=1,
-                   master_port=args.master_port, no_local_rank=args.no_local_rank)
+                   no_local_rank=args.no_local_rank)
     if args.node_rank >= 0:  # one machine's part of a job started by hand on every machine
         if args.num_nodes < 1 or args.node_rank >= args.num_nodes:
             raise HostfileError(f"--node_rank {args.node_rank} needs --num_nodes greater than it")
@@ -85,14 +95,16 @@ def run(args) -> int:
             raise HostfileError("--node_rank needs --master_addr (the address of node 0)")
         spec.num_nodes, spec.node_rank, spec.master_addr = args.num_nodes, args.node_rank, args.master_addr
         spec.nproc_per_node = _local_ranks(args, cuda or 1)
+        store_here = args.node_rank == 0 and args.master_addr in LOCAL_NAMES
+        spec.master_port = master_port(args.master_port, one_machine=args.num_nodes == 1,
+                                       store_here=store_here)
         return run_single_node(spec)
     if hosts is None:
         if args.include or args.exclude:
             hosts = {"localhost": _local_ranks(args, cuda or 1)}
         else:
             spec.nproc_per_node = _local_ranks(args, cuda or 1)
-            spec.master_addr = args.master_addr or "127.0.0.1"
-            return run_single_node(spec)
+            return _run_here(spec, args)
     resources = select_resources(hosts, include=args.include, exclude=args.exclude,
                                  num_nodes=args.num_nodes, num_slots=args.num_gpus)
     if len(resources) == 1 and not args.force_multi and next(iter(resources)) in LOCAL_NAMES:
@@ -100,8 +112,7 @@ def run(args) -> int:
         if cuda:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         spec.nproc_per_node = args.nproc if args.nproc > 0 else len(slots)
-        spec.master_addr = args.master_addr or "127.0.0.1"
-        return run_single_node(spec)
+        return _run_here(spec, args)
     sizes = {len(s) for s in resources.values()}
     if len(sizes) != 1:
         raise HostfileError(f"every host must run the same number of ranks; the selection gives "
@@ -109,6 +120,7 @@ def run(args) -> int:
     spec.num_nodes = len(resources)
     spec.nproc_per_node = args.nproc if args.nproc > 0 else sizes.pop()
     spec.master_addr = args.master_addr or next(iter(resources))
+    spec.master_port = master_port(args.master_port, one_machine=False, store_here=False)
     ssh = shlex.split(os.environ.get("SHARDWISE_SSH", "ssh -o StrictHostKeyChecking=no -o BatchMode=yes"))
     commands = multinode_commands(spec, resources, args.launcher, ssh=ssh, cuda=cuda > 0)
     extra = shlex.split(args.launcher_args)
@@ -121,6 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except HostfileError as exc:
+    except (HostfileError, PortInUseError) as exc:
         print(f"shardwise run: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardwise.launcher.environment import ERROR_DIR_ENV, NO_LOCAL_RANK_ENV, export_prefix, exports
+from shardwise.comm._error_record import ERROR_DIR_ENV
+from shardwise.launcher._port import DEFAULT_MASTER_PORT
+from shardwise.launcher.environment import NO_LOCAL_RANK_ENV, export_prefix, exports
 
 DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 """DeepSpeed's name for its environment file (read too; see ``environment.ENV_FILES``)."""
@@ -40,7 +42,7 @@ class JobSpec:
     num_nodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int = DEFAULT_MASTER_PORT
     no_local_rank: bool = False
     python: str = field(default_factory=lambda: sys.executable)
     monitor_interval_s: float = 0.1

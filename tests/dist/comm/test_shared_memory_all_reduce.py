@@ -39,8 +39,8 @@ def _expected(world_size, numel, dtype, step):
 def _sums(rank, world_size, disable_on=None, skew=False, slot_bytes=None):
     if rank == disable_on:
         os.environ["SHARDWISE_SHM_ALLREDUCE"] = "0"
-    if slot_bytes is not None:  # tensors over a slot go through in pieces
-        _shm.CAPACITY_BYTES = slot_bytes
+    if slot_bytes is not None:  # tensors over a slot go through in pieces (96 bytes: uneven last pieces of
+        _shm.CAPACITY_BYTES = slot_bytes  # every case but the first, e.g. 1000 float32 = 41 x 24 + 16)
     gloo_calls = []
     real = dist.all_reduce
     dist.all_reduce = lambda tensor, *a, **k: gloo_calls.append(tensor.numel()) or real(tensor, *a, **k)
@@ -80,8 +80,8 @@ def _sums(rank, world_size, disable_on=None, skew=False, slot_bytes=None):
             "calls": dict(comm.calls), "leftovers": leftovers}
 
 
-@pytest.mark.parametrize("world_size, slot_bytes", [(2, None), (4, None), (2, 96)],
-                         ids=["2-ranks", "4-ranks", "2-ranks-96-byte-slots"])
+@pytest.mark.parametrize("world_size, slot_bytes", [(2, None), (4, None), (2, 96), (4, 96)],
+                         ids=["2-ranks", "4-ranks", "2-ranks-96-byte-slots", "4-ranks-96-byte-slots"])
 def test_sums_are_the_rank_order_sum_on_every_rank(tmp_path, world_size, slot_bytes):
     for result in run_distributed(_sums, world_size=world_size, tmp_path=tmp_path, skew=True,
                                   slot_bytes=slot_bytes):

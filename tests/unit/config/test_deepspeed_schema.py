@@ -2,11 +2,15 @@
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
 
 from shardwise.config import ConfigError, load_config
+from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS
+from shardwise.config._no_effect import UNBUILT
+from shardwise.config.from_dict import _ZERO_FIELD_NAMES
 
 FIXTURE = Path(__file__).with_name("deepspeed_schema_keys.json")
 SCHEMA = json.loads(FIXTURE.read_text())
@@ -43,9 +47,71 @@ def test_the_whole_schema_loads():
     assert config.zero.stage == 3 and config.batch.train_batch_size == 8
 
 
+_TYPED_HOME = {"zero_optimization": "zero", "memory_breakdown": "monitor.memory_breakdown",
+               **{name: f"monitor.{name}" for name in ("tensorboard", "csv_monitor", "wandb", "comet",
+                                                       "flops_profiler", "comms_logger")},
+               **{name: f"batch.{name}" for name in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                     "gradient_accumulation_steps")}}
+"""Where a top-level key lives in the TrainConfig, when not under its own name."""
+_OFF_MEANS_UNSET = {"zero_optimization.cpu_offload_param": lambda config: config.zero.offload_param.device == "none",
+                    "checkpoint.parallel_write.pipeline_stage": lambda config: config.checkpoint.parallel_write is None}
+"""Keys whose off value leaves nothing to hold (the deprecated switch, the disabled writer)."""
+_ABSENT = object()
+
+
+def _typed_value(config, path):
+    """What the loaded TrainConfig holds for the key at ``path`` (``_ABSENT``: no field)."""
+    node = config
+    for attr in _TYPED_HOME.get(path[0], path[0]).split("."):
+        node = getattr(node, attr, _ABSENT)
+    for key in path[1:]:
+        if path[0] == "zero_optimization":
+            key = _ZERO_FIELD_NAMES.get(key, key)
+        if path[0] == "aio" and key == "thread_count":
+            key = "intra_op_parallelism"
+        node = node.get(key, _ABSENT) if isinstance(node, dict) else getattr(node, key, _ABSENT)
+    return node
+
+
+def _same(got, want):
+    if isinstance(want, list):
+        return list(got) == want if isinstance(got, (list, tuple)) else False
+    return type(got) is type(want) and got == want if isinstance(want, bool) else got == want
+
+
 @pytest.mark.parametrize("path", [".".join(p) for p in _leaves(SCHEMA)])
-def test_each_key_loads_on_its_own(path):
-    _load(**_only(tuple(path.split("."))))
+def test_each_key_loads_on_its_own(path, caplog):
+    """The key's value reaches the config: the typed field at its place holds it, or the
+    key is named as having no effect, or it is an unbuilt feature's key at an off value, or
+    it belongs to a section a later feature owns (kept as given)."""
+    keys = tuple(path.split("."))
+    want = _only(keys)
+    for key in keys:
+        want = want[key]
+    with caplog.at_level(logging.INFO, logger="shardwise"):
+        config = _load(**_only(keys))
+    no_effect = " ".join(r.getMessage() for r in caplog.records if "no effect" in r.getMessage())
+    parent = ".".join(keys[:-1])
+    if keys[0] in LATER_SECTIONS or keys[0] in LATER_SCALARS:
+        held = config.raw
+        for key in keys:
+            held = held[key]
+        assert held == want
+    elif any(re.search(rf"(^|[ :]){re.escape('.'.join(keys[:n]))} \(", no_effect) for n in range(1, len(keys) + 1)):
+        pass  # named (itself or its section) in the one no-effect line
+    elif keys[-1] in UNBUILT.get(parent, {}):
+        assert want in UNBUILT[parent][keys[-1]][1], "an unbuilt feature's key loads only at its off value"
+    elif path in _OFF_MEANS_UNSET:
+        assert _OFF_MEANS_UNSET[path](config)
+    elif keys[0] in _WHOLE:
+        held = getattr(config, keys[0])
+        assert held.type.lower() == want["type"].lower() and dict(held.params) == want["params"]
+    elif isinstance(want, dict):
+        assert _typed_value(config, keys) is not _ABSENT, f"section {path} has no place in the config"
+    else:
+        got = _typed_value(config, keys)
+        assert got is not _ABSENT, f"{path} has no field, is not named as having no effect, and is no later section's"
+        assert _same(got, want), f"{path}: loaded {got!r}, given {want!r}"
 
 
 @pytest.mark.parametrize("section,typo,suggestion", [

@@ -39,7 +39,12 @@ def test_bad_arguments(kwargs, message):
 
 @pytest.mark.parametrize("backend", ["nccl", "mpi", "hccl", "compressed"])
 def test_deepspeeds_backend_names_are_accepted(backend):
-    OneBitAdam(_params(), comm_backend_name=backend, cuda_aware=True)
+    opt = OneBitAdam(_params(), comm_backend_name=backend, cuda_aware=True)
+    assert (opt.comm_backend_name, opt.cuda_aware) == (backend, True)
+    config = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
+        "type": "OneBitAdam", "params": {"comm_backend_name": backend, "cuda_aware": True}}})
+    built = build_optimizer(config.optimizer, _params())
+    assert (type(built), built.comm_backend_name, built.cuda_aware) == (OneBitAdam, backend, True)
 
 
 def test_config_builds_it_and_names_misspelt_keys():

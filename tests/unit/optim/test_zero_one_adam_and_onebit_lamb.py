@@ -67,8 +67,13 @@ def test_bad_arguments(cls, kwargs, message):
 
 @pytest.mark.parametrize("backend", ["nccl", "mpi", "hccl", "compressed"])
 def test_deepspeeds_backend_names_are_accepted(backend):
-    ZeroOneAdam(_params(), comm_backend_name=backend, cuda_aware=True)
-    OneBitLamb(_params(), comm_backend_name=backend, cuda_aware=True)
+    for cls in (ZeroOneAdam, OneBitLamb):
+        opt = cls(_params(), comm_backend_name=backend, cuda_aware=True)
+        assert (opt.comm_backend_name, opt.cuda_aware) == (backend, True), cls.__name__
+        config = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
+            "type": cls.__name__, "params": {"comm_backend_name": backend, "cuda_aware": True}}})
+        built = build_optimizer(config.optimizer, _params())
+        assert (type(built), built.comm_backend_name, built.cuda_aware) == (cls, backend, True)
 
 
 def test_config_builds_them():
