@@ -46,8 +46,15 @@ CGROUP = Path("/sys/fs/cgroup/memory/shardwise-capacity")
 
 def _gpt_config(args, layers: int):
     from gpt_model import GPTConfig
-    return GPTConfig(vocab_size=args.vocab, width=args.width, num_layers=layers, num_heads=args.width // 64,
-                     seq_len=args.seq_len, tie_weights=False)
+
+    return GPTConfig(
+        vocab_size=args.vocab,
+        width=args.width,
+        num_layers=layers,
+        num_heads=args.width // 64,
+        seq_len=args.seq_len,
+        tie_weights=False,
+    )
 
 
 def trial(args) -> None:
@@ -60,7 +67,7 @@ def trial(args) -> None:
     cuda = args.device == "cuda"
     if cuda and args.cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2 ** 30 / total))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     config = _gpt_config(args, args.layers)
@@ -81,14 +88,21 @@ def trial(args) -> None:
             optimizer.zero_grad(set_to_none=False)
     else:
         import shardwise
+
         tier = "cpu" if args.variant == "offload-cpu" else "nvme"
         where = {"device": tier, "nvme_path": args.swap}
-        ds_config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": args.micro_batch,
-                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                     "zero_optimization": {"stage": 3, "offload_optimizer": where,
-                                           "offload_param": {**where, "max_in_cpu": 0},
-                                           "sub_group_size": 10_000_000,
-                                           "stage3_max_live_parameters": 2 * 12 * args.width ** 2}}
+        ds_config = {
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": args.micro_batch,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": where,
+                "offload_param": {**where, "max_in_cpu": 0},
+                "sub_group_size": 10_000_000,
+                "stage3_max_live_parameters": 2 * 12 * args.width**2,
+            },
+        }
         if cuda:
             ds_config["bf16"] = {"enabled": True}
         with shardwise.zero.Init(remote_device=tier, config_dict_or_path=ds_config):
@@ -99,6 +113,7 @@ def trial(args) -> None:
         def train_step():
             engine.backward(engine(x, x))
             engine.step()
+
     step_s = []
     for _ in range(args.steps):
         begin = time.perf_counter()
@@ -109,23 +124,50 @@ def trial(args) -> None:
     timed = sorted(step_s[1:] or step_s)[len(step_s[1:] or step_s) // 2]  # median after the first
     tokens = args.micro_batch * config.seq_len
     flops = 6 * params * tokens + 12 * config.num_layers * config.width * config.seq_len * tokens
-    result = {"params": params, "seconds": time.perf_counter() - start, "step_s": timed,
-              "tflops": flops / timed / 1e12}
+    result = {"params": params, "seconds": time.perf_counter() - start, "step_s": timed, "tflops": flops / timed / 1e12}
     if cuda:
-        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(result), flush=True)
     os._exit(0)
 
 
 def _run_trial(args, variant: str, layers: int) -> dict | None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29533",
+    }
     if args.malloc_mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    cmd = [sys.executable, __file__, "--trial", "--variant", variant, "--layers", str(layers),
-           "--width", str(args.width), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
-           "--swap", args.swap, "--device", args.device, "--micro-batch", str(args.micro_batch),
-           "--steps", str(args.steps), "--cap-gib", str(args.cap_gib)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trial",
+        "--variant",
+        variant,
+        "--layers",
+        str(layers),
+        "--width",
+        str(args.width),
+        "--vocab",
+        str(args.vocab),
+        "--seq-len",
+        str(args.seq_len),
+        "--swap",
+        args.swap,
+        "--device",
+        args.device,
+        "--micro-batch",
+        str(args.micro_batch),
+        "--steps",
+        str(args.steps),
+        "--cap-gib",
+        str(args.cap_gib),
+    ]
     if args.device == "cpu":  # the child joins the cgroup before it starts Python (so its whole life is capped)
         cmd = ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "sh", *cmd]
     try:
@@ -158,13 +200,24 @@ def search(args, variant: str, low: int, high: int) -> tuple[int, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: a cgroup plays the accelerator's memory; cuda: the GPU's own memory")
-    parser.add_argument("--cap-gib", type=float, default=None,
-                        help="memory limit of each trial (cpu: default 2; cuda: default the whole GPU)")
-    parser.add_argument("--variants", default=None,
-                        help="comma-separated: torch, offload-cpu, offload-nvme (default: torch,offload-nvme "
-                             "on cpu; torch,offload-cpu,offload-nvme on cuda)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: a cgroup plays the accelerator's memory; cuda: the GPU's own memory",
+    )
+    parser.add_argument(
+        "--cap-gib",
+        type=float,
+        default=None,
+        help="memory limit of each trial (cpu: default 2; cuda: default the whole GPU)",
+    )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated: torch, offload-cpu, offload-nvme (default: torch,offload-nvme "
+        "on cpu; torch,offload-cpu,offload-nvme on cuda)",
+    )
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2, help="training steps per trial (timed after the first)")
     parser.add_argument("--width", type=int, default=1024)
@@ -173,9 +226,13 @@ def main() -> None:
     parser.add_argument("--swap", default="/tmp/swap", help="nvme_path for shardwise's swap files")
     parser.add_argument("--torch-layers", default="1,16", help="search range for plain PyTorch")
     parser.add_argument("--shardwise-layers", default="8,96", help="search range for shardwise")
-    parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
-                        help="set MALLOC_MMAP_THRESHOLD_ (bytes) for every trial: glibc then returns "
-                             "large freed blocks to the system at once")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        help="set MALLOC_MMAP_THRESHOLD_ (bytes) for every trial: glibc then returns "
+        "large freed blocks to the system at once",
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default=None)
     parser.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
@@ -193,7 +250,7 @@ def main() -> None:
         if CGROUP.exists():  # left by an interrupted run
             CGROUP.rmdir()
         CGROUP.mkdir()
-        (CGROUP / "memory.limit_in_bytes").write_text(str(int(args.cap_gib * 2 ** 30)))
+        (CGROUP / "memory.limit_in_bytes").write_text(str(int(args.cap_gib * 2**30)))
     try:
         rows = []
         for variant in variants:
@@ -212,6 +269,7 @@ def main() -> None:
 def _device_name(args) -> str:
     if args.device == "cuda":
         import torch
+
         return f"{torch.cuda.get_device_name(0)} | torch {torch.__version__}"
     return f"{os.cpu_count()} cores"
 
@@ -220,23 +278,30 @@ def report(args, rows) -> str:
     """The markdown table of ``rows`` (variant, layers, trial result)."""
     base = rows[0][2].get("params") if rows and rows[0][0] == "torch" else None
     cap = f"a {args.cap_gib:g} GiB memory cap" if args.cap_gib else "the GPU's memory"
-    lines = [f"# Largest GPT that trains {args.steps} steps under {cap}", "",
-             f"{date.today()} | {_device_name(args)} | width {args.width}, vocab {args.vocab}, seq "
-             f"{args.seq_len}, micro-batch {args.micro_batch}, AdamW | `bench/bench_capacity.py --device "
-             f"{args.device}" + (f" --cap-gib {args.cap_gib:g}" if args.cap_gib else "") + "`"
-             + (f" with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold else ""),
-             "",
-             "| variant | layers | parameters (M) | seconds for the trial | s/step | TFLOP/s | peak GPU GiB "
-             "| parameters vs PyTorch |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Largest GPT that trains {args.steps} steps under {cap}",
+        "",
+        f"{date.today()} | {_device_name(args)} | width {args.width}, vocab {args.vocab}, seq "
+        f"{args.seq_len}, micro-batch {args.micro_batch}, AdamW | `bench/bench_capacity.py --device "
+        f"{args.device}"
+        + (f" --cap-gib {args.cap_gib:g}" if args.cap_gib else "")
+        + "`"
+        + (f" with MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold else ""),
+        "",
+        "| variant | layers | parameters (M) | seconds for the trial | s/step | TFLOP/s | peak GPU GiB "
+        "| parameters vs PyTorch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for variant, layers, result in rows:
         if not result:
             lines.append(f"| {variant} | none fits | | | | | | |")
             continue
         ratio = f"{result['params'] / base:.1f}x" if base else "-"
         peak = f"{result['peak_gpu_gib']:.1f}" if "peak_gpu_gib" in result else "-"
-        lines.append(f"| {variant} | {layers} | {result['params'] / 1e6:.0f} | {result['seconds']:.0f} | "
-                     f"{result['step_s']:.3f} | {result['tflops']:.3f} | {peak} | {ratio} |")
+        lines.append(
+            f"| {variant} | {layers} | {result['params'] / 1e6:.0f} | {result['seconds']:.0f} | "
+            f"{result['step_s']:.3f} | {result['tflops']:.3f} | {peak} | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -64,8 +64,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     sizes = [int(float(n)) for n in args.numel.split(",")]
-    result = run_distributed(_bench, world_size=args.world_size, timeout_s=1800, sizes=sizes,
-                             repeats=args.repeats, rounds=args.rounds)[0]
+    result = run_distributed(
+        _bench, world_size=args.world_size, timeout_s=1800, sizes=sizes, repeats=args.repeats, rounds=args.rounds
+    )[0]
     kinds = list(next(iter(result.values())))
     print(f"| fp32 elements | {' | '.join(kinds)} |")
     print("| --- |" + " --- |" * len(kinds))

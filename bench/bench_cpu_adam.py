@@ -36,7 +36,6 @@ from datetime import date
 from pathlib import Path
 
 import torch
-
 from _machine import cpu_model  # this folder is on sys.path when run as a script
 
 VARIANTS = "torch-forloop,torch-foreach,torch-fused,shardwise,deepspeed-cpuadam"
@@ -45,6 +44,7 @@ RESULT_TAG = "BENCH_RESULT "  # marks the worker's JSON line among DeepSpeed's l
 
 
 # -- contention: CPU time of other processes -------------------------------------------------
+
 
 def _machine_busy_seconds() -> float:
     """CPU seconds all processes (and the hypervisor, as steal) have used since boot."""
@@ -75,6 +75,7 @@ def wait_until_idle(threshold: float, timeout: float) -> None:
 
 
 # -- workload: shared by the driver and the DeepSpeed worker -------------------------------
+
 
 def layout(numel: int) -> list[tuple[int, ...]]:
     """Tensor shapes like a GPT with hidden size d: per block qkv, attention projection, two
@@ -117,7 +118,8 @@ def time_steps(optimizer, warmup: int, steps: int) -> dict:
         times.append(time.perf_counter() - step_start)
     # at least 1 s in the denominator: /proc/stat counts in clock ticks (10 ms)
     other = (_machine_busy_seconds() - busy - (_own_seconds() - own)) / (
-        max(time.perf_counter() - start, 1.0) * os.cpu_count())
+        max(time.perf_counter() - start, 1.0) * os.cpu_count()
+    )
     return {"times": times, "other": other if math.isnan(other) else max(other, 0.0)}
 
 
@@ -132,15 +134,19 @@ def fresh_params(initial: list[torch.Tensor], grads: list[torch.Tensor]) -> list
 
 # -- worker: DeepSpeed's DeepSpeedCPUAdam, in the DeepSpeed interpreter --------------------
 
+
 def worker(args) -> None:
     torch.set_num_threads(args.threads)  # also sets OpenMP's count, which cpu_adam's loops use
     from deepspeed.ops.op_builder import CPUAdamBuilder
+
     if args.build_only:  # JIT-compiles the op (cached under ~/.cache/torch_extensions)
         CPUAdamBuilder().load()
         import deepspeed
+
         print(RESULT_TAG + json.dumps({"version": deepspeed.__version__}), flush=True)
         return
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+
     initial, grads = make_workload(args.numel, args.seed)
     params = fresh_params(initial, grads)
     del initial
@@ -156,16 +162,30 @@ def _run_worker(args, extra: list[str], timeout: float) -> dict:
     if not Path(args.ds_python).exists():
         return {"error": f"DeepSpeed interpreter {args.ds_python} not found (see bench/README.md)"}
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [args.ds_python, __file__, "--worker", "deepspeed", "--numel", str(args.numel), "--steps",
-           str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads), "--seed",
-           str(args.seed), *extra]
+    cmd = [
+        args.ds_python,
+        __file__,
+        "--worker",
+        "deepspeed",
+        "--numel",
+        str(args.numel),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+        *extra,
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            return json.loads(line[len(RESULT_TAG) :])
     lines = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
     # the exception line, not the traceback's last frame or a trailing log line
     reason = next((ln for ln in reversed(lines) if "Error" in ln.split(":")[0]), lines[-1] if lines else "failed")
@@ -173,6 +193,7 @@ def _run_worker(args, extra: list[str], timeout: float) -> dict:
 
 
 # -- driver ---------------------------------------------------------------------------------
+
 
 def _optimizer(variant: str, params):
     if variant == "torch-forloop":
@@ -183,6 +204,7 @@ def _optimizer(variant: str, params):
         return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     if variant == "shardwise":
         from shardwise.ops.adam import DeepSpeedCPUAdam
+
         return DeepSpeedCPUAdam(params, lr=LR, weight_decay=WEIGHT_DECAY)
     raise ValueError(f"unknown variant {variant!r}")
 
@@ -196,8 +218,12 @@ def run_variant(args, variant: str, initial, grads, keep_final: bool) -> dict:
         result = _run_once(args, variant, initial, grads, keep_final)
         if "error" in result or not result["other"] > args.max_other:  # nan (no /proc/stat) is accepted
             return result
-        print(f"  other processes took {result['other']:.0%} of the CPUs while timing "
-              f"({sum(result['times']):.2f} s), again", file=sys.stderr, flush=True)
+        print(
+            f"  other processes took {result['other']:.0%} of the CPUs while timing "
+            f"({sum(result['times']):.2f} s), again",
+            file=sys.stderr,
+            flush=True,
+        )
     return result  # the last attempt, contended: its share shows in the table
 
 
@@ -222,6 +248,7 @@ def _versions(ds_version: str | None) -> str:
     parts = [f"torch {torch.__version__}"]
     try:
         import shardwise
+
         parts.append(f"shardwise {getattr(shardwise, '__version__', '?')}")
     except ImportError:
         pass
@@ -233,14 +260,18 @@ def table(args, variants: list[str], stats: dict, errors: dict, diffs: dict, ds_
     foreach = stats.get("torch-foreach", {}).get("median")
     deepspeed = stats.get("deepspeed-cpuadam", {}).get("median")
     n_tensors = len(layout(args.numel))
-    lines = [f"# AdamW step throughput on the CPU, {args.numel / 1e6:g}M fp32 parameters in {n_tensors} tensors, "
-             f"{args.threads} threads",
-             "", f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(ds_version)} | "
-             f"torch.set_num_threads({args.threads}) in every variant | median over {args.repeats} rounds of "
-             f"the median of {args.steps} steps after {args.warmup} warm-up", "",
-             "| variant | median s/step | min-max | params/s | speed vs torch-foreach | speed vs deepspeed-cpuadam "
-             "| max abs diff vs torch-forloop | other CPU |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# AdamW step throughput on the CPU, {args.numel / 1e6:g}M fp32 parameters in {n_tensors} tensors, "
+        f"{args.threads} threads",
+        "",
+        f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(ds_version)} | "
+        f"torch.set_num_threads({args.threads}) in every variant | median over {args.repeats} rounds of "
+        f"the median of {args.steps} steps after {args.warmup} warm-up",
+        "",
+        "| variant | median s/step | min-max | params/s | speed vs torch-foreach | speed vs deepspeed-cpuadam "
+        "| max abs diff vs torch-forloop | other CPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for variant in variants:
         if variant in errors:
             lines.append(f"| {variant} | {errors[variant]} | | | | | | |")
@@ -249,9 +280,11 @@ def table(args, variants: list[str], stats: dict, errors: dict, diffs: dict, ds_
         vs_foreach = f"{foreach / s['median']:.2f}" if foreach else "-"
         vs_ds = f"{deepspeed / s['median']:.2f}" if deepspeed else "-"
         diff = f"{diffs[variant]:.1e}" if variant in diffs else "-"
-        lines.append(f"| {variant} | {s['median']:.4f} | {s['min']:.4f}-{s['max']:.4f} | "
-                     f"{args.numel / s['median'] / 1e6:.0f}M | {vs_foreach} | {vs_ds} | {diff} | "
-                     f"{s['other']:.0%} |")
+        lines.append(
+            f"| {variant} | {s['median']:.4f} | {s['min']:.4f}-{s['max']:.4f} | "
+            f"{args.numel / s['median'] / 1e6:.0f}M | {vs_foreach} | {vs_ds} | {diff} | "
+            f"{s['other']:.0%} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -267,8 +300,12 @@ def main() -> None:
     parser.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"))
     parser.add_argument("--build-timeout", type=float, default=600, help="seconds for DeepSpeed's JIT build")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for one DeepSpeed worker run")
-    parser.add_argument("--max-other", type=float, default=0.05,
-                        help="repeat a run in which other processes took more than this share of the CPUs")
+    parser.add_argument(
+        "--max-other",
+        type=float,
+        default=0.05,
+        help="repeat a run in which other processes took more than this share of the CPUs",
+    )
     parser.add_argument("--retries", type=int, default=5, help="repeats of a contended run, at most")
     parser.add_argument("--idle-timeout", type=float, default=600, help="seconds to wait for idle CPUs per run")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
@@ -307,10 +344,16 @@ def main() -> None:
                 finals[variant] = result.pop("final")
             times[variant].append(statistics.median(result["times"]))
             others[variant].append(result["other"])
-            print(f"  median {times[variant][-1]:.4f} s/step, other processes {result['other']:.0%}",
-                  file=sys.stderr, flush=True)
-    stats = {v: {"median": statistics.median(t), "min": min(t), "max": max(t), "other": max(others[v])}
-             for v, t in times.items() if t}
+            print(
+                f"  median {times[variant][-1]:.4f} s/step, other processes {result['other']:.0%}",
+                file=sys.stderr,
+                flush=True,
+            )
+    stats = {
+        v: {"median": statistics.median(t), "min": min(t), "max": max(t), "other": max(others[v])}
+        for v, t in times.items()
+        if t
+    }
     reference = finals.get("torch-forloop")
     diffs = {v: (f - reference).abs().max().item() for v, f in finals.items() if reference is not None}
     text = table(args, variants, stats, errors, diffs, ds_version)

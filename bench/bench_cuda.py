@@ -66,40 +66,54 @@ def sparse(args) -> list[str]:
     )
 
     heads, dim, block = 16, 64, 64
-    layouts = {"longformer": BSLongformerSparsityConfig(heads, block),
-               "fixed": FixedSparsityConfig(heads, block, num_local_blocks=4, num_global_blocks=1),
-               "bigbird": BigBirdSparsityConfig(heads, block)}
-    lines = ["## Block-sparse attention (FlexAttention) against dense SDPA, bf16 forward + backward", "",
-             f"`[1, {heads}, seq, {dim}]`, block {block}; ms are medians of {args.repeats} calls after a warm-up.",
-             "",
-             "| seq | variant | first call s | forward ms | forward + backward ms | vs dense | density | peak MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    layouts = {
+        "longformer": BSLongformerSparsityConfig(heads, block),
+        "fixed": FixedSparsityConfig(heads, block, num_local_blocks=4, num_global_blocks=1),
+        "bigbird": BigBirdSparsityConfig(heads, block),
+    }
+    lines = [
+        "## Block-sparse attention (FlexAttention) against dense SDPA, bf16 forward + backward",
+        "",
+        f"`[1, {heads}, seq, {dim}]`, block {block}; ms are medians of {args.repeats} calls after a warm-up.",
+        "",
+        "| seq | variant | first call s | forward ms | forward + backward ms | vs dense | density | peak MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for seq in [int(s) for s in args.lengths.split(",")]:
-        q, k, v = (torch.randn(1, heads, seq, dim, device=args.device, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(1, heads, seq, dim, device=args.device, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        )
         grad = torch.randn(1, heads, seq, dim, device=args.device, dtype=torch.bfloat16)
         variants = {"dense": (lambda: F.scaled_dot_product_attention(q, k, v), 1.0)}
         for name, config in layouts.items():
             layout = config.make_layout(seq)
-            variants[name] = ((lambda layout=layout: block_sparse_attention(q, k, v, layout, block)),
-                              layout.float().mean().item())
+            variants[name] = (
+                (lambda layout=layout: block_sparse_attention(q, k, v, layout, block)),
+                layout.float().mean().item(),
+            )
         dense_ms = None
         for name, (forward, density) in variants.items():
+
             def step(forward=forward):
                 torch.autograd.grad(forward(), (q, k, v), grad)
                 assert not _block_sparse._flex_state["failed"]  # not the gather fallback
+
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             first, median = _time(step, args.repeats)
-            peak = torch.cuda.max_memory_allocated() / 2 ** 20 if args.device == "cuda" else 0.0
+            peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else 0.0
 
             def forward_only(forward=forward):
                 with torch.no_grad():
                     forward()
+
             _, forward_s = _time(forward_only, args.repeats)
             dense_ms = dense_ms or median * 1e3
-            lines.append(f"| {seq} | {name} | {first:.1f} | {forward_s * 1e3:.2f} | {median * 1e3:.2f} | "
-                         f"{median * 1e3 / dense_ms:.3f}x | {density:.3f} | {peak:.0f} |")
+            lines.append(
+                f"| {seq} | {name} | {first:.1f} | {forward_s * 1e3:.2f} | {median * 1e3:.2f} | "
+                f"{median * 1e3 / dense_ms:.3f}x | {density:.3f} | {peak:.0f} |"
+            )
             print(lines[-1], flush=True)
     return lines
 
@@ -107,12 +121,23 @@ def sparse(args) -> list[str]:
 def _llama(args):
     import transformers
 
-    size = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2) if args.tiny else \
-        dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22)
-    config = transformers.LlamaConfig(**size, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
-                                      max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
-                                      initializer_range=0.05,  # logits far enough apart that bf16 rarely flips one
-                                      eos_token_id=2, pad_token_id=0)
+    size = (
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+        if args.tiny
+        else dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22)
+    )
+    config = transformers.LlamaConfig(
+        **size,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        initializer_range=0.05,  # logits far enough apart that bf16 rarely flips one
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     with torch.device(args.device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -125,17 +150,24 @@ def inference(args) -> list[str]:
 
     model = _llama(args)
     params = sum(p.numel() for p in model.parameters())
-    engines = {"hf generate": model,
-               "shardwise": shardwise.init_inference(copy.deepcopy(model), dtype=torch.bfloat16),
-               "shardwise inject, no graph": shardwise.init_inference(
-                   copy.deepcopy(model), dtype=torch.bfloat16, replace_with_kernel_inject=True,
-                   enable_cuda_graph=False),
-               "shardwise inject": shardwise.init_inference(copy.deepcopy(model), dtype=torch.bfloat16,
-                                                            replace_with_kernel_inject=True)}
-    lines = [f"## Greedy decoding, Llama {params / 1e9:.2f}B (TinyLlama shape, random weights), bf16", "",
-             f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats} runs after a "
-             "warm-up.", "", "| batch | engine | TTFT ms | tokens/s | total s | vs hf | tokens equal to hf |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    engines = {
+        "hf generate": model,
+        "shardwise": shardwise.init_inference(copy.deepcopy(model), dtype=torch.bfloat16),
+        "shardwise inject, no graph": shardwise.init_inference(
+            copy.deepcopy(model), dtype=torch.bfloat16, replace_with_kernel_inject=True, enable_cuda_graph=False
+        ),
+        "shardwise inject": shardwise.init_inference(
+            copy.deepcopy(model), dtype=torch.bfloat16, replace_with_kernel_inject=True
+        ),
+    }
+    lines = [
+        f"## Greedy decoding, Llama {params / 1e9:.2f}B (TinyLlama shape, random weights), bf16",
+        "",
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats} runs after a warm-up.",
+        "",
+        "| batch | engine | TTFT ms | tokens/s | total s | vs hf | tokens equal to hf |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = torch.randint(3, 32000, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
         ids = ids.to(args.device)
@@ -153,9 +185,11 @@ def inference(args) -> list[str]:
                 assert engine.cuda_graph == (name == "shardwise inject" and args.device == "cuda")
                 ttft = engine.last_generation.time_to_first_token_s
             hf_total = hf_total or total
-            same = (out[:, args.prompt_len:] == reference[:, args.prompt_len:]).float().mean().item()
-            lines.append(f"| {batch} | {name} | {ttft * 1e3:.1f} | {batch * args.new_tokens / total:.0f} | "
-                         f"{total:.2f} | {total / hf_total:.3f}x | {same:.3f} |")
+            same = (out[:, args.prompt_len :] == reference[:, args.prompt_len :]).float().mean().item()
+            lines.append(
+                f"| {batch} | {name} | {ttft * 1e3:.1f} | {batch * args.new_tokens / total:.0f} | "
+                f"{total:.2f} | {total / hf_total:.3f}x | {same:.3f} |"
+            )
             print(lines[-1], flush=True)
     return lines
 
@@ -173,9 +207,12 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    head = ["# CUDA checks: sparse attention and inference", "",
-            f"{date.today()} | {device} | torch {torch.__version__} | `bench/bench_cuda.py --sections {args.sections}`",
-            ""]
+    head = [
+        "# CUDA checks: sparse attention and inference",
+        "",
+        f"{date.today()} | {device} | torch {torch.__version__} | `bench/bench_cuda.py --sections {args.sections}`",
+        "",
+    ]
     body = []
     for section in args.sections.split(","):
         body += {"sparse": sparse, "inference": inference}[section](args) + [""]

@@ -73,8 +73,17 @@ CONFIGS = {
     "large": dict(vocab=32000, hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),
     "small": dict(vocab=8000, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704),
 }
-ROWS = ["hf", "deepspeed", "deepspeed-inject", "shardwise-inject", "shardwise", "shardwise-inject-tp2",
-        "deepspeed-tp2", "shardwise-int8-inject", "hf-again"]
+ROWS = [
+    "hf",
+    "deepspeed",
+    "deepspeed-inject",
+    "shardwise-inject",
+    "shardwise",
+    "shardwise-inject-tp2",
+    "deepspeed-tp2",
+    "shardwise-int8-inject",
+    "hf-again",
+]
 GOAL = 0.7
 """Issue 19: at tp 1, total generation time <= 0.7x plain generate's and DeepSpeed's."""
 
@@ -87,16 +96,25 @@ def _free_port() -> int:
 
 # -- the model --------------------------------------------------------------------------------
 
+
 def build_model(cfg: dict, max_positions: int):
     import torch
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
-        max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None)
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.generation_config.eos_token_id = None  # never stop early: every row adds exactly --new-tokens
     model.generation_config.pad_token_id = None
@@ -128,6 +146,7 @@ class FirstToken:
 
 
 # -- contention: the machine may be shared ----------------------------------------------------
+
 
 def _machine_busy_seconds() -> float:
     """CPU seconds all processes (and the hypervisor, as steal) have used since boot."""
@@ -223,19 +242,25 @@ def timed_generate(args, group: _Group, target, engine, ids, new_tokens: int) ->
         elapsed = time.perf_counter() - start
         stall = (_stalled_seconds() - stalled) / elapsed
         # /proc/stat counts 10 ms ticks: at least 0.5 s in the denominator
-        other = max((_machine_busy_seconds() - busy - (group.cpu_seconds() - own)) / (max(elapsed, 0.5)
-                                                                                     * os.cpu_count()), 0.0)
+        other = max(
+            (_machine_busy_seconds() - busy - (group.cpu_seconds() - own)) / (max(elapsed, 0.5) * os.cpu_count()), 0.0
+        )
         contended = other > args.max_other or (not group.distributed and stall > args.max_stall)
         retry = group.decide(bool(contended) and attempt < args.retries)
         if not retry:
             return {**result, "stall": stall, "other": other, "attempts": attempt + 1, "waited_s": waited}
         if group.rank == 0:
-            print(f"  [{args.config} {args.row}] batch {ids.shape[0]}: other processes {other:.0%} of the CPUs, "
-                  f"CPU stall {stall:.0%} of the run; repeating it", file=sys.stderr, flush=True)
+            print(
+                f"  [{args.config} {args.row}] batch {ids.shape[0]}: other processes {other:.0%} of the CPUs, "
+                f"CPU stall {stall:.0%} of the run; repeating it",
+                file=sys.stderr,
+                flush=True,
+            )
     raise AssertionError("unreachable")
 
 
 # -- collectives (--comm-stats) -------------------------------------------------------------------
+
 
 class _CommStats:
     """Counts torch.distributed's collectives and the time they block the caller (a
@@ -273,6 +298,7 @@ class _CommStats:
                     stats.calls += 1
                     stats.seconds += time.perf_counter() - start
                 return TimedWork(work) if kw.get("async_op") and work is not None else work
+
             return collective
 
         for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast"):
@@ -282,6 +308,7 @@ class _CommStats:
 
 # -- worker: one row, every batch size --------------------------------------------------------
 
+
 def _setup(args):
     """(what ``generate`` is called on, the shardwise engine or None, model info) of the
     worker's row."""
@@ -290,8 +317,10 @@ def _setup(args):
     row = args.row.removesuffix("-again")
     cfg = CONFIGS[args.config]
     model = build_model(cfg, args.prompt_len + args.new_tokens + 8)
-    info = {"params": sum(p.numel() for p in model.parameters()),
-            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    info = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
     if row == "hf":
         return model, None, info
     if row.startswith("deepspeed"):
@@ -299,13 +328,17 @@ def _setup(args):
 
         deepspeed.init_distributed(dist_backend="gloo")
         extra = {"tensor_parallel": {"tp_size": 2}} if row.endswith("tp2") else {}
-        engine = deepspeed.init_inference(model, dtype=torch.float32,
-                                          replace_with_kernel_inject=row == "deepspeed-inject", **extra)
+        engine = deepspeed.init_inference(
+            model, dtype=torch.float32, replace_with_kernel_inject=row == "deepspeed-inject", **extra
+        )
         return engine, None, info
     import shardwise
 
-    kwargs = {"dtype": torch.int8 if "int8" in row else torch.float32,
-              "replace_with_kernel_inject": "inject" in row, "max_out_tokens": args.prompt_len + args.new_tokens}
+    kwargs = {
+        "dtype": torch.int8 if "int8" in row else torch.float32,
+        "replace_with_kernel_inject": "inject" in row,
+        "max_out_tokens": args.prompt_len + args.new_tokens,
+    }
     if row.endswith("tp2"):
         kwargs["tensor_parallel"] = {"tp_size": 2}
     reference = None
@@ -319,10 +352,15 @@ def _setup(args):
         with torch.inference_mode():
             logits = engine(seq).logits.float()
         err = (logits - reference).abs()
-        info["int8"] = {**engine.int8_report, "max_abs_err": err.max().item(), "mean_abs_err": err.mean().item(),
-                        "ref_max_abs": reference.abs().max().item(), "ref_std": reference.std().item(),
-                        "top1_match": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
-                        "positions": int(reference.shape[0] * reference.shape[1])}
+        info["int8"] = {
+            **engine.int8_report,
+            "max_abs_err": err.max().item(),
+            "mean_abs_err": err.mean().item(),
+            "ref_max_abs": reference.abs().max().item(),
+            "ref_std": reference.std().item(),
+            "top1_match": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+            "positions": int(reference.shape[0] * reference.shape[1]),
+        }
     return engine, engine, info
 
 
@@ -338,14 +376,13 @@ def _generate(target, shardwise_engine, ids, new_tokens: int) -> dict:
     else:
         clock = FirstToken(start)
         with torch.inference_mode():
-            out = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                  streamer=clock)
+            out = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, streamer=clock)
         total = time.perf_counter() - start
         ttft = clock.first
     added = out.shape[1] - ids.shape[1]
     if added != new_tokens:
         raise RuntimeError(f"{added} new tokens, expected {new_tokens}")
-    return {"total_s": total, "ttft_s": ttft, "tokens": out[:, ids.shape[1]:].tolist()}
+    return {"total_s": total, "ttft_s": ttft, "tokens": out[:, ids.shape[1] :].tolist()}
 
 
 def _median_time(fn, reps: int, warmup: int = 3) -> float:
@@ -389,8 +426,9 @@ def step_breakdown(decoder, cfg: dict, batch: int, prompt_len: int, reps: int = 
         inputs = {w.shape[1]: torch.randn(batch, 1, w.shape[1]) for w in weights}
         with torch.inference_mode():
             cache = decoder.new_cache(batch, prompt_len + 1)
-            decoder.forward(prompts(cfg, batch, prompt_len), torch.arange(prompt_len).expand(batch, prompt_len), None,
-                            cache, 0)
+            decoder.forward(
+                prompts(cfg, batch, prompt_len), torch.arange(prompt_len).expand(batch, prompt_len), None, cache, 0
+            )
             ids = prompts(cfg, batch, 1)
             positions = torch.full((batch, 1), prompt_len, dtype=torch.long)
 
@@ -400,6 +438,7 @@ def step_breakdown(decoder, cfg: dict, batch: int, prompt_len: int, reps: int = 
             def linears():
                 for w in weights:
                     F.linear(inputs[w.shape[1]], w)
+
             step_s, floor_s = _median_time(step, reps), _median_time(linears, reps)
             fake = lambda proj: _ReadyOutput(proj.weight.shape[0])  # noqa: E731
             decoder.layers = [(a, fake(b), fake(c), d, fake(e), fake(f), g) for a, b, c, d, e, f, g in layers]
@@ -427,10 +466,14 @@ def _profile(target, shardwise_engine, ids, new_tokens: int, rows: int) -> dict:
     attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
     total = sum(e.self_cpu_time_total for e in events)
     calls = sum(e.count for e in events if e.key.startswith("aten::"))
-    return {"table": table, "wall_ms_per_step": 1000 * wall / new_tokens,
-            "matmul_ms_per_step": matmul / 1000 / new_tokens, "attention_ms_per_step": attention / 1000 / new_tokens,
-            "other_ms_per_step": (total - matmul - attention) / 1000 / new_tokens,
-            "aten_calls_per_step": calls / new_tokens}
+    return {
+        "table": table,
+        "wall_ms_per_step": 1000 * wall / new_tokens,
+        "matmul_ms_per_step": matmul / 1000 / new_tokens,
+        "attention_ms_per_step": attention / 1000 / new_tokens,
+        "other_ms_per_step": (total - matmul - attention) / 1000 / new_tokens,
+        "aten_calls_per_step": calls / new_tokens,
+    }
 
 
 def worker(args) -> None:
@@ -474,6 +517,7 @@ def worker(args) -> None:
 
 # -- driver -------------------------------------------------------------------------------------
 
+
 def run_row(args, config: str, row: str) -> dict:
     deepspeed = row.startswith("deepspeed")
     python = args.peer_python if deepspeed else sys.executable
@@ -483,30 +527,70 @@ def run_row(args, config: str, row: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         port = _free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1" if tp2 else str(args.threads), "DS_ACCELERATOR": "cpu",
-               "SHARDWISE_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
-               "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1" if tp2 else str(args.threads),
+            "DS_ACCELERATOR": "cpu",
+            "SHARDWISE_ACCELERATOR": "cpu",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
+        }
         if not tp2:  # a world of one for DeepSpeed's init_distributed (shardwise needs none at tp 1)
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         elif deepspeed:  # as DeepSpeed's launcher sets it: without it its CPU shared-memory all-reduce crashes
             env["LOCAL_SIZE"] = "2"
-        worker_args = [__file__, "--worker", "--row", row, "--config", config, "--result", str(result),
-                       "--threads", "1" if tp2 else str(args.threads), "--batches", ",".join(map(str, args.batches)),
-                       "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
-                       "--repeats", str(args.repeats), "--profile-rows", str(args.profile_rows),
-                       "--max-stall", str(args.max_stall), "--max-other", str(args.max_other),
-                       "--retries", str(args.retries), *(["--comm-stats"] if args.comm_stats else []),
-                       "--idle-threshold", str(args.idle_threshold), "--idle-timeout", str(args.idle_timeout)] \
-            + (["--profile"] if args.profile else [])
+        worker_args = [
+            __file__,
+            "--worker",
+            "--row",
+            row,
+            "--config",
+            config,
+            "--result",
+            str(result),
+            "--threads",
+            "1" if tp2 else str(args.threads),
+            "--batches",
+            ",".join(map(str, args.batches)),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--repeats",
+            str(args.repeats),
+            "--profile-rows",
+            str(args.profile_rows),
+            "--max-stall",
+            str(args.max_stall),
+            "--max-other",
+            str(args.max_other),
+            "--retries",
+            str(args.retries),
+            *(["--comm-stats"] if args.comm_stats else []),
+            "--idle-threshold",
+            str(args.idle_threshold),
+            "--idle-timeout",
+            str(args.idle_timeout),
+        ] + (["--profile"] if args.profile else [])
         if tp2:
-            cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                   "--master_port", str(port)] + worker_args
+            cmd = [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+            ] + worker_args
         else:
             cmd = [python] + worker_args
         started = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=args.timeout)
+            proc = subprocess.run(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {args.timeout:.0f} s"}
         wall = time.perf_counter() - started
@@ -525,12 +609,23 @@ def _versions(peer_python: str) -> dict:
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     if Path(peer_python).exists():
-        out = subprocess.run([peer_python, "-c", "import deepspeed, torch, transformers; "
-                              "print(deepspeed.__version__, torch.__version__, transformers.__version__)"],
-                             capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        out = subprocess.run(
+            [
+                peer_python,
+                "-c",
+                "import deepspeed, torch, transformers; "
+                "print(deepspeed.__version__, torch.__version__, transformers.__version__)",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        )
         last = out.stdout.strip().splitlines()[-1].split() if out.returncode == 0 and out.stdout.strip() else None
-        versions["deepspeed"] = "{} (torch {}, transformers {} in {})".format(*last, peer_python) if last \
+        versions["deepspeed"] = (
+            "{} (torch {}, transformers {} in {})".format(*last, peer_python)
+            if last
             else f"unavailable ({peer_python} could not import it)"
+        )
     else:
         versions["deepspeed"] = f"not installed ({peer_python} missing)"
     return versions
@@ -539,10 +634,15 @@ def _versions(peer_python: str) -> dict:
 def _source_state() -> str:
     """The commit shardwise ran at, and whether its sources had uncommitted changes."""
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "shardwise"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "shardwise"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "shardwise (not a git checkout)"
     return f"shardwise at {head}" + (" with uncommitted changes in shardwise/" if dirty else "")
@@ -566,19 +666,25 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
     for config, rows in results.items():
         cfg = CONFIGS[config]
         params = next((r["info"]["params"] for r in rows.values() if "info" in r), 0)
-        lines += [f"### {config}: hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} heads / "
-                  f"{cfg['kv_heads']} kv heads, intermediate {cfg['intermediate']}, vocab {cfg['vocab']} "
-                  f"({params / 1e6:.1f}M parameters, {4 * params / 2 ** 20:.0f} MiB fp32)", ""]
+        lines += [
+            f"### {config}: hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} heads / "
+            f"{cfg['kv_heads']} kv heads, intermediate {cfg['intermediate']}, vocab {cfg['vocab']} "
+            f"({params / 1e6:.1f}M parameters, {4 * params / 2**20:.0f} MiB fp32)",
+            "",
+        ]
         for batch in map(str, args.batches):
             base = rows.get("hf", {}).get("batches", {}).get(batch)
             base_t = median_or_nan([r["total_s"] for r in base["runs"]]) if base else float("nan")
             ds = rows.get("deepspeed", {}).get("batches", {}).get(batch)
             ds_t = median_or_nan([r["total_s"] for r in ds["runs"]]) if ds else float("nan")
-            lines += [f"Batch {batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, median of "
-                      f"{args.repeats} timed runs after 1 warm-up:", "",
-                      "| row | processes x threads | time to first token ms | tokens/s | ms per decode step | "
-                      "total s (min-max) | vs hf | vs deepspeed | tokens equal to hf's | other CPU / stall (repeated runs) |",
-                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            lines += [
+                f"Batch {batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, median of "
+                f"{args.repeats} timed runs after 1 warm-up:",
+                "",
+                "| row | processes x threads | time to first token ms | tokens/s | ms per decode step | "
+                "total s (min-max) | vs hf | vs deepspeed | tokens equal to hf's | other CPU / stall (repeated runs) |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            ]
             for row, out in rows.items():
                 if "error" in out:
                     lines.append(f"| {row} | | error: {out['error']} | | | | | | | |")
@@ -596,7 +702,8 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
                     f"{1000 * step:.2f} | {total:.3f} ({min(totals):.3f}-{max(totals):.3f}) | {_ratio(total, base_t)} | "
                     f"{_ratio(total, ds_t)} | {same} | {max(r['other'] for r in entry['runs']):.0%} / "
                     f"{max(r['stall'] for r in entry['runs']):.0%} "
-                    f"({sum(r['attempts'] - 1 for r in entry['runs'])}) |")
+                    f"({sum(r['attempts'] - 1 for r in entry['runs'])}) |"
+                )
             lines.append("")
             sw = rows.get("shardwise-inject", {}).get("batches", {}).get(batch)
             if sw:
@@ -607,84 +714,126 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
                 if again:  # the baseline's second run, after every other row: how far the machine drifted
                     again_t = median_or_nan([r["total_s"] for r in again["runs"]])
                     again_note = f" ({t / again_t:.2f}x against the hf-again run)"
-                goal = (f"{config}, batch {batch}: shardwise-inject tp 1 vs plain generate "
-                        f"{verdict(t / base_t) if base else 'no baseline'}{again_note}; vs DeepSpeed "
-                        f"{verdict(t / ds_t) if ds else 'no DeepSpeed row'}")
+                goal = (
+                    f"{config}, batch {batch}: shardwise-inject tp 1 vs plain generate "
+                    f"{verdict(t / base_t) if base else 'no baseline'}{again_note}; vs DeepSpeed "
+                    f"{verdict(t / ds_t) if ds else 'no DeepSpeed row'}"
+                )
                 goals.append(goal)
                 if sw.get("breakdown"):
                     ttft = median_or_nan([r["ttft_s"] for r in sw["runs"]])
                     step = (t - ttft) / max(args.new_tokens - 1, 1)
                     bd = {k: 1000 * v for k, v in sw["breakdown"].items()}
                     inside = bd["step_s"] - bd["no_linear_s"]
-                    lines += [f"shardwise-inject, where a decode step goes (ms, medians of 50, timed apart after the "
-                              f"runs, the cache at {args.prompt_len + args.new_tokens // 2} tokens): in generate "
-                              f"{1000 * step:.2f} (mean); `decoder.forward` alone {bd['step_s']:.2f}, "
-                              f"so generate's loop adds {1000 * step - bd['step_s']:.2f}; its "
-                              f"{4 * CONFIGS[config]['layers'] + 1} linear layers alone (same weights and input "
-                              f"shapes, back to back) {bd['floor_s']:.2f}; the step with every linear layer replaced "
-                              f"by a ready output (the work around the matmuls) {bd['no_linear_s']:.2f}; so the "
-                              f"linear layers take {inside:.2f} inside the step, {inside - bd['floor_s']:+.2f} "
-                              f"against alone.", ""]
+                    lines += [
+                        f"shardwise-inject, where a decode step goes (ms, medians of 50, timed apart after the "
+                        f"runs, the cache at {args.prompt_len + args.new_tokens // 2} tokens): in generate "
+                        f"{1000 * step:.2f} (mean); `decoder.forward` alone {bd['step_s']:.2f}, "
+                        f"so generate's loop adds {1000 * step - bd['step_s']:.2f}; its "
+                        f"{4 * CONFIGS[config]['layers'] + 1} linear layers alone (same weights and input "
+                        f"shapes, back to back) {bd['floor_s']:.2f}; the step with every linear layer replaced "
+                        f"by a ready output (the work around the matmuls) {bd['no_linear_s']:.2f}; so the "
+                        f"linear layers take {inside:.2f} inside the step, {inside - bd['floor_s']:+.2f} "
+                        f"against alone.",
+                        "",
+                    ]
         for row, out in rows.items():
             for batch in map(str, args.batches):
                 comm = out.get("batches", {}).get(batch, {}).get("comm")
                 if comm:
-                    lines += [f"{row}, batch {batch}, collectives through torch.distributed (one more generation, rank "
-                              f"0): {comm['calls'] / args.new_tokens:.1f} per generated token, blocking "
-                              f"{1000 * comm['seconds'] / args.new_tokens:.2f} ms of its "
-                              f"{1000 * comm['total_s'] / args.new_tokens:.2f} ms" + (
-                                  " (DeepSpeed's shared-memory all-reduce does not go through torch.distributed and "
-                                  "is not counted)" if row.startswith("deepspeed") else
-                                  " (the tensor group's shared-memory all-reduces and all-gathers do not go through "
-                                  "torch.distributed and are not counted)") + ".", ""]
+                    lines += [
+                        f"{row}, batch {batch}, collectives through torch.distributed (one more generation, rank "
+                        f"0): {comm['calls'] / args.new_tokens:.1f} per generated token, blocking "
+                        f"{1000 * comm['seconds'] / args.new_tokens:.2f} ms of its "
+                        f"{1000 * comm['total_s'] / args.new_tokens:.2f} ms"
+                        + (
+                            " (DeepSpeed's shared-memory all-reduce does not go through torch.distributed and "
+                            "is not counted)"
+                            if row.startswith("deepspeed")
+                            else " (the tensor group's shared-memory all-reduces and all-gathers do not go through "
+                            "torch.distributed and are not counted)"
+                        )
+                        + ".",
+                        "",
+                    ]
         int8 = rows.get("shardwise-int8-inject", {}).get("info", {}).get("int8")
         if int8:
-            lines += [f"int8 (shardwise-int8-inject): {int8['layers']} linear layers (LM head kept fp32), weights "
-                      f"{int8['bytes_before'] / 2 ** 20:.1f} MiB -> {int8['bytes_after'] / 2 ** 20:.1f} MiB (saved "
-                      f"{(int8['bytes_before'] - int8['bytes_after']) / 2 ** 20:.1f} MiB, "
-                      f"{(int8['bytes_before'] - int8['bytes_after']) / (4 * params):.0%} of the fp32 model). "
-                      f"Logits vs fp32 over {int8['positions']} teacher-forced positions (4 rows of random "
-                      f"tokens): max abs error {int8['max_abs_err']:.4f}, mean {int8['mean_abs_err']:.5f} (fp32 "
-                      f"logits: max abs {int8['ref_max_abs']:.3f}, std {int8['ref_std']:.3f}); top-1 token equal "
-                      f"at {int8['top1_match']:.1%} of positions.", ""]
+            lines += [
+                f"int8 (shardwise-int8-inject): {int8['layers']} linear layers (LM head kept fp32), weights "
+                f"{int8['bytes_before'] / 2**20:.1f} MiB -> {int8['bytes_after'] / 2**20:.1f} MiB (saved "
+                f"{(int8['bytes_before'] - int8['bytes_after']) / 2**20:.1f} MiB, "
+                f"{(int8['bytes_before'] - int8['bytes_after']) / (4 * params):.0%} of the fp32 model). "
+                f"Logits vs fp32 over {int8['positions']} teacher-forced positions (4 rows of random "
+                f"tokens): max abs error {int8['max_abs_err']:.4f}, mean {int8['mean_abs_err']:.5f} (fp32 "
+                f"logits: max abs {int8['ref_max_abs']:.3f}, std {int8['ref_std']:.3f}); top-1 token equal "
+                f"at {int8['top1_match']:.1%} of positions.",
+                "",
+            ]
         for row in ("hf", "shardwise-inject"):
             for batch in map(str, args.batches):
                 prof = rows.get(row, {}).get("batches", {}).get(batch, {}).get("profile")
                 if prof:
-                    lines += [f"Profile of {row}, batch {batch}, {min(args.new_tokens, 32)} new tokens "
-                              f"(self CPU time per generated token, under the profiler): wall "
-                              f"{prof['wall_ms_per_step']:.2f} ms, matmuls (mm/addmm/bmm) "
-                              f"{prof['matmul_ms_per_step']:.2f} ms, attention {prof['attention_ms_per_step']:.2f} ms, "
-                              f"everything else {prof['other_ms_per_step']:.2f} ms; "
-                              f"{prof['aten_calls_per_step']:.0f} aten calls per token", "", "```",
-                              prof["table"].rstrip(), "```", ""]
+                    lines += [
+                        f"Profile of {row}, batch {batch}, {min(args.new_tokens, 32)} new tokens "
+                        f"(self CPU time per generated token, under the profiler): wall "
+                        f"{prof['wall_ms_per_step']:.2f} ms, matmuls (mm/addmm/bmm) "
+                        f"{prof['matmul_ms_per_step']:.2f} ms, attention {prof['attention_ms_per_step']:.2f} ms, "
+                        f"everything else {prof['other_ms_per_step']:.2f} ms; "
+                        f"{prof['aten_calls_per_step']:.0f} aten calls per token",
+                        "",
+                        "```",
+                        prof["table"].rstrip(),
+                        "```",
+                        "",
+                    ]
     return "\n".join(lines), goals
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="large,small", help=f"of {sorted(CONFIGS)}")
-    parser.add_argument("--rows", default=",".join(ROWS), help="rows in the order run; a row named <row>-again "
-                                                               "runs <row> again (the noise)")
+    parser.add_argument(
+        "--rows",
+        default=",".join(ROWS),
+        help="rows in the order run; a row named <row>-again runs <row> again (the noise)",
+    )
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of single-process rows")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 new tokens, 1 timed run")
-    parser.add_argument("--peer-python", default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"),
-                        help="interpreter with deepspeed (and transformers) installed")
+    parser.add_argument(
+        "--peer-python",
+        default=os.environ.get("DS_PYTHON", "/work/ds-env/bin/python"),
+        help="interpreter with deepspeed (and transformers) installed",
+    )
     parser.add_argument("--profile", action="store_true", help="torch.profiler tables of hf and shardwise-inject")
     parser.add_argument("--profile-rows", type=int, default=15)
-    parser.add_argument("--comm-stats", action="store_true",
-                        help="tp2 rows: count the collectives of one more generation and the time they block rank 0")
-    parser.add_argument("--max-stall", type=float, default=0.05,
-                        help="repeat a timed run in which tasks waited for a CPU more than this share of its time")
-    parser.add_argument("--max-other", type=float, default=0.05,
-                        help="repeat a timed run in which other processes used more than this share of the CPUs")
+    parser.add_argument(
+        "--comm-stats",
+        action="store_true",
+        help="tp2 rows: count the collectives of one more generation and the time they block rank 0",
+    )
+    parser.add_argument(
+        "--max-stall",
+        type=float,
+        default=0.05,
+        help="repeat a timed run in which tasks waited for a CPU more than this share of its time",
+    )
+    parser.add_argument(
+        "--max-other",
+        type=float,
+        default=0.05,
+        help="repeat a timed run in which other processes used more than this share of the CPUs",
+    )
     parser.add_argument("--retries", type=int, default=4, help="repeats of a contended run before it is kept")
-    parser.add_argument("--idle-threshold", type=float, default=0.05,
-                        help="a timed run starts when other processes use less than this share of the CPUs")
+    parser.add_argument(
+        "--idle-threshold",
+        type=float,
+        default=0.05,
+        help="a timed run starts when other processes use less than this share of the CPUs",
+    )
     parser.add_argument("--idle-timeout", type=float, default=60, help="seconds to wait for idle CPUs per run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per row process")
     parser.add_argument("--out", default=None, help="also write the report to this markdown file")
@@ -710,30 +859,49 @@ def main() -> None:
             if "error" in out:
                 print(f"  {out['error']}", file=sys.stderr, flush=True)
             else:
-                print("  " + "; ".join(f"batch {b}: {median_or_nan([r['total_s'] for r in e['runs']]):.3f} s"
-                                       for b, e in out["batches"].items()) + f" (process {out['wall_s']:.0f} s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    "  "
+                    + "; ".join(
+                        f"batch {b}: {median_or_nan([r['total_s'] for r in e['runs']]):.3f} s"
+                        for b, e in out["batches"].items()
+                    )
+                    + f" (process {out['wall_s']:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     wall = time.perf_counter() - started
     versions = _versions(args.peer_python)
     tables, goals = report(args, results, wall)
     command = "python bench/bench_inference.py " + " ".join(sys.argv[1:])
-    text = "\n".join([
-        "# Greedy decoding on CPU: plain generate, DeepSpeed init_inference, shardwise init_inference", "",
-        f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | torch {versions['torch']}, transformers "
-        f"{versions['transformers']} | deepspeed {versions['deepspeed']} | {source} | fp32", "",
-        f"Command: `{command}`", "",
-        f"Random-token prompts of {args.prompt_len}, greedy, {args.new_tokens} new tokens forced (no eos), "
-        f"`torch.manual_seed(0)` weights; each row a fresh process; 1 warm-up generation per batch size, then "
-        f"{args.repeats} timed. tokens/s = batch x new tokens / total time; ms per decode step = (total - time to "
-        f"first token) / (new tokens - 1). Single-process rows: `torch.set_num_threads({args.threads})`; tp2 rows: "
-        f"2 processes (`torch.distributed.run`, gloo) x 1 thread. \"tokens equal to hf's\": the greedy tokens of "
-        f"every sequence equal the hf row's, or the first step at which any sequence differs. \"other CPU / "
-        f"stall\": the largest share of the CPUs other processes used during a kept run, and of its time in "
-        f"which some task waited for a CPU (`/proc/pressure/cpu`; the tp2 rows' own processes cause theirs); "
-        f"runs over {args.max_other:.0%} / {args.max_stall:.0%} were repeated (count in parentheses) after "
-        f"waiting for idle CPUs.", "",
-        tables, "## Goal (issue 19): total generation time at tp 1 <= 0.7x plain generate and <= 0.7x DeepSpeed", "",
-        *[f"- {g}" for g in goals], "", f"wall time of the benchmark: {wall:.0f} s", ""])
+    text = "\n".join(
+        [
+            "# Greedy decoding on CPU: plain generate, DeepSpeed init_inference, shardwise init_inference",
+            "",
+            f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | torch {versions['torch']}, transformers "
+            f"{versions['transformers']} | deepspeed {versions['deepspeed']} | {source} | fp32",
+            "",
+            f"Command: `{command}`",
+            "",
+            f"Random-token prompts of {args.prompt_len}, greedy, {args.new_tokens} new tokens forced (no eos), "
+            f"`torch.manual_seed(0)` weights; each row a fresh process; 1 warm-up generation per batch size, then "
+            f"{args.repeats} timed. tokens/s = batch x new tokens / total time; ms per decode step = (total - time to "
+            f"first token) / (new tokens - 1). Single-process rows: `torch.set_num_threads({args.threads})`; tp2 rows: "
+            f'2 processes (`torch.distributed.run`, gloo) x 1 thread. "tokens equal to hf\'s": the greedy tokens of '
+            f"every sequence equal the hf row's, or the first step at which any sequence differs. \"other CPU / "
+            f'stall": the largest share of the CPUs other processes used during a kept run, and of its time in '
+            f"which some task waited for a CPU (`/proc/pressure/cpu`; the tp2 rows' own processes cause theirs); "
+            f"runs over {args.max_other:.0%} / {args.max_stall:.0%} were repeated (count in parentheses) after "
+            f"waiting for idle CPUs.",
+            "",
+            tables,
+            "## Goal (issue 19): total generation time at tp 1 <= 0.7x plain generate and <= 0.7x DeepSpeed",
+            "",
+            *[f"- {g}" for g in goals],
+            "",
+            f"wall time of the benchmark: {wall:.0f} s",
+            "",
+        ]
+    )
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

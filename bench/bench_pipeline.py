@@ -61,6 +61,7 @@ DS_COMPUTE = ("Forward", "Backward")
 
 # -- the model (imported by both interpreters) -------------------------------------------------
 
+
 def _layers(args, LayerSpec):
     import torch
     from torch import nn
@@ -90,18 +91,22 @@ def _layers(args, LayerSpec):
         def forward(self, x):
             return self.out(self.ln(x))
 
-    return ([LayerSpec(Embed, args.vocab, args.width, args.seq_len)]
-            + [LayerSpec(Block, args.width, args.mlp_ratio) for _ in range(args.blocks)]
-            + [LayerSpec(Head, args.width, args.vocab)])
+    return (
+        [LayerSpec(Embed, args.vocab, args.width, args.seq_len)]
+        + [LayerSpec(Block, args.width, args.mlp_ratio) for _ in range(args.blocks)]
+        + [LayerSpec(Head, args.width, args.vocab)]
+    )
 
 
 def _loss_fn(logits, labels):
     import torch
+
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _micro_batches(args):
     import torch
+
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(args.steps * args.micro_batches):
@@ -118,6 +123,7 @@ def _timed(fn, name, acc):
         finally:
             acc[name] += time.perf_counter() - start
             acc[name + "#"] += 1
+
     return wrapper
 
 
@@ -129,14 +135,20 @@ def worker(args) -> None:
     rank = int(os.environ["RANK"])
     acc: dict[str, float] = defaultdict(float)
     system, _, schedule = args.variant.partition("@")[0].partition("-")
-    config = {"gradient_clipping": 0.0,
-              "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.micro_batches,
-              "train_batch_size": args.micro_batch * args.micro_batches, "steps_per_print": 10 ** 9,
-              "wall_clock_breakdown": False}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.micro_batches,
+        "train_batch_size": args.micro_batch * args.micro_batches,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     if system == "deepspeed":
         import deepspeed
         from deepspeed.pipe import LayerSpec, PipelineModule
-        from deepspeed.runtime.pipe import engine as ds_engine, schedule as ds_sched
+        from deepspeed.runtime.pipe import engine as ds_engine
+        from deepspeed.runtime.pipe import schedule as ds_sched
+
         deepspeed.init_distributed(dist_backend="gloo")
         table = ds_engine.PipelineEngine._INSTRUCTION_MAP
         for name in WAIT + DS_COMPUTE:
@@ -151,6 +163,7 @@ def worker(args) -> None:
         from shardwise.pipe import LayerSpec, PipelineModule
         from shardwise.pipe import _actions as sw_actions
         from shardwise.pipe._runner import HANDLERS as sw_handlers
+
         dist.init_process_group("gloo")
         for name in WAIT + COMPUTE:
             kind = getattr(sw_actions, name)
@@ -159,8 +172,15 @@ def worker(args) -> None:
         library = shardwise
     if system != "torch":
         chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
-        model = PipelineModule(layers=_layers(args, LayerSpec), num_stages=2, loss_fn=_loss_fn, seed_layers=True,
-                               **chunks, base_seed=1234, partition_method="uniform")
+        model = PipelineModule(
+            layers=_layers(args, LayerSpec),
+            num_stages=2,
+            loss_fn=_loss_fn,
+            seed_layers=True,
+            **chunks,
+            base_seed=1234,
+            partition_method="uniform",
+        )
         n_params = sum(p.numel() for p in model.parameters())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         engine, _, _, _ = library.initialize(model=model, optimizer=optimizer, config=config)
@@ -168,15 +188,20 @@ def worker(args) -> None:
     times, losses, per_step = [], [], []
     for step in range(args.steps):
         acc.clear()
-        it = iter(data[step * args.micro_batches:(step + 1) * args.micro_batches])
+        it = iter(data[step * args.micro_batches : (step + 1) * args.micro_batches])
         dist.barrier()
         start = time.perf_counter()
         loss = engine.train_batch(it)
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
         per_step.append(dict(acc))
-    result = {"times": times, "losses": losses, "acc": per_step, "params": n_params,
-              "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    result = {
+        "times": times,
+        "losses": losses,
+        "acc": per_step,
+        "params": n_params,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     Path(args.result).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     sys.stdout.flush()
@@ -234,21 +259,43 @@ def _torch_pipelining(args, schedule: str, rank: int):
 
 # -- driver -------------------------------------------------------------------------------------
 
+
 def run_variant(args, variant: str) -> dict:
     python = args.ds_python if variant == "deepspeed" else sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SHARDWISE_ACCELERATOR": "cpu",
-               "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "SHARDWISE_ACCELERATOR": "cpu",
+            "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
+        }
         if variant.endswith("@gloo"):  # stage-to-stage transfers through gloo instead of shared memory
             env["SHARDWISE_SHM_P2P"] = "0"
-        cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), __file__, "--worker", "--variant", variant, "--result", str(result)]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            __file__,
+            "--worker",
+            "--variant",
+            variant,
+            "--result",
+            str(result),
+        ]
         for key in ("vocab", "width", "mlp_ratio", "blocks", "seq_len", "micro_batch", "micro_batches", "steps"):
             cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
         started = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=args.timeout)
+        proc = subprocess.run(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
+        )
         wall = time.perf_counter() - started
         if proc.returncode != 0:
             lines = [ln for ln in proc.stdout.strip().splitlines() if "Error" in ln or "error" in ln]
@@ -260,18 +307,33 @@ def run_variant(args, variant: str) -> dict:
     stages = []
     for r in ranks:
         steps = list(zip(r["times"][skip:], r["acc"][skip:]))
-        stages.append({
-            "wait": median_or_nan([sum(a.get(k, 0.0) for k in WAIT) / t for t, a in steps]),
-            "idle": median_or_nan([1 - sum(a.get(k, 0.0) for k in COMPUTE) / t for t, a in steps]),
-            "fwd": median_or_nan([a.get("Forward", 0.0) / m for _, a in steps]),
-            "bwd": median_or_nan([sum(a.get(k, 0.0) for k in COMPUTE[1:]) / m for _, a in steps]),
-            # per action: a split schedule may run some backwards whole and some in halves
-            **{key: median_or_nan([a.get(name, 0.0) / max(a.get(name + "#", 0), 1) for _, a in steps])
-               for key, name in (("bwd_input", "BackwardInput"), ("bwd_weight", "BackwardWeight"),
-                                 ("bwd_whole", "Backward"))},
-            "rss_mb": r["rss_mb"], "params": r["params"]})
-    return {"median": median, "min": min(times), "max": max(times), "losses": ranks[0]["losses"],
-            "stages": stages, "wall_s": wall}
+        stages.append(
+            {
+                "wait": median_or_nan([sum(a.get(k, 0.0) for k in WAIT) / t for t, a in steps]),
+                "idle": median_or_nan([1 - sum(a.get(k, 0.0) for k in COMPUTE) / t for t, a in steps]),
+                "fwd": median_or_nan([a.get("Forward", 0.0) / m for _, a in steps]),
+                "bwd": median_or_nan([sum(a.get(k, 0.0) for k in COMPUTE[1:]) / m for _, a in steps]),
+                # per action: a split schedule may run some backwards whole and some in halves
+                **{
+                    key: median_or_nan([a.get(name, 0.0) / max(a.get(name + "#", 0), 1) for _, a in steps])
+                    for key, name in (
+                        ("bwd_input", "BackwardInput"),
+                        ("bwd_weight", "BackwardWeight"),
+                        ("bwd_whole", "Backward"),
+                    )
+                },
+                "rss_mb": r["rss_mb"],
+                "params": r["params"],
+            }
+        )
+    return {
+        "median": median,
+        "min": min(times),
+        "max": max(times),
+        "losses": ranks[0]["losses"],
+        "stages": stages,
+        "wall_s": wall,
+    }
 
 
 def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
@@ -280,13 +342,22 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
     ok = {v: [r for r in rs if "median" in r] for v, rs in runs.items()}
     med = {v: median_or_nan([r["median"] for r in rs]) for v, rs in ok.items()}
     base = med.get("deepspeed", float("nan"))
-    lines = [f"## Step time, idle time and memory (round order: {'; '.join(' '.join(o) for o in order)})", "",
-             "| variant | runs | median s/step | run medians min-max | vs deepspeed | fwd ms/mb (stage 0, 1) "
-             "| bwd ms/mb (stage 0, 1) | wait fraction (stage 0, 1) | measured idle (stage 0, 1) "
-             "| simulated idle (measured stage costs) | peak RSS MiB (stage 0, 1) | params (stage 0, 1) |",
-             "|" + " --- |" * 12]
-    sim_names = {"1f1b": "1f1b", "gpipe": "gpipe", "deepspeed": "1f1b", "zero_bubble": "zero_bubble",
-                 "interleaved": "interleaved", "1f1b_split": "1f1b_split"}
+    lines = [
+        f"## Step time, idle time and memory (round order: {'; '.join(' '.join(o) for o in order)})",
+        "",
+        "| variant | runs | median s/step | run medians min-max | vs deepspeed | fwd ms/mb (stage 0, 1) "
+        "| bwd ms/mb (stage 0, 1) | wait fraction (stage 0, 1) | measured idle (stage 0, 1) "
+        "| simulated idle (measured stage costs) | peak RSS MiB (stage 0, 1) | params (stage 0, 1) |",
+        "|" + " --- |" * 12,
+    ]
+    sim_names = {
+        "1f1b": "1f1b",
+        "gpipe": "gpipe",
+        "deepspeed": "1f1b",
+        "zero_bubble": "zero_bubble",
+        "interleaved": "interleaved",
+        "1f1b_split": "1f1b_split",
+    }
     halves = []
     for v, rs in ok.items():
         if not rs:
@@ -297,36 +368,61 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
 
         def pair(key, scale=1.0, fmt="{:.0f}"):
             return ", ".join(fmt.format(median_or_nan([x[key] for x in st[s]]) * scale) for s in range(2))
+
         def per_stage(key, scale=1.0):  # one duration per stage, for the simulator
             return [median_or_nan([x[key] for x in st[s]]) * scale for s in range(2)]
+
         sched = sim_names[v.partition("@")[0].rpartition("-")[2]]
         if sched in ("zero_bubble", "1f1b_split"):
-            sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd"),
-                           t_backward_input=per_stage("bwd_input"), t_backward_weight=per_stage("bwd_weight"),
-                           t_backward=per_stage("bwd_whole"))
-            halves.append(f"- {v}: ms per action, input half (stage 0, 1): {pair('bwd_input', 1000)}; "
-                          f"weight half: {pair('bwd_weight', 1000)}; whole backward: {pair('bwd_whole', 1000)} "
-                          "(the first stage's input is token ids, so its whole backward is the weight half)")
+            sim = simulate(
+                sched,
+                2,
+                args.micro_batches,
+                t_forward=per_stage("fwd"),
+                t_backward_input=per_stage("bwd_input"),
+                t_backward_weight=per_stage("bwd_weight"),
+                t_backward=per_stage("bwd_whole"),
+            )
+            halves.append(
+                f"- {v}: ms per action, input half (stage 0, 1): {pair('bwd_input', 1000)}; "
+                f"weight half: {pair('bwd_weight', 1000)}; whole backward: {pair('bwd_whole', 1000)} "
+                "(the first stage's input is token ids, so its whole backward is the weight half)"
+            )
         elif sched == "interleaved":  # the timers add up both chunks of a micro-batch
-            sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd", 0.5),
-                           t_backward=per_stage("bwd", 0.5), virtual_stages=2)
+            sim = simulate(
+                sched,
+                2,
+                args.micro_batches,
+                t_forward=per_stage("fwd", 0.5),
+                t_backward=per_stage("bwd", 0.5),
+                virtual_stages=2,
+            )
         else:
             sim = simulate(sched, 2, args.micro_batches, t_forward=per_stage("fwd"), t_backward=per_stage("bwd"))
         timed = not v.startswith("torch-")  # torch's schedules are not timed per action
-        cells = (f"{pair('fwd', 1000)} | {pair('bwd', 1000)} | {pair('wait', fmt='{:.3f}')} "
-                 f"| {pair('idle', fmt='{:.3f}')} | {sim.idle_fraction:.3f} ({sched}, makespan {sim.makespan:.3f} s)"
-                 ) if timed else "- | - | - | - | -"
+        cells = (
+            (
+                f"{pair('fwd', 1000)} | {pair('bwd', 1000)} | {pair('wait', fmt='{:.3f}')} "
+                f"| {pair('idle', fmt='{:.3f}')} | {sim.idle_fraction:.3f} ({sched}, makespan {sim.makespan:.3f} s)"
+            )
+            if timed
+            else "- | - | - | - | -"
+        )
         lines.append(
             f"| {v} | {len(rs)} | {med[v]:.3f} | {min(r['median'] for r in rs):.3f}-{max(r['median'] for r in rs):.3f} "
-            f"| {med[v] / base:.3f} | {cells} | {pair('rss_mb')} | {pair('params', fmt='{:,.0f}')} |")
+            f"| {med[v] / base:.3f} | {cells} | {pair('rss_mb')} | {pair('params', fmt='{:,.0f}')} |"
+        )
     if halves:
         lines += ["", "Split backward:", ""] + halves
     lines += ["", "First-step losses (rank 0, every run):", ""]
     first = []
     for v, rs in ok.items():
         first += [r["losses"][0] for r in rs]
-        lines.append(f"- {v}: " + ", ".join(f"{r['losses'][0]:.6f}" for r in rs)
-                     + (f" (then {', '.join(f'{x:.4f}' for x in rs[0]['losses'][1:4])})" if rs else ""))
+        lines.append(
+            f"- {v}: "
+            + ", ".join(f"{r['losses'][0]:.6f}" for r in rs)
+            + (f" (then {', '.join(f'{x:.4f}' for x in rs[0]['losses'][1:4])})" if rs else "")
+        )
     if first:
         lines.append(f"- largest first-step difference: {max(first) - min(first):.2e}")
     return "\n".join(lines) + "\n"
@@ -365,17 +461,34 @@ def main() -> None:
             print(f"round {r + 1}: {variant} ...", file=sys.stderr, flush=True)
             out = run_variant(args, variant)
             runs[variant].append(out)
-            print("  " + (out.get("error") or "%.3f s/step (run %.0f s), losses %s" % (
-                out["median"], out["wall_s"], out["losses"][:3])), file=sys.stderr, flush=True)
-    text = "\n".join([
-        "# Pipeline parallelism: shardwise PipelineEngine against DeepSpeed's", "",
-        f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | gloo, fp32", "",
-        f"Model: embedding (vocab {args.vocab}, width {args.width}) + {args.blocks} blocks (LayerNorm + MLP "
-        f"{args.width}->{args.mlp_ratio * args.width}->{args.width}, residual) + LayerNorm/head; sequence "
-        f"{args.seq_len}; 2 stages (uniform partition) x 1 thread; micro-batch {args.micro_batch}, "
-        f"{args.micro_batches} micro-batches per train_batch; SGD momentum 0.9 lr 0.01; median of steps "
-        f"{args.warmup + 1}..{args.steps} (rank 0)", "",
-        report(args, runs, order), f"wall time of the benchmark: {time.perf_counter() - started:.0f} s"]) + "\n"
+            print(
+                "  "
+                + (
+                    out.get("error")
+                    or "%.3f s/step (run %.0f s), losses %s" % (out["median"], out["wall_s"], out["losses"][:3])
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
+    text = (
+        "\n".join(
+            [
+                "# Pipeline parallelism: shardwise PipelineEngine against DeepSpeed's",
+                "",
+                f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | gloo, fp32",
+                "",
+                f"Model: embedding (vocab {args.vocab}, width {args.width}) + {args.blocks} blocks (LayerNorm + MLP "
+                f"{args.width}->{args.mlp_ratio * args.width}->{args.width}, residual) + LayerNorm/head; sequence "
+                f"{args.seq_len}; 2 stages (uniform partition) x 1 thread; micro-batch {args.micro_batch}, "
+                f"{args.micro_batches} micro-batches per train_batch; SGD momentum 0.9 lr 0.01; median of steps "
+                f"{args.warmup + 1}..{args.steps} (rank 0)",
+                "",
+                report(args, runs, order),
+                f"wall time of the benchmark: {time.perf_counter() - started:.0f} s",
+            ]
+        )
+        + "\n"
+    )
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -83,11 +83,13 @@ def _sparsity_config(name: str, heads: int):
     if name == "variable":
         return sa.VariableSparsityConfig(heads, block=BLOCK, **bidi)
     if name == "bigbird":
-        return sa.BigBirdSparsityConfig(heads, block=BLOCK, num_random_blocks=1, num_sliding_window_blocks=3,
-                                        num_global_blocks=1, **bidi)
+        return sa.BigBirdSparsityConfig(
+            heads, block=BLOCK, num_random_blocks=1, num_sliding_window_blocks=3, num_global_blocks=1, **bidi
+        )
     if name == "longformer":
-        return sa.BSLongformerSparsityConfig(heads, block=BLOCK, num_sliding_window_blocks=3,
-                                             global_block_indices=[0], **bidi)
+        return sa.BSLongformerSparsityConfig(
+            heads, block=BLOCK, num_sliding_window_blocks=3, global_block_indices=[0], **bidi
+        )
     if name == "sliding":
         return sa.LocalSlidingWindowSparsityConfig(heads, block=BLOCK, num_sliding_window_blocks=3, **bidi)
     raise ValueError(f"unknown variant {name!r}")
@@ -102,9 +104,11 @@ def _attention(name: str, heads: int, length: int):
     if name == "dense":
         return F.scaled_dot_product_attention, 1.0
     if name == "dense-math":
+
         def math(q, k, v):
             with sdpa_kernel(SDPBackend.MATH):
                 return F.scaled_dot_product_attention(q, k, v)
+
         return math, 1.0
     from shardwise.ops.sparse_attention import SparseSelfAttention
 
@@ -165,8 +169,11 @@ def _memory_worker(args) -> dict:
             result["error"] = "peak over the cap"
     except (RuntimeError, MemoryError) as error:
         refused = re.search(r"allocate (\d+) bytes", str(error))
-        why = (f"{int(refused.group(1)) / 2**30:.2f} GiB allocation refused" if refused
-               else f"{type(error).__name__}: {str(error).splitlines()[0][:100]}")
+        why = (
+            f"{int(refused.group(1)) / 2**30:.2f} GiB allocation refused"
+            if refused
+            else f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+        )
         result.update(ok=False, peak=_status("VmHWM") - base, error=why)
     del torch
     return result
@@ -209,8 +216,9 @@ def _profile_worker(args) -> dict:
         _step(fn, q, k, v, grad)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             _step(fn, q, k, v, grad)
-        tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows,
-                                                 max_name_column_width=50)
+        tables[name] = prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=args.profile_rows, max_name_column_width=50
+        )
     del torch
     return tables
 
@@ -218,25 +226,57 @@ def _profile_worker(args) -> dict:
 # ----------------------------------------------------------------------------- in the parent
 
 
-def _run_worker(mode: str, variant: str, length: int, args, *, cap_gib: float | None = None,
-                timeout: float | None = None, calls: int = 2) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, __file__, "--worker", mode, "--variant", variant, "--length", str(length),
-           "--heads", str(args.heads), "--repeats", str(args.repeats), "--calls", str(calls),
-           "--cap-gib", str(cap_gib if cap_gib is not None else args.mem_cap_gib),
-           "--profile-rows", str(args.profile_rows)]
+def _run_worker(
+    mode: str,
+    variant: str,
+    length: int,
+    args,
+    *,
+    cap_gib: float | None = None,
+    timeout: float | None = None,
+    calls: int = 2,
+) -> dict:
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        mode,
+        "--variant",
+        variant,
+        "--length",
+        str(length),
+        "--heads",
+        str(args.heads),
+        "--repeats",
+        str(args.repeats),
+        "--calls",
+        str(calls),
+        "--cap-gib",
+        str(cap_gib if cap_gib is not None else args.mem_cap_gib),
+        "--profile-rows",
+        str(args.profile_rows),
+    ]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"over the {timeout:.0f} s time cap", "timeout": True,
-                "wall_s": time.perf_counter() - start}
+        return {
+            "ok": False,
+            "error": f"over the {timeout:.0f} s time cap",
+            "timeout": True,
+            "wall_s": time.perf_counter() - start,
+        }
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
         return {"ok": False, "error": f"exit {proc.returncode}: {tail}", "wall_s": time.perf_counter() - start}
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     if mode != "profile":
         result["wall_s"] = time.perf_counter() - start
     return result
@@ -288,11 +328,14 @@ def _capacity(args, log) -> dict:
     for name in args.capacity_variants.split(","):
         length, rows = 1024, []
         while length <= args.capacity_max:
-            res = _run_worker("memory", name, length, args, cap_gib=args.budget_gib,
-                              timeout=args.capacity_timeout, calls=1)
+            res = _run_worker(
+                "memory", name, length, args, cap_gib=args.budget_gib, timeout=args.capacity_timeout, calls=1
+            )
             rows.append((length, res))
-            log(f"  capacity {name:10s} {length:7d}: peak {_mib(res.get('peak'))} MiB, "
-                f"{res.get('wall_s', 0):.0f} s, {'ok' if res.get('ok') else res.get('error')}")
+            log(
+                f"  capacity {name:10s} {length:7d}: peak {_mib(res.get('peak'))} MiB, "
+                f"{res.get('wall_s', 0):.0f} s, {'ok' if res.get('ok') else res.get('error')}"
+            )
             if not res.get("ok"):
                 break
             length *= 2
@@ -301,13 +344,17 @@ def _capacity(args, log) -> dict:
 
 
 def _table(args, lengths, variants, memory, timing) -> list[str]:
-    lines = ["| length | variant | density | build s | first s | fwd+bwd median s | min-max | fwd s | bwd s "
-             "| vs dense | vs dense-math | peak MiB | vs dense | bytes/token | load 1 min |",
-             "| " + " | ".join(["---"] * 15) + " |"]
+    lines = [
+        "| length | variant | density | build s | first s | fwd+bwd median s | min-max | fwd s | bwd s "
+        "| vs dense | vs dense-math | peak MiB | vs dense | bytes/token | load 1 min |",
+        "| " + " | ".join(["---"] * 15) + " |",
+    ]
     for length in lengths:
+
         def med(name):
             t = timing.get((name, length))
             return None if t is None else statistics.median([f + b for f, b in zip(t["fwd"], t["bwd"])])
+
         dense_t, math_t = med("dense"), med("dense-math")
         dense_m = memory.get(("dense", length), {})
         for name in variants:
@@ -321,14 +368,23 @@ def _table(args, lengths, variants, memory, timing) -> list[str]:
             else:
                 total = [f + b for f, b in zip(t["fwd"], t["bwd"])]
                 mid, lo, hi = _median_spread(total)
-                row += [f"{t['build_s']:.3f}", f"{t['first_s']:.3f}", f"{mid:.3f}", f"{lo:.3f}-{hi:.3f}",
-                        f"{statistics.median(t['fwd']):.3f}", f"{statistics.median(t['bwd']):.3f}",
-                        "-" if dense_t is None else f"{mid / dense_t:.3f}",
-                        "-" if math_t is None else f"{mid / math_t:.3f}"]
+                row += [
+                    f"{t['build_s']:.3f}",
+                    f"{t['first_s']:.3f}",
+                    f"{mid:.3f}",
+                    f"{lo:.3f}-{hi:.3f}",
+                    f"{statistics.median(t['fwd']):.3f}",
+                    f"{statistics.median(t['bwd']):.3f}",
+                    "-" if dense_t is None else f"{mid / dense_t:.3f}",
+                    "-" if math_t is None else f"{mid / math_t:.3f}",
+                ]
             dense_peak = dense_m.get("peak") if dense_m.get("ok") else None
-            row += [_mib(peak) if peak is not None else f"> cap ({_mib(m.get('peak'))} at failure)",
-                    "-" if peak is None or not dense_peak else f"{peak / dense_peak:.2f}",
-                    "-" if peak is None else f"{peak / length:.0f}", (t or {}).get("load", "-")]
+            row += [
+                _mib(peak) if peak is not None else f"> cap ({_mib(m.get('peak'))} at failure)",
+                "-" if peak is None or not dense_peak else f"{peak / dense_peak:.2f}",
+                "-" if peak is None else f"{peak / length:.0f}",
+                (t or {}).get("load", "-"),
+            ]
             lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -341,8 +397,10 @@ def _dense_noise(lengths, timing) -> list[str]:
             total = [f + b for f, b in zip(t["fwd"], t["bwd"])]
             first = [x for x, s in zip(total, t["dense_slot"]) if s == "first"]
             last = [x for x, s in zip(total, t["dense_slot"]) if s == "last"]
-            lines.append(f"- {length}: dense at the start of each round {', '.join(f'{x:.3f}' for x in first)}; "
-                         f"at the end {', '.join(f'{x:.3f}' for x in last)}")
+            lines.append(
+                f"- {length}: dense at the start of each round {', '.join(f'{x:.3f}' for x in first)}; "
+                f"at the end {', '.join(f'{x:.3f}' for x in last)}"
+            )
     return lines
 
 
@@ -356,35 +414,43 @@ def _goals(args, lengths, memory, timing, capacity) -> list[str]:
     lf, dn = med("longformer", target), med("dense", target)
     if lf is not None and dn is not None:
         verdict = "met" if lf / dn <= 0.3 else "NOT met"
-        lines.append(f"- longformer at {target} <= 0.3x dense time: **{verdict}** ({lf:.3f} s vs {dn:.3f} s, "
-                     f"{lf / dn:.3f}x)")
+        lines.append(
+            f"- longformer at {target} <= 0.3x dense time: **{verdict}** ({lf:.3f} s vs {dn:.3f} s, {lf / dn:.3f}x)"
+        )
     worst = [(med(n, L) / med("dense", L), n, L) for (n, L) in timing if n in LAYOUTS and med("dense", L)]
     if worst:
         ratio, name, length = max(worst)
         slow = sorted((f"{n}@{L} {r:.2f}x" for r, n, L in worst if r > 1.1))
-        lines.append(f"- no layout slower than 1.1x dense: **{'met' if ratio <= 1.1 else 'NOT met'}** (worst "
-                     f"{name} at {length}: {ratio:.3f}x" + (f"; over 1.1x: {', '.join(slow)}" if slow else "") + ")")
+        lines.append(
+            f"- no layout slower than 1.1x dense: **{'met' if ratio <= 1.1 else 'NOT met'}** (worst "
+            f"{name} at {length}: {ratio:.3f}x" + (f"; over 1.1x: {', '.join(slow)}" if slow else "") + ")"
+        )
     for name in [n for n in LAYOUTS + BASELINES if any((n, L) in memory for L in lengths)]:
         per = [(L, memory[name, L]["peak"]) for L in lengths if memory.get((name, L), {}).get("ok")]
         if len(per) >= 2:
             (l0, p0), (l1, p1) = per[-2], per[-1]
             growth = (p1 / p0) / (l1 / l0)
-            lines.append(f"- peak memory of {name}: {', '.join(f'{L}: {_mib(p)} MiB' for L, p in per)}; "
-                         f"last doubling x{p1 / p0:.2f} ({'linear' if growth <= 1.15 else 'faster than linear'})")
+            lines.append(
+                f"- peak memory of {name}: {', '.join(f'{L}: {_mib(p)} MiB' for L, p in per)}; "
+                f"last doubling x{p1 / p0:.2f} ({'linear' if growth <= 1.15 else 'faster than linear'})"
+            )
     if capacity:
         best = {}
         for name, rows in capacity.items():
             ok = [L for L, r in rows if r.get("ok")]
             best[name] = max(ok) if ok else 0
             stop = next((f"{L}: {r.get('error')}" for L, r in rows if not r.get("ok")), "none up to the max")
-            lines.append(f"- longest trainable within {args.budget_gib:g} GiB, {name}: {best[name]} "
-                         f"(first failure {stop})")
+            lines.append(
+                f"- longest trainable within {args.budget_gib:g} GiB, {name}: {best[name]} (first failure {stop})"
+            )
         for base in BASELINES:
             for name in best:
                 if name in LAYOUTS and best.get(base):
                     ratio = best[name] / best[base]
-                    lines.append(f"- {name} / {base} trainable length: {ratio:.1f}x "
-                                 f"(**{'met' if ratio >= 10 else 'NOT met'}** against >= 10x)")
+                    lines.append(
+                        f"- {name} / {base} trainable length: {ratio:.1f}x "
+                        f"(**{'met' if ratio >= 10 else 'NOT met'}** against >= 10x)"
+                    )
     return lines
 
 
@@ -395,8 +461,12 @@ def main() -> None:
     parser.add_argument("--baselines", default=",".join(BASELINES), help="dense, dense-math, or both")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per length (after the first call)")
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--mem-cap-gib", type=float, default=6.0,
-                        help="a variant whose forward+backward needs more is not timed at that length")
+    parser.add_argument(
+        "--mem-cap-gib",
+        type=float,
+        default=6.0,
+        help="a variant whose forward+backward needs more is not timed at that length",
+    )
     parser.add_argument("--capacity", action="store_true", help="also find the longest trainable length")
     parser.add_argument("--capacity-variants", default="dense,dense-math,longformer")
     parser.add_argument("--budget-gib", type=float, default=2.0, help="memory budget of the capacity search")
@@ -440,30 +510,56 @@ def main() -> None:
     capacity = _capacity(args, log) if args.capacity else {}
     profile = {}
     if args.profile:
-        profile = _run_worker("profile", args.profile_variants, args.profile_length or max(lengths), args,
-                              timeout=args.timeout)
+        profile = _run_worker(
+            "profile", args.profile_variants, args.profile_length or max(lengths), args, timeout=args.timeout
+        )
     import torch
 
-    report = [f"# Block-sparse attention on CPU ({date.today()})", "",
-              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores | torch {torch.__version__} | "
-              f"load average (1/5/15 min) at start {load_start}, at end {_load()}", "",
-              f"Batch 1, {args.heads} heads, head_dim {HEAD_DIM}, fp32, 1 thread, block {BLOCK}, bidirectional; "
-              f"{args.repeats} rounds per length; memory cap for the table {args.mem_cap_gib:g} GiB.", "",
-              "Command: `python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]) + "`", ""]
+    report = [
+        f"# Block-sparse attention on CPU ({date.today()})",
+        "",
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores | torch {torch.__version__} | "
+        f"load average (1/5/15 min) at start {load_start}, at end {_load()}",
+        "",
+        f"Batch 1, {args.heads} heads, head_dim {HEAD_DIM}, fp32, 1 thread, block {BLOCK}, bidirectional; "
+        f"{args.repeats} rounds per length; memory cap for the table {args.mem_cap_gib:g} GiB.",
+        "",
+        "Command: `python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]) + "`",
+        "",
+    ]
     report += _table(args, lengths, variants, memory, timing)
-    report += ["", "Dense run twice per round (noise):", *_dense_noise(lengths, timing), "", "Goals:",
-               *_goals(args, lengths, memory, timing, capacity)]
+    report += [
+        "",
+        "Dense run twice per round (noise):",
+        *_dense_noise(lengths, timing),
+        "",
+        "Goals:",
+        *_goals(args, lengths, memory, timing, capacity),
+    ]
     if capacity:
-        report += ["", f"Capacity ({args.budget_gib:g} GiB budget, doubling from 1024):", "",
-                   "| variant | length | peak MiB | wall s | result |", "| --- | --- | --- | --- | --- |"]
+        report += [
+            "",
+            f"Capacity ({args.budget_gib:g} GiB budget, doubling from 1024):",
+            "",
+            "| variant | length | peak MiB | wall s | result |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for name, rows in capacity.items():
             for length, res in rows:
-                report.append(f"| {name} | {length} | {_mib(res.get('peak'))} | {res.get('wall_s', 0):.0f} | "
-                              f"{'ok' if res.get('ok') else res.get('error')} |")
+                report.append(
+                    f"| {name} | {length} | {_mib(res.get('peak'))} | {res.get('wall_s', 0):.0f} | "
+                    f"{'ok' if res.get('ok') else res.get('error')} |"
+                )
     tables = profile.items() if isinstance(profile, dict) and "error" not in profile else []
     for name, table in tables:
-        report += ["", f"Profile, {name} at {args.profile_length or max(lengths)} (one forward+backward):",
-                   "", "```", table, "```"]
+        report += [
+            "",
+            f"Profile, {name} at {args.profile_length or max(lengths)} (one forward+backward):",
+            "",
+            "```",
+            table,
+            "```",
+        ]
     text = "\n".join(report) + "\n"
     print(text)
     if args.out:

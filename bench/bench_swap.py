@@ -125,19 +125,30 @@ def main() -> None:
                 elapsed, records = swap_write(folder, tensors, threads, args.block)
                 rows.setdefault(f"shardwise swap write, {threads} thread(s)", []).append(elapsed)
                 rows.setdefault(f"shardwise swap read, {threads} thread(s)", []).append(
-                    swap_read(records, threads, args.block))
+                    swap_read(records, threads, args.block)
+                )
                 for r in records:
                     r.path.unlink()
     gbps = {name: nbytes / statistics.median(times) / 1e9 for name, times in rows.items()}
-    disk = subprocess.run(["df", args.dir or tempfile.gettempdir()], capture_output=True,
-                          text=True).stdout.splitlines()[-1].split()[0]
-    lines = [f"# Swap bandwidth, {nbytes / 2 ** 30:.1f} GiB in {CHUNK >> 20} MiB files, block {args.block} B",
-             "", f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | disk {disk} | torch {torch.__version__} | "
-             f"median of {args.repeats}; fsync'd writes, cold-cache reads", "",
-             "| what | GB/s | vs plain write | vs plain read |", "| --- | --- | --- | --- |"]
+    disk = (
+        subprocess.run(["df", args.dir or tempfile.gettempdir()], capture_output=True, text=True)
+        .stdout.splitlines()[-1]
+        .split()[0]
+    )
+    lines = [
+        f"# Swap bandwidth, {nbytes / 2**30:.1f} GiB in {CHUNK >> 20} MiB files, block {args.block} B",
+        "",
+        f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | disk {disk} | torch {torch.__version__} | "
+        f"median of {args.repeats}; fsync'd writes, cold-cache reads",
+        "",
+        "| what | GB/s | vs plain write | vs plain read |",
+        "| --- | --- | --- | --- |",
+    ]
     for name, value in gbps.items():
-        lines.append(f"| {name} | {value:.3f} | {value / gbps['plain sequential write']:.2f}x | "
-                     f"{value / gbps['plain sequential read']:.2f}x |")
+        lines.append(
+            f"| {name} | {value:.3f} | {value / gbps['plain sequential write']:.2f}x | "
+            f"{value / gbps['plain sequential read']:.2f}x |"
+        )
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

@@ -27,7 +27,7 @@ class Net(nn.Module):
 def make_dataset(n=512):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 16, generator=g)
-    y = (x[:, :4].sum(dim=1, keepdim=True) - x[:, 4:8].prod(dim=1, keepdim=True))
+    y = x[:, :4].sum(dim=1, keepdim=True) - x[:, 4:8].prod(dim=1, keepdim=True)
     return torch.utils.data.TensorDataset(x, y)
 
 
@@ -44,7 +44,8 @@ def main():
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
     model_engine, optimizer, trainloader, _ = deepspeed.initialize(
-        args=args, model=net, model_parameters=parameters, training_data=make_dataset())
+        args=args, model=net, model_parameters=parameters, training_data=make_dataset()
+    )
 
     loss_fn = nn.MSELoss()
     first = last = None
@@ -61,8 +62,10 @@ def main():
         _, client_state = model_engine.load_checkpoint(args.save_dir)
         assert client_state["epoch"] == args.epochs
     if model_engine.global_rank == 0:
-        print(f"trained {model_engine.global_steps} steps; loss {first:.4f} -> {last:.4f}; "
-              f"lr {model_engine.get_lr()[0]:.2e}")
+        print(
+            f"trained {model_engine.global_steps} steps; loss {first:.4f} -> {last:.4f}; "
+            f"lr {model_engine.get_lr()[0]:.2e}"
+        )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,7 @@ class GPTConfig:
 GPT_PRESETS = {
     "tiny": GPTConfig(vocab_size=256, width=64, num_layers=2, num_heads=4, seq_len=64),
     "reference": GPTConfig(tie_weights=False),
-    "memory": GPTConfig(vocab_size=32000, width=1024, num_layers=8, num_heads=16, seq_len=64,
-                        tie_weights=False),
+    "memory": GPTConfig(vocab_size=32000, width=1024, num_layers=8, num_heads=16, seq_len=64, tie_weights=False),
 }
 """Sizes used by tests ("tiny"), the step-time benchmark ("reference", about 27.4M
 parameters) and the memory benchmark ("memory", about 166M parameters)."""
@@ -68,10 +67,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.num_heads, width // self.num_heads).transpose(1, 2)
-                   for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (t.view(batch, seq, self.num_heads, width // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, width))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -150,5 +147,5 @@ class ByteBlocks(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         start = index * self.seq_len
-        window = self.corpus[start:start + self.seq_len + 1].long()
+        window = self.corpus[start : start + self.seq_len + 1].long()
         return window[:-1], window[1:]

@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import shardwise  # noqa: E402
 from gpt_model import GPT, ByteBlocks, GPTConfig, byte_corpus  # noqa: E402
+
+import shardwise  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,13 +36,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--corpus_bytes", type=int, default=4_000_000,
-                        help="bytes of standard-library source to train on")
-    parser.add_argument("--save", metavar="DIR", default=None,
-                        help="save a checkpoint here every --save_interval steps and at the end")
+    parser.add_argument(
+        "--corpus_bytes", type=int, default=4_000_000, help="bytes of standard-library source to train on"
+    )
+    parser.add_argument(
+        "--save", metavar="DIR", default=None, help="save a checkpoint here every --save_interval steps and at the end"
+    )
     parser.add_argument("--save_interval", type=int, default=50, help="steps between checkpoints")
-    parser.add_argument("--resume", metavar="DIR", default=None,
-                        help="continue from the newest checkpoint in DIR (start fresh if there is none)")
+    parser.add_argument(
+        "--resume",
+        metavar="DIR",
+        default=None,
+        help="continue from the newest checkpoint in DIR (start fresh if there is none)",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     shardwise.add_config_arguments(parser)
@@ -73,8 +80,11 @@ def resume(engine, directory) -> dict:
         return {"epoch": 0, "micro_batches": 0}
     position = client_state["data"]
     if engine.global_rank == 0:
-        print(f"resumed from {path} at step {engine.global_steps} (epoch {position['epoch']}, "
-              f"micro-batch {position['micro_batches']})", flush=True)
+        print(
+            f"resumed from {path} at step {engine.global_steps} (epoch {position['epoch']}, "
+            f"micro-batch {position['micro_batches']})",
+            flush=True,
+        )
     return position
 
 
@@ -87,17 +97,23 @@ def main() -> None:
         stage = json.load(f).get("zero_optimization", {}).get("stage", 0)
     # under ZeRO-3 the model is built partitioned: no rank ever holds all of it
     with shardwise.zero.Init(config_dict_or_path=args.deepspeed_config, enabled=stage == 3):
-        model = GPT(GPTConfig(vocab_size=256, width=args.width, num_layers=args.layers,
-                              num_heads=args.heads, seq_len=args.seq_len))
+        model = GPT(
+            GPTConfig(
+                vocab_size=256, width=args.width, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len
+            )
+        )
     dataset = ByteBlocks(byte_corpus(max_bytes=args.corpus_bytes), seq_len=args.seq_len)
-    engine, _, loader, _ = shardwise.initialize(args=args, model=model,
-                                                model_parameters=model.parameters(),
-                                                training_data=dataset)
+    engine, _, loader, _ = shardwise.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset
+    )
     rank0 = engine.global_rank == 0
     if rank0:
-        print(f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()) / 1e6:.2f}M parameters; "
-              f"corpus: {len(dataset)} blocks of {args.seq_len} bytes; "
-              f"{engine.dp_world_size} ranks, global batch {engine.train_batch_size()}", flush=True)
+        print(
+            f"model: {sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()) / 1e6:.2f}M parameters; "
+            f"corpus: {len(dataset)} blocks of {args.seq_len} bytes; "
+            f"{engine.dp_world_size} ranks, global batch {engine.train_batch_size()}",
+            flush=True,
+        )
     position = resume(engine, args.resume) if args.resume else {"epoch": 0, "micro_batches": 0}
     saved_step, start, start_samples = engine.global_steps, time.perf_counter(), engine.global_samples
     losses: list[float] = []
@@ -119,9 +135,12 @@ def main() -> None:
         engine.save_checkpoint(args.save, client_state={"data": position})
     if rank0 and losses:
         tail = sum(losses[-10:]) / len(losses[-10:])
-        print(f"done: {engine.global_steps} steps in {elapsed:.1f}s, "
-              f"{(engine.global_samples - start_samples) / elapsed:.1f} samples/s; "
-              f"loss {losses[0]:.3f} -> {tail:.3f} (mean of last 10 micro-steps)", flush=True)
+        print(
+            f"done: {engine.global_steps} steps in {elapsed:.1f}s, "
+            f"{(engine.global_samples - start_samples) / elapsed:.1f} samples/s; "
+            f"loss {losses[0]:.3f} -> {tail:.3f} (mean of last 10 micro-steps)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,20 @@ libraries that import ``deepspeed`` themselves, like Hugging Face's, use shardwi
 
 import importlib as _importlib
 
-from shardwise import (_logging, checkpointing, comm, inference, module_inject, moe, monitor, ops, pipe, profiling,
-                       utils, zero)
+from shardwise import (
+    _logging,
+    checkpointing,
+    comm,
+    inference,
+    module_inject,
+    moe,
+    monitor,
+    ops,
+    pipe,
+    profiling,
+    utils,
+    zero,
+)
 from shardwise._as_deepspeed import install_as_deepspeed
 from shardwise._initialize import add_config_arguments, initialize, tp_model_init
 from shardwise.accelerator import get_accelerator
@@ -22,14 +34,50 @@ from shardwise.runtime.engine import DeepSpeedEngine, Engine
 from shardwise.utils import OnDevice, log_dist, logger
 from shardwise.version import __version__
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "DeepSpeedTransformerConfig",
-           "DeepSpeedTransformerLayer", "Engine", "InferenceEngine", "OnDevice", "PipelineEngine", "PipelineModule",
-           "__version__", "add_config_arguments", "checkpointing", "comm", "get_accelerator", "inference",
-           "init_distributed", "init_inference", "initialize", "install_as_deepspeed", "log_dist", "logger",
-           "module_inject", "moe", "monitor", "ops", "pipe", "profiling", "tp_model_init", "utils", "zero"]
+__all__ = [
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
+    "DeepSpeedEngine",
+    "DeepSpeedTransformerConfig",
+    "DeepSpeedTransformerLayer",
+    "Engine",
+    "InferenceEngine",
+    "OnDevice",
+    "PipelineEngine",
+    "PipelineModule",
+    "__version__",
+    "add_config_arguments",
+    "checkpointing",
+    "comm",
+    "get_accelerator",
+    "inference",
+    "init_distributed",
+    "init_inference",
+    "initialize",
+    "install_as_deepspeed",
+    "log_dist",
+    "logger",
+    "module_inject",
+    "moe",
+    "monitor",
+    "ops",
+    "pipe",
+    "profiling",
+    "tp_model_init",
+    "utils",
+    "zero",
+]
 
-_DEEPSPEED_SUBMODULES = ("checkpoint.utils", "profiling.flops_profiler.profiler", "runtime.dataloader", "runtime.fp16",
-                         "runtime.pipe.engine", "runtime.pipe.module", "runtime.pipe.topology", "runtime.utils")
+_DEEPSPEED_SUBMODULES = (
+    "checkpoint.utils",
+    "profiling.flops_profiler.profiler",
+    "runtime.dataloader",
+    "runtime.fp16",
+    "runtime.pipe.engine",
+    "runtime.pipe.module",
+    "runtime.pipe.topology",
+    "runtime.utils",
+)
 """Submodules that DeepSpeed's own ``import deepspeed`` leaves reachable as attributes
 (``deepspeed.runtime.utils.set_random_seed`` after a bare import) and that nothing above
 imports; importing them here costs milliseconds."""

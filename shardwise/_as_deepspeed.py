@@ -42,7 +42,7 @@ _ALIAS, _TARGET = "deepspeed", "shardwise"
 def _target_name(fullname: str) -> str | None:
     """``shardwise[.rest]`` for ``deepspeed[.rest]``; None for any other name."""
     if fullname == _ALIAS or fullname.startswith(_ALIAS + "."):
-        return _TARGET + fullname[len(_ALIAS):]
+        return _TARGET + fullname[len(_ALIAS) :]
     return None
 
 
@@ -70,8 +70,10 @@ class _AliasDistribution(importlib.metadata.Distribution):
         from shardwise.version import __version__
 
         if filename in ("METADATA", "PKG-INFO"):
-            return (f"Metadata-Version: 2.1\nName: {_ALIAS}\nVersion: {DEEPSPEED_API_VERSION}+shardwise.{__version__}\n"
-                    "Summary: shardwise, installed under DeepSpeed's name by shardwise.install_as_deepspeed()\n")
+            return (
+                f"Metadata-Version: 2.1\nName: {_ALIAS}\nVersion: {DEEPSPEED_API_VERSION}+shardwise.{__version__}\n"
+                "Summary: shardwise, installed under DeepSpeed's name by shardwise.install_as_deepspeed()\n"
+            )
         if filename == "top_level.txt":
             return _ALIAS + "\n"
         return None
@@ -92,8 +94,11 @@ class _DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
         except ModuleNotFoundError:
             found = None
         if found is None:
-            raise ModuleNotFoundError(f"No module named '{fullname}': shardwise, installed as deepspeed by "
-                                      f"install_as_deepspeed(), has no module '{name}'", name=fullname)
+            raise ModuleNotFoundError(
+                f"No module named '{fullname}': shardwise, installed as deepspeed by "
+                f"install_as_deepspeed(), has no module '{name}'",
+                name=fullname,
+            )
         own = found if isinstance(found, importlib.machinery.ModuleSpec) else found.__spec__
         is_package = own is not None and own.submodule_search_locations is not None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(name), is_package=is_package)
@@ -143,7 +148,9 @@ def install_as_deepspeed() -> None:
         return
     stale = _stale_imports()
     if stale:
-        raise RuntimeError(f"install_as_deepspeed() came too late: {', '.join(stale)} was imported before it and "
-                           "has already decided which DeepSpeed to use. Call shardwise.install_as_deepspeed() at the "
-                           "top of the script, before importing accelerate or transformers' Trainer")
+        raise RuntimeError(
+            f"install_as_deepspeed() came too late: {', '.join(stale)} was imported before it and "
+            "has already decided which DeepSpeed to use. Call shardwise.install_as_deepspeed() at the "
+            "top of the script, before importing accelerate or transformers' Trainer"
+        )
     sys.meta_path.insert(0, _DeepSpeedAliasFinder())

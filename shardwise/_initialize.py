@@ -25,19 +25,33 @@ def _config_source(args, config, config_params):
     if len(given) > 1:
         raise ValueError("both config= and config_params= were given to initialize(); pass one")
     if given and from_args is not None:
-        raise ValueError(f"a config was passed to initialize() and also on the command line "
-                         f"(--deepspeed_config {from_args}); keep only one")
+        raise ValueError(
+            f"a config was passed to initialize() and also on the command line "
+            f"(--deepspeed_config {from_args}); keep only one"
+        )
     source = given[0] if given else from_args
     if source is None:
-        raise ValueError("no config: pass config= (a dict or a JSON file path) to initialize(), "
-                         "or --deepspeed_config on the command line "
-                         "(add the flags with shardwise.add_config_arguments(parser))")
+        raise ValueError(
+            "no config: pass config= (a dict or a JSON file path) to initialize(), "
+            "or --deepspeed_config on the command line "
+            "(add the flags with shardwise.add_config_arguments(parser))"
+        )
     return source
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               config_params=None):
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+):
     """Wrap ``model`` for training as the config says; DeepSpeed's ``initialize``.
 
     Starts torch.distributed if needed (from torchrun/SLURM/MPI variables, or a world of
@@ -75,24 +89,35 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     source = _config_source(args, config, config_params)
     init_distributed(dist_init_required=dist_init_required)
     if not dist.is_initialized():
-        raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
-                           "call torch.distributed.init_process_group() first")
+        raise RuntimeError(
+            "dist_init_required=False but torch.distributed is not initialised; "
+            "call torch.distributed.init_process_group() first"
+        )
     tp_section = _raw_config(source).get("tensor_parallel")
     tp_size = _merge_tp_model_init(model, check_tensor_parallel(tp_section))
     if tp_size > 1 and mpu is not None:
-        raise ValueError(f"both mpu= and tensor_parallel.autotp_size={tp_size} were given: the mpu's groups already "
-                         "decide the tensor parallelism (its layers are split by the model's code); remove one")
+        raise ValueError(
+            f"both mpu= and tensor_parallel.autotp_size={tp_size} were given: the mpu's groups already "
+            "decide the tensor parallelism (its layers are split by the model's code); remove one"
+        )
     if tp_size > 1 and dist.get_world_size() % tp_size:
-        raise ValueError(f"tensor_parallel.autotp_size={tp_size} does not divide the {dist.get_world_size()} "
-                         "rank(s): each tensor-parallel group needs autotp_size ranks; change autotp_size or the "
-                         "number of processes")
+        raise ValueError(
+            f"tensor_parallel.autotp_size={tp_size} does not divide the {dist.get_world_size()} "
+            "rank(s): each tensor-parallel group needs autotp_size ranks; change autotp_size or the "
+            "number of processes"
+        )
     pipeline = isinstance(model, PipelineModule)
     if pipeline and (mpu is not None or tp_size > 1):
-        raise ValueError("a PipelineModule brings its own grid (num_stages= / topology=); give tensor parallelism "
-                         "through its topology's 'model' axis, not mpu= or tensor_parallel.autotp_size")
+        raise ValueError(
+            "a PipelineModule brings its own grid (num_stages= / topology=); give tensor parallelism "
+            "through its topology's 'model' axis, not mpu= or tensor_parallel.autotp_size"
+        )
     if not pipeline and _raw_config(source).get("pipeline"):
-        logger.warning("the config's 'pipeline' section applies to shardwise.pipe.PipelineModule models only; "
-                       "it has no effect on %s", type(model).__name__)
+        logger.warning(
+            "the config's 'pipeline' section applies to shardwise.pipe.PipelineModule models only; "
+            "it has no effect on %s",
+            type(model).__name__,
+        )
     if pipeline:
         grid = model.mpu()
     else:
@@ -103,14 +128,28 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         replaced = apply_autotp(model, grid.tensor_comm, policy=resolve_policy(model, tp_section))
         model_parameters = _remap_parameters(replaced, optimizer, model_parameters)
     if dist.get_rank() == 0:
-        logger.info("shardwise: %d rank(s) (pipe %d x data %d x tensor %d), micro-batch %d x accumulation %d "
-                    "= batch %d", dist.get_world_size(), grid.pipe, grid.data, grid.tensor,
-                    cfg.batch.train_micro_batch_size_per_gpu, cfg.batch.gradient_accumulation_steps,
-                    cfg.batch.train_batch_size)
+        logger.info(
+            "shardwise: %d rank(s) (pipe %d x data %d x tensor %d), micro-batch %d x accumulation %d = batch %d",
+            dist.get_world_size(),
+            grid.pipe,
+            grid.data,
+            grid.tensor,
+            cfg.batch.train_micro_batch_size_per_gpu,
+            cfg.batch.gradient_accumulation_steps,
+            cfg.batch.train_batch_size,
+        )
     engine_type = PipelineEngine if pipeline else Engine
-    engine = engine_type(model=model, config=cfg, grid=grid, mpu=mpu, optimizer=optimizer,
-                    model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-                    training_data=training_data, collate_fn=collate_fn)
+    engine = engine_type(
+        model=model,
+        config=cfg,
+        grid=grid,
+        mpu=mpu,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
     groups._set_grid(grid)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
@@ -125,14 +164,17 @@ def _remap_parameters(replaced: dict, optimizer, model_parameters):
 
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
-            raise ValueError("tensor_parallel.autotp_size: the optimizer passed to initialize() already has state "
-                             "for the full parameters AutoTP splits; build it before its first step, or pass it as "
-                             "a callable (params -> optimizer)")
+            raise ValueError(
+                "tensor_parallel.autotp_size: the optimizer passed to initialize() already has state "
+                "for the full parameters AutoTP splits; build it before its first step, or pass it as "
+                "a callable (params -> optimizer)"
+            )
         for group in optimizer.param_groups:
             group["params"] = swap(group["params"])
     if model_parameters is not None:
-        model_parameters = [dict(g, params=swap(g["params"])) if isinstance(g, dict) else replaced.get(g, g)
-                            for g in model_parameters]
+        model_parameters = [
+            dict(g, params=swap(g["params"])) if isinstance(g, dict) else replaced.get(g, g) for g in model_parameters
+        ]
     return model_parameters
 
 
@@ -142,8 +184,10 @@ def _merge_tp_model_init(model, config_size: int) -> int:
     if recorded is None:
         return config_size
     if config_size > 1 and config_size != recorded["tp_size"]:
-        raise ValueError(f"tp_model_init(tp_size={recorded['tp_size']}) and the config's "
-                         f"tensor_parallel.autotp_size={config_size} disagree; make them equal or drop one")
+        raise ValueError(
+            f"tp_model_init(tp_size={recorded['tp_size']}) and the config's "
+            f"tensor_parallel.autotp_size={config_size} disagree; make them equal or drop one"
+        )
     return recorded["tp_size"]
 
 
@@ -164,14 +208,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     launcher does, unless ``--no_local_rank``) define that flag themselves.
     """
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="enable DeepSpeed-style training (accepted; shardwise is always on)")
-    group.add_argument("--deepspeed_config", default=None, type=str,
-                       help="path to the DeepSpeed-style JSON config")
-    group.add_argument("--deepscale", default=False, action="store_true",
-                       help="deprecated spelling of --deepspeed")
-    group.add_argument("--deepscale_config", default=None, type=str,
-                       help="deprecated spelling of --deepspeed_config")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="enable DeepSpeed-style training (accepted; shardwise is always on)",
+    )
+    group.add_argument("--deepspeed_config", default=None, type=str, help="path to the DeepSpeed-style JSON config")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated spelling of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated spelling of --deepspeed_config")
     return parser
 
 
@@ -184,9 +229,11 @@ def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
     refused."""
     del config
     if kwargs.get("tp_group") is not None:
-        raise NotImplementedError("tp_model_init(tp_group=...): shardwise builds the tensor-parallel groups from its "
-                                  "grid (tensor innermost); leave tp_group out, or pass your groups as initialize(mpu=...) "
-                                  "with Megatron-style layers")
+        raise NotImplementedError(
+            "tp_model_init(tp_group=...): shardwise builds the tensor-parallel groups from its "
+            "grid (tensor innermost); leave tp_group out, or pass your groups as initialize(mpu=...) "
+            "with Megatron-style layers"
+        )
     unknown = set(kwargs) - {"tp_group"}
     if unknown:
         raise TypeError(f"tp_model_init() got unexpected keyword arguments {sorted(unknown)}")

@@ -141,8 +141,11 @@ class Accelerator:
         """Floating dtypes for compute, in DeepSpeed's order for this device."""
         if not self._cuda:
             return [torch.float32, torch.bfloat16] + ([torch.float16] if self.is_fp16_supported() else [])
-        return ([torch.float32] + ([torch.float16] if self.is_fp16_supported() else [])
-                + ([torch.bfloat16] if self.is_bf16_supported() else []))
+        return (
+            [torch.float32]
+            + ([torch.float16] if self.is_fp16_supported() else [])
+            + ([torch.bfloat16] if self.is_bf16_supported() else [])
+        )
 
     # -- memory (bytes); on CPU the process RSS, see shardwise._host_memory ----------------------
 
@@ -178,8 +181,7 @@ class Accelerator:
         """torch's allocator statistics; on CPU only current and peak allocated bytes."""
         if self._cuda:
             return torch.cuda.memory_stats(device_index)
-        return {"allocated_bytes.all.current": host_memory.current(),
-                "allocated_bytes.all.peak": host_memory.max()}
+        return {"allocated_bytes.all.current": host_memory.current(), "allocated_bytes.all.peak": host_memory.max()}
 
     def total_memory(self, device_index: int | None = None) -> int:
         """The device's memory size (CPU: physical RAM)."""
@@ -199,8 +201,9 @@ class Accelerator:
         if self._cuda:
             torch.cuda.empty_cache()
 
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1, *, make_copy: bool = True,
-                   match_shape: bool = True) -> torch.Tensor:
+    def pin_memory(
+        self, tensor: torch.Tensor, align_bytes: int = 1, *, make_copy: bool = True, match_shape: bool = True
+    ) -> torch.Tensor:
         """A page-locked copy of a host tensor for fast copies to CUDA; on CPU ``tensor`` itself.
 
         ``align_bytes`` (older DeepSpeed) and ``make_copy`` / ``match_shape`` (newer) are
@@ -303,9 +306,7 @@ def get_accelerator() -> Accelerator:
     """Detect the accelerator: CUDA when present (override with SHARDWISE_ACCELERATOR=cpu)."""
     forced = os.environ.get("SHARDWISE_ACCELERATOR", "").strip().lower()
     if forced not in ("", "cpu", "cuda"):
-        raise ValueError(
-            f"SHARDWISE_ACCELERATOR must be 'cpu' or 'cuda', got {forced!r}; unset it to auto-detect"
-        )
+        raise ValueError(f"SHARDWISE_ACCELERATOR must be 'cpu' or 'cuda', got {forced!r}; unset it to auto-detect")
     use_cuda = forced == "cuda" or (forced == "" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("SHARDWISE_ACCELERATOR=cuda but torch.cuda.is_available() is False")

@@ -25,7 +25,6 @@ from shardwise.checkpoint._format import FORMAT_VERSION, CheckpointError, valida
 from shardwise.checkpoint._read import list_tags, read_manifest, read_tensors, resolve_tag
 from shardwise.checkpoint._rng import capture_rng_state, restore_rng_state
 from shardwise.checkpoint._tensor_split import TensorSplit
-from shardwise.checkpoint.layout import consolidate
 from shardwise.checkpoint._write import (
     begin_checkpoint,
     create_tensor_file,
@@ -33,16 +32,37 @@ from shardwise.checkpoint._write import (
     remove_stale_staging,
     seal_tensor_file,
     tensor_file_layout,
-    write_into,
-    write_slice_into,
     write_checkpoint,
     write_files,
+    write_into,
     write_latest,
+    write_slice_into,
 )
+from shardwise.checkpoint.layout import consolidate
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "TensorSplit", "begin_checkpoint", "capture_rng_state",
-           "consolidate", "create_tensor_file", "seal_tensor_file", "tensor_file_layout", "write_into",
-           "write_slice_into",
-           "finalize_checkpoint", "flatten_state", "list_tags", "read_manifest", "read_tensors",
-           "remove_stale_staging", "resolve_tag", "restore_rng_state", "unflatten_state", "validate_tag",
-           "write_checkpoint", "write_files", "write_latest"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "TensorSplit",
+    "begin_checkpoint",
+    "capture_rng_state",
+    "consolidate",
+    "create_tensor_file",
+    "seal_tensor_file",
+    "tensor_file_layout",
+    "write_into",
+    "write_slice_into",
+    "finalize_checkpoint",
+    "flatten_state",
+    "list_tags",
+    "read_manifest",
+    "read_tensors",
+    "remove_stale_staging",
+    "resolve_tag",
+    "restore_rng_state",
+    "unflatten_state",
+    "validate_tag",
+    "write_checkpoint",
+    "write_files",
+    "write_latest",
+]

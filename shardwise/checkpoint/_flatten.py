@@ -39,8 +39,10 @@ _SIZE = "__size__"
 _DEVICE = "__device__"
 _MARKERS = frozenset({_TENSOR, _TUPLE, _DICT, _FLOAT, _DTYPE, _SIZE, _DEVICE})
 
-_SUPPORTED = ("tensors and plain data (dict with str or int keys, list, tuple, str, int, float, "
-              "bool, None, torch.dtype, torch.Size, torch.device)")
+_SUPPORTED = (
+    "tensors and plain data (dict with str or int keys, list, tuple, str, int, float, "
+    "bool, None, torch.dtype, torch.Size, torch.device)"
+)
 
 
 def flatten_state(obj: Any, *, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
@@ -93,8 +95,10 @@ def _join(path: str, key: Any) -> str:
 
 def _unsupported(path: str, what: str) -> TypeError:
     where = path or "<root>"
-    return TypeError(f"cannot store {where!r} in a checkpoint: {what}; checkpoints only store "
-                     f"{_SUPPORTED}; convert the value (e.g. to a dict of tensors) first")
+    return TypeError(
+        f"cannot store {where!r} in a checkpoint: {what}; checkpoints only store "
+        f"{_SUPPORTED}; convert the value (e.g. to a dict of tensors) first"
+    )
 
 
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], active: set[int]) -> Any:
@@ -119,13 +123,15 @@ def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], active: set[i
     if isinstance(obj, (dict, list)) or type(obj) is tuple:
         return _encode_container(obj, path, tensors, active)
     if isinstance(obj, tuple):
-        raise _unsupported(path, f"it is a {type(obj).__qualname__} (a tuple subclass such as a "
-                                 "namedtuple cannot be rebuilt from plain data)")
+        raise _unsupported(
+            path,
+            f"it is a {type(obj).__qualname__} (a tuple subclass such as a "
+            "namedtuple cannot be rebuilt from plain data)",
+        )
     raise _unsupported(path, f"it is a {type(obj).__module__}.{type(obj).__qualname__}")
 
 
-def _encode_container(obj: Any, path: str, tensors: dict[str, torch.Tensor],
-                      active: set[int]) -> Any:
+def _encode_container(obj: Any, path: str, tensors: dict[str, torch.Tensor], active: set[int]) -> Any:
     if id(obj) in active:
         raise _unsupported(path, "it contains itself (a reference cycle)")
     active.add(id(obj))
@@ -141,8 +147,7 @@ def _encode_container(obj: Any, path: str, tensors: dict[str, torch.Tensor],
 def _encode_dict(obj: dict, path: str, tensors: dict[str, torch.Tensor], active: set[int]) -> Any:
     for key in obj:
         if not isinstance(key, (str, int)):
-            raise _unsupported(_join(path, repr(key)),
-                               f"its dict key has type {type(key).__qualname__}")
+            raise _unsupported(_join(path, repr(key)), f"its dict key has type {type(key).__qualname__}")
     plain = all(type(k) is str and k not in _MARKERS for k in obj)
     if plain:
         return {k: _encode(v, _join(path, k), tensors, active) for k, v in obj.items()}
@@ -193,7 +198,8 @@ def _decode_marker(marker: str, value: Any, tensors: Mapping[str, torch.Tensor],
             raise CheckpointError(
                 f"the checkpoint structure references tensor {value!r} (at {path or '<root>'!r}) "
                 "but the loaded tensor file does not contain it; the file belongs to another "
-                "checkpoint or was replaced; load an earlier tag or re-save")
+                "checkpoint or was replaced; load an earlier tag or re-save"
+            )
         return tensors[value]
     if marker == _TUPLE and isinstance(value, list):
         return tuple(_decode(v, tensors, _join(path, i)) for i, v in enumerate(value))
@@ -210,8 +216,10 @@ def _decode_marker(marker: str, value: Any, tensors: Mapping[str, torch.Tensor],
         dtype = getattr(torch, value, None)
         if isinstance(dtype, torch.dtype):
             return dtype
-        raise CheckpointError(f"the checkpoint stores dtype {value!r} (at {path!r}), which this "
-                              f"PyTorch {torch.__version__} does not have; upgrade PyTorch")
+        raise CheckpointError(
+            f"the checkpoint stores dtype {value!r} (at {path!r}), which this "
+            f"PyTorch {torch.__version__} does not have; upgrade PyTorch"
+        )
     if marker == _SIZE and isinstance(value, list):
         return torch.Size(value)
     if marker == _DEVICE and isinstance(value, str):
@@ -220,5 +228,7 @@ def _decode_marker(marker: str, value: Any, tensors: Mapping[str, torch.Tensor],
 
 
 def _malformed(path: str, what: str) -> CheckpointError:
-    return CheckpointError(f"the checkpoint structure is malformed at {path or '<root>'!r} ({what}); "
-                           "manifest.json was damaged or edited; load an earlier tag or re-save")
+    return CheckpointError(
+        f"the checkpoint structure is malformed at {path or '<root>'!r} ({what}); "
+        "manifest.json was damaged or edited; load an earlier tag or re-save"
+    )

@@ -56,17 +56,25 @@ def validate_tag(tag: str) -> str:
     elif tag == LATEST_NAME:
         problem = f"'{LATEST_NAME}' is the file that names the newest tag"
     if problem is not None:
-        raise ValueError(f"invalid checkpoint tag {tag!r}: {problem}; use a plain name such as "
-                         "'global_step100'")
+        raise ValueError(f"invalid checkpoint tag {tag!r}: {problem}; use a plain name such as 'global_step100'")
     return tag
 
 
 def validate_file_name(name: str) -> str:
     """Return ``name`` if it can name a tensor file of a checkpoint, else raise ``ValueError``."""
-    if (not isinstance(name, str) or not name.endswith(TENSOR_SUFFIX) or name == TENSOR_SUFFIX
-            or "/" in name or "\\" in name or name.startswith(".") or not name.isprintable()):
-        raise ValueError(f"invalid checkpoint file name {name!r}: it must be a plain file name "
-                         f"ending in {TENSOR_SUFFIX!r}, without path separators or a leading '.'")
+    if (
+        not isinstance(name, str)
+        or not name.endswith(TENSOR_SUFFIX)
+        or name == TENSOR_SUFFIX
+        or "/" in name
+        or "\\" in name
+        or name.startswith(".")
+        or not name.isprintable()
+    ):
+        raise ValueError(
+            f"invalid checkpoint file name {name!r}: it must be a plain file name "
+            f"ending in {TENSOR_SUFFIX!r}, without path separators or a leading '.'"
+        )
     return name
 
 
@@ -94,8 +102,17 @@ def fsync_dir(path: Path) -> None:
 
 
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 """safetensors' dtype names, for the files shardwise maps and lays out itself."""

@@ -40,14 +40,12 @@ def list_tags(load_dir: str | os.PathLike) -> list[str]:
     root = Path(load_dir)
     if not root.is_dir():
         return []
-    tags = [p.name for p in root.iterdir()
-            if not p.name.startswith(".") and (p / MANIFEST_NAME).is_file()]
+    tags = [p.name for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST_NAME).is_file()]
     return sorted(tags, key=_natural_key)
 
 
 def _natural_key(name: str) -> list:
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
-            for part in re.split(r"(\d+)", name) if part]
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name) if part]
 
 
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> str:
@@ -63,8 +61,10 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> str:
     """
     root = Path(load_dir)
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {root} does not exist; check the load_dir "
-                              "path (it is the directory given to save_checkpoint)")
+        raise CheckpointError(
+            f"checkpoint directory {root} does not exist; check the load_dir "
+            "path (it is the directory given to save_checkpoint)"
+        )
     if tag is None:
         latest = root / LATEST_NAME
         tag = _read_latest(latest)
@@ -72,29 +72,33 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> str:
         try:
             validate_tag(tag)
         except ValueError as exc:
-            raise CheckpointError(f"{latest} holds {tag!r}, which is not a checkpoint tag ({exc}); "
-                                  f"the file was damaged; {_available(root)}") from exc
+            raise CheckpointError(
+                f"{latest} holds {tag!r}, which is not a checkpoint tag ({exc}); "
+                f"the file was damaged; {_available(root)}"
+            ) from exc
     else:
         tag = validate_tag(str(tag))
         source = "passed as tag="
     if not (root / tag).is_dir():
-        raise CheckpointError(f"checkpoint {root / tag} ({source}) does not exist"
-                              f"{_interrupted_hint(root, tag)}; {_available(root)}")
+        raise CheckpointError(
+            f"checkpoint {root / tag} ({source}) does not exist{_interrupted_hint(root, tag)}; {_available(root)}"
+        )
     return tag
 
 
 def _read_latest(latest: Path) -> str:
     if not latest.is_file():
-        raise CheckpointError(f"{latest} does not exist, so there is no newest checkpoint to load; "
-                              f"{_available(latest.parent)}")
+        raise CheckpointError(
+            f"{latest} does not exist, so there is no newest checkpoint to load; {_available(latest.parent)}"
+        )
     try:
         text = latest.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{latest} cannot be read ({exc}); pass tag= to choose a checkpoint; "
-                              f"{_available(latest.parent)}") from exc
+        raise CheckpointError(
+            f"{latest} cannot be read ({exc}); pass tag= to choose a checkpoint; {_available(latest.parent)}"
+        ) from exc
     if not text:
-        raise CheckpointError(f"{latest} is empty; pass tag= to choose a checkpoint; "
-                              f"{_available(latest.parent)}")
+        raise CheckpointError(f"{latest} is empty; pass tag= to choose a checkpoint; {_available(latest.parent)}")
     return text
 
 
@@ -109,8 +113,10 @@ def _available(root: Path) -> str:
 def _interrupted_hint(root: Path, tag: str) -> str:
     backups = sorted(root.glob(f".{tag}.old-*"))
     if backups:
-        return (f"; an interrupted overwrite left the previous complete checkpoint at {backups[0]} "
-                f"(rename it to {root / tag} to use it)")
+        return (
+            f"; an interrupted overwrite left the previous complete checkpoint at {backups[0]} "
+            f"(rename it to {root / tag} to use it)"
+        )
     if any(root.glob(f".{tag}.tmp-*")) or (root / f".{tag}.staging").exists():
         return "; a save of this tag was started but not finished (it was interrupted)"
     return ""
@@ -130,8 +136,7 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     """
     root = Path(ckpt_dir)
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {root} does not exist; "
-                              f"{_available(root.parent)}")
+        raise CheckpointError(f"checkpoint directory {root} does not exist; {_available(root.parent)}")
     path = root / MANIFEST_NAME
     if not path.is_file():
         deepspeed = sorted(p.name for p in root.iterdir() if p.name.endswith(_DEEPSPEED_SUFFIXES))
@@ -139,46 +144,68 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(
                 f"{root} looks like a DeepSpeed checkpoint (it holds {deepspeed[0]}) rather than a "
                 "shardwise one, and converting DeepSpeed checkpoints is not supported yet; load it "
-                "with DeepSpeed and save a state_dict, or load the model weights directly")
+                "with DeepSpeed and save a state_dict, or load the model weights directly"
+            )
         raise CheckpointError(
             f"{path} is missing, so {root} is not a complete shardwise checkpoint (the save was "
-            "interrupted, or the directory holds something else); load another tag or re-save")
+            "interrupted, or the directory holds something else); load another tag or re-save"
+        )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path} cannot be parsed ({exc}); the file was damaged or edited; "
-                              "load an earlier tag or re-save") from exc
+        raise CheckpointError(
+            f"{path} cannot be parsed ({exc}); the file was damaged or edited; load an earlier tag or re-save"
+        ) from exc
     _check_manifest(path, manifest)
     return manifest
 
 
 def _check_manifest(path: Path, manifest: Any) -> None:
     if not isinstance(manifest, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(manifest).__name__}, not an object; "
-                              "the file was damaged or edited; load an earlier tag or re-save")
+        raise CheckpointError(
+            f"{path} holds a JSON {type(manifest).__name__}, not an object; "
+            "the file was damaged or edited; load an earlier tag or re-save"
+        )
     fmt = manifest.get("format")
     if fmt != FORMAT_NAME:
-        raise CheckpointError(f"{path} has format {fmt!r}, not {FORMAT_NAME!r}: it was not written "
-                              "by shardwise; load a checkpoint saved by shardwise's save_checkpoint")
+        raise CheckpointError(
+            f"{path} has format {fmt!r}, not {FORMAT_NAME!r}: it was not written "
+            "by shardwise; load a checkpoint saved by shardwise's save_checkpoint"
+        )
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CheckpointError(f"{path} has an invalid format_version {version!r}; the file was "
-                              "damaged or edited; load an earlier tag or re-save")
+        raise CheckpointError(
+            f"{path} has an invalid format_version {version!r}; the file was "
+            "damaged or edited; load an earlier tag or re-save"
+        )
     if version > FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {version}, but this shardwise reads up "
-                              f"to {FORMAT_VERSION}: it was written by a newer shardwise; "
-                              "upgrade shardwise")
+        raise CheckpointError(
+            f"{path} has format_version {version}, but this shardwise reads up "
+            f"to {FORMAT_VERSION}: it was written by a newer shardwise; "
+            "upgrade shardwise"
+        )
     files = manifest.get("files")
     valid = isinstance(files, dict) and all(
-        isinstance(rec, dict) and isinstance(rec.get("bytes"), int) and rec["bytes"] >= 0
-        and isinstance(rec.get("sha256"), str) for rec in files.values())
+        isinstance(rec, dict)
+        and isinstance(rec.get("bytes"), int)
+        and rec["bytes"] >= 0
+        and isinstance(rec.get("sha256"), str)
+        for rec in files.values()
+    )
     if not valid:
-        raise CheckpointError(f"{path} has a malformed 'files' table; the file was damaged or "
-                              "edited; load an earlier tag or re-save")
+        raise CheckpointError(
+            f"{path} has a malformed 'files' table; the file was damaged or edited; load an earlier tag or re-save"
+        )
 
 
-def read_tensors(ckpt_dir: str | os.PathLike, name: str, *, manifest: Mapping[str, Any] | None = None,
-                 verify: bool = True, mmap: bool = False) -> dict[str, torch.Tensor]:
+def read_tensors(
+    ckpt_dir: str | os.PathLike,
+    name: str,
+    *,
+    manifest: Mapping[str, Any] | None = None,
+    verify: bool = True,
+    mmap: bool = False,
+) -> dict[str, torch.Tensor]:
     """Load the tensor file ``name`` of a checkpoint onto the CPU, after checking it.
 
     The file's size is always compared with the manifest (cheap; catches truncation).
@@ -212,33 +239,45 @@ def read_tensors(ckpt_dir: str | os.PathLike, name: str, *, manifest: Mapping[st
     path = root / name
     record = manifest["files"].get(name)
     if record is None:
-        raise CheckpointError(f"{root / MANIFEST_NAME} lists no file {name!r} (it lists "
-                              f"{sorted(manifest['files'])}); this checkpoint was saved without it")
+        raise CheckpointError(
+            f"{root / MANIFEST_NAME} lists no file {name!r} (it lists "
+            f"{sorted(manifest['files'])}); this checkpoint was saved without it"
+        )
     expected = record["bytes"]
     if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing (the manifest lists it with "
-                              f"{expected} bytes); it was deleted or not copied with the rest of the "
-                              "checkpoint; load an earlier tag or re-save")
+        raise CheckpointError(
+            f"checkpoint file {path} is missing (the manifest lists it with "
+            f"{expected} bytes); it was deleted or not copied with the rest of the "
+            "checkpoint; load an earlier tag or re-save"
+        )
     size = path.stat().st_size
     if size < expected:
-        raise CheckpointError(f"checkpoint file {path} is truncated (expected {expected} bytes, found "
-                              f"{size}); the save was interrupted or the file was damaged; load an "
-                              "earlier tag or re-save")
+        raise CheckpointError(
+            f"checkpoint file {path} is truncated (expected {expected} bytes, found "
+            f"{size}); the save was interrupted or the file was damaged; load an "
+            "earlier tag or re-save"
+        )
     if size > expected:
-        raise CheckpointError(f"checkpoint file {path} has {size} bytes but the manifest records "
-                              f"{expected}; the file was damaged or replaced; load an earlier tag or "
-                              "re-save")
+        raise CheckpointError(
+            f"checkpoint file {path} has {size} bytes but the manifest records "
+            f"{expected}; the file was damaged or replaced; load an earlier tag or "
+            "re-save"
+        )
     if verify:
         actual = sha256_file(path)
         if actual != record["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupted (sha256 {actual[:16]}... does "
-                                  f"not match the manifest's {record['sha256'][:16]}...); it was "
-                                  "damaged on disk or in transfer; load an earlier tag or re-save")
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupted (sha256 {actual[:16]}... does "
+                f"not match the manifest's {record['sha256'][:16]}...); it was "
+                "damaged on disk or in transfer; load an earlier tag or re-save"
+            )
     try:
         return _map_tensors(path) if mmap else safetensors.torch.load_file(str(path), device="cpu")
     except Exception as exc:
-        raise CheckpointError(f"checkpoint file {path} cannot be read as safetensors ({exc}); it was "
-                              "damaged; load an earlier tag or re-save") from exc
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be read as safetensors ({exc}); it was "
+            "damaged; load an earlier tag or re-save"
+        ) from exc
 
 
 def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -272,7 +311,7 @@ def _map_tensors(path: Path) -> dict[str, torch.Tensor]:
         if count == 0:
             tensors[key] = torch.empty(shape, dtype=dtype)
         elif (base + begin) % itemsize:  # unaligned for its dtype: copy those bytes out
-            tensors[key] = torch.frombuffer(bytearray(mapped[base + begin:base + end]), dtype=dtype).view(shape)
+            tensors[key] = torch.frombuffer(bytearray(mapped[base + begin : base + end]), dtype=dtype).view(shape)
         else:
             tensors[key] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin).view(shape)
     return tensors

@@ -29,17 +29,19 @@ def capture_rng_state() -> dict[str, Any]:
     """
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
-        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
         "torch": torch.get_rng_state(),
     }
     numpy = _numpy()
     if numpy is not None:
         name, key, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
-        state["numpy"] = {"bit_generator": str(name),
-                          "key": torch.from_numpy(key.astype(numpy.int64)),
-                          "pos": int(pos), "has_gauss": int(has_gauss),
-                          "cached_gaussian": float(cached)}
+        state["numpy"] = {
+            "bit_generator": str(name),
+            "key": torch.from_numpy(key.astype(numpy.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
     # All devices' generators (the accelerator's RNG calls address one device); CUDA is
     # touched only if already in use, so a CPU job never initialises it.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -59,17 +61,20 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     """
     try:
         python = state["python"]
-        random.setstate((int(python["version"]), tuple(int(v) for v in python["internal"].tolist()),
-                         python["gauss_next"]))
+        random.setstate(
+            (int(python["version"]), tuple(int(v) for v in python["internal"].tolist()), python["gauss_next"])
+        )
         torch.set_rng_state(state["torch"])
         if "numpy" in state:
             _restore_numpy(state["numpy"])
         if "cuda" in state:
             _restore_cuda(list(state["cuda"]))
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
-        raise CheckpointError(f"the saved random number generator state is malformed ({exc!r}); "
-                              "the checkpoint was damaged or not written by capture_rng_state; "
-                              "load an earlier tag or re-save") from exc
+        raise CheckpointError(
+            f"the saved random number generator state is malformed ({exc!r}); "
+            "the checkpoint was damaged or not written by capture_rng_state; "
+            "load an earlier tag or re-save"
+        ) from exc
 
 
 def _numpy():
@@ -83,22 +88,30 @@ def _numpy():
 def _restore_numpy(saved: Mapping[str, Any]) -> None:
     numpy = _numpy()
     if numpy is None:
-        logger.warning("the checkpoint holds numpy's random state but numpy is not installed; "
-                       "numpy's random stream is not restored")
+        logger.warning(
+            "the checkpoint holds numpy's random state but numpy is not installed; "
+            "numpy's random stream is not restored"
+        )
         return
     key = saved["key"].numpy().astype(numpy.uint32)
-    numpy.random.set_state((saved["bit_generator"], key, int(saved["pos"]),
-                            int(saved["has_gauss"]), float(saved["cached_gaussian"])))
+    numpy.random.set_state(
+        (saved["bit_generator"], key, int(saved["pos"]), int(saved["has_gauss"]), float(saved["cached_gaussian"]))
+    )
 
 
 def _restore_cuda(saved: list[torch.Tensor]) -> None:
     if not torch.cuda.is_available():
-        logger.warning("the checkpoint holds CUDA random states but CUDA is not available; "
-                       "CUDA random streams are not restored")
+        logger.warning(
+            "the checkpoint holds CUDA random states but CUDA is not available; CUDA random streams are not restored"
+        )
         return
     count = torch.cuda.device_count()
     if count != len(saved):
-        logger.warning("the checkpoint holds CUDA random states for %d devices but %d are visible; "
-                       "restoring the first %d", len(saved), count, min(count, len(saved)))
+        logger.warning(
+            "the checkpoint holds CUDA random states for %d devices but %d are visible; restoring the first %d",
+            len(saved),
+            count,
+            min(count, len(saved)),
+        )
     for index, generator_state in enumerate(saved[:count]):
         torch.cuda.set_rng_state(generator_state, device=index)

@@ -56,8 +56,10 @@ class TensorSplit:
         if self.parts < 1 or not 0 <= self.index < self.parts or self.stride < 1:
             raise ValueError(f"TensorSplit: index {self.index} of {self.parts} parts, stride {self.stride}")
         if shape[self.dim] % (self.stride * self.parts):
-            raise ValueError(f"TensorSplit: size {shape[self.dim]} of dim {self.dim} of {list(shape)} does not "
-                             f"split into {self.stride} block(s) of {self.parts} equal pieces")
+            raise ValueError(
+                f"TensorSplit: size {shape[self.dim]} of dim {self.dim} of {list(shape)} does not "
+                f"split into {self.stride} block(s) of {self.parts} equal pieces"
+            )
         if self.transposed and len(shape) != 2:
             raise ValueError(f"TensorSplit: only a 2-D tensor can be stored transposed, got {list(shape)}")
 
@@ -75,10 +77,13 @@ class TensorSplit:
 
     def describe(self) -> str:
         """For messages: ``"[32, 64] of [64, 64] (dim 0, tensor rank 1 of 2)"``."""
-        extra = (f", {self.stride} stacked blocks" if self.stride > 1 else "") + \
-            (", stored transposed" if self.transposed else "")
-        return (f"{list(self.held_shape)} of {list(self.stored_shape)} (dim {self.dim} of the "
-                f"{'transposed ' if self.transposed else ''}tensor, tensor rank {self.index} of {self.parts}{extra})")
+        extra = (f", {self.stride} stacked blocks" if self.stride > 1 else "") + (
+            ", stored transposed" if self.transposed else ""
+        )
+        return (
+            f"{list(self.held_shape)} of {list(self.stored_shape)} (dim {self.dim} of the "
+            f"{'transposed ' if self.transposed else ''}tensor, tensor rank {self.index} of {self.parts}{extra})"
+        )
 
     def _piece(self) -> int:
         return self.full_shape[self.dim] // (self.stride * self.parts)
@@ -86,8 +91,9 @@ class TensorSplit:
     def slice_of(self, stored: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the stored tensor ``stored`` (a view when ``stride`` is 1)."""
         if tuple(stored.shape) != self.stored_shape:
-            raise ValueError(f"TensorSplit: the stored tensor has shape {list(stored.shape)}, expected "
-                             f"{list(self.stored_shape)}")
+            raise ValueError(
+                f"TensorSplit: the stored tensor has shape {list(stored.shape)}, expected {list(self.stored_shape)}"
+            )
         full = stored.t() if self.transposed else stored
         piece = self._piece()
         blocks = [full.narrow(self.dim, (b * self.parts + self.index) * piece, piece) for b in range(self.stride)]

@@ -87,8 +87,9 @@ STALE_STAGING_AGE_S = 600.0
 killed save (see [Note: stale staging directories])."""
 
 
-def remove_stale_staging(save_dir: str | os.PathLike, *, current_tag: str,
-                         min_age_s: float = STALE_STAGING_AGE_S) -> tuple[list[Path], dict[Path, str]]:
+def remove_stale_staging(
+    save_dir: str | os.PathLike, *, current_tag: str, min_age_s: float = STALE_STAGING_AGE_S
+) -> tuple[list[Path], dict[Path, str]]:
     """Remove the staging directories that interrupted saves left in ``save_dir``.
 
     [Note: stale staging directories]
@@ -122,7 +123,7 @@ def remove_stale_staging(save_dir: str | os.PathLike, *, current_tag: str,
     for path in sorted(root.iterdir()):
         if not (path.name.startswith(".") and path.name.endswith(_STAGING_SUFFIX)):
             continue
-        tag = path.name[1:-len(_STAGING_SUFFIX)]
+        tag = path.name[1 : -len(_STAGING_SUFFIX)]
         try:
             validate_tag(tag)
         except ValueError:
@@ -147,19 +148,24 @@ def _unsafe_to_remove(path: Path, tag: str, min_age_s: float) -> str | None:
     if path.is_symlink() or not path.is_dir():
         return "it is not a plain directory; remove it yourself if no save is using it"
     if (path / MANIFEST_NAME).is_file():
-        return (f"it holds a finished checkpoint that was never moved into place; rename it to "
-                f"{path.parent / tag} to keep it, or delete it")
+        return (
+            f"it holds a finished checkpoint that was never moved into place; rename it to "
+            f"{path.parent / tag} to keep it, or delete it"
+        )
     with os.scandir(path) as entries:
         newest = max([path.lstat().st_mtime] + [e.stat(follow_symlinks=False).st_mtime for e in entries])
     age = time.time() - newest
     if age < min_age_s:
-        return (f"it was modified {age:.0f} s ago (less than {min_age_s:.0f} s), so a save in another "
-                "job may still be writing it; it is removed at a later save once untouched")
+        return (
+            f"it was modified {age:.0f} s ago (less than {min_age_s:.0f} s), so a save in another "
+            "job may still be writing it; it is removed at a later save once untouched"
+        )
     return None
 
 
-def write_files(staging_dir: str | os.PathLike,
-                files: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
+def write_files(
+    staging_dir: str | os.PathLike, files: Mapping[str, Mapping[str, torch.Tensor]]
+) -> dict[str, dict[str, Any]]:
     """Write each entry of ``files`` as a safetensors file in ``staging_dir``.
 
     Each file is fsynced and hashed before this returns, so the records can go into the
@@ -183,7 +189,8 @@ def write_files(staging_dir: str | os.PathLike,
     if not staging.is_dir():
         raise CheckpointError(
             f"staging directory {staging} does not exist; call begin_checkpoint(..., clean=True) on "
-            "one rank and wait for it (a barrier) before any rank writes files")
+            "one rank and wait for it (a barrier) before any rank writes files"
+        )
     for name in files:
         validate_file_name(name)
     records: dict[str, dict[str, Any]] = {}
@@ -192,7 +199,8 @@ def write_files(staging_dir: str | os.PathLike,
         if path.exists():
             raise CheckpointError(
                 f"{path} already exists in the staging directory: two ranks wrote the same file "
-                "name, or the staging directory was not cleaned by begin_checkpoint(clean=True)")
+                "name, or the staging directory was not cleaned by begin_checkpoint(clean=True)"
+            )
         records[name] = _write_one(path, tensors)
     fsync_dir(staging)
     return records
@@ -202,8 +210,10 @@ def _write_one(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any
     prepared = {}
     for key, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{path.name}: value for key {key!r} is a {type(tensor).__qualname__}, "
-                            "not a tensor; split nested state with flatten_state first")
+            raise TypeError(
+                f"{path.name}: value for key {key!r} is a {type(tensor).__qualname__}, "
+                "not a tensor; split nested state with flatten_state first"
+            )
         prepared[key] = tensor.detach().cpu().contiguous()
     # Called through the module so a single attribute is the one place that writes tensors.
     safetensors.torch.save_file(prepared, str(path), metadata={"format": "pt"})
@@ -230,8 +240,11 @@ def tensor_file_layout(entries) -> tuple[bytes, dict[str, int], int]:
         for dim in shape:
             numel *= int(dim)
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        header[key] = {"dtype": names[dtype], "shape": [int(d) for d in shape],
-                       "data_offsets": [position, position + nbytes]}
+        header[key] = {
+            "dtype": names[dtype],
+            "shape": [int(d) for d in shape],
+            "data_offsets": [position, position + nbytes],
+        }
         relative[key] = position
         position += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -268,8 +281,7 @@ _POSITIONS_CHUNK = 1 << 20
 its index tensors to a few tens of MiB)."""
 
 
-def write_slice_into(path: str | os.PathLike, offset: int, split: TensorSplit, start: int,
-                     data: torch.Tensor) -> None:
+def write_slice_into(path: str | os.PathLike, offset: int, split: TensorSplit, start: int, data: torch.Tensor) -> None:
     """Write elements ``[start, start + data.numel())`` of a tensor-parallel slice (in the
     slice's row-major order; ``split`` says which slice) where they belong in the full
     tensor stored at byte ``offset`` of ``path``. Consecutive positions go out as one
@@ -280,7 +292,7 @@ def write_slice_into(path: str | os.PathLike, offset: int, split: TensorSplit, s
     fd = _open_for_writing(path)
     try:
         for low in range(0, data.numel(), _POSITIONS_CHUNK):
-            piece = data[low:low + _POSITIONS_CHUNK]
+            piece = data[low : low + _POSITIONS_CHUNK]
             where = split.positions(start + low, start + low + piece.numel())
             if where.numel() > 1 and not bool((where[1:] > where[:-1]).all()):
                 order = torch.argsort(where)  # write in stored order: longer runs (a transposed slice)
@@ -297,9 +309,11 @@ def _open_for_writing(path: str | os.PathLike) -> int:
     try:
         return os.open(path, os.O_WRONLY)
     except FileNotFoundError as exc:
-        raise CheckpointError(f"{path} does not exist here: the rank that creates it (create_tensor_file) "
-                              "writes to another file system; every rank must see the same save_dir "
-                              "(a shared file system across machines)") from exc
+        raise CheckpointError(
+            f"{path} does not exist here: the rank that creates it (create_tensor_file) "
+            "writes to another file system; every rank must see the same save_dir "
+            "(a shared file system across machines)"
+        ) from exc
 
 
 def _pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
@@ -310,7 +324,7 @@ def _pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
     data = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B") if nbytes else b""
     done = 0
     while done < len(data):  # short writes are legal; finish the request
-        done += os.pwrite(fd, data[done:done + (1 << 26)], offset + done)
+        done += os.pwrite(fd, data[done : done + (1 << 26)], offset + done)
 
 
 def seal_tensor_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -322,9 +336,15 @@ def seal_tensor_file(path: str | os.PathLike) -> dict[str, Any]:
     return {"bytes": size, "sha256": sha256_file(Path(path))}
 
 
-def finalize_checkpoint(save_dir: str | os.PathLike, tag: str, staging_dir: str | os.PathLike, *,
-                        manifest: Mapping[str, Any], file_records: Mapping[str, Mapping[str, Any]],
-                        save_latest: bool) -> Path:
+def finalize_checkpoint(
+    save_dir: str | os.PathLike,
+    tag: str,
+    staging_dir: str | os.PathLike,
+    *,
+    manifest: Mapping[str, Any],
+    file_records: Mapping[str, Mapping[str, Any]],
+    save_latest: bool,
+) -> Path:
     """Write the manifest, move the staging directory into place and update ``latest``.
 
     Call on one rank after every rank's ``write_files`` returned. The staged files are
@@ -368,9 +388,14 @@ def finalize_checkpoint(save_dir: str | os.PathLike, tag: str, staging_dir: str 
     return final
 
 
-def write_checkpoint(save_dir: str | os.PathLike, tag: str, *,
-                     files: Mapping[str, Mapping[str, torch.Tensor]], manifest: Mapping[str, Any],
-                     save_latest: bool = True) -> Path:
+def write_checkpoint(
+    save_dir: str | os.PathLike,
+    tag: str,
+    *,
+    files: Mapping[str, Mapping[str, torch.Tensor]],
+    manifest: Mapping[str, Any],
+    save_latest: bool = True,
+) -> Path:
     """Atomically write checkpoint ``<save_dir>/<tag>`` from one process.
 
     Stages into ``<save_dir>/.<tag>.tmp-<random>`` (so concurrent single-process saves do
@@ -395,8 +420,9 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, *,
     staging.mkdir()
     try:
         records = write_files(staging, files)
-        return finalize_checkpoint(save_dir, tag, staging, manifest=manifest,
-                                   file_records=records, save_latest=save_latest)
+        return finalize_checkpoint(
+            save_dir, tag, staging, manifest=manifest, file_records=records, save_latest=save_latest
+        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -419,35 +445,47 @@ def _manifest_text(manifest: Mapping[str, Any], file_records: Mapping[str, Mappi
     clash = [key for key in _RESERVED_KEYS if key in manifest]
     if clash:
         raise ValueError(f"manifest keys {clash} are reserved for the checkpoint format; rename them")
-    files = {name: {"bytes": int(rec["bytes"]), "sha256": str(rec["sha256"])}
-             for name, rec in sorted(file_records.items())}
+    files = {
+        name: {"bytes": int(rec["bytes"]), "sha256": str(rec["sha256"])} for name, rec in sorted(file_records.items())
+    }
     full = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **manifest, "files": files}
     try:
         return json.dumps(full, indent=1, allow_nan=False, ensure_ascii=True) + "\n"
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"the checkpoint manifest is not plain JSON ({exc}); store nested state "
-                        "through flatten_state and put only its skeleton in the manifest") from exc
+        raise TypeError(
+            f"the checkpoint manifest is not plain JSON ({exc}); store nested state "
+            "through flatten_state and put only its skeleton in the manifest"
+        ) from exc
 
 
 def _check_staged_files(staging: Path, file_records: Mapping[str, Mapping[str, Any]]) -> None:
     if not staging.is_dir():
-        raise CheckpointError(f"staging directory {staging} does not exist; it was removed while "
-                              "the checkpoint was being written; save again")
+        raise CheckpointError(
+            f"staging directory {staging} does not exist; it was removed while "
+            "the checkpoint was being written; save again"
+        )
     for name, record in file_records.items():
         validate_file_name(name)
         path = staging / name
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing from the staging directory although a rank "
-                                  "reported writing it; check that all ranks share save_dir")
+            raise CheckpointError(
+                f"{path} is missing from the staging directory although a rank "
+                "reported writing it; check that all ranks share save_dir"
+            )
         size = path.stat().st_size
         if size != record["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes but its writer reported "
-                                  f"{record['bytes']}; another process wrote to the staging directory")
-    unrecorded = sorted(p.name for p in staging.iterdir()
-                        if p.name.endswith(TENSOR_SUFFIX) and p.name not in file_records)
+            raise CheckpointError(
+                f"{path} has {size} bytes but its writer reported "
+                f"{record['bytes']}; another process wrote to the staging directory"
+            )
+    unrecorded = sorted(
+        p.name for p in staging.iterdir() if p.name.endswith(TENSOR_SUFFIX) and p.name not in file_records
+    )
     if unrecorded:
-        raise CheckpointError(f"files {unrecorded} in {staging} have no record; pass the records "
-                              "returned by write_files on every rank to finalize_checkpoint")
+        raise CheckpointError(
+            f"files {unrecorded} in {staging} have no record; pass the records "
+            "returned by write_files on every rank to finalize_checkpoint"
+        )
 
 
 def _write_synced(path: Path, text: str) -> None:

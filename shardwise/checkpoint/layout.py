@@ -87,5 +87,7 @@ def consolidate(load_dir, tag: str | None = None, *, dtype: torch.dtype = torch.
         tag: which checkpoint; None reads ``latest``.
         dtype: the floating-point dtype of the result.
     """
-    return {key: value.to(dtype) if value.is_floating_point() else value
-            for key, value in consolidated_sources(load_dir, tag).items()}
+    return {
+        key: value.to(dtype) if value.is_floating_point() else value
+        for key, value in consolidated_sources(load_dir, tag).items()
+    }

@@ -13,6 +13,18 @@ from shardwise.comm._functional import *  # noqa: F403 -- DeepSpeed's flat comm 
 from shardwise.comm._init import LaunchEnv, discover_launch_env, init_distributed
 from shardwise.comm._logger import CommsLogger, CommsLoggerConfig, comms_logger, comms_logger_from_config
 
-__all__ = ["CollectiveError", "CollectiveRecord", "CommsLogger", "CommsLoggerConfig", "Communicator",
-           "CompressedAllReduce", "Handle", "LaunchEnv", "comms_logger", "comms_logger_from_config",
-           "discover_launch_env", "init_distributed", *_functional.__all__]
+__all__ = [
+    "CollectiveError",
+    "CollectiveRecord",
+    "CommsLogger",
+    "CommsLoggerConfig",
+    "Communicator",
+    "CompressedAllReduce",
+    "Handle",
+    "LaunchEnv",
+    "comms_logger",
+    "comms_logger_from_config",
+    "discover_launch_env",
+    "init_distributed",
+    *_functional.__all__,
+]

@@ -66,8 +66,11 @@ logger = logging.getLogger(__name__)
 _GLOO_ALL_GATHER_MIN_NUMEL = 8_000_000
 """From this size an all-gather on gloo runs as an all-reduce (see [Note: gloo
 reduce-scatter and all-gather by all-reduce])."""
-_LOG_NAMES = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
-              "all_to_all": "all_to_all_single"}
+_LOG_NAMES = {
+    "all_gather": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+    "all_to_all": "all_to_all_single",
+}
 """The comms logger's (DeepSpeed's) names for the ops whose Communicator name differs."""
 _DIAG_PREFIX = "shardwise/diag"
 _DIAG_GRACE_S = 5.0
@@ -116,8 +119,9 @@ class Handle:
     ``honours_timeout``: the work's own ``wait(timeout)`` bounds it (see [Note: deadlines on
     every collective]), so a blocking wait needs no helper thread."""
 
-    def __init__(self, comm: "Communicator | None", work, record: CollectiveRecord | None, *,
-                 honours_timeout: bool = False):
+    def __init__(
+        self, comm: Communicator | None, work, record: CollectiveRecord | None, *, honours_timeout: bool = False
+    ):
         self._comm, self._work, self._record = comm, work, record
         self._honours_timeout = honours_timeout
 
@@ -163,8 +167,15 @@ class Communicator:
             ``_shm.py``); the grid's tensor and data groups ask for it.
     """
 
-    def __init__(self, group=None, *, timeout_s: float = 1800.0, name: str = "world", check_hangs: bool = True,
-                 shared_memory: bool = False):
+    def __init__(
+        self,
+        group=None,
+        *,
+        timeout_s: float = 1800.0,
+        name: str = "world",
+        check_hangs: bool = True,
+        shared_memory: bool = False,
+    ):
         self.group = group
         self.name = name
         self.check_hangs = check_hangs
@@ -231,8 +242,12 @@ class Communicator:
             if done is not None:
                 return done
         record = self._record("all_reduce", tensor, tag)
-        return Handle(self, dist.all_reduce(tensor, op=op, group=self.group, async_op=True), record,
-                      honours_timeout=self.gloo_waits_natively)
+        return Handle(
+            self,
+            dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
+            record,
+            honours_timeout=self.gloo_waits_natively,
+        )
 
     def _through_shared_memory(self, op: str, output: torch.Tensor, tensor: torch.Tensor, tag: str) -> Handle | None:
         """``op`` (an all-reduce of ``tensor``, or an all-gather of it into ``output``) done
@@ -249,8 +264,9 @@ class Communicator:
         record = self._record(op, output, tag)
         timeout_s = self.timeout.total_seconds()
         try:
-            done = (self._shm.all_reduce(tensor, timeout_s) if summed
-                    else self._shm.all_gather(output, tensor, timeout_s))
+            done = (
+                self._shm.all_reduce(tensor, timeout_s) if summed else self._shm.all_gather(output, tensor, timeout_s)
+            )
         except CollectiveMismatch as exc:
             self._shm_wanted = False
             raise self.diagnose(record, exc) from None
@@ -267,8 +283,12 @@ class Communicator:
             return _DONE
         record = self._record("broadcast", tensor, tag)
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return Handle(self, dist.broadcast(tensor, src_global, group=self.group, async_op=True), record,
-                      honours_timeout=self.gloo_waits_natively)
+        return Handle(
+            self,
+            dist.broadcast(tensor, src_global, group=self.group, async_op=True),
+            record,
+            honours_timeout=self.gloo_waits_natively,
+        )
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "") -> Handle:
         """Start gathering every rank's ``input`` into ``output`` (rank-major)."""
@@ -293,8 +313,9 @@ class Communicator:
         work = dist.all_to_all_single(output, input, group=self.group, async_op=True)
         return Handle(self, work, record, honours_timeout=self.gloo_waits_natively)
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, *,
-                              op=dist.ReduceOp.SUM, tag: str = "") -> Handle:
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *, op=dist.ReduceOp.SUM, tag: str = ""
+    ) -> Handle:
         """Start reducing ``input`` across ranks, leaving this rank's slice in ``output``."""
         if self.world_size == 1:
             output.copy_(input.reshape(output.shape))
@@ -309,15 +330,19 @@ class Communicator:
         rank's reduced slice once it completes. See [Note: gloo reduce-scatter and
         all-gather by all-reduce]."""
         shard = buffer.numel() // self.world_size
-        local = buffer[self.rank * shard:(self.rank + 1) * shard]
+        local = buffer[self.rank * shard : (self.rank + 1) * shard]
         if self.world_size == 1:
             return _DONE, local
         if not self.scratch_by_all_reduce:
             out = torch.empty(shard, dtype=buffer.dtype, device=buffer.device)
             return self.reduce_scatter_tensor(out, buffer, tag=tag), out
         record = self._record("reduce_scatter", buffer, tag)
-        return Handle(self, dist.all_reduce(buffer, group=self.group, async_op=True), record,
-                      honours_timeout=self.gloo_waits_natively), local
+        return Handle(
+            self,
+            dist.all_reduce(buffer, group=self.group, async_op=True),
+            record,
+            honours_timeout=self.gloo_waits_natively,
+        ), local
 
     def all_gather_scratch(self, buffer: torch.Tensor, *, tag: str = "") -> Handle:
         """Start filling ``buffer`` (``world_size`` equal slices) with every rank's slice,
@@ -337,8 +362,12 @@ class Communicator:
         with torch.no_grad():
             buffer[:low].zero_()
             buffer[high:].zero_()
-        return Handle(self, dist.all_reduce(buffer, group=self.group, async_op=True), record,
-                      honours_timeout=self.gloo_waits_natively)
+        return Handle(
+            self,
+            dist.all_reduce(buffer, group=self.group, async_op=True),
+            record,
+            honours_timeout=self.gloo_waits_natively,
+        )
 
     def barrier(self, *, tag: str = "") -> None:
         """Block until every rank of the group arrives (implemented as a tiny all-reduce,
@@ -361,11 +390,16 @@ class Communicator:
         device = self._device()
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=device)
-        self._uncounted(_all_gather_single, sizes, torch.tensor([payload.numel()], device=device),
-                        op="all_gather_object sizes", tag=tag).wait()
+        self._uncounted(
+            _all_gather_single,
+            sizes,
+            torch.tensor([payload.numel()], device=device),
+            op="all_gather_object sizes",
+            tag=tag,
+        ).wait()
         sizes = sizes.tolist()
         padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-        padded[:payload.numel()] = payload
+        padded[: payload.numel()] = payload
         gathered = torch.empty(self.world_size * padded.numel(), dtype=torch.uint8, device=device)
         self._uncounted(_all_gather_single, gathered, padded, op="all_gather_object", tag=tag).wait()
         rows = gathered.cpu().view(self.world_size, -1)
@@ -376,8 +410,9 @@ class Communicator:
         record = CollectiveRecord(self._seq, op, output.numel(), output.dtype, tag)
         return Handle(self, start(output, input, group=self.group, async_op=True), record)
 
-    def all_reduce_scalars(self, values: list[float], *, op=dist.ReduceOp.SUM, tag: str = "",
-                           device=None) -> list[float]:
+    def all_reduce_scalars(
+        self, values: list[float], *, op=dist.ReduceOp.SUM, tag: str = "", device=None
+    ) -> list[float]:
         """All-reduce a few Python numbers in one fp64 collective and return them."""
         tensor = torch.tensor(values, dtype=torch.float64, device=device or self._device())
         self.all_reduce(tensor, op=op, tag=tag).wait()
@@ -406,9 +441,13 @@ class Communicator:
         note_failure(1)
         global_rank = dist.get_rank()
         mine = f"{self.name} group rank {self.rank}: {record.describe()}"
-        peers = _exchange_diagnosis(global_rank, dist.get_world_size(), mine,
-                                    grace_s=min(_DIAG_GRACE_S, self.timeout.total_seconds() / 2)
-                                    ) if self.check_hangs else {}
+        peers = (
+            _exchange_diagnosis(
+                global_rank, dist.get_world_size(), mine, grace_s=min(_DIAG_GRACE_S, self.timeout.total_seconds() / 2)
+            )
+            if self.check_hangs
+            else {}
+        )
         reason = str(exc).splitlines()[0][:300] if exc is not None else ""
         if exc is None or "timed out" in reason.lower():
             cause = "did not complete within %g s" % self.timeout.total_seconds()
@@ -416,13 +455,14 @@ class Communicator:
             cause = f"failed: {reason}"
         lines = [f"rank {global_rank} waited in {mine} which {cause}."]
         for peer, state in peers.items():
-            lines.append(f"  rank {peer}: " + (state or "published nothing (dead, or busy "
-                                                         "outside any collective)"))
+            lines.append(f"  rank {peer}: " + (state or "published nothing (dead, or busy outside any collective)"))
         if not self.check_hangs:
             lines.append("  (what the other ranks waited in was not exchanged: comm.check_hangs is false)")
-        lines.append("Ranks that issue different collectives have diverged (e.g. a data-"
-                     "dependent branch or a save called on some ranks only); a rank that "
-                     "published nothing has crashed or is stuck: check its log.")
+        lines.append(
+            "Ranks that issue different collectives have diverged (e.g. a data-"
+            "dependent branch or a save called on some ranks only); a rank that "
+            "published nothing has crashed or is stuck: check its log."
+        )
         return CollectiveError("\n".join(lines))
 
 

@@ -176,8 +176,9 @@ class CompressedAllReduce:
         """Replace ``tensor`` (``numel`` fp32 elements, contiguous) by the compressed
         average over the ranks and return it."""
         if tensor.numel() != self.numel or tensor.dtype != torch.float32:
-            raise ValueError(f"compressed all-reduce of {self.numel} fp32 elements got "
-                             f"{tensor.numel()} x {tensor.dtype}")
+            raise ValueError(
+                f"compressed all-reduce of {self.numel} fp32 elements got {tensor.numel()} x {tensor.dtype}"
+            )
         flat = tensor.reshape(-1)
         world, chunk = self.comm.world_size, self.chunk
         if world == 1:
@@ -187,7 +188,7 @@ class CompressedAllReduce:
         if self.padded == self.numel:
             send = compress(flat.view(world, chunk), worker_error, scratch=scratch)
         else:  # the padding is zeros: its elements of the error only carry what it lost
-            worker_error.view(-1)[:self.numel].add_(flat)
+            worker_error.view(-1)[: self.numel].add_(flat)
             send = compress(None, worker_error, scratch=scratch)
         received = torch.empty_like(send)
         self.comm.all_to_all_single(received, send, tag=f"{self.tag}: worker signs").wait()
@@ -202,7 +203,7 @@ class CompressedAllReduce:
         if self.padded == self.numel:
             decompress(gathered.view(world, -1), out=flat.view(world, chunk))
         else:
-            flat.copy_(decompress(gathered.view(world, -1), out=scratch).view(-1)[:self.numel])
+            flat.copy_(decompress(gathered.view(world, -1), out=scratch).view(-1)[: self.numel])
         return tensor
 
     def reset(self) -> None:

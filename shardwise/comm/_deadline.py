@@ -84,8 +84,7 @@ class DeadlineWaiter:
         done = _Done()
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(self._jobs,), name="shardwise-collective-wait",
-                             daemon=True).start()
+            threading.Thread(target=_serve, args=(self._jobs,), name="shardwise-collective-wait", daemon=True).start()
         self._jobs.put((work, done))
         if not done.wait(timeout_s):
             self._jobs = None  # its thread is stuck in the hung collective; the next wait starts another

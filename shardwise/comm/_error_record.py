@@ -24,8 +24,16 @@ def record_error(message: str) -> None:
         return
     rank = os.environ.get("RANK", "?")
     try:
-        Path(folder, f"rank{rank}.json").write_text(json.dumps({
-            "rank": rank, "local_rank": os.environ.get("LOCAL_RANK"), "host": os.uname().nodename,
-            "time": time.time(), "error": message[-4000:]}))
+        Path(folder, f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "local_rank": os.environ.get("LOCAL_RANK"),
+                    "host": os.uname().nodename,
+                    "time": time.time(),
+                    "error": message[-4000:],
+                }
+            )
+        )
     except OSError:
         pass

@@ -83,8 +83,11 @@ def _uncaught_exit_status() -> int | None:
     status, frame = _state["exit_status"], _state["main_frame"]
     if status is None or status == 0:
         return None
-    if frame is not None and 0 <= frame.f_lasti < len(frame.f_code.co_code) \
-            and frame.f_code.co_code[frame.f_lasti] in _RETURNS:
+    if (
+        frame is not None
+        and 0 <= frame.f_lasti < len(frame.f_code.co_code)
+        and frame.f_code.co_code[frame.f_lasti] in _RETURNS
+    ):
         return None  # the main thread went on after the SystemExit and returned
     return status if isinstance(status, int) else 1
 
@@ -95,6 +98,7 @@ def _noting_status(exit_fn):
         if threading.current_thread() is threading.main_thread():
             _state["exit_status"] = status
         exit_fn(status)
+
     return exit
 
 

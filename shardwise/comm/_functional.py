@@ -54,8 +54,15 @@ import torch.distributed as dist
 from shardwise.accelerator import get_accelerator
 from shardwise.comm._collectives import Communicator, Handle
 from shardwise.comm._deadline import group_timeout
-from shardwise.comm._logger import (OpTimer, comms_logger, configure, get_comm_operation_count,
-                                    get_logged_comm_ops, has_comm_data, reset_log)
+from shardwise.comm._logger import (
+    OpTimer,
+    comms_logger,
+    configure,
+    get_comm_operation_count,
+    get_logged_comm_ops,
+    has_comm_data,
+    reset_log,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +93,10 @@ def _require_init(what: str) -> None:
     # See [Note: initialised means torch.distributed is initialised]. DeepSpeed raises
     # AssertionError here; scripts that probe with try/except expect that type.
     if not dist.is_initialized():
-        raise AssertionError(f"shardwise.comm.{what}() needs an initialised process group; call "
-                             "deepspeed.init_distributed() (shardwise.init_distributed()) first")
+        raise AssertionError(
+            f"shardwise.comm.{what}() needs an initialised process group; call "
+            "deepspeed.init_distributed() (shardwise.init_distributed()) first"
+        )
 
 
 def _launcher_int(names: tuple[str, ...], default: int) -> int:
@@ -128,8 +137,10 @@ def _group_entry(group) -> tuple[Communicator, bool]:
     deadline, and whether the group is gloo."""
     pg = dist.group.WORLD if group is None else group
     if pg is None:  # as torch's collectives do before init_process_group
-        raise ValueError("shardwise.comm needs an initialised process group; call "
-                         "deepspeed.init_distributed() (shardwise.init_distributed()) first")
+        raise ValueError(
+            "shardwise.comm needs an initialised process group; call "
+            "deepspeed.init_distributed() (shardwise.init_distributed()) first"
+        )
     entry = _communicators.get(pg)
     if entry is None:
         name = "world" if group is None else f"ranks {dist.get_process_group_ranks(pg)}"
@@ -187,6 +198,7 @@ def _not_member(group) -> bool:
 
 
 # -- process group state ----------------------------------------------------------------
+
 
 def is_initialized() -> bool:
     """Whether the default process group exists."""
@@ -250,8 +262,7 @@ def initialize_mesh_device(mesh_shape, mesh_dim_names):
     _require_init("initialize_mesh_device")
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(get_accelerator().device_type, tuple(mesh_shape),
-                            mesh_dim_names=mesh_dim_names)
+    return init_device_mesh(get_accelerator().device_type, tuple(mesh_shape), mesh_dim_names=mesh_dim_names)
 
 
 def destroy_process_group(group=None) -> None:
@@ -284,6 +295,7 @@ class _WorkList:
 
 # -- collectives ------------------------------------------------------------------------
 
+
 def barrier(group=None, async_op=False, device_ids=None, *, prof=False, log_name="barrier", debug=None):
     """Block until every rank of ``group`` arrives.
 
@@ -296,8 +308,9 @@ def barrier(group=None, async_op=False, device_ids=None, *, prof=False, log_name
     return _done(work, async_op, "barrier", _NO_PAYLOAD, group, log_name, timer)
 
 
-def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, *, prof=False,
-                      log_name="monitored_barrier", debug=None):
+def monitored_barrier(
+    group=None, timeout=None, wait_all_ranks=False, *, prof=False, log_name="monitored_barrier", debug=None
+):
     """A gloo barrier that names the ranks which did not arrive within ``timeout``."""
     del debug
     timer = _timer("monitored_barrier", log_name, prof, None, group) if comms_logger.enabled else None
@@ -307,8 +320,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, *, prof=Fa
     return result
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
-               log_name="all_reduce", debug=None):
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name="all_reduce", debug=None):
     """Reduce ``tensor`` in place across ``group``; every rank gets the result."""
     del debug
     timer = _timer("all_reduce", log_name, prof, tensor, group) if comms_logger.enabled else None
@@ -316,8 +328,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=Fals
     return _done(work, async_op, "all_reduce", tensor, group, log_name, timer)
 
 
-def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
-                         log_name="all_reduce", debug=None):
+def inference_all_reduce(
+    tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name="all_reduce", debug=None
+):
     """A blocking all-reduce in place; with one rank it returns ``tensor`` untouched.
 
     ``async_op`` is accepted and ignored, as in DeepSpeed: the reduction always completes
@@ -331,8 +344,9 @@ def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
     return _wait(work, "all_reduce", tensor, group, log_name, timer)
 
 
-def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
-                         log_name="all_reduce", debug=None):
+def all_reduce_coalesced(
+    tensors, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name="all_reduce", debug=None
+):
     """All-reduce each tensor of ``tensors`` in place; with ``async_op`` one handle waits on all.
 
     torch's ``all_reduce_coalesced`` is deprecated, so this issues one all-reduce per tensor.
@@ -348,8 +362,7 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, *
     return handle if async_op else None
 
 
-def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name="reduce",
-           debug=None):
+def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name="reduce", debug=None):
     """Reduce ``tensor`` onto global rank ``dst`` (other ranks' tensors are unspecified after)."""
     del debug
     timer = _timer("reduce", log_name, prof, tensor, group) if comms_logger.enabled else None
@@ -386,13 +399,12 @@ def broadcast_object_list(object_list, src, group=None, device=None):
     if pickles is None:
         data, start = payload.cpu().numpy().tobytes(), 0
         for i, size in enumerate(sizes.tolist()):
-            object_list[i] = pickle.loads(data[start:start + size])
+            object_list[i] = pickle.loads(data[start : start + size])
             start += size
     return None
 
 
-def all_gather(tensor_list, tensor, group=None, async_op=False, *, prof=False, log_name="all_gather",
-               debug=None):
+def all_gather(tensor_list, tensor, group=None, async_op=False, *, prof=False, log_name="all_gather", debug=None):
     """Fill ``tensor_list[r]`` with rank r's ``tensor`` on every rank."""
     del debug
     timer = _timer("all_gather", log_name, prof, tensor, group) if comms_logger.enabled else None
@@ -400,8 +412,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False, *, prof=False, l
     return _done(work, async_op, "all_gather", tensor, group, log_name, timer)
 
 
-def all_gather_object(object_list, obj, group=None, *, prof=False, log_name="all_gather_object",
-                      debug=None):
+def all_gather_object(object_list, obj, group=None, *, prof=False, log_name="all_gather_object", debug=None):
     """Fill ``object_list[r]`` with rank r's picklable ``obj`` on every rank (with the
     group's deadline: see :meth:`Communicator.all_gather_object`). Not timed by the comms
     logger (its two all-gathers move pickles, not a message of a fixed size)."""
@@ -414,8 +425,9 @@ def all_gather_object(object_list, obj, group=None, *, prof=False, log_name="all
     return None
 
 
-def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, *, prof=False,
-                           log_name="all_gather_into_tensor", debug=None):
+def all_gather_into_tensor(
+    output_tensor, tensor, group=None, async_op=False, *, prof=False, log_name="all_gather_into_tensor", debug=None
+):
     """Concatenate every rank's ``tensor`` along dim 0 into ``output_tensor``, in rank order."""
     del debug
     timer = _timer("all_gather_into_tensor", log_name, prof, tensor, group) if comms_logger.enabled else None
@@ -432,11 +444,15 @@ def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=
 def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=False):
     """:func:`all_gather_into_tensor` for each (output, input) pair; one handle waits on all."""
     if len(output_tensors) != len(input_tensors):
-        raise ValueError(f"all_gather_coalesced needs one output per input, got {len(output_tensors)} "
-                         f"outputs and {len(input_tensors)} inputs")
+        raise ValueError(
+            f"all_gather_coalesced needs one output per input, got {len(output_tensors)} "
+            f"outputs and {len(input_tensors)} inputs"
+        )
     _require_init("all_gather_coalesced")
-    works = [dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
-             for out, inp in zip(output_tensors, input_tensors)]
+    works = [
+        dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+        for out, inp in zip(output_tensors, input_tensors)
+    ]
     handle = _WorkList(works)
     if async_op:
         return handle
@@ -444,8 +460,17 @@ def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=Fal
     return None
 
 
-def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False,
-                   log_name="reduce_scatter", debug=None):
+def reduce_scatter(
+    output,
+    input_list,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    *,
+    prof=False,
+    log_name="reduce_scatter",
+    debug=None,
+):
     """Reduce ``input_list[r]`` across ranks into rank r's ``output``."""
     del debug
     timer = _timer("reduce_scatter", log_name, prof, list(input_list), group) if comms_logger.enabled else None
@@ -453,8 +478,17 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     return _done(work, async_op, "reduce_scatter", output, group, log_name, timer)
 
 
-def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
-                          prof=False, log_name="reduce_scatter_tensor", debug=None):
+def reduce_scatter_tensor(
+    output_tensor,
+    tensor,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    *,
+    prof=False,
+    log_name="reduce_scatter_tensor",
+    debug=None,
+):
     """Reduce ``tensor`` across ranks; rank r keeps the r-th dim-0 chunk in ``output_tensor``."""
     del debug
     timer = _timer("reduce_scatter_tensor", log_name, prof, tensor, group) if comms_logger.enabled else None
@@ -462,21 +496,35 @@ def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, as
     return _done(work, async_op, "reduce_scatter_tensor", tensor, group, log_name, timer)
 
 
-def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, *,
-                      prof=False, debug=None):
+def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, debug=None):
     """DeepSpeed's name for :func:`reduce_scatter_tensor`."""
     _require_init("reduce_scatter_fn")
-    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof,
-                                 debug=debug)
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op, prof=prof, debug=debug)
 
 
-def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None,
-                      async_op=False, *, prof=False, log_name="all_to_all_single", debug=None):
+def all_to_all_single(
+    output,
+    tensor,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    async_op=False,
+    *,
+    prof=False,
+    log_name="all_to_all_single",
+    debug=None,
+):
     """Split ``tensor`` along dim 0, send split r to rank r, concatenate what arrives in ``output``."""
     del debug
     timer = _timer("all_to_all_single", log_name, prof, tensor, group) if comms_logger.enabled else None
-    work = dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
-                                  input_split_sizes=input_split_sizes, group=group, async_op=True)
+    work = dist.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+        async_op=True,
+    )
     return _done(work, async_op, "all_to_all_single", tensor, group, log_name, timer)
 
 
@@ -485,8 +533,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
 
     The gloo backend has no all_to_all; torch raises there.
     """
-    timer = (_timer("all_to_all", "all_to_all", False, list(input_tensor_list), group)
-             if comms_logger.enabled else None)
+    timer = _timer("all_to_all", "all_to_all", False, list(input_tensor_list), group) if comms_logger.enabled else None
     work = dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=True)
     first = input_tensor_list[0] if input_tensor_list else _NO_PAYLOAD
     return _done(work, async_op, "all_to_all", first, group, "all_to_all", timer)
@@ -530,8 +577,7 @@ def irecv(tensor, src=None, group=None, tag=0, *, prof=False, log_name="irecv", 
     return recv(tensor, src, group, tag, prof=prof, log_name=log_name, debug=debug)
 
 
-def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, prof=False, log_name="gather",
-           debug=None):
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, prof=False, log_name="gather", debug=None):
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (None elsewhere)."""
     del debug
     timer = _timer("gather", log_name, prof, tensor, group) if comms_logger.enabled else None
@@ -539,8 +585,9 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, *, prof=
     return _done(work, async_op, "gather", tensor, group, log_name, timer)
 
 
-def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, *, prof=False,
-            log_name="scatter", debug=None):
+def scatter(
+    tensor, scatter_list=None, src=0, group=None, async_op=False, *, prof=False, log_name="scatter", debug=None
+):
     """Copy ``scatter_list[r]`` on rank ``src`` into rank r's ``tensor``."""
     del debug
     timer = _timer("scatter", log_name, prof, tensor, group) if comms_logger.enabled else None
@@ -549,6 +596,7 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, *, pro
 
 
 # -- capability probes (DeepSpeed's code paths for old torch versions) -------------------
+
 
 def has_all_gather_into_tensor() -> bool:
     """Whether :func:`all_gather_into_tensor` is native (always, on the torch we require)."""
@@ -576,6 +624,7 @@ def has_coalescing_manager() -> bool:
 
 # -- DeepSpeed's comms logger (the rest of its API lives in _logger.py) ---------------------
 
+
 def log_summary(show_straggler=False, return_dict=False):
     """Print the comms logger's table on rank 0 (see [Note: the comms logger] in ``_logger.py``).
 
@@ -595,20 +644,58 @@ def log_summary(show_straggler=False, return_dict=False):
     """
     comm = _communicator(None) if show_straggler and dist.is_initialized() else None
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return comms_logger.log_all(print_log=rank == 0, show_straggler=show_straggler, return_dict=return_dict,
-                                comm=comm)
+    return comms_logger.log_all(print_log=rank == 0, show_straggler=show_straggler, return_dict=return_dict, comm=comm)
 
 
 __all__ = [
-    "ReduceOp", "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object",
-    "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "allgather_fn", "barrier",
-    "broadcast", "broadcast_object_list", "configure", "destroy_process_group", "gather",
-    "get_all_ranks_from_group", "get_backend", "get_comm_operation_count", "get_global_rank",
-    "get_local_rank", "get_local_rank_from_launcher", "get_logged_comm_ops", "get_rank",
-    "get_world_group", "get_world_rank_from_launcher", "get_world_size", "get_world_size_from_launcher",
-    "has_all_gather_into_tensor", "has_all_reduce_coalesced", "has_coalescing_manager", "has_comm_data",
-    "has_reduce_scatter_tensor", "inference_all_reduce", "initialize_mesh_device", "irecv",
-    "is_available", "is_initialized", "isend", "log_summary", "monitored_barrier", "new_group", "recv",
-    "reduce", "reduce_scatter", "reduce_scatter_fn", "reduce_scatter_tensor", "reset_log", "scatter",
+    "ReduceOp",
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "allgather_fn",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "configure",
+    "destroy_process_group",
+    "gather",
+    "get_all_ranks_from_group",
+    "get_backend",
+    "get_comm_operation_count",
+    "get_global_rank",
+    "get_local_rank",
+    "get_local_rank_from_launcher",
+    "get_logged_comm_ops",
+    "get_rank",
+    "get_world_group",
+    "get_world_rank_from_launcher",
+    "get_world_size",
+    "get_world_size_from_launcher",
+    "has_all_gather_into_tensor",
+    "has_all_reduce_coalesced",
+    "has_coalescing_manager",
+    "has_comm_data",
+    "has_reduce_scatter_tensor",
+    "inference_all_reduce",
+    "initialize_mesh_device",
+    "irecv",
+    "is_available",
+    "is_initialized",
+    "isend",
+    "log_summary",
+    "monitored_barrier",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_fn",
+    "reduce_scatter_tensor",
+    "reset_log",
+    "scatter",
     "send",
 ]

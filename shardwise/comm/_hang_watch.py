@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from shardwise.comm._error_record import record_error
 from shardwise.comm._exit import exit_now

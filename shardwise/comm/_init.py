@@ -65,13 +65,20 @@ def discover_launch_env(*, auto_mpi_discovery: bool = True) -> LaunchEnv:
     env = os.environ
     port = _int_env("MASTER_PORT")
     if _int_env("RANK") is not None and _int_env("WORLD_SIZE") is not None:
-        return LaunchEnv(_int_env("RANK"), _int_env("WORLD_SIZE"), _int_env("LOCAL_RANK") or 0,
-                         env.get("MASTER_ADDR"), port, "torchrun")
+        return LaunchEnv(
+            _int_env("RANK"),
+            _int_env("WORLD_SIZE"),
+            _int_env("LOCAL_RANK") or 0,
+            env.get("MASTER_ADDR"),
+            port,
+            "torchrun",
+        )
     if _int_env("SLURM_PROCID") is not None and _int_env("SLURM_NTASKS") is not None:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         addr = env.get("MASTER_ADDR") or first_slurm_host(nodes)
-        return LaunchEnv(_int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"),
-                         _int_env("SLURM_LOCALID") or 0, addr, port, "slurm")
+        return LaunchEnv(
+            _int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"), _int_env("SLURM_LOCALID") or 0, addr, port, "slurm"
+        )
     if auto_mpi_discovery:
         for prefix, source in (("OMPI_COMM_WORLD_", "openmpi"), ("PMI_", "mpich")):
             rank, size = _int_env(prefix + "RANK"), _int_env(prefix + "SIZE")
@@ -133,26 +140,37 @@ def init_distributed(
     accelerator = get_accelerator()
     backend = dist_backend or accelerator.backend
     if rank >= 0 and world_size > 0:
-        launch = LaunchEnv(rank, world_size, _int_env("LOCAL_RANK") or 0,
-                           os.environ.get("MASTER_ADDR"), _int_env("MASTER_PORT"), "explicit")
+        launch = LaunchEnv(
+            rank,
+            world_size,
+            _int_env("LOCAL_RANK") or 0,
+            os.environ.get("MASTER_ADDR"),
+            _int_env("MASTER_PORT"),
+            "explicit",
+        )
     else:
         launch = discover_launch_env(auto_mpi_discovery=auto_mpi_discovery)
     if not 0 <= launch.rank < launch.world_size:
-        raise ValueError(f"rank {launch.rank} is outside world size {launch.world_size} "
-                         f"(read from {launch.source}); check the launcher's environment")
-    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
-                      LOCAL_RANK=str(launch.local_rank))
+        raise ValueError(
+            f"rank {launch.rank} is outside world size {launch.world_size} "
+            f"(read from {launch.source}); check the launcher's environment"
+        )
+    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank))
     accelerator.set_device(launch.local_rank)
     if launch.world_size == 1 and init_method is None and launch.master_addr is None:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         os.environ.setdefault("MASTER_ADDR", launch.master_addr or "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(launch.master_port or distributed_port))
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+        )
     install_exit_hooks()
     if verbose and launch.rank == 0:
-        logger.info("initialised %s process group of %d ranks (launched by %s)",
-                    backend, launch.world_size, launch.source)
-
+        logger.info(
+            "initialised %s process group of %d ranks (launched by %s)", backend, launch.world_size, launch.source
+        )

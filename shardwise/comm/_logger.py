@@ -64,8 +64,9 @@ _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
 _ALL_REDUCE = frozenset({"all_reduce", "all_reduce_coalesced", "inference_all_reduce"})
 _ALL_GATHER = frozenset({"all_gather", "all_gather_into_tensor"})
 _ONE_SHARD_EACH = frozenset({"reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single"})
-_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
-                     "barrier", "monitored_barrier"})
+_ROOTED = frozenset(
+    {"broadcast", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier"}
+)
 _FIELDS = ("enabled", "prof_all", "prof_ops", "verbose", "debug")
 """The keys of the ``"comms_logger"`` section."""
 
@@ -85,8 +86,10 @@ def bandwidth_gbps(op: str, msg_size: int, latency_ms: float, world_size: int) -
     elif op in _ROOTED:
         tput, bus_factor = msg_size, 1.0
     else:
-        raise ValueError(f"the comms logger has no bandwidth formula for op {op!r}; known ops: "
-                         f"{sorted(_ALL_REDUCE | _ALL_GATHER | _ONE_SHARD_EACH | _ROOTED)}")
+        raise ValueError(
+            f"the comms logger has no bandwidth formula for op {op!r}; known ops: "
+            f"{sorted(_ALL_REDUCE | _ALL_GATHER | _ONE_SHARD_EACH | _ROOTED)}"
+        )
     if latency_ms <= 0:
         return 0.0, 0.0
     to_gbps = 8 / 1e6  # bytes per ms -> Gbit/s
@@ -101,7 +104,7 @@ def format_size(num_bytes: int) -> str:
     power = 0
     while power < len(units) - 1 and num_bytes >= 1024 ** (power + 1):  # exact, unlike a float log
         power += 1
-    return f"{round(num_bytes / 1024 ** power, 2)} {units[power]}"
+    return f"{round(num_bytes / 1024**power, 2)} {units[power]}"
 
 
 def trimmed_mean(values: list[float], trim: float = 0.1) -> float:
@@ -109,7 +112,7 @@ def trimmed_mean(values: list[float], trim: float = 0.1) -> float:
     if not values:
         return 0.0
     cut = int(round(len(values) * trim))
-    kept = sorted(values)[cut:len(values) - cut] or sorted(values)
+    kept = sorted(values)[cut : len(values) - cut] or sorted(values)
     return sum(kept) / len(kept)
 
 
@@ -126,8 +129,7 @@ class OpTimer:
 
     __slots__ = ("_log", "op", "name", "msg_size", "world_size", "_stream", "_start")
 
-    def __init__(self, log: "CommsLogger", op: str, name: str, msg_size: int, world_size: int,
-                 device: torch.device):
+    def __init__(self, log: CommsLogger, op: str, name: str, msg_size: int, world_size: int, device: torch.device):
         self._log, self.op, self.name, self.msg_size, self.world_size = log, op, name, msg_size, world_size
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         if self._stream is None:
@@ -169,8 +171,9 @@ class CommsLogger:
         self.config = config
         self.enabled = config.enabled
 
-    def start(self, op: str, log_name: str, msg_size: int, world_size: int, device: torch.device, *,
-              prof: bool = False) -> OpTimer | None:
+    def start(
+        self, op: str, log_name: str, msg_size: int, world_size: int, device: torch.device, *, prof: bool = False
+    ) -> OpTimer | None:
         """A timer for one collective about to start, or None when it is not selected."""
         cfg = self.config
         if not (prof or cfg.prof_all or log_name in cfg.prof_ops):
@@ -187,8 +190,14 @@ class CommsLogger:
         entry[1].append(tput)
         entry[2].append(busbw)
         if self.config.verbose and _global_rank() == 0:
-            logger.info("comm op: %s | time (ms): %.2f | msg size: %s | algbw (Gbps): %.2f | busbw (Gbps): %.2f",
-                        log_name, latency_ms, format_size(msg_size), tput, busbw)
+            logger.info(
+                "comm op: %s | time (ms): %.2f | msg size: %s | algbw (Gbps): %.2f | busbw (Gbps): %.2f",
+                log_name,
+                latency_ms,
+                format_size(msg_size),
+                tput,
+                busbw,
+            )
 
     @contextlib.contextmanager
     def paused(self):
@@ -216,15 +225,23 @@ class CommsLogger:
         (DeepSpeed's ``log_summary(return_dict=True)["summary"]`` layout)."""
         out: dict[str, dict[int, dict]] = {}
         for name, sizes in list(self._records.items()):
-            out[name] = {size: {"count": len(lat), "total_latency_ms": sum(lat),
-                                "avg_latency_ms": trimmed_mean(lat), "tput_avg_gbps": trimmed_mean(tput),
-                                "busbw_avg_gbps": trimmed_mean(bus), "msg_size_bytes": size,
-                                "msg_size_str": format_size(size)}
-                         for size, (lat, tput, bus) in sorted(sizes.items())}
+            out[name] = {
+                size: {
+                    "count": len(lat),
+                    "total_latency_ms": sum(lat),
+                    "avg_latency_ms": trimmed_mean(lat),
+                    "tput_avg_gbps": trimmed_mean(tput),
+                    "busbw_avg_gbps": trimmed_mean(bus),
+                    "msg_size_bytes": size,
+                    "msg_size_str": format_size(size),
+                }
+                for size, (lat, tput, bus) in sorted(sizes.items())
+            }
         return out
 
-    def log_all(self, *, print_log: bool = True, show_straggler: bool = False, return_dict: bool = False,
-                comm=None, file=None):
+    def log_all(
+        self, *, print_log: bool = True, show_straggler: bool = False, return_dict: bool = False, comm=None, file=None
+    ):
         """Print (to ``file``, default stdout) and/or return the summary; see
         :func:`shardwise.comm.log_summary`. ``comm``: the Communicator the straggler
         analysis reduces over (None: this rank's latencies only, straggler 0)."""
@@ -234,26 +251,30 @@ class CommsLogger:
             print(_table(summary, stragglers), file=file or sys.stdout, flush=True)
         if not return_dict:
             return None
-        return {"summary": summary, "straggler_analysis": stragglers,
-                "metadata": {"world_size": _world_size(), "rank": _global_rank(),
-                             "timestamp": datetime.now().isoformat()}}
-
+        return {
+            "summary": summary,
+            "straggler_analysis": stragglers,
+            "metadata": {"world_size": _world_size(), "rank": _global_rank(), "timestamp": datetime.now().isoformat()},
+        }
 
     def _stragglers(self, comm) -> dict[str, dict[int, dict]]:
         """Per log name and size: the latency of the fastest rank and how much longer this
         rank took, call by call. One all-gather of the (name, size, count) keys and one
         MIN all-reduce of the latencies; keys that not every rank recorded equally often
         cannot be paired call by call and are left out, with a warning."""
-        keys = sorted((name, size, len(entry[0])) for name, sizes in self._records.items()
-                      for size, entry in sizes.items())
+        keys = sorted(
+            (name, size, len(entry[0])) for name, sizes in self._records.items() for size, entry in sizes.items()
+        )
         if comm is not None and comm.world_size > 1:
             with self.paused():
                 everyone = comm.all_gather_object(keys, tag="comms logger straggler keys")
                 common = set.intersection(*(set(map(tuple, rank_keys)) for rank_keys in everyone))
                 if len(common) < len(keys):
-                    logger.warning("comms logger: straggler analysis leaves out %s, which the ranks "
-                                   "recorded a different number of times",
-                                   sorted({k[0] for k in keys if k not in common}))
+                    logger.warning(
+                        "comms logger: straggler analysis leaves out %s, which the ranks "
+                        "recorded a different number of times",
+                        sorted({k[0] for k in keys if k not in common}),
+                    )
                 keys = [k for k in keys if k in common]
                 own = [lat for name, size, _ in keys for lat in self._records[name][size][0]]
                 mins = torch.tensor(own, dtype=torch.float64, device=comm._device())
@@ -265,21 +286,40 @@ class CommsLogger:
         start = 0
         for name, size, count in keys:
             lat = self._records[name][size][0]
-            low = fastest[start:start + count]
+            low = fastest[start : start + count]
             start += count
             late = [mine - best for mine, best in zip(lat, low)]
             out.setdefault(name, {})[size] = {
-                "count": count, "total_comm_lat_ms": sum(low), "total_straggler_ms": sum(late),
-                "avg_comm_lat_ms": trimmed_mean(low), "avg_straggler_ms": trimmed_mean(late),
-                "msg_size_bytes": size, "msg_size_str": format_size(size)}
+                "count": count,
+                "total_comm_lat_ms": sum(low),
+                "total_straggler_ms": sum(late),
+                "avg_comm_lat_ms": trimmed_mean(low),
+                "avg_straggler_ms": trimmed_mean(late),
+                "msg_size_bytes": size,
+                "msg_size_str": format_size(size),
+            }
         return out
 
 
-_SUMMARY_COLUMNS = ("Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)",
-                    "tput_avg (Gbps)", "busbw_avg (Gbps)")
+_SUMMARY_COLUMNS = (
+    "Comm. Op",
+    "Message Size",
+    "Count",
+    "Total Latency(ms)",
+    "Avg Latency(ms)",
+    "tput_avg (Gbps)",
+    "busbw_avg (Gbps)",
+)
 _SUMMARY_FIELDS = ("total_latency_ms", "avg_latency_ms", "tput_avg_gbps", "busbw_avg_gbps")
-_STRAGGLER_COLUMNS = ("Comm. Op", "Message Size", "Count", "Total comm lat(ms)", "Total straggler(ms)",
-                      "Avg comm lat(ms)", "Avg straggler(ms)")
+_STRAGGLER_COLUMNS = (
+    "Comm. Op",
+    "Message Size",
+    "Count",
+    "Total comm lat(ms)",
+    "Total straggler(ms)",
+    "Avg comm lat(ms)",
+    "Avg straggler(ms)",
+)
 _STRAGGLER_FIELDS = ("total_comm_lat_ms", "total_straggler_ms", "avg_comm_lat_ms", "avg_straggler_ms")
 _WIDTH = 20
 
@@ -353,14 +393,17 @@ def comms_logger_from_config(section=None) -> CommsLoggerConfig:
     elif not isinstance(section, CommsLoggerConfig):
         missing = [name for name in _FIELDS if not hasattr(section, name)]
         if missing:
-            raise ValueError(f"comms_logger must be a dict or a config with the fields {list(_FIELDS)}; "
-                             f"got a {type(section).__name__} without {missing}")
+            raise ValueError(
+                f"comms_logger must be a dict or a config with the fields {list(_FIELDS)}; "
+                f"got a {type(section).__name__} without {missing}"
+            )
         section = CommsLoggerConfig(**{name: getattr(section, name) for name in _FIELDS})
     comms_logger.apply(section)
     return section
 
 
 # -- DeepSpeed's deepspeed.comm functions over the process-wide logger ---------------------
+
 
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None):
     """Set the comms logger as DeepSpeed's ``deepspeed.comm.configure`` does.
@@ -384,8 +427,17 @@ def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None,
         comms_logger_from_config(deepspeed_config.comms_logger)
     else:
         comms_logger_from_config(deepspeed_config)
-    overrides = {k: v for k, v in (("enabled", enabled), ("prof_all", prof_all), ("prof_ops", prof_ops),
-                                   ("verbose", verbose), ("debug", debug)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("enabled", enabled),
+            ("prof_all", prof_all),
+            ("prof_ops", prof_ops),
+            ("verbose", verbose),
+            ("debug", debug),
+        )
+        if v is not None
+    }
     if overrides:
         comms_logger.apply(replace(comms_logger.config, **overrides))
 

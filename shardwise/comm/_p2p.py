@@ -18,15 +18,23 @@ def send(comm: Communicator, tensor: torch.Tensor, peer: int, *, tag: str = "", 
     """Start sending ``tensor`` (contiguous) to global rank ``peer``. Messages between
     two ranks are matched in order within one ``stream`` (torch.distributed's tag)."""
     record = comm._record("send", tensor, f"to rank {peer}" + (f", {tag}" if tag else ""))
-    return Handle(comm, dist.isend(tensor, dst=peer, group=comm.group, tag=stream), record,
-                  honours_timeout=comm.gloo_waits_natively)
+    return Handle(
+        comm,
+        dist.isend(tensor, dst=peer, group=comm.group, tag=stream),
+        record,
+        honours_timeout=comm.gloo_waits_natively,
+    )
 
 
 def recv(comm: Communicator, tensor: torch.Tensor, peer: int, *, tag: str = "", stream: int = 0) -> Handle:
     """Start receiving into ``tensor`` (contiguous) from global rank ``peer``."""
     record = comm._record("recv", tensor, f"from rank {peer}" + (f", {tag}" if tag else ""))
-    return Handle(comm, dist.irecv(tensor, src=peer, group=comm.group, tag=stream), record,
-                  honours_timeout=comm.gloo_waits_natively)
+    return Handle(
+        comm,
+        dist.irecv(tensor, src=peer, group=comm.group, tag=stream),
+        record,
+        honours_timeout=comm.gloo_waits_natively,
+    )
 
 
 def count(comm: Communicator, op: str, nbytes: int, peer: int, *, tag: str = ""):
@@ -34,5 +42,8 @@ def count(comm: Communicator, op: str, nbytes: int, peer: int, *, tag: str = "")
     that does not go through the backend (pipeline transfers through shared memory); the
     record names it in a ``comm.diagnose`` error."""
     direction = "to" if op == "send" else "from"
-    return comm._record(op, torch.empty(nbytes, dtype=torch.uint8, device="meta"),
-                        f"{direction} rank {peer}" + (f", {tag}" if tag else ""))
+    return comm._record(
+        op,
+        torch.empty(nbytes, dtype=torch.uint8, device="meta"),
+        f"{direction} rank {peer}" + (f", {tag}" if tag else ""),
+    )

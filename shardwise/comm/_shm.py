@@ -74,8 +74,11 @@ def _host_id() -> str:
 
 def supported() -> bool:
     """Whether this platform may use the shared-memory all-reduce (see the note)."""
-    return (platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
-            and os.environ.get("SHARDWISE_SHM_ALLREDUCE", "1").strip() != "0")
+    return (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and os.path.isdir("/dev/shm")
+        and os.environ.get("SHARDWISE_SHM_ALLREDUCE", "1").strip() != "0"
+    )
 
 
 class CollectiveMismatch(Exception):
@@ -110,8 +113,9 @@ class SharedMemoryAllReduce:
         lines = {"offset": _LINE, "strides": (_LINE,), "buffer": buffer, "dtype": np.int64}
         self._posted = np.ndarray((world_size,), **lines)
         # by parity, as the slots: a peer may already have posted the next exchange
-        self._signatures = [np.ndarray((world_size,), **{**lines, "offset": _LINE + 8 * (1 + parity)})
-                            for parity in range(2)]
+        self._signatures = [
+            np.ndarray((world_size,), **{**lines, "offset": _LINE + 8 * (1 + parity)}) for parity in range(2)
+        ]
         data = torch.frombuffer(buffer, dtype=torch.uint8, offset=_data_offset(world_size))
         self._slots = data.view(2, world_size, capacity)
         self._seq = 0
@@ -149,7 +153,7 @@ class SharedMemoryAllReduce:
             if slots is None:
                 return False
             for row, slot in zip(rows, slots):
-                row[start:start + len(piece)].copy_(slot)
+                row[start : start + len(piece)].copy_(slot)
             start += len(piece)
         return True
 
@@ -170,8 +174,10 @@ class SharedMemoryAllReduce:
             return None
         signatures = self._signatures[seq % 2].tolist()
         if any(other != signature for other in signatures):
-            raise CollectiveMismatch("ranks posted different collectives: " + ", ".join(
-                f"rank {rank} {_describe(other)}" for rank, other in enumerate(signatures)))
+            raise CollectiveMismatch(
+                "ranks posted different collectives: "
+                + ", ".join(f"rank {rank} {_describe(other)}" for rank, other in enumerate(signatures))
+            )
         return slots
 
     def _wait(self, seq: int, timeout_s: float) -> bool:
@@ -199,11 +205,11 @@ def open_shared(comm) -> SharedMemoryAllReduce | None:
     """Collective over ``comm``'s group: the shared mapping, or None on every rank where
     any rank cannot have it (see [Note: shared-memory all-reduce])."""
     slot = CAPACITY_BYTES
-    buffer = map_shared_file(comm, _data_offset(comm.world_size) + 2 * comm.world_size * slot,
-                             purpose="allreduce", tag=_SETUP)
+    buffer = map_shared_file(
+        comm, _data_offset(comm.world_size) + 2 * comm.world_size * slot, purpose="allreduce", tag=_SETUP
+    )
     if buffer is None:
-        logger.info("%s group: shared-memory all-reduce unavailable (the ranks could not map one file)",
-                    comm.name)
+        logger.info("%s group: shared-memory all-reduce unavailable (the ranks could not map one file)", comm.name)
         return None
     return SharedMemoryAllReduce(buffer, comm.rank, comm.world_size, slot)
 

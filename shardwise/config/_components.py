@@ -6,8 +6,9 @@ dataclass key for key. JSON enters through ``from_dict.py`` only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
 
@@ -20,7 +21,8 @@ ONEBIT_ZERO_REFUSAL = (
     "rank needs the full momentum and full parameters; partitioning the optimizer state (stages 1-2) "
     "would then all-gather the updated parameters in full precision every step, more bytes than the "
     "compression saves, and stage 3 and offload partition further still. Set zero_optimization.stage "
-    "to 0, or use Adam/LAMB with ZeRO")
+    "to 0, or use Adam/LAMB with ZeRO"
+)
 """Why ZeRO stages 1-3 refuse the 1-bit optimizers; ``{name}``, ``{stage}`` filled in."""
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
@@ -62,9 +64,11 @@ class OptimizerConfig:
             as_number("optimizer.params.weight_decay", p["weight_decay"], minimum=0)
         if "betas" in p:
             betas = p["betas"]
-            if (not isinstance(betas, (list, tuple)) or len(betas) != 2
-                    or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
-                               for b in betas)):
+            if (
+                not isinstance(betas, (list, tuple))
+                or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+            ):
                 raise ConfigError(f"optimizer.params.betas must be two numbers in [0, 1), got {betas!r}")
 
 
@@ -171,8 +175,10 @@ class OffloadOptimizerConfig:
             as_bool(f"zero_optimization.offload_optimizer.{name}", getattr(self, name))
         as_number("zero_optimization.offload_optimizer.ratio", self.ratio, minimum=0)
         if self.ratio != 1.0:
-            raise ConfigError(f"zero_optimization.offload_optimizer.ratio={self.ratio} (a partial CPU "
-                              "step) is not supported; remove it or set it to 1.0")
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.ratio={self.ratio} (a partial CPU "
+                "step) is not supported; remove it or set it to 1.0"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -310,8 +316,13 @@ class ZeroConfig:
             as_int(f"zero_optimization.{name}", getattr(self, name), minimum=1)
         as_int("zero_optimization.zero_hpz_partition_size", self.zero_hpz_partition_size, minimum=0)
         # 0 is meaningful: no prefetch, no parameters kept beyond the one in use, no reuse
-        for name in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                     "stage3_param_persistence_threshold", "stage3_module_granularity_threshold"):
+        for name in (
+            "stage3_prefetch_bucket_size",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+            "stage3_param_persistence_threshold",
+            "stage3_module_granularity_threshold",
+        ):
             as_int(f"zero_optimization.{name}", getattr(self, name), minimum=0)
         as_int("zero_optimization.mics_shard_size", self.mics_shard_size, minimum=-1)
         if self.overlap_comm is not None:
@@ -319,15 +330,21 @@ class ZeroConfig:
         if self.cpu_offload and not self.offload_optimizer.enabled:  # the legacy flag
             object.__setattr__(self, "offload_optimizer", OffloadOptimizerConfig(device="cpu"))
         if self.offload_param.enabled and self.stage != 3:
-            raise ConfigError(f"zero_optimization.offload_param needs stage 3 (parameters are only "
-                              f"partitioned there), got stage {self.stage}; set stage to 3 or remove it")
+            raise ConfigError(
+                f"zero_optimization.offload_param needs stage 3 (parameters are only "
+                f"partitioned there), got stage {self.stage}; set stage to 3 or remove it"
+            )
         if self.offload_param.device == "nvme" and self.offload_optimizer.device != "nvme":
-            raise ConfigError("zero_optimization.offload_param.device=\"nvme\" needs offload_optimizer.device "
-                              "\"nvme\" too in this version (the fp32 parameter shards are the optimizer's "
-                              "masters and are swapped with its state); set both to nvme, or offload_param to cpu")
+            raise ConfigError(
+                'zero_optimization.offload_param.device="nvme" needs offload_optimizer.device '
+                '"nvme" too in this version (the fp32 parameter shards are the optimizer\'s '
+                "masters and are swapped with its state); set both to nvme, or offload_param to cpu"
+            )
         if self.offload_optimizer.enabled and self.stage == 0:
-            raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the optimizer "
-                              "state must be partitioned to offload it); set zero_optimization.stage")
+            raise ConfigError(
+                "zero_optimization.offload_optimizer needs stage 1, 2 or 3 (the optimizer "
+                "state must be partitioned to offload it); set zero_optimization.stage"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,8 +380,10 @@ class DataTypesConfig:
             if getattr(self, name) is not None:
                 as_choice(f"data_types.{name}", getattr(self, name), ("fp32", "fp16", "bf16"))
         if self.buffer_dtype is not None:
-            raise ConfigError(f"data_types.buffer_dtype={self.buffer_dtype!r} (casting module buffers) is not "
-                              "available in this version of shardwise; remove it (buffers keep their dtype)")
+            raise ConfigError(
+                f"data_types.buffer_dtype={self.buffer_dtype!r} (casting module buffers) is not "
+                "available in this version of shardwise; remove it (buffers keep their dtype)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -391,8 +410,13 @@ class ActivationCheckpointingConfig:
     """Log the time of each checkpoint's forward and of its backward (recompute included)."""
 
     def __post_init__(self) -> None:
-        for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                     "synchronize_checkpoint_boundary", "profile"):
+        for name in (
+            "partition_activations",
+            "cpu_checkpointing",
+            "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        ):
             as_bool(f"activation_checkpointing.{name}", getattr(self, name))
         if self.number_checkpoints is not None:
             as_int("activation_checkpointing.number_checkpoints", self.number_checkpoints, minimum=1)

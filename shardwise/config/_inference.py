@@ -16,26 +16,71 @@ from shardwise.config._errors import ConfigError, as_bool, as_int, check_keys
 
 logger = logging.getLogger("shardwise")
 
-_ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel", "tm": "triangular_masking",
-            "ckpt_config": "checkpoint_config", "injection_dict": "injection_policy", "args": "config",
-            "max_tokens": "max_out_tokens", "min_tokens": "min_out_tokens", "expert_group": "ep_group",
-            "expert_mp_group": "ep_mp_group"}
-_INERT = {"triangular_masking", "training_mp_size", "replace_method", "config", "transposed_mode",
-          "triton_autotune", "keep_module_on_host", "set_empty_params", "checkpoint_config"}
+_ALIASES = {
+    "kernel_inject": "replace_with_kernel_inject",
+    "tp": "tensor_parallel",
+    "tm": "triangular_masking",
+    "ckpt_config": "checkpoint_config",
+    "injection_dict": "injection_policy",
+    "args": "config",
+    "max_tokens": "max_out_tokens",
+    "min_tokens": "min_out_tokens",
+    "expert_group": "ep_group",
+    "expert_mp_group": "ep_mp_group",
+}
+_INERT = {
+    "triangular_masking",
+    "training_mp_size",
+    "replace_method",
+    "config",
+    "transposed_mode",
+    "triton_autotune",
+    "keep_module_on_host",
+    "set_empty_params",
+    "checkpoint_config",
+}
 """Keys DeepSpeed reads that change nothing here (layout and kernel details of its own
 kernels); accepted so DeepSpeed configs load. Those among them that would ask for
 something this version does not do (a non-causal mask, model-parallel training
 checkpoints, a checkpoint named in ``checkpoint_config``) are refused by
 ``_refuse_unsupported``."""
 _MOE = {"moe", "ep_size", "ep_group", "ep_mp_group", "moe_experts", "moe_type"}
-_KEYS = ({"replace_with_kernel_inject", "dtype", "tensor_parallel", "enable_cuda_graph", "use_triton", "zero",
-          "quant", "checkpoint", "base_dir", "save_mp_checkpoint_path", "return_tuple", "injection_policy",
-          "injection_policy_tuple", "max_out_tokens", "min_out_tokens", "mp_size", "mpu"}
-         | _INERT | _MOE | set(_ALIASES))
+_KEYS = (
+    {
+        "replace_with_kernel_inject",
+        "dtype",
+        "tensor_parallel",
+        "enable_cuda_graph",
+        "use_triton",
+        "zero",
+        "quant",
+        "checkpoint",
+        "base_dir",
+        "save_mp_checkpoint_path",
+        "return_tuple",
+        "injection_policy",
+        "injection_policy_tuple",
+        "max_out_tokens",
+        "min_out_tokens",
+        "mp_size",
+        "mpu",
+    }
+    | _INERT
+    | _MOE
+    | set(_ALIASES)
+)
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "fp16": torch.float16,
-           "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "int8": torch.int8}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +136,9 @@ class InferenceConfig:
         return self.dtype == torch.int8 or (bool(self.quant.get("enabled", False)) and weight.get("enabled", True))
 
 
-def inference_config(config: str | os.PathLike | dict | InferenceConfig | None = None,
-                     **kwargs: Any) -> InferenceConfig:
+def inference_config(
+    config: str | os.PathLike | dict | InferenceConfig | None = None, **kwargs: Any
+) -> InferenceConfig:
     """The :class:`InferenceConfig` from a dict or JSON path merged with keyword arguments
     (which take precedence), DeepSpeed's aliases resolved, unknown keys refused with a
     close match."""
@@ -124,40 +170,61 @@ def _build(values: dict) -> InferenceConfig:
     _refuse_unsupported(values)
     tp_section = values.get("tensor_parallel") or {}
     if not isinstance(tp_section, dict):  # DeepSpeedTPConfig-like object
-        tp_section = {k: getattr(tp_section, k) for k in ("enabled", "tp_size", "mpu", "tp_group")
-                      if hasattr(tp_section, k)}
+        tp_section = {
+            k: getattr(tp_section, k) for k in ("enabled", "tp_size", "mpu", "tp_group") if hasattr(tp_section, k)
+        }
     check_keys("tensor_parallel", tp_section, {"enabled", "tp_size", "tp_grain_size", "mpu", "tp_group"})
     tp_size = tp_section.get("tp_size", 1) if tp_section.get("enabled", True) else 1
     mp_size = values.get("mp_size", 1)
     if mp_size != 1:
         if tp_size not in (1, mp_size):
-            raise ConfigError(f"mp_size ({mp_size}) and tensor_parallel.tp_size ({tp_size}) differ; set "
-                              "tensor_parallel.tp_size only (mp_size is its deprecated name)")
-        logger.warning("init_inference: mp_size is deprecated (DeepSpeed's name too); use "
-                       "tensor_parallel={'tp_size': %d}", mp_size)
+            raise ConfigError(
+                f"mp_size ({mp_size}) and tensor_parallel.tp_size ({tp_size}) differ; set "
+                "tensor_parallel.tp_size only (mp_size is its deprecated name)"
+            )
+        logger.warning(
+            "init_inference: mp_size is deprecated (DeepSpeed's name too); use tensor_parallel={'tp_size': %d}", mp_size
+        )
         tp_size = mp_size
     group = tp_section.get("tp_group") or tp_section.get("mpu") or values.get("mpu")
     policy = values.get("injection_policy")
     if values.get("injection_policy_tuple") is not None:
         policy = {**(policy or {}), values["injection_policy_tuple"][0]: values["injection_policy_tuple"][1:]}
     if policy is not None and not isinstance(policy, dict):
-        raise ConfigError(f"injection_policy must map a module class to the names of its row-parallel linear "
-                          f"layers, e.g. {{LlamaDecoderLayer: ('self_attn.o_proj', 'mlp.down_proj')}}; "
-                          f"got {policy!r}")
+        raise ConfigError(
+            f"injection_policy must map a module class to the names of its row-parallel linear "
+            f"layers, e.g. {{LlamaDecoderLayer: ('self_attn.o_proj', 'mlp.down_proj')}}; "
+            f"got {policy!r}"
+        )
     quant = values.get("quant") or {}
     if not isinstance(quant, dict):
-        raise ConfigError(f"quant must be an object like {{\"enabled\": true, \"weight\": {{\"num_bits\": 8}}}}, "
-                          f"got {quant!r}")
+        raise ConfigError(
+            f'quant must be an object like {{"enabled": true, "weight": {{"num_bits": 8}}}}, got {quant!r}'
+        )
     bits = (quant.get("weight") or {}).get("num_bits", 8) if isinstance(quant.get("weight"), dict) else 8
     if quant.get("enabled", False) and bits != 8:
         raise ConfigError(f"quant.weight.num_bits={bits}: only 8-bit weights are available; set it to 8")
     if quant.get("enabled", False) and (quant.get("activation") or {}).get("enabled", False):
-        raise ConfigError("quant.activation.enabled: only weights are quantised (activations stay in floating "
-                          "point); remove quant.activation")
-    options = dict(dtype=_dtype(values.get("dtype", torch.float16)), tp_size=tp_size, tp_group=group,
-                   injection_policy=policy, quant=quant)
-    for key in ("replace_with_kernel_inject", "enable_cuda_graph", "checkpoint", "base_dir", "max_out_tokens",
-                "min_out_tokens", "return_tuple"):
+        raise ConfigError(
+            "quant.activation.enabled: only weights are quantised (activations stay in floating "
+            "point); remove quant.activation"
+        )
+    options = dict(
+        dtype=_dtype(values.get("dtype", torch.float16)),
+        tp_size=tp_size,
+        tp_group=group,
+        injection_policy=policy,
+        quant=quant,
+    )
+    for key in (
+        "replace_with_kernel_inject",
+        "enable_cuda_graph",
+        "checkpoint",
+        "base_dir",
+        "max_out_tokens",
+        "min_out_tokens",
+        "return_tuple",
+    ):
         if key in values:
             options[key] = values[key]
     return InferenceConfig(**options)
@@ -165,28 +232,45 @@ def _build(values: dict) -> InferenceConfig:
 
 def _refuse_unsupported(values: dict) -> None:
     if values.get("triangular_masking", True) is False:
-        raise ConfigError("triangular_masking=false: the fast path and the models' own forward use causal "
-                          "(triangular) masks only; remove triangular_masking")
+        raise ConfigError(
+            "triangular_masking=false: the fast path and the models' own forward use causal "
+            "(triangular) masks only; remove triangular_masking"
+        )
     if values.get("training_mp_size", 1) != 1:
-        raise ConfigError(f"training_mp_size={values['training_mp_size']}: checkpoints split by model parallelism "
-                          "in training are not read; give the full checkpoint files (each rank reads its slices)")
+        raise ConfigError(
+            f"training_mp_size={values['training_mp_size']}: checkpoints split by model parallelism "
+            "in training are not read; give the full checkpoint files (each rank reads its slices)"
+        )
     if any((values.get("checkpoint_config") or {}).values()):
-        raise ConfigError("checkpoint_config: name the checkpoint with checkpoint= (and base_dir=) instead; "
-                          f"got {values['checkpoint_config']!r}")
+        raise ConfigError(
+            "checkpoint_config: name the checkpoint with checkpoint= (and base_dir=) instead; "
+            f"got {values['checkpoint_config']!r}"
+        )
     if values.get("use_triton"):
-        raise ConfigError("use_triton: shardwise's inference runs on PyTorch (SDPA, torch.compile) without "
-                          "Triton kernels of its own; remove use_triton")
+        raise ConfigError(
+            "use_triton: shardwise's inference runs on PyTorch (SDPA, torch.compile) without "
+            "Triton kernels of its own; remove use_triton"
+        )
     if values.get("zero"):
-        raise ConfigError("zero: ZeRO-Inference (parameters partitioned across ranks for inference) is not "
-                          "available; use tensor_parallel.tp_size to split the model")
+        raise ConfigError(
+            "zero: ZeRO-Inference (parameters partitioned across ranks for inference) is not "
+            "available; use tensor_parallel.tp_size to split the model"
+        )
     moe = values.get("moe")
-    if moe and (moe is True or (isinstance(moe, dict) and moe.get("enabled", True) and moe != {})) \
-            or values.get("ep_size", 1) != 1:
-        raise ConfigError("moe / ep_size: expert-parallel inference is not available; remove the moe section "
-                          "(the model's experts run on every rank)")
+    if (
+        moe
+        and (moe is True or (isinstance(moe, dict) and moe.get("enabled", True) and moe != {}))
+        or values.get("ep_size", 1) != 1
+    ):
+        raise ConfigError(
+            "moe / ep_size: expert-parallel inference is not available; remove the moe section "
+            "(the model's experts run on every rank)"
+        )
     if values.get("save_mp_checkpoint_path"):
-        raise ConfigError("save_mp_checkpoint_path: saving the tensor-parallel shards is not available; load "
-                          "from the original checkpoint on every start (each rank reads only its slices)")
+        raise ConfigError(
+            "save_mp_checkpoint_path: saving the tensor-parallel shards is not available; load "
+            "from the original checkpoint on every start (each rank reads only its slices)"
+        )
 
 
 def _dtype(value: Any) -> torch.dtype:

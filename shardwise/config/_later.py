@@ -21,27 +21,54 @@ logger = logging.getLogger("shardwise")
 # section -> allowed keys (None: any keys; the section is validated as an object only)
 LATER_SECTIONS: dict[str, set[str] | None] = {
     "amp": None,
-    "pipeline": None, "sparse_attention": None, "compression_training": None,
-    "curriculum_learning": None, "data_efficiency": None, "progressive_layer_drop": None,
-    "elasticity": None, "autotuning": None, "nebula": None, "eigenvalue": None,
-    "quantize_training": None, "hybrid_engine": None, "torch_autocast": None, "compile": None,
-    "timers": None, "tensor_parallel": None, "weight_quantization": None, "expert_parallel": None,
+    "pipeline": None,
+    "sparse_attention": None,
+    "compression_training": None,
+    "curriculum_learning": None,
+    "data_efficiency": None,
+    "progressive_layer_drop": None,
+    "elasticity": None,
+    "autotuning": None,
+    "nebula": None,
+    "eigenvalue": None,
+    "quantize_training": None,
+    "hybrid_engine": None,
+    "torch_autocast": None,
+    "compile": None,
+    "timers": None,
+    "tensor_parallel": None,
+    "weight_quantization": None,
+    "expert_parallel": None,
 }
 """Top-level DeepSpeed sections that later shardwise features own."""
 
-LATER_SCALARS = {"sparse_gradients", "graph_harvesting", "sequence_parallel_size",
-                 "seq_parallel_communication_data_type", "use_data_before_expert_parallel_",
-                 "memory_breakpoint_", "zero_quantized_weights"}
+LATER_SCALARS = {
+    "sparse_gradients",
+    "graph_harvesting",
+    "sequence_parallel_size",
+    "seq_parallel_communication_data_type",
+    "use_data_before_expert_parallel_",
+    "memory_breakpoint_",
+    "zero_quantized_weights",
+}
 """Top-level scalar keys of later features."""
 
-_NAMES = {"amp": "NVIDIA Apex AMP (use \"fp16\" or \"bf16\" instead)",
-          "curriculum_learning": "curriculum learning", "data_efficiency": "data efficiency",
-          "progressive_layer_drop": "progressive layer drop", "elasticity": "elastic training",
-          "autotuning": "the autotuner", "nebula": "Nebula checkpointing",
-          "eigenvalue": "eigenvalue computation", "quantize_training": "quantized training",
-          "hybrid_engine": "the hybrid engine", "torch_autocast": "torch autocast",
-          "compile": "DeepCompile (torch.compile integration)",
-          "weight_quantization": "weight quantization", "expert_parallel": "expert parallelism (AutoEP)"}
+_NAMES = {
+    "amp": 'NVIDIA Apex AMP (use "fp16" or "bf16" instead)',
+    "curriculum_learning": "curriculum learning",
+    "data_efficiency": "data efficiency",
+    "progressive_layer_drop": "progressive layer drop",
+    "elasticity": "elastic training",
+    "autotuning": "the autotuner",
+    "nebula": "Nebula checkpointing",
+    "eigenvalue": "eigenvalue computation",
+    "quantize_training": "quantized training",
+    "hybrid_engine": "the hybrid engine",
+    "torch_autocast": "torch autocast",
+    "compile": "DeepCompile (torch.compile integration)",
+    "weight_quantization": "weight quantization",
+    "expert_parallel": "expert parallelism (AutoEP)",
+}
 _ON_BY_DEFAULT = {"weight_quantization"}  # DeepSpeed enables it when the section is present
 
 
@@ -57,8 +84,10 @@ _SWITCHES = {"compile": ("deepcompile", (False,))}
 
 
 def _not_available(feature: str, key: str) -> ConfigError:
-    return ConfigError(f"{feature} ('{key}') is not available in this version of shardwise yet; "
-                       f"remove the '{key}' section or set its \"enabled\" to false")
+    return ConfigError(
+        f"{feature} ('{key}') is not available in this version of shardwise yet; "
+        f"remove the '{key}' section or set its \"enabled\" to false"
+    )
 
 
 def check_later_section(key: str, value: Any) -> None:
@@ -79,16 +108,20 @@ def check_later_section(key: str, value: Any) -> None:
         return
     if key == "compression_training":
         if _any_enabled(value):
-            raise ConfigError("compression (quantization-aware training, pruning) ('compression_training') is "
-                              "not available in this version of shardwise yet; remove the section or set "
-                              "every \"enabled\" in it to false")
+            raise ConfigError(
+                "compression (quantization-aware training, pruning) ('compression_training') is "
+                "not available in this version of shardwise yet; remove the section or set "
+                'every "enabled" in it to false'
+            )
         return
     if key in _SWITCHES:
         switch, off = _SWITCHES[key]
         if value.get(switch, off[0]) not in off:
-            raise ConfigError(f"{_NAMES[key]} ('{key}.{switch}'={value[switch]!r}) is not available in this "
-                              f"version of shardwise yet; remove the '{key}' section or set {switch} to "
-                              f"{json.dumps(off[0])}")
+            raise ConfigError(
+                f"{_NAMES[key]} ('{key}.{switch}'={value[switch]!r}) is not available in this "
+                f"version of shardwise yet; remove the '{key}' section or set {switch} to "
+                f"{json.dumps(off[0])}"
+            )
         return
     enabled = value.get("enabled", key in _ON_BY_DEFAULT)
     if enabled not in (True, False, "auto"):
@@ -100,11 +133,17 @@ def check_later_section(key: str, value: Any) -> None:
 def check_later_scalar(key: str, value: Any) -> None:
     """Refuse a later-feature scalar that is switched on."""
     if key == "sparse_gradients" and value:
-        raise ConfigError("sparse_gradients=true is not available in this version of shardwise "
-                          "yet; remove it (embedding gradients are reduced densely)")
+        raise ConfigError(
+            "sparse_gradients=true is not available in this version of shardwise "
+            "yet; remove it (embedding gradients are reduced densely)"
+        )
     if key == "graph_harvesting" and value:
-        raise ConfigError("graph_harvesting=true (CUDA-graph capture of DeepSpeed's kernels) is not available "
-                          "in this version of shardwise yet; remove it")
+        raise ConfigError(
+            "graph_harvesting=true (CUDA-graph capture of DeepSpeed's kernels) is not available "
+            "in this version of shardwise yet; remove it"
+        )
     if key == "sequence_parallel_size" and value not in (None, 1):
-        raise ConfigError(f"sequence_parallel_size={value!r} is not available in this version of "
-                          "shardwise yet; remove it or set it to 1")
+        raise ConfigError(
+            f"sequence_parallel_size={value!r} is not available in this version of "
+            "shardwise yet; remove it or set it to 1"
+        )

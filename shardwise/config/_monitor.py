@@ -97,8 +97,9 @@ class FlopsProfilerConfig:
         as_int("flops_profiler.profile_step", self.profile_step, minimum=0)
         as_int("flops_profiler.top_modules", self.top_modules, minimum=1)
         if not isinstance(self.module_depth, int) or isinstance(self.module_depth, bool) or self.module_depth < -1:
-            raise ConfigError(f"flops_profiler.module_depth must be an integer >= -1 (-1: every depth), "
-                              f"got {self.module_depth!r}")
+            raise ConfigError(
+                f"flops_profiler.module_depth must be an integer >= -1 (-1: every depth), got {self.module_depth!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,8 +123,7 @@ class CommsLoggerConfig:
             as_bool(f"comms_logger.{name}", getattr(self, name))
         ops = self.prof_ops
         if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not all(isinstance(o, str) for o in ops):
-            raise ConfigError(f"comms_logger.prof_ops must be a list of op names such as [\"all_reduce\"], "
-                              f"got {ops!r}")
+            raise ConfigError(f'comms_logger.prof_ops must be a list of op names such as ["all_reduce"], got {ops!r}')
         object.__setattr__(self, "prof_ops", tuple(ops))
 
 

@@ -31,13 +31,25 @@ from shardwise.config._errors import AUTO, ConfigError, as_bool, as_int, as_numb
 
 logger = logging.getLogger("shardwise")
 
-_WRITER_KEYS = frozenset({"type", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel",
-                          "decoupled", "io_multiplier"})
+_WRITER_KEYS = frozenset(
+    {"type", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel", "decoupled", "io_multiplier"}
+)
 _LEAF_KEYS = frozenset({"classes", "names", "name_suffixes"})
 _LOCO_KEYS = frozenset({"err_beta", "reset_T"})
-_ZENFLOW_KEYS = frozenset({"topk_ratio", "select_strategy", "select_interval", "update_interval",
-                           "overlap_step", "offload", "auto_ratio", "full_warm_up_rounds",
-                           "pt_reserved_cores_perc", "steps_per_epoch"})
+_ZENFLOW_KEYS = frozenset(
+    {
+        "topk_ratio",
+        "select_strategy",
+        "select_interval",
+        "update_interval",
+        "overlap_step",
+        "offload",
+        "auto_ratio",
+        "full_warm_up_rounds",
+        "pt_reserved_cores_perc",
+        "steps_per_epoch",
+    }
+)
 
 # path -> key -> (kind, why it has no effect). A kind is "bool", "int", "number", "str",
 # "list", "object" (a trailing "?" allows null) or a frozenset: an object with those keys.
@@ -47,7 +59,7 @@ NO_EFFECT: dict[str, dict[str, tuple[Any, str]]] = {
         "disable_allgather": ("bool", "updated shards are always all-gathered"),
         "zero_force_ds_cpu_optimizer": ("bool", "offloaded steps always run torch's fused CPU kernels"),
         "zero_allow_untested_optimizer": ("bool", "client optimizers are always allowed"),
-        "log_level": ("str?", "set logging.getLogger(\"shardwise\").setLevel instead"),
+        "log_level": ("str?", 'set logging.getLogger("shardwise").setLevel instead'),
         "seq_parallel_communication_data_type": ("str?", "sequence parallelism is not available"),
     },
     "zero_optimization": {
@@ -63,13 +75,17 @@ NO_EFFECT: dict[str, dict[str, tuple[Any, str]]] = {
         "round_robin": ("bool", "an offload copy-order optimisation"),
         "log_trace_cache_warnings": ("bool", "the module order is recorded without a trace cache"),
         "stage3_model_persistence_threshold": (
-            "int", "every parameter under stage3_param_persistence_threshold stays whole; lower that instead"),
+            "int",
+            "every parameter under stage3_param_persistence_threshold stays whole; lower that instead",
+        ),
         "stage3_use_all_reduce_for_fetch_params": ("bool", "parameters are always all-gathered"),
         "stage3_allgather_sequential": ("bool", "all-gathers are grouped by module"),
         "cpu_offload_use_pin_memory": ("bool?", "deprecated by DeepSpeed; use offload_*.pin_memory"),
         "pipeline_loading_checkpoint": ("bool", "pipeline parallelism is not available"),
-        "override_module_apply": ("bool", "nn.Module.apply is never patched; gather with "
-                                          "shardwise.zero.GatheredParameters"),
+        "override_module_apply": (
+            "bool",
+            "nn.Module.apply is never patched; gather with shardwise.zero.GatheredParameters",
+        ),
         "enable_sanity_checks": ("bool", "DeepSpeed's internal debug checks"),
         "save_muon_momentum_buffer_in_memory": ("bool", "the Muon optimizer is not available"),
         "zeropp_loco_param": (_LOCO_KEYS, "tunes ZeRO++ quantized gradients, which are off"),
@@ -117,12 +133,18 @@ UNBUILT: dict[str, dict[str, tuple[Any, tuple, str]]] = {
         "super_offload": ("bool", (False,), "SuperOffload for superchips"),
     },
     "fp16": {
-        "fp16_master_weights_and_grads": ("bool", (False,), "fp16 master weights and gradients (shardwise "
-                                                            "keeps fp32 master weights)"),
+        "fp16_master_weights_and_grads": (
+            "bool",
+            (False,),
+            "fp16 master weights and gradients (shardwise keeps fp32 master weights)",
+        ),
     },
     "bf16": {
-        "bf16_master_weights_and_grads": ("bool", (False,), "bf16 master weights and gradients (shardwise "
-                                                            "keeps fp32 master weights)"),
+        "bf16_master_weights_and_grads": (
+            "bool",
+            (False,),
+            "bf16 master weights and gradients (shardwise keeps fp32 master weights)",
+        ),
         "bf16_optimizer_states": ("bool", (False,), "bf16 optimizer states (shardwise keeps them in fp32)"),
     },
 }
@@ -173,8 +195,10 @@ def take_special_keys(path: str, section: dict, noted: list[str], *, enabled: bo
         value = section[key]
         _check_kind(prefix + key, kind, value)
         if enabled and value not in accepted and value != AUTO:
-            raise ConfigError(f"{prefix}{key}={json.dumps(value)} asks for {feature}, which is not available "
-                              f"in this version of shardwise; remove it or set it to {json.dumps(accepted[0])}")
+            raise ConfigError(
+                f"{prefix}{key}={json.dumps(value)} asks for {feature}, which is not available "
+                f"in this version of shardwise; remove it or set it to {json.dumps(accepted[0])}"
+            )
 
 
 def _is_rank0() -> bool:

@@ -14,9 +14,21 @@ chunks per stage, which ``PipelineModule(virtual_stages=...)`` must also have)."
 
 def check_pipeline(section: Any) -> None:
     """Validate a ``pipeline`` section; refuse what the engine cannot honour, by name."""
-    check_keys("pipeline", section, {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
-                                     "pipe_partitioned", "grad_partitioned", "schedule", "virtual_stages",
-                                     "keep_gathered"})
+    check_keys(
+        "pipeline",
+        section,
+        {
+            "stages",
+            "partition",
+            "seed_layers",
+            "activation_checkpoint_interval",
+            "pipe_partitioned",
+            "grad_partitioned",
+            "schedule",
+            "virtual_stages",
+            "keep_gathered",
+        },
+    )
     if not isinstance(section.get("keep_gathered", True), bool):
         raise ConfigError(f"pipeline.keep_gathered must be true or false, got {section['keep_gathered']!r}")
     schedule = section.get("schedule", "1f1b")
@@ -24,8 +36,10 @@ def check_pipeline(section: Any) -> None:
     if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
         raise ConfigError(f"pipeline.virtual_stages must be a positive integer, got {virtual!r}")
     if (schedule == "interleaved") != (virtual > 1):
-        raise ConfigError(f"pipeline.virtual_stages={virtual} with schedule {schedule!r}: model chunks per stage "
-                          "(virtual_stages > 1) go with the 'interleaved' schedule only")
+        raise ConfigError(
+            f"pipeline.virtual_stages={virtual} with schedule {schedule!r}: model chunks per stage "
+            "(virtual_stages > 1) go with the 'interleaved' schedule only"
+        )
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={schedule!r} is not one of {list(SCHEDULES)}")
     interval = section.get("activation_checkpoint_interval", 0)

@@ -18,14 +18,30 @@ logger = logging.getLogger("shardwise")
 _COMMON = {"block": 16, "different_layout_per_head": False}
 MODE_KEYS: dict[str, dict[str, Any]] = {
     "dense": {"block": 16},
-    "fixed": {**_COMMON, "num_local_blocks": 4, "num_global_blocks": 1, "attention": "bidirectional",
-              "horizontal_global_attention": False, "num_different_global_patterns": 1},
-    "variable": {**_COMMON, "num_random_blocks": 0, "local_window_blocks": [4], "global_block_indices": [0],
-                 "global_block_end_indices": None, "attention": "bidirectional",
-                 "horizontal_global_attention": False},
+    "fixed": {
+        **_COMMON,
+        "num_local_blocks": 4,
+        "num_global_blocks": 1,
+        "attention": "bidirectional",
+        "horizontal_global_attention": False,
+        "num_different_global_patterns": 1,
+    },
+    "variable": {
+        **_COMMON,
+        "num_random_blocks": 0,
+        "local_window_blocks": [4],
+        "global_block_indices": [0],
+        "global_block_end_indices": None,
+        "attention": "bidirectional",
+        "horizontal_global_attention": False,
+    },
     "bigbird": {**_COMMON, "num_random_blocks": 0, "num_sliding_window_blocks": 3, "num_global_blocks": 1},
-    "bslongformer": {**_COMMON, "num_sliding_window_blocks": 3, "global_block_indices": [0],
-                     "global_block_end_indices": None},
+    "bslongformer": {
+        **_COMMON,
+        "num_sliding_window_blocks": 3,
+        "global_block_indices": [0],
+        "global_block_end_indices": None,
+    },
 }
 """Each mode's keys and DeepSpeed's defaults for them (``mode`` defaults to "fixed")."""
 
@@ -44,8 +60,13 @@ def _checked(key: str, value: Any) -> Any:
         if not isinstance(value, list) or not value:
             raise ConfigError(f"{path} must be a non-empty list of integers, got {value!r}")
         return [as_int(path, item, minimum=0 if key != "local_window_blocks" else 1) for item in value]
-    return as_int(path, value, minimum=1 if key in ("block", "num_local_blocks", "num_different_global_patterns",
-                                                    "num_sliding_window_blocks") else 0)
+    return as_int(
+        path,
+        value,
+        minimum=1
+        if key in ("block", "num_local_blocks", "num_different_global_patterns", "num_sliding_window_blocks")
+        else 0,
+    )
 
 
 def sparse_attention_section(section: Any) -> dict[str, Any] | None:
@@ -60,8 +81,10 @@ def sparse_attention_section(section: Any) -> dict[str, Any] | None:
     check_keys("sparse_attention", section, _ALL_KEYS)
     mode = section.get("mode", "fixed")
     if mode not in MODE_KEYS:
-        raise ConfigError(f"sparse_attention.mode={mode!r} is not one of {list(MODE_KEYS)}; "
-                          "for a sliding window without global blocks use mode 'bslongformer'")
+        raise ConfigError(
+            f"sparse_attention.mode={mode!r} is not one of {list(MODE_KEYS)}; "
+            "for a sliding window without global blocks use mode 'bslongformer'"
+        )
     resolved = {"mode": mode}
     for key, default in MODE_KEYS[mode].items():
         resolved[key] = _checked(key, section.get(key, default))

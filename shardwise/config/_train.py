@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from shardwise.config._components import (ONEBIT_OPTIMIZERS, ONEBIT_ZERO_REFUSAL, ActivationCheckpointingConfig,
-                                          AioConfig, BatchConfig, BF16Config, CheckpointConfig, CommConfig,
-                                          DataTypesConfig, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig)
+from shardwise.config._components import (
+    ONEBIT_OPTIMIZERS,
+    ONEBIT_ZERO_REFUSAL,
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BatchConfig,
+    BF16Config,
+    CheckpointConfig,
+    CommConfig,
+    DataTypesConfig,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
 from shardwise.config._monitor import MonitorConfig
 
@@ -75,9 +88,16 @@ class TrainConfig:
         if self.steps_per_print is not None:
             as_int("steps_per_print", self.steps_per_print, minimum=1)
         as_number("gradient_predivide_factor", self.gradient_predivide_factor, minimum=0, strict=True)
-        for name in ("wall_clock_breakdown", "prescale_gradients", "dump_state",
-                     "dataloader_drop_last", "zero_allow_untested_optimizer",
-                     "zero_force_ds_cpu_optimizer", "memory_breakpoint", "disable_allgather"):
+        for name in (
+            "wall_clock_breakdown",
+            "prescale_gradients",
+            "dump_state",
+            "dataloader_drop_last",
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "memory_breakpoint",
+            "disable_allgather",
+        ):
             as_bool(name, getattr(self, name))
         if self.communication_data_type is not None:
             as_choice("communication_data_type", self.communication_data_type, ("fp32", "fp16", "bf16"))
@@ -85,12 +105,14 @@ class TrainConfig:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
         mode = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
         if self.data_types.param_dtype not in (None, mode):
-            raise ConfigError(f"data_types.param_dtype={self.data_types.param_dtype!r} differs from the training "
-                              f"dtype the fp16/bf16 sections select ({mode}); remove data_types.param_dtype or "
-                              "enable the matching section")
+            raise ConfigError(
+                f"data_types.param_dtype={self.data_types.param_dtype!r} differs from the training "
+                f"dtype the fp16/bf16 sections select ({mode}); remove data_types.param_dtype or "
+                "enable the matching section"
+            )
         if self.optimizer is not None and self.optimizer.type in ONEBIT_OPTIMIZERS and self.zero.stage > 0:
-            raise ConfigError(ONEBIT_ZERO_REFUSAL.format(name=f"optimizer.type {self.optimizer.type!r}",
-                                                         stage=self.zero.stage))
+            raise ConfigError(
+                ONEBIT_ZERO_REFUSAL.format(name=f"optimizer.type {self.optimizer.type!r}", stage=self.zero.stage)
+            )
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
-            raise ConfigError("prescale_gradients=true and gradient_predivide_factor != 1 conflict; "
-                              "use one of them")
+            raise ConfigError("prescale_gradients=true and gradient_predivide_factor != 1 conflict; use one of them")

@@ -12,58 +12,124 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from shardwise.config._components import (OPTIMIZERS, ActivationCheckpointingConfig, AioConfig, BatchConfig,
-                                          BF16Config, CheckpointConfig, CommConfig, DataTypesConfig, FP16Config,
-                                          OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig,
-                                          SchedulerConfig, ZeroConfig)
+from shardwise.config._components import (
+    OPTIMIZERS,
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BatchConfig,
+    BF16Config,
+    CheckpointConfig,
+    CommConfig,
+    DataTypesConfig,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
 from shardwise.config._errors import AUTO, ConfigError, as_bool, as_choice, as_int, check_keys, unknown_key_error
-from shardwise.config._monitor import (CometConfig, CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig,
-                                       MonitorConfig, WandbConfig)
 from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
+from shardwise.config._monitor import (
+    CometConfig,
+    CommsLoggerConfig,
+    FileMonitorConfig,
+    FlopsProfilerConfig,
+    MonitorConfig,
+    WandbConfig,
+)
 from shardwise.config._no_effect import known_keys, log_no_effect, take_special_keys
 from shardwise.config._train import TrainConfig
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_MONITOR_SECTIONS = {"tensorboard": FileMonitorConfig, "csv_monitor": FileMonitorConfig, "wandb": WandbConfig,
-                     "comet": CometConfig, "flops_profiler": FlopsProfilerConfig, "comms_logger": CommsLoggerConfig}
-_SECTIONS = {"optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "checkpoint",
-             "data_types", "comm", "aio", "activation_checkpointing"} | set(_MONITOR_SECTIONS)
+_MONITOR_SECTIONS = {
+    "tensorboard": FileMonitorConfig,
+    "csv_monitor": FileMonitorConfig,
+    "wandb": WandbConfig,
+    "comet": CometConfig,
+    "flops_profiler": FlopsProfilerConfig,
+    "comms_logger": CommsLoggerConfig,
+}
+_SECTIONS = {
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "zero_optimization",
+    "checkpoint",
+    "data_types",
+    "comm",
+    "aio",
+    "activation_checkpointing",
+} | set(_MONITOR_SECTIONS)
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
-    "batch", "optimizer", "scheduler", "fp16", "bf16", "zero", "checkpoint", "data_types", "comm", "aio", "raw",
-    "activation_checkpointing", "monitor"}
+    "batch",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "zero",
+    "checkpoint",
+    "data_types",
+    "comm",
+    "aio",
+    "raw",
+    "activation_checkpointing",
+    "monitor",
+}
 _LEGACY_TOP = {"bfloat16": "bf16"}
-_LEGACY_ZERO = {"stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-                "allgather_size": "allgather_bucket_size"}
+_LEGACY_ZERO = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "allgather_size": "allgather_bucket_size",
+}
 # DeepSpeed reads its stage-3 keys under their field names too; not deprecated, so no warning.
-_ZERO_FIELD_NAMES = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
-                     "param_persistence_threshold": "stage3_param_persistence_threshold",
-                     "model_persistence_threshold": "stage3_model_persistence_threshold",
-                     "max_live_parameters": "stage3_max_live_parameters",
-                     "max_reuse_distance": "stage3_max_reuse_distance",
-                     "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-                     "module_granularity_threshold": "stage3_module_granularity_threshold",
-                     "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
-                     "allgather_sequential": "stage3_allgather_sequential"}
-_AUTO_FIELDS = {"fp16": {"enabled"}, "bf16": {"enabled"}, "zero_optimization": {
-    "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-    "sub_group_size", "overlap_comm", "contiguous_gradients"}}
-_UNBUILT_OPTIMIZERS = {"muadam": "MuAdam", "muadamw": "MuAdamW",
-                       "musgd": "MuSGD", "adafactor": "Adafactor",
-                       "cpuadam": "DeepSpeedCPUAdam", "fusedadam": "FusedAdam"}
+_ZERO_FIELD_NAMES = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
+}
+_AUTO_FIELDS = {
+    "fp16": {"enabled"},
+    "bf16": {"enabled"},
+    "zero_optimization": {
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "sub_group_size",
+        "overlap_comm",
+        "contiguous_gradients",
+    },
+}
+_UNBUILT_OPTIMIZERS = {
+    "muadam": "MuAdam",
+    "muadamw": "MuAdamW",
+    "musgd": "MuSGD",
+    "adafactor": "Adafactor",
+    "cpuadam": "DeepSpeedCPUAdam",
+    "fusedadam": "FusedAdam",
+}
 
 
 def _read(config: Any) -> dict:
     if isinstance(config, (str, Path)):
         path = Path(config)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass the path of a JSON config "
-                              "file or a dict")
+            raise ConfigError(f"config file {path} does not exist; pass the path of a JSON config file or a dict")
         try:
             return json.loads(path.read_text())
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
-                              f"column {exc.colno}") from None
+            raise ConfigError(
+                f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+            ) from None
     if isinstance(config, dict):
         return dict(config)
     raise ConfigError(f"config must be a dict, a JSON file path or a TrainConfig, got {type(config).__name__}")
@@ -89,8 +155,9 @@ def _section(cls, path: str, section: Any, noted: list[str], *, aliases: dict | 
     section = dict(check_keys(path, section, fields | set(aliases) | known_keys(path)))
     for old, new in aliases.items():
         if old in section:
-            warnings.warn(f"config key '{path}.{old}' is deprecated; use '{path}.{new}'",
-                          DeprecationWarning, stacklevel=4)
+            warnings.warn(
+                f"config key '{path}.{old}' is deprecated; use '{path}.{new}'", DeprecationWarning, stacklevel=4
+            )
             section.setdefault(new, section.pop(old))
     enabled = section.get("enabled", False) in (True, AUTO) if path in ("fp16", "bf16") else True
     take_special_keys(path, section, noted, enabled=enabled)
@@ -115,19 +182,20 @@ def _optimizer(section: Any) -> OptimizerConfig:
     check_keys("optimizer", section, {"type", "params", "legacy_fusion"})
     name = section.get("type")
     if not isinstance(name, str):
-        raise ConfigError(f"optimizer.type must be a string such as \"AdamW\", got {name!r}")
+        raise ConfigError(f'optimizer.type must be a string such as "AdamW", got {name!r}')
     key = name.lower()
     if key in _UNBUILT_OPTIMIZERS:
-        raise ConfigError(f"optimizer.type {name!r} is not available in this version of shardwise yet; "
-                          f"available: Adam, AdamW, SGD, Adagrad, Lamb, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb")
+        raise ConfigError(
+            f"optimizer.type {name!r} is not available in this version of shardwise yet; "
+            f"available: Adam, AdamW, SGD, Adagrad, Lamb, Lion, OneBitAdam, ZeroOneAdam, OneBitLamb"
+        )
     canonical = as_choice("optimizer.type", name, OPTIMIZERS)
     return OptimizerConfig(type=canonical, params=_drop_auto(section.get("params"), "optimizer.params"))
 
 
 def _scheduler(section: Any) -> SchedulerConfig:
     check_keys("scheduler", section, {"type", "params"})
-    return SchedulerConfig(type=section.get("type"),
-                           params=_drop_auto(section.get("params"), "scheduler.params"))
+    return SchedulerConfig(type=section.get("type"), params=_drop_auto(section.get("params"), "scheduler.params"))
 
 
 def _batch_value(raw: dict, key: str) -> int | None:
@@ -146,29 +214,36 @@ def resolve_batch(raw: dict, world_size: int) -> BatchConfig:
             raise ConfigError(
                 f"train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) * "
                 f"gradient_accumulation_steps ({gas}) * data-parallel world size ({world_size}) = "
-                f"{micro * gas * world_size}; fix one of the three or leave one out to derive it")
+                f"{micro * gas * world_size}; fix one of the three or leave one out to derive it"
+            )
     elif total is not None and micro is not None:
         if total % (micro * world_size):
-            raise ConfigError(f"train_batch_size ({total}) is not divisible by train_micro_batch_size_"
-                              f"per_gpu ({micro}) * data-parallel world size ({world_size})")
+            raise ConfigError(
+                f"train_batch_size ({total}) is not divisible by train_micro_batch_size_"
+                f"per_gpu ({micro}) * data-parallel world size ({world_size})"
+            )
         gas = total // (micro * world_size)
     elif total is not None and gas is not None:
         if total % (gas * world_size):
-            raise ConfigError(f"train_batch_size ({total}) is not divisible by gradient_accumulation_"
-                              f"steps ({gas}) * data-parallel world size ({world_size})")
+            raise ConfigError(
+                f"train_batch_size ({total}) is not divisible by gradient_accumulation_"
+                f"steps ({gas}) * data-parallel world size ({world_size})"
+            )
         micro = total // (gas * world_size)
     elif total is not None:
         if total % world_size:
-            raise ConfigError(f"train_batch_size ({total}) is not divisible by the data-parallel "
-                              f"world size ({world_size}); set train_micro_batch_size_per_gpu too")
+            raise ConfigError(
+                f"train_batch_size ({total}) is not divisible by the data-parallel "
+                f"world size ({world_size}); set train_micro_batch_size_per_gpu too"
+            )
         micro, gas = total // world_size, 1
     elif micro is not None:
         gas = gas or 1
     else:
-        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (or both); "
-                          "the config gives neither")
-    return BatchConfig(train_batch_size=micro * gas * world_size,
-                       train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (or both); the config gives neither")
+    return BatchConfig(
+        train_batch_size=micro * gas * world_size, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas
+    )
 
 
 def load_config(config: Any, *, world_size: int) -> TrainConfig:
@@ -191,8 +266,15 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
             if new in raw:
                 raise ConfigError(f"config has both '{old}' and '{new}'; keep only '{new}'")
             raw[new] = raw.pop(old)
-    valid = set(_BATCH_KEYS) | _SECTIONS | _TOP_SCALARS | set(LATER_SECTIONS) | LATER_SCALARS | known_keys("") \
+    valid = (
+        set(_BATCH_KEYS)
+        | _SECTIONS
+        | _TOP_SCALARS
+        | set(LATER_SECTIONS)
+        | LATER_SCALARS
+        | known_keys("")
         | {"memory_breakdown"}
+    )
     for key, value in raw.items():
         if key not in valid:
             raise unknown_key_error("", key, valid)
@@ -264,8 +346,13 @@ def _monitor(raw: dict, noted: list[str]) -> MonitorConfig:
 def _zero(section: Any, noted: list[str]) -> ZeroConfig:
     path = "zero_optimization"
     fields = {f.name for f in dataclasses.fields(ZeroConfig)}
-    section = dict(check_keys(path, section, fields | set(_LEGACY_ZERO) | set(_ZERO_FIELD_NAMES) | known_keys(path)
-                              | {"cpu_offload_param"}))
+    section = dict(
+        check_keys(
+            path,
+            section,
+            fields | set(_LEGACY_ZERO) | set(_ZERO_FIELD_NAMES) | known_keys(path) | {"cpu_offload_param"},
+        )
+    )
     for name, key in _ZERO_FIELD_NAMES.items():
         if name in section:
             if key in section:
@@ -290,8 +377,11 @@ def _legacy_param_offload(section: dict) -> None:
     if value is None:
         return
     as_bool("zero_optimization.cpu_offload_param", value)
-    warnings.warn("config key 'zero_optimization.cpu_offload_param' is deprecated; use "
-                  "'zero_optimization.offload_param'", DeprecationWarning, stacklevel=5)
+    warnings.warn(
+        "config key 'zero_optimization.cpu_offload_param' is deprecated; use 'zero_optimization.offload_param'",
+        DeprecationWarning,
+        stacklevel=5,
+    )
     if value and section.get("offload_param") is None:
         section["offload_param"] = {"device": "cpu"}
 
@@ -302,8 +392,9 @@ def _checkpoint(section: Any, noted: list[str]) -> CheckpointConfig:
     take_special_keys("checkpoint", section, noted)
     section = {k: v for k, v in section.items() if k in fields}
     if "tag_validation" in section:
-        section["tag_validation"] = as_choice("checkpoint.tag_validation", section["tag_validation"],
-                                              ("Ignore", "Warn", "Fail"))
+        section["tag_validation"] = as_choice(
+            "checkpoint.tag_validation", section["tag_validation"], ("Ignore", "Warn", "Fail")
+        )
     if section.get("parallel_write") is not None:
         write = check_keys("checkpoint.parallel_write", section["parallel_write"], {"pipeline_stage"})
         if not as_bool("checkpoint.parallel_write.pipeline_stage", write.get("pipeline_stage", False)):

@@ -48,8 +48,9 @@ class _Proj:
     """One linear projection ``y = x W^T + b`` (int8 ``W`` times per-row scales), summed
     over the tensor group first when it is row-parallel."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, scale: torch.Tensor | None = None,
-                 comm=None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, scale: torch.Tensor | None = None, comm=None
+    ) -> None:
         self.weight, self.bias, self.scale, self.comm = weight, bias, scale, comm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,13 +129,12 @@ def fused_proj(modules: list[nn.Module]) -> tuple[_Proj, list[int]]:
     scale = None if parts[0][2] is None else torch.cat([s for _, _, s in parts])
     has_bias = [b is not None for _, b, _ in parts]
     if any(has_bias) and not all(has_bias):
-        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(w)
-                          for (_, b, _), w in zip(parts, widths)])
+        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(w) for (_, b, _), w in zip(parts, widths)])
     else:
         bias = torch.cat([b.detach() for _, b, _ in parts]) if all(has_bias) else None
     offset = 0
     for module, width in zip(modules, widths):
-        _rebind(module, weight[offset:offset + width], None if scale is None else scale[offset:offset + width])
+        _rebind(module, weight[offset : offset + width], None if scale is None else scale[offset : offset + width])
         offset += width
     return _Proj(weight, bias, scale=scale), widths
 
@@ -160,14 +160,16 @@ def _rebind(module: nn.Module, weight_view: torch.Tensor, scale_view: torch.Tens
 class StaticCache:
     """Keys and values of every layer, allocated once at the generation's final length."""
 
-    def __init__(self, *, num_layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype,
-                 device) -> None:
+    def __init__(
+        self, *, num_layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype, device
+    ) -> None:
         shape = (num_layers, batch, kv_heads, length, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
 
-    def update(self, layer: int, start: int | torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` (``[batch, kv_heads, n, head_dim]``) at ``start`` and return
         the filled part of the layer's cache; a tensor ``start`` (one position, on the
         device) writes one token there and returns the whole cache ([Note: decode graphs])."""
@@ -193,8 +195,15 @@ class FastDecoder:
     """The model's rotary embedding module, for families with rotary positions."""
 
     def new_cache(self, batch: int, length: int) -> StaticCache:
-        cache = StaticCache(num_layers=self.num_layers, batch=batch, kv_heads=self.kv_heads, length=length,
-                            head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        cache = StaticCache(
+            num_layers=self.num_layers,
+            batch=batch,
+            kv_heads=self.kv_heads,
+            length=length,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         if self.rotary is not None:  # the table of every position the generation can reach, computed once
             probe = torch.empty(1, length, self.head_dim, dtype=self.dtype, device=self.device)
             cache.rotary = self.rotary(probe, torch.arange(length, device=self.device)[None])
@@ -202,8 +211,9 @@ class FastDecoder:
 
     def _attend(self, q, k, v, mask, *, causal: bool, scale: float) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                             scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=gqa
+        )
         b, h, s, d = out.shape
         return out.transpose(1, 2).reshape(b, s, h * d)
 
@@ -224,8 +234,17 @@ class LlamaDecoder(FastDecoder):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, (q_width, k_width, v_width) = fused_proj([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up, (g_width, _) = fused_proj([mlp.gate_proj, mlp.up_proj])
-            self.layers.append((_rms_norm(layer.input_layernorm), qkv, proj(attn.o_proj),
-                                _rms_norm(layer.post_attention_layernorm), gate_up, proj(mlp.down_proj), mlp.act_fn))
+            self.layers.append(
+                (
+                    _rms_norm(layer.input_layernorm),
+                    qkv,
+                    proj(attn.o_proj),
+                    _rms_norm(layer.post_attention_layernorm),
+                    gate_up,
+                    proj(mlp.down_proj),
+                    mlp.act_fn,
+                )
+            )
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
@@ -233,8 +252,9 @@ class LlamaDecoder(FastDecoder):
         self.g_width = g_width
         self.heads, self.kv_heads = q_width // self.head_dim, k_width // self.head_dim
         self.num_layers = len(self.layers)
-        self.sliding_window = getattr(model.config, "sliding_window", None) if getattr(
-            model.config, "use_sliding_window", True) else None
+        self.sliding_window = (
+            getattr(model.config, "sliding_window", None) if getattr(model.config, "use_sliding_window", True) else None
+        )
         self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache: StaticCache, start: int):
@@ -265,8 +285,18 @@ class GPT2Decoder(FastDecoder):
             raise _NoFastPath("GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn")
         self.embed, self.positions, self.final_norm = base.wte, base.wpe, base.ln_f
         self.head = input_major(model.lm_head, unless_shared_with=base.wte.weight)
-        self.layers = [(block.ln_1, proj(block.attn.c_attn), proj(block.attn.c_proj), block.ln_2,
-                        proj(block.mlp.c_fc), proj(block.mlp.c_proj), block.mlp.act) for block in base.h]
+        self.layers = [
+            (
+                block.ln_1,
+                proj(block.attn.c_attn),
+                proj(block.attn.c_proj),
+                block.ln_2,
+                proj(block.mlp.c_fc),
+                proj(block.mlp.c_proj),
+                block.mlp.act,
+            )
+            for block in base.h
+        ]
         self.head_dim = attn.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim) if attn.scale_attn_weights else 1.0
         self.heads = self.layers[0][1].weight.shape[0] // (3 * self.head_dim)
@@ -297,9 +327,18 @@ class GPTNeoXDecoder(FastDecoder):
         self.head = input_major(model.get_output_embeddings(), unless_shared_with=base.embed_in.weight)
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.parallel_residual = model.config.use_parallel_residual
-        self.layers = [(layer.input_layernorm, proj(layer.attention.query_key_value), proj(layer.attention.dense),
-                        layer.post_attention_layernorm, proj(layer.mlp.dense_h_to_4h), proj(layer.mlp.dense_4h_to_h),
-                        layer.mlp.act) for layer in base.layers]
+        self.layers = [
+            (
+                layer.input_layernorm,
+                proj(layer.attention.query_key_value),
+                proj(layer.attention.dense),
+                layer.post_attention_layernorm,
+                proj(layer.mlp.dense_h_to_4h),
+                proj(layer.mlp.dense_4h_to_h),
+                layer.mlp.act,
+            )
+            for layer in base.layers
+        ]
         self.head_dim = attn.head_size
         self.scale = attn.scaling
         self.heads = self.kv_heads = self.layers[0][1].weight.shape[0] // (3 * self.head_dim)
@@ -344,8 +383,17 @@ class OPTDecoder(FastDecoder):
         for layer in base.layers:
             a = layer.self_attn
             qkv, widths = fused_proj([a.q_proj, a.k_proj, a.v_proj])
-            self.layers.append((layer.self_attn_layer_norm, qkv, proj(a.out_proj), layer.final_layer_norm,
-                                proj(layer.fc1), proj(layer.fc2), layer.activation_fn))
+            self.layers.append(
+                (
+                    layer.self_attn_layer_norm,
+                    qkv,
+                    proj(a.out_proj),
+                    layer.final_layer_norm,
+                    proj(layer.fc1),
+                    proj(layer.fc2),
+                    layer.activation_fn,
+                )
+            )
         self.widths = widths
         self.head_dim = attn.head_dim
         self.query_scale = attn.scaling
@@ -396,8 +444,14 @@ class _NoFastPath(Exception):
     """The model's variant has no fast decoder; the engine runs its own forward."""
 
 
-_FAMILIES = {"llama": LlamaDecoder, "mistral": LlamaDecoder, "qwen2": LlamaDecoder, "gpt2": GPT2Decoder,
-             "gpt_neox": GPTNeoXDecoder, "opt": OPTDecoder}
+_FAMILIES = {
+    "llama": LlamaDecoder,
+    "mistral": LlamaDecoder,
+    "qwen2": LlamaDecoder,
+    "gpt2": GPT2Decoder,
+    "gpt_neox": GPTNeoXDecoder,
+    "opt": OPTDecoder,
+}
 
 
 def build_decoder(model: nn.Module) -> tuple[FastDecoder | None, str]:
@@ -410,4 +464,3 @@ def build_decoder(model: nn.Module) -> tuple[FastDecoder | None, str]:
         return family(model), ""
     except _NoFastPath as exc:
         return None, f"no fast decoder for {exc}"
-

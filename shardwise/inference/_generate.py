@@ -20,19 +20,58 @@ from dataclasses import dataclass
 
 import torch
 
-_FAST_KWARGS = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "max_length", "do_sample", "temperature",
-                "top_k", "top_p", "eos_token_id", "pad_token_id", "generation_config", "use_cache",
-                "return_dict_in_generate", "output_scores", "output_logits"}
-_NEUTRAL = {"num_beams": (None, 1), "num_return_sequences": (None, 1), "repetition_penalty": (None, 1.0),
-            "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "min_length": (None, 0),
-            "min_new_tokens": (None, 0), "bad_words_ids": (None,), "typical_p": (None, 1.0), "min_p": (None,),
-            "top_h": (None,), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "suppress_tokens": (None,),
-            "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
-            "sequence_bias": (None,), "guidance_scale": (None, 1.0), "penalty_alpha": (None,), "stop_strings": (None,),
-            "max_time": (None,), "renormalize_logits": (None, False), "output_attentions": (None, False),
-            "output_hidden_states": (None, False), "exponential_decay_length_penalty": (None,), "watermarking_config": (None,),
-            "force_words_ids": (None,), "constraints": (None,), "prompt_lookup_num_tokens": (None,),
-            "assistant_model": (None,), "num_assistant_tokens": (None, 20)}
+_FAST_KWARGS = {
+    "input_ids",
+    "inputs",
+    "attention_mask",
+    "max_new_tokens",
+    "max_length",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "eos_token_id",
+    "pad_token_id",
+    "generation_config",
+    "use_cache",
+    "return_dict_in_generate",
+    "output_scores",
+    "output_logits",
+}
+_NEUTRAL = {
+    "num_beams": (None, 1),
+    "num_return_sequences": (None, 1),
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "bad_words_ids": (None,),
+    "typical_p": (None, 1.0),
+    "min_p": (None,),
+    "top_h": (None,),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "sequence_bias": (None,),
+    "guidance_scale": (None, 1.0),
+    "penalty_alpha": (None,),
+    "stop_strings": (None,),
+    "max_time": (None,),
+    "renormalize_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "exponential_decay_length_penalty": (None,),
+    "watermarking_config": (None,),
+    "force_words_ids": (None,),
+    "constraints": (None,),
+    "prompt_lookup_num_tokens": (None,),
+    "assistant_model": (None,),
+    "num_assistant_tokens": (None, 20),
+}
 """Generation settings the fast loop leaves out, with the values at which they do nothing."""
 
 
@@ -114,10 +153,18 @@ def fast_request(module, args: tuple, kwargs: dict) -> Request | str:
         pad = int(eos[0])
     if attention_mask is None:
         attention_mask = _default_mask(input_ids, pad, eos)
-    return Request(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max(new, 0),
-                   do_sample=bool(config.do_sample), warpers=_warpers(config) if config.do_sample else [],
-                   eos=eos, pad_token_id=pad, return_dict=bool(config.return_dict_in_generate),
-                   keep_scores=bool(config.output_scores), keep_logits=bool(config.output_logits))
+    return Request(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max(new, 0),
+        do_sample=bool(config.do_sample),
+        warpers=_warpers(config) if config.do_sample else [],
+        eos=eos,
+        pad_token_id=pad,
+        return_dict=bool(config.return_dict_in_generate),
+        keep_scores=bool(config.output_scores),
+        keep_logits=bool(config.output_logits),
+    )
 
 
 def _default_mask(input_ids: torch.Tensor, pad: int | None, eos: torch.Tensor | None) -> torch.Tensor | None:
@@ -146,8 +193,7 @@ def _warpers(config) -> list:
     return warpers
 
 
-def run_fast(decoder, request: Request, *, max_out_tokens: int,
-             steps=None) -> tuple[torch.Tensor, GenerationStats]:
+def run_fast(decoder, request: Request, *, max_out_tokens: int, steps=None) -> tuple[torch.Tensor, GenerationStats]:
     """Generate with the fast decoder; returns the sequences (prompt and new tokens, as
     ``generate`` does) and the timings. With ``steps`` (``StaticSteps``) the decode steps
     run with fixed shapes, as CUDA graphs on a GPU ([Note: decode graphs])."""
@@ -202,7 +248,7 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int,
                 continue
             if padded:
                 valid[:, length] = True
-                positions = valid[:, :length + 1].sum(-1, keepdim=True) - 1
+                positions = valid[:, : length + 1].sum(-1, keepdim=True) - 1
                 step_mask = _decode_mask(valid, length, decoder.sliding_window)
             else:
                 positions = torch.full((batch, 1), length, device=ids.device, dtype=torch.long)
@@ -215,9 +261,11 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int,
         return sequences, stats
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    return GenerateDecoderOnlyOutput(sequences=sequences,
-                                     scores=tuple(kept["scores"]) if request.keep_scores else None,
-                                     logits=tuple(kept["logits"]) if request.keep_logits else None), stats
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(kept["scores"]) if request.keep_scores else None,
+        logits=tuple(kept["logits"]) if request.keep_logits else None,
+    ), stats
 
 
 def _sync(device: torch.device) -> None:
@@ -229,9 +277,11 @@ def _sync(device: torch.device) -> None:
 def check_length(prompt: int, new: int, max_out_tokens: int) -> None:
     """Refuse a generation that would grow past ``max_out_tokens`` before it starts."""
     if prompt + new > max_out_tokens:
-        raise ValueError(f"generation would reach {prompt + new} tokens ({prompt} prompt + {new} new), more than "
-                         f"max_out_tokens={max_out_tokens}; lower max_new_tokens or raise max_out_tokens in "
-                         "init_inference")
+        raise ValueError(
+            f"generation would reach {prompt + new} tokens ({prompt} prompt + {new} new), more than "
+            f"max_out_tokens={max_out_tokens}; lower max_new_tokens or raise max_out_tokens in "
+            "init_inference"
+        )
 
 
 def _choose(logits: torch.Tensor, request: Request, sequence: torch.Tensor | None):
@@ -264,9 +314,9 @@ def _prefill_mask(valid: torch.Tensor | None, prompt: int, window: int | None) -
 
 def _decode_mask(valid: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
     """``[batch, 1, 1, length + 1]``: the keys the new token at ``length`` sees."""
-    keys = valid[:, None, None, :length + 1].clone()
+    keys = valid[:, None, None, : length + 1].clone()
     if window is not None and length + 1 > window:
-        keys[..., :length + 1 - window] = False
+        keys[..., : length + 1 - window] = False
     return keys
 
 
@@ -274,7 +324,7 @@ def _window_mask(length: int, window: int | None, device) -> torch.Tensor | None
     if window is None or length + 1 <= window:
         return None
     keys = torch.ones(1, 1, 1, length + 1, dtype=torch.bool, device=device)
-    keys[..., :length + 1 - window] = False
+    keys[..., : length + 1 - window] = False
     return keys
 
 
@@ -308,8 +358,9 @@ def run_model_generate(module, args: tuple, kwargs: dict, *, max_out_tokens: int
     with torch.inference_mode():
         out = module.generate(*args, **kwargs)
     sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-    stats = GenerationStats(batch_size=ids.shape[0] if prompt else 0, prompt_tokens=prompt,
-                            total_s=time.perf_counter() - start)
+    stats = GenerationStats(
+        batch_size=ids.shape[0] if prompt else 0, prompt_tokens=prompt, total_s=time.perf_counter() - start
+    )
     if isinstance(sequences, torch.Tensor) and prompt:
         stats.new_tokens = sequences.shape[1] - prompt
     stats.time_to_first_token_s = clock.first if clock is not None else 0.0

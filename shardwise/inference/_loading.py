@@ -104,11 +104,16 @@ def load_checkpoint(model: nn.Module, checkpoint, *, base_dir: str = "", dtype: 
     _rebuild_meta_buffers(model)
     _check_no_meta(model, checkpoint)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        logger.info("init_inference: loaded %d tensors (%.1fM elements read by rank 0) from %s", len(plan),
-                    elements / 1e6, _describe(checkpoint))
+        logger.info(
+            "init_inference: loaded %d tensors (%.1fM elements read by rank 0) from %s",
+            len(plan),
+            elements / 1e6,
+            _describe(checkpoint),
+        )
 
 
 # -- opening a checkpoint: name -> _Stored, nothing read yet ---------------------------
+
 
 def _open(checkpoint, base_dir: str) -> dict[str, _Stored]:
     if isinstance(checkpoint, dict):
@@ -139,20 +144,26 @@ def _open_json(spec, root: Path, what: str) -> dict[str, _Stored]:
     """DeepSpeed's ``{"type", "checkpoints": [...], "version"}``, names relative to ``root``."""
     files = spec.get("checkpoints") if isinstance(spec, dict) else None
     if isinstance(files, dict):
-        raise ValueError(f"{what}: 'checkpoints' is a dict ({sorted(files)}), DeepSpeed's pre-split tensor-parallel "
-                         "form; give the full checkpoint files as a list ({\"checkpoints\": [\"model.safetensors\"]}): "
-                         "each rank reads its own slices of them")
+        raise ValueError(
+            f"{what}: 'checkpoints' is a dict ({sorted(files)}), DeepSpeed's pre-split tensor-parallel "
+            'form; give the full checkpoint files as a list ({"checkpoints": ["model.safetensors"]}): '
+            "each rank reads its own slices of them"
+        )
     if isinstance(files, str):
         files = [files]
     if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
-        raise ValueError(f"{what} must be DeepSpeed's checkpoint JSON {{\"type\": \"ds_model\", \"checkpoints\": "
-                         f"[file names], \"version\": 1.0}}; its 'checkpoints' is {files!r}")
+        raise ValueError(
+            f'{what} must be DeepSpeed\'s checkpoint JSON {{"type": "ds_model", "checkpoints": '
+            f"[file names], \"version\": 1.0}}; its 'checkpoints' is {files!r}"
+        )
     paths = [root / f for f in files]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise ValueError(f"{what} names {len(missing)} file(s) that do not exist: {', '.join(missing[:_SHOWN])}"
-                         f"{'...' if len(missing) > _SHOWN else ''}; the names are relative to base_dir "
-                         f"({str(root)!r}); set base_dir= to the directory holding them")
+        raise ValueError(
+            f"{what} names {len(missing)} file(s) that do not exist: {', '.join(missing[:_SHOWN])}"
+            f"{'...' if len(missing) > _SHOWN else ''}; the names are relative to base_dir "
+            f"({str(root)!r}); set base_dir= to the directory holding them"
+        )
     return _open_files(paths)
 
 
@@ -169,9 +180,11 @@ def _open_dir(path: Path) -> dict[str, _Stored]:
     if any((p / "manifest.json").is_file() for p in path.iterdir() if p.is_dir()):
         return _open_shardwise(path)
     names = sorted(p.name for p in path.iterdir())[:10]
-    raise ValueError(f"checkpoint directory {path} holds no checkpoint shardwise can read ({names}); give a "
-                     "directory of .safetensors or .bin files, a shardwise checkpoint (with 'latest' or "
-                     "manifest.json), or a checkpoint JSON")
+    raise ValueError(
+        f"checkpoint directory {path} holds no checkpoint shardwise can read ({names}); give a "
+        "directory of .safetensors or .bin files, a shardwise checkpoint (with 'latest' or "
+        "manifest.json), or a checkpoint JSON"
+    )
 
 
 def _open_index(index: Path) -> dict[str, _Stored]:
@@ -183,8 +196,10 @@ def _open_index(index: Path) -> dict[str, _Stored]:
     paths = [index.parent / name for name in sorted(set(weight_map.values()))]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
-        raise ValueError(f"checkpoint index {index} names {len(missing)} file(s) missing from {index.parent}: "
-                         f"{', '.join(missing[:_SHOWN])}{'...' if len(missing) > _SHOWN else ''}; copy them there")
+        raise ValueError(
+            f"checkpoint index {index} names {len(missing)} file(s) missing from {index.parent}: "
+            f"{', '.join(missing[:_SHOWN])}{'...' if len(missing) > _SHOWN else ''}; copy them there"
+        )
     return _open_files(paths)
 
 
@@ -194,8 +209,10 @@ def _open_files(paths: list[Path]) -> dict[str, _Stored]:
         entries = _open_safetensors(path) if path.suffix == ".safetensors" else _open_torch(path)
         twice = sorted(set(entries) & set(stored))
         if twice:
-            raise ValueError(f"{path} and {stored[twice[0]].file} both hold {twice[:_SHOWN]}: the files are slices "
-                             "of one model (a Megatron or tensor-parallel split?); give the full checkpoint files")
+            raise ValueError(
+                f"{path} and {stored[twice[0]].file} both hold {twice[:_SHOWN]}: the files are slices "
+                "of one model (a Megatron or tensor-parallel split?); give the full checkpoint files"
+            )
         stored.update(entries)
     return stored
 
@@ -209,10 +226,14 @@ def _open_safetensors(path: Path, keys: dict[str, str] | None = None) -> dict[st
         keys = {k: k for k in held} if keys is None else {n: k for n, k in keys.items() if k in held}
         shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in set(keys.values())}
     except (OSError, SafetensorError) as exc:
-        raise ValueError(f"checkpoint file {path} cannot be read as safetensors ({exc}); it is missing, damaged or "
-                         "not a safetensors file; re-save or re-download it") from None
-    return {name: _Stored(shapes[key], str(path), functools.partial(_read_safetensors, handle, key))
-            for name, key in keys.items()}
+        raise ValueError(
+            f"checkpoint file {path} cannot be read as safetensors ({exc}); it is missing, damaged or "
+            "not a safetensors file; re-save or re-download it"
+        ) from None
+    return {
+        name: _Stored(shapes[key], str(path), functools.partial(_read_safetensors, handle, key))
+        for name, key in keys.items()
+    }
 
 
 def _read_safetensors(handle, key: str, dim: int | None, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -225,13 +246,17 @@ def _read_safetensors(handle, key: str, dim: int | None, spans: list[tuple[int, 
 
 def _open_torch(path: Path) -> dict[str, _Stored]:
     if path.suffix not in _TORCH_SUFFIXES:
-        raise ValueError(f"checkpoint file {path} is neither .safetensors nor a PyTorch file ({_TORCH_SUFFIXES}); "
-                         "give one of those, a checkpoint directory or a checkpoint JSON")
+        raise ValueError(
+            f"checkpoint file {path} is neither .safetensors nor a PyTorch file ({_TORCH_SUFFIXES}); "
+            "give one of those, a checkpoint directory or a checkpoint JSON"
+        )
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise ValueError(f"checkpoint file {path} cannot be read with torch.load(weights_only=True) ({exc}); save "
-                         "the model's state_dict alone (tensors only) with torch.save, or as safetensors") from None
+        raise ValueError(
+            f"checkpoint file {path} cannot be read with torch.load(weights_only=True) ({exc}); save "
+            "the model's state_dict alone (tensors only) with torch.save, or as safetensors"
+        ) from None
     if isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
         state = next((state[k] for k in ("module", "state_dict", "model") if isinstance(state.get(k), dict)), state)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -274,11 +299,15 @@ def _open_shardwise(path: Path) -> dict[str, _Stored]:
 
 
 def _tensor_keys(skeleton: dict) -> dict[str, str]:
-    return {name: entry["__tensor__"] for name, entry in skeleton.items()
-            if isinstance(entry, dict) and isinstance(entry.get("__tensor__"), str)}
+    return {
+        name: entry["__tensor__"]
+        for name, entry in skeleton.items()
+        if isinstance(entry, dict) and isinstance(entry.get("__tensor__"), str)
+    }
 
 
 # -- matching model tensors to stored ones ---------------------------------------------
+
 
 def _slots(model: nn.Module) -> list[_Slot]:
     """Parameters and persistent buffers, one slot per tensor (tied names share one)."""
@@ -320,7 +349,7 @@ def _candidates(model: nn.Module, name: str) -> list[str]:
     prefix = getattr(model, "base_model_prefix", "") or ""
     names = [name]
     if prefix and name.startswith(prefix + "."):
-        names.append(name[len(prefix) + 1:])
+        names.append(name[len(prefix) + 1 :])
     elif prefix and not hasattr(model, prefix):  # model is the base model itself
         names.append(f"{prefix}.{name}")
     return names + [f"module.{n}" for n in names]
@@ -356,17 +385,23 @@ def _plan(model: nn.Module, stored: dict[str, _Stored], checkpoint) -> list[tupl
             continue
         expected = _stored_shape(slot.tensor)
         if stored[key].shape != expected:
-            wrong.append(f"{key!r} is {list(stored[key].shape)} in {stored[key].file} but the model's "
-                         f"{slot.names[0]!r} is {list(expected)}")
+            wrong.append(
+                f"{key!r} is {list(stored[key].shape)} in {stored[key].file} but the model's "
+                f"{slot.names[0]!r} is {list(expected)}"
+            )
         plan.append((slot, key))
     if wrong:
-        raise ValueError(f"{_describe(checkpoint)} does not fit the model: {'; '.join(wrong[:3])}"
-                         f"{'...' if len(wrong) > 3 else ''}; build the model from the checkpoint's own config")
+        raise ValueError(
+            f"{_describe(checkpoint)} does not fit the model: {'; '.join(wrong[:3])}"
+            f"{'...' if len(wrong) > 3 else ''}; build the model from the checkpoint's own config"
+        )
     if missing:
         held = sorted(stored)[:3]
-        raise ValueError(f"{_describe(checkpoint)} has no tensor for {len(missing)} parameter(s) of the model: "
-                         f"{', '.join(missing[:_SHOWN])}{'...' if len(missing) > _SHOWN else ''} (it holds e.g. "
-                         f"{held}); give the checkpoint of this model (same architecture and parameter names)")
+        raise ValueError(
+            f"{_describe(checkpoint)} has no tensor for {len(missing)} parameter(s) of the model: "
+            f"{', '.join(missing[:_SHOWN])}{'...' if len(missing) > _SHOWN else ''} (it holds e.g. "
+            f"{held}); give the checkpoint of this model (same architecture and parameter names)"
+        )
     return plan
 
 
@@ -378,6 +413,7 @@ def _stored_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 # -- reading and placing -------------------------------------------------------------------
+
 
 def _read_slot(slot: _Slot, stored: _Stored) -> torch.Tensor:
     """This rank's part of ``stored`` in the layout ``slot.tensor`` holds it."""
@@ -444,10 +480,12 @@ def _rebuilt(module: nn.Module, model: nn.Module) -> nn.Module | None:
 def _check_no_meta(model: nn.Module, checkpoint) -> None:
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
-        raise ValueError(f"after loading {_describe(checkpoint)}, {len(meta)} tensor(s) are still on the meta device "
-                         f"({', '.join(meta[:_SHOWN])}{'...' if len(meta) > _SHOWN else ''}): the checkpoint does "
-                         "not hold them and their module cannot be rebuilt from the config; build the model on the "
-                         "CPU instead of the meta device, or give a checkpoint that holds them")
+        raise ValueError(
+            f"after loading {_describe(checkpoint)}, {len(meta)} tensor(s) are still on the meta device "
+            f"({', '.join(meta[:_SHOWN])}{'...' if len(meta) > _SHOWN else ''}): the checkpoint does "
+            "not hold them and their module cannot be rebuilt from the config; build the model on the "
+            "CPU instead of the meta device, or give a checkpoint that holds them"
+        )
 
 
 def _describe(checkpoint) -> str:

@@ -78,12 +78,15 @@ def quantize_linears(model: nn.Module, *, dtype: torch.dtype, skip: tuple[nn.Mod
         module.weight = nn.Parameter(q, requires_grad=False)
         for key, value in marks.items():
             setattr(module.weight, key, value)
-        parametrize.register_parametrization(module, "weight", Int8Weight(scale, out_dim=out_dim, dtype=dtype),
-                                             unsafe=True)
+        parametrize.register_parametrization(
+            module, "weight", Int8Weight(scale, out_dim=out_dim, dtype=dtype), unsafe=True
+        )
         layers += 1
     if not layers:
-        raise ValueError(f"dtype=torch.int8 quantises linear layers' weights, but {type(model).__name__} has no "
-                         "nn.Linear, Conv1D or tensor-parallel linear layer; use a floating-point dtype")
+        raise ValueError(
+            f"dtype=torch.int8 quantises linear layers' weights, but {type(model).__name__} has no "
+            "nn.Linear, Conv1D or tensor-parallel linear layer; use a floating-point dtype"
+        )
     return {"layers": layers, "bytes_before": before, "bytes_after": after}
 
 

@@ -33,8 +33,10 @@ def tensor_comm(tp_size: int, group=None):
     if group is not None:
         comm = as_tensor_comm(group)
         if tp_size not in (1, comm.world_size):
-            raise ConfigError(f"tensor_parallel.tp_size is {tp_size} but the tensor-parallel group given has "
-                              f"{comm.world_size} ranks; make them agree")
+            raise ConfigError(
+                f"tensor_parallel.tp_size is {tp_size} but the tensor-parallel group given has "
+                f"{comm.world_size} ranks; make them agree"
+            )
         return comm
     if not dist.is_initialized():
         from shardwise.comm import init_distributed
@@ -42,8 +44,10 @@ def tensor_comm(tp_size: int, group=None):
         init_distributed()
     world = dist.get_world_size()
     if world % tp_size:
-        raise ConfigError(f"tensor_parallel.tp_size {tp_size} does not divide the {world} ranks of the job; start "
-                          f"a multiple of {tp_size} processes (shardwise run --num_gpus N, torchrun --nproc-per-node N)")
+        raise ConfigError(
+            f"tensor_parallel.tp_size {tp_size} does not divide the {world} ranks of the job; start "
+            f"a multiple of {tp_size} processes (shardwise run --num_gpus N, torchrun --nproc-per-node N)"
+        )
     return ParallelGrid.build(tensor=tp_size).tensor_comm
 
 
@@ -55,12 +59,15 @@ def inference_policy(model: nn.Module, injection_policy: dict | None) -> TPPolic
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in POLICIES and not getattr(config, "base_model_tp_plan", None):
-        blocks = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.ModuleList)
-                         for m in m.children()})
-        raise ConfigError(f"no tensor-parallel policy for {type(model).__name__} (model_type {model_type!r}); "
-                          f"built-in: {sorted(POLICIES)}. Its module classes include {blocks or ['?']}. Pass "
-                          "injection_policy={BlockClass: ('attn.out_proj', 'mlp.fc2')} naming, per block class, "
-                          "the linear layers whose outputs are summed across ranks")
+        blocks = sorted(
+            {type(m).__name__ for m in model.modules() if isinstance(m, nn.ModuleList) for m in m.children()}
+        )
+        raise ConfigError(
+            f"no tensor-parallel policy for {type(model).__name__} (model_type {model_type!r}); "
+            f"built-in: {sorted(POLICIES)}. Its module classes include {blocks or ['?']}. Pass "
+            "injection_policy={BlockClass: ('attn.out_proj', 'mlp.fc2')} naming, per block class, "
+            "the linear layers whose outputs are summed across ranks"
+        )
     return resolve_policy(model)
 
 
@@ -70,8 +77,14 @@ def _policy_from_injection(model: nn.Module, injection_policy: dict) -> TPPolicy
     output columns."""
     column, row, found = [], [], set()
     for name, module in model.named_modules():
-        rows = next((names for cls, names in injection_policy.items()
-                     if (type(module) is cls if isinstance(cls, type) else type(module).__name__ == cls)), None)
+        rows = next(
+            (
+                names
+                for cls, names in injection_policy.items()
+                if (type(module) is cls if isinstance(cls, type) else type(module).__name__ == cls)
+            ),
+            None,
+        )
         if rows is None:
             continue
         found.add(type(module).__name__)
@@ -84,12 +97,16 @@ def _policy_from_injection(model: nn.Module, injection_policy: dict) -> TPPolicy
             (row if matched else column).append(full)
     if not found:
         classes = sorted({type(m).__name__ for m in model.modules()})
-        raise ConfigError(f"injection_policy names {[getattr(c, '__name__', c) for c in injection_policy]}, but "
-                          f"the model has no module of those classes; its classes are {classes}")
+        raise ConfigError(
+            f"injection_policy names {[getattr(c, '__name__', c) for c in injection_policy]}, but "
+            f"the model has no module of those classes; its classes are {classes}"
+        )
     if not row:
-        raise ConfigError(f"injection_policy: none of the names {list(injection_policy.values())} is a linear layer "
-                          f"inside {sorted(found)}; name the layers whose outputs are summed (attention output, "
-                          "MLP output)")
+        raise ConfigError(
+            f"injection_policy: none of the names {list(injection_policy.values())} is a linear layer "
+            f"inside {sorted(found)}; name the layers whose outputs are summed (attention output, "
+            "MLP output)"
+        )
     return TPPolicy("injection_policy", column=tuple(column), row=tuple(row), head_counts=())
 
 
@@ -99,11 +116,15 @@ def check_divisible(model: nn.Module, tp: int) -> None:
     for attr in ("num_attention_heads", "n_head", "num_key_value_heads", "vocab_size"):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value % tp:
-            what = {"vocab_size": "the vocabulary (vocab_size)", "num_key_value_heads":
-                    "the key-value heads (num_key_value_heads)"}.get(attr, f"the attention heads ({attr})")
-            raise ConfigError(f"tensor_parallel.tp_size {tp} does not divide {what} = {value}; each rank must "
-                              f"hold whole heads and an equal share of the vocabulary: choose a tp_size dividing "
-                              f"{value}")
+            what = {
+                "vocab_size": "the vocabulary (vocab_size)",
+                "num_key_value_heads": "the key-value heads (num_key_value_heads)",
+            }.get(attr, f"the attention heads ({attr})")
+            raise ConfigError(
+                f"tensor_parallel.tp_size {tp} does not divide {what} = {value}; each rank must "
+                f"hold whole heads and an equal share of the vocabulary: choose a tp_size dividing "
+                f"{value}"
+            )
 
 
 def shard_model(model: nn.Module, comm, policy: TPPolicy) -> None:
@@ -115,8 +136,10 @@ def shard_model(model: nn.Module, comm, policy: TPPolicy) -> None:
     if isinstance(head, nn.Linear):
         name = next(n for n, m in model.named_modules() if m is head)
         if head.out_features % tp:
-            raise ConfigError(f"tensor_parallel.tp_size {tp} does not divide the LM head's {head.out_features} "
-                              "output features (the vocabulary); choose a tp_size dividing it")
+            raise ConfigError(
+                f"tensor_parallel.tp_size {tp} does not divide the LM head's {head.out_features} "
+                "output features (the vocabulary); choose a tp_size dividing it"
+            )
         layer = ColumnParallelLinear._from_full(head.weight, head.bias, group=comm, gather_output=True)
         layer.requires_grad_(False)
         _set_submodule(model, name, layer)
@@ -125,5 +148,10 @@ def shard_model(model: nn.Module, comm, policy: TPPolicy) -> None:
 def log_placement(model: nn.Module, tp: int, dtype: torch.dtype) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         held = sum(p.numel() for p in model.parameters())
-        logger.info("init_inference: %s split %d ways, %.1fM parameters held per rank, %s", type(model).__name__,
-                    tp, held / 1e6, dtype)
+        logger.info(
+            "init_inference: %s split %d ways, %.1fM parameters held per rank, %s",
+            type(model).__name__,
+            tp,
+            held / 1e6,
+            dtype,
+        )

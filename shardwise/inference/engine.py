@@ -36,8 +36,16 @@ class InferenceEngine(nn.Module):
     through, so a ``transformers.pipeline`` whose ``model`` is the engine works.
     """
 
-    def __init__(self, model: nn.Module, config: InferenceConfig, *, comm=None, decoder=None,
-                 int8_report: dict | None = None, steps=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: InferenceConfig,
+        *,
+        comm=None,
+        decoder=None,
+        int8_report: dict | None = None,
+        steps=None,
+    ) -> None:
         super().__init__()
         self.module = model
         self._config = config
@@ -95,13 +103,15 @@ class InferenceEngine(nn.Module):
         if self._decoder is not None:
             request = fast_request(self.module, args, kwargs)
             if not isinstance(request, str):
-                out, self.last_generation = run_fast(self._decoder, request, max_out_tokens=max_out,
-                                                     steps=self._steps)
+                out, self.last_generation = run_fast(self._decoder, request, max_out_tokens=max_out, steps=self._steps)
                 return out
             if request not in self._fallback_logged:
                 self._fallback_logged.add(request)
-                logger.info("init_inference: generate runs the model's own generate for %s (the fast path serves "
-                            "greedy decoding and sampling with temperature / top_k / top_p)", request)
+                logger.info(
+                    "init_inference: generate runs the model's own generate for %s (the fast path serves "
+                    "greedy decoding and sampling with temperature / top_k / top_p)",
+                    request,
+                )
         out, self.last_generation = run_model_generate(self.module, args, kwargs, max_out_tokens=max_out)
         return out
 
@@ -128,8 +138,9 @@ def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = N
     if comm is not None and comm.world_size > 1:
         _sharding.shard_model(model, comm, _sharding.inference_policy(model, cfg.injection_policy))
     device = get_accelerator().device()
-    float_dtype = cfg.dtype if cfg.dtype.is_floating_point else (torch.float16 if device.type == "cuda"
-                                                                 else torch.float32)
+    float_dtype = (
+        cfg.dtype if cfg.dtype.is_floating_point else (torch.float16 if device.type == "cuda" else torch.float32)
+    )
     if cfg.checkpoint is not None:
         from shardwise.inference._loading import load_checkpoint
 
@@ -149,8 +160,11 @@ def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = N
 
         decoder, why = build_decoder(model)
         if decoder is None:
-            logger.warning("init_inference: replace_with_kernel_inject: %s; generation runs the model's own "
-                           "forward (correct, not faster)", why)
+            logger.warning(
+                "init_inference: replace_with_kernel_inject: %s; generation runs the model's own "
+                "forward (correct, not faster)",
+                why,
+            )
     steps = _decode_graphs(cfg, device, decoder, comm.world_size if comm is not None else 1)
     _sharding.log_placement(model, comm.world_size if comm is not None else 1, cfg.dtype)
     return InferenceEngine(model, cfg, comm=comm, decoder=decoder, int8_report=int8_report, steps=steps)
@@ -169,8 +183,10 @@ def _decode_graphs(cfg: InferenceConfig, device: torch.device, decoder, tp: int)
     if device.type != "cuda":
         problem = f"it needs a CUDA device and this process runs on {device.type}"
     elif not cfg.replace_with_kernel_inject:
-        problem = ("it captures the fast path's decode step; set replace_with_kernel_inject=True (the model's own "
-                   "generate grows its cache every step)")
+        problem = (
+            "it captures the fast path's decode step; set replace_with_kernel_inject=True (the model's own "
+            "generate grows its cache every step)"
+        )
     elif decoder is None:
         problem = "this model has no fast decoder (see the replace_with_kernel_inject warning above)"
     elif tp > 1:
@@ -185,6 +201,8 @@ def _decode_graphs(cfg: InferenceConfig, device: torch.device, decoder, tp: int)
 def _check_materialised(model: nn.Module) -> None:
     meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
-        raise ValueError(f"init_inference: the model was built on the meta device and {len(meta)} tensor(s) have no "
-                         f"values ({', '.join(meta[:5])}{'...' if len(meta) > 5 else ''}); pass checkpoint= (a "
-                         "safetensors directory, a checkpoint JSON or a shardwise checkpoint) to fill them")
+        raise ValueError(
+            f"init_inference: the model was built on the meta device and {len(meta)} tensor(s) have no "
+            f"values ({', '.join(meta[:5])}{'...' if len(meta) > 5 else ''}); pass checkpoint= (a "
+            "safetensors directory, a checkpoint JSON or a shardwise checkpoint) to fill them"
+        )

@@ -26,10 +26,15 @@ class PortInUseError(RuntimeError):
     """The rendezvous port is taken on this machine; the message names it."""
 
     def __init__(self, port: int, *, one_machine: bool):
-        fix = ("leave --master_port out to let the job pick a free port, or give a free one" if one_machine
-               else "give every node the same free --master_port")
-        super().__init__(f"--master_port {port} is already in use on this machine (another job's "
-                         f"rendezvous store, or another program, listens on it); {fix}")
+        fix = (
+            "leave --master_port out to let the job pick a free port, or give a free one"
+            if one_machine
+            else "give every node the same free --master_port"
+        )
+        super().__init__(
+            f"--master_port {port} is already in use on this machine (another job's "
+            f"rendezvous store, or another program, listens on it); {fix}"
+        )
         self.port = port
 
 

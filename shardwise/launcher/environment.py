@@ -42,8 +42,9 @@ def env_file_values(*, cwd: Path | None = None, home: Path | None = None) -> dic
     return {}
 
 
-def exports(environ: dict[str, str] | None = None, *, cwd: Path | None = None,
-            home: Path | None = None) -> dict[str, str]:
+def exports(
+    environ: dict[str, str] | None = None, *, cwd: Path | None = None, home: Path | None = None
+) -> dict[str, str]:
     """The variables to set on every remote rank."""
     environ = dict(os.environ if environ is None else environ)
     out = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES)}

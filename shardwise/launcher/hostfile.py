@@ -33,8 +33,7 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
             continue
         match = _LINE.match(line)
         if not match:
-            raise HostfileError(f"hostfile {path} line {number}: expected 'hostname slots=N', "
-                                f"got {raw.strip()!r}")
+            raise HostfileError(f"hostfile {path} line {number}: expected 'hostname slots=N', got {raw.strip()!r}")
         host, slots = match["host"], int(match["slots"])
         if host in hosts:
             raise HostfileError(f"hostfile {path} line {number}: host {host!r} is listed twice")
@@ -66,8 +65,9 @@ def parse_selection(spec: str) -> dict[str, list[int] | None]:
     return selection
 
 
-def select_resources(hosts: dict[str, int], *, include: str = "", exclude: str = "",
-                     num_nodes: int = -1, num_slots: int = -1) -> dict[str, list[int]]:
+def select_resources(
+    hosts: dict[str, int], *, include: str = "", exclude: str = "", num_nodes: int = -1, num_slots: int = -1
+) -> dict[str, list[int]]:
     """The slots to use on each host after --include/--exclude/--num_nodes/--num_gpus."""
     if include and exclude:
         raise HostfileError("--include and --exclude are mutually exclusive; use one of them")
@@ -75,12 +75,13 @@ def select_resources(hosts: dict[str, int], *, include: str = "", exclude: str =
     chosen = parse_selection(include or exclude) if (include or exclude) else {}
     for host, slots in chosen.items():
         if host not in pool:
-            raise HostfileError(f"host {host!r} in --{'include' if include else 'exclude'} is not in the "
-                                f"hostfile (hosts: {', '.join(pool)})")
+            raise HostfileError(
+                f"host {host!r} in --{'include' if include else 'exclude'} is not in the "
+                f"hostfile (hosts: {', '.join(pool)})"
+            )
         bad = [s for s in slots or [] if s >= hosts[host]]
         if bad:
-            raise HostfileError(f"{host} has {hosts[host]} slots (0..{hosts[host] - 1}); slot {bad[0]} "
-                                "does not exist")
+            raise HostfileError(f"{host} has {hosts[host]} slots (0..{hosts[host] - 1}); slot {bad[0]} does not exist")
     if include:
         pool = {host: (slots if slots is not None else pool[host]) for host, slots in chosen.items()}
     elif exclude:

@@ -18,26 +18,47 @@ LOCAL_NAMES = {"localhost", "127.0.0.1", os.uname().nodename}
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="shardwise run")
-    parser.description = ("Start SCRIPT on every rank: N processes on this machine, or on every "
-                          "host of a hostfile. Without a GPU the ranks are CPU processes (gloo).")
+    parser.description = (
+        "Start SCRIPT on every rank: N processes on this machine, or on every "
+        "host of a hostfile. Without a GPU the ranks are CPU processes (gloo)."
+    )
     add = parser.add_argument
-    add("-H", "--hostfile", default=None,
-        help=f"file of 'hostname slots=N' lines (default {DEFAULT_HOSTFILE} if it exists)")
+    add(
+        "-H",
+        "--hostfile",
+        default=None,
+        help=f"file of 'hostname slots=N' lines (default {DEFAULT_HOSTFILE} if it exists)",
+    )
     add("-i", "--include", default="", help="only these hosts/slots, e.g. worker-0:0,1@worker-1")
     add("-e", "--exclude", default="", help="all but these hosts/slots (same syntax as --include)")
-    add("--num_nodes", type=int, default=-1, help="use the first N hosts (or, with --node_rank, the "
-                                                   "number of machines of a manually started job)")
-    add("--node_rank", type=int, default=-1, help="this machine's rank in a manually started "
-                                                   "multi-node job (run the command on every machine)")
-    add("--num_gpus", "--num_accelerators", type=int, default=-1, dest="num_gpus",
-        help="devices (ranks) per node")
+    add(
+        "--num_nodes",
+        type=int,
+        default=-1,
+        help="use the first N hosts (or, with --node_rank, the number of machines of a manually started job)",
+    )
+    add(
+        "--node_rank",
+        type=int,
+        default=-1,
+        help="this machine's rank in a manually started multi-node job (run the command on every machine)",
+    )
+    add("--num_gpus", "--num_accelerators", type=int, default=-1, dest="num_gpus", help="devices (ranks) per node")
     add("--nproc", type=int, default=-1, help="ranks per node on CPU (default: GPU count, or 1)")
     add("--master_addr", default="", help="address of rank 0's machine (default: first host)")
-    add("--master_port", type=int, default=None,
+    add(
+        "--master_port",
+        type=int,
+        default=None,
         help=f"port of the rendezvous store (default: a free port when the job runs on this machine "
-             f"only, {DEFAULT_MASTER_PORT} across machines)")
-    add("--launcher", default="ssh", choices=["ssh", "pdsh", "slurm", "mpi", "local"],
-        help="how to start the per-node launchers on other machines")
+        f"only, {DEFAULT_MASTER_PORT} across machines)",
+    )
+    add(
+        "--launcher",
+        default="ssh",
+        choices=["ssh", "pdsh", "slurm", "mpi", "local"],
+        help="how to start the per-node launchers on other machines",
+    )
     add("--launcher_args", default="", help="extra arguments for pdsh / srun / mpirun")
     add("--force_multi", action="store_true", help="use the multi-node path even for one host")
     add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
@@ -49,6 +70,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def _cuda_count() -> int:
     try:
         import torch
+
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         return 0
@@ -86,8 +108,9 @@ def run(args) -> int:
         raise HostfileError(f"training script {args.script!r} does not exist")
     cuda = _cuda_count()
     hosts = _hosts(args) if args.launcher != "local" else None
-    spec = JobSpec(script=args.script, script_args=list(args.script_args), nproc_per_node=1,
-                   no_local_rank=args.no_local_rank)
+    spec = JobSpec(
+        script=args.script, script_args=list(args.script_args), nproc_per_node=1, no_local_rank=args.no_local_rank
+    )
     if args.node_rank >= 0:  # one machine's part of a job started by hand on every machine
         if args.num_nodes < 1 or args.node_rank >= args.num_nodes:
             raise HostfileError(f"--node_rank {args.node_rank} needs --num_nodes greater than it")
@@ -96,8 +119,7 @@ def run(args) -> int:
         spec.num_nodes, spec.node_rank, spec.master_addr = args.num_nodes, args.node_rank, args.master_addr
         spec.nproc_per_node = _local_ranks(args, cuda or 1)
         store_here = args.node_rank == 0 and args.master_addr in LOCAL_NAMES
-        spec.master_port = master_port(args.master_port, one_machine=args.num_nodes == 1,
-                                       store_here=store_here)
+        spec.master_port = master_port(args.master_port, one_machine=args.num_nodes == 1, store_here=store_here)
         return run_single_node(spec)
     if hosts is None:
         if args.include or args.exclude:
@@ -105,8 +127,9 @@ def run(args) -> int:
         else:
             spec.nproc_per_node = _local_ranks(args, cuda or 1)
             return _run_here(spec, args)
-    resources = select_resources(hosts, include=args.include, exclude=args.exclude,
-                                 num_nodes=args.num_nodes, num_slots=args.num_gpus)
+    resources = select_resources(
+        hosts, include=args.include, exclude=args.exclude, num_nodes=args.num_nodes, num_slots=args.num_gpus
+    )
     if len(resources) == 1 and not args.force_multi and next(iter(resources)) in LOCAL_NAMES:
         slots = next(iter(resources.values()))
         if cuda:
@@ -115,8 +138,10 @@ def run(args) -> int:
         return _run_here(spec, args)
     sizes = {len(s) for s in resources.values()}
     if len(sizes) != 1:
-        raise HostfileError(f"every host must run the same number of ranks; the selection gives "
-                            f"{ {h: len(s) for h, s in resources.items()} }")
+        raise HostfileError(
+            f"every host must run the same number of ranks; the selection gives "
+            f"{ {h: len(s) for h, s in resources.items()} }"
+        )
     spec.num_nodes = len(resources)
     spec.nproc_per_node = args.nproc if args.nproc > 0 else sizes.pop()
     spec.master_addr = args.master_addr or next(iter(resources))

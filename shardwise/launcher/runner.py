@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,11 +49,22 @@ class JobSpec:
 
 def torchrun_command(spec: JobSpec, *, node_rank: str | int) -> list[str]:
     """The command one node runs: torchrun launching our entry wrapper around the script."""
-    return [spec.python, "-m", "torch.distributed.run", f"--nnodes={spec.num_nodes}",
-            f"--node_rank={node_rank}", f"--nproc_per_node={spec.nproc_per_node}",
-            f"--master_addr={spec.master_addr}", f"--master_port={spec.master_port}",
-            "--max_restarts=0", f"--monitor_interval={spec.monitor_interval_s}",
-            "-m", "shardwise.launcher._entry", spec.script, *spec.script_args]
+    return [
+        spec.python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={spec.num_nodes}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={spec.nproc_per_node}",
+        f"--master_addr={spec.master_addr}",
+        f"--master_port={spec.master_port}",
+        "--max_restarts=0",
+        f"--monitor_interval={spec.monitor_interval_s}",
+        "-m",
+        "shardwise.launcher._entry",
+        spec.script,
+        *spec.script_args,
+    ]
 
 
 def _job_env(spec: JobSpec, error_dir: str) -> dict[str, str]:
@@ -75,15 +85,21 @@ def _report_failure(error_dir: str, code: int) -> None:
         except (OSError, ValueError):
             continue
     if not errors:
-        print(f"shardwise run: the job failed (exit code {code}); no rank recorded an error "
-              "(a rank was killed or crashed hard: see the output above)", file=sys.stderr)
+        print(
+            f"shardwise run: the job failed (exit code {code}); no rank recorded an error "
+            "(a rank was killed or crashed hard: see the output above)",
+            file=sys.stderr,
+        )
         return
     first = min(errors, key=lambda e: e["time"])
     tail = "\n".join(first["error"].rstrip().splitlines()[-12:])
     others = sorted(int(e["rank"]) for e in errors if e is not first)
     also = f"; ranks {others} also failed" if others else ""
-    print(f"\nshardwise run: rank {first['rank']} (local rank {first['local_rank']} on {first['host']}) "
-          f"failed first{also}. The other ranks were stopped. Its error:\n{tail}", file=sys.stderr)
+    print(
+        f"\nshardwise run: rank {first['rank']} (local rank {first['local_rank']} on {first['host']}) "
+        f"failed first{also}. The other ranks were stopped. Its error:\n{tail}",
+        file=sys.stderr,
+    )
 
 
 def run_single_node(spec: JobSpec) -> int:
@@ -98,8 +114,9 @@ def run_single_node(spec: JobSpec) -> int:
         return code
 
 
-def remote_command(spec: JobSpec, launcher: str, *, node_rank: str | int, exported: dict[str, str],
-                   visible_slots: list[int] | None) -> str:
+def remote_command(
+    spec: JobSpec, launcher: str, *, node_rank: str | int, exported: dict[str, str], visible_slots: list[int] | None
+) -> str:
     """The shell line a remote node runs: cd, exports, then torchrun."""
     env = dict(exported)
     if spec.no_local_rank:
@@ -111,25 +128,55 @@ def remote_command(spec: JobSpec, launcher: str, *, node_rank: str | int, export
     return f"cd {shlex.quote(os.getcwd())}; {export_prefix(env)}{line}"
 
 
-def multinode_commands(spec: JobSpec, resources: dict[str, list[int]], launcher: str, *,
-                       ssh: list[str], cuda: bool) -> list[list[str]]:
+def multinode_commands(
+    spec: JobSpec, resources: dict[str, list[int]], launcher: str, *, ssh: list[str], cuda: bool
+) -> list[list[str]]:
     """One command per launcher process: per host for ssh, one in total otherwise."""
     exported = exports()
     hosts = list(resources)
     if launcher == "ssh":
-        return [[*ssh, host, remote_command(spec, launcher, node_rank=rank, exported=exported,
-                                            visible_slots=resources[host] if cuda else None)]
-                for rank, host in enumerate(hosts)]
-    line = remote_command(spec, launcher, node_rank=NODE_RANK_PLACEHOLDER[launcher], exported=exported,
-                          visible_slots=None)
+        return [
+            [
+                *ssh,
+                host,
+                remote_command(
+                    spec, launcher, node_rank=rank, exported=exported, visible_slots=resources[host] if cuda else None
+                ),
+            ]
+            for rank, host in enumerate(hosts)
+        ]
+    line = remote_command(
+        spec, launcher, node_rank=NODE_RANK_PLACEHOLDER[launcher], exported=exported, visible_slots=None
+    )
     if launcher == "pdsh":
         return [["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), line]]
     if launcher == "slurm":
-        return [["srun", f"--nodes={len(hosts)}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}",
-                 "bash", "-c", line]]
+        return [
+            [
+                "srun",
+                f"--nodes={len(hosts)}",
+                "--ntasks-per-node=1",
+                f"--nodelist={','.join(hosts)}",
+                "bash",
+                "-c",
+                line,
+            ]
+        ]
     if launcher == "mpi":
-        return [["mpirun", "-np", str(len(hosts)), "-H", ",".join(f"{h}:1" for h in hosts),
-                 "--map-by", "ppr:1:node", "bash", "-c", line]]
+        return [
+            [
+                "mpirun",
+                "-np",
+                str(len(hosts)),
+                "-H",
+                ",".join(f"{h}:1" for h in hosts),
+                "--map-by",
+                "ppr:1:node",
+                "bash",
+                "-c",
+                line,
+            ]
+        ]
     raise ValueError(f"unknown launcher {launcher!r}; use ssh, pdsh, slurm, mpi or local")
 
 
@@ -179,5 +226,3 @@ def _wait_forwarding_signals(procs: list[subprocess.Popen]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-

@@ -14,5 +14,11 @@ LLAMA2LayerPolicy = POLICIES["llama"]
 replace_policies = [GPTNEOXLayerPolicy, HFGPT2LayerPolicy, HFOPTLayerPolicy, LLAMALayerPolicy]
 """The transformer policies, as DeepSpeed lists them (one entry per distinct policy)."""
 
-__all__ = ["GPTNEOXLayerPolicy", "HFGPT2LayerPolicy", "HFOPTLayerPolicy", "LLAMA2LayerPolicy", "LLAMALayerPolicy",
-           "replace_policies"]
+__all__ = [
+    "GPTNEOXLayerPolicy",
+    "HFGPT2LayerPolicy",
+    "HFOPTLayerPolicy",
+    "LLAMA2LayerPolicy",
+    "LLAMALayerPolicy",
+    "replace_policies",
+]

@@ -10,5 +10,7 @@ class MoE(nn.Module):
     constructing one raises ``NotImplementedError``."""
 
     def __init__(self, hidden_size, expert, num_experts=1, ep_size=1, k=1, *args, **kwargs):
-        raise NotImplementedError("deepspeed.moe.layer.MoE (mixture of experts) is not available in this "
-                                  "version of shardwise; build the model without MoE layers")
+        raise NotImplementedError(
+            "deepspeed.moe.layer.MoE (mixture of experts) is not available in this "
+            "version of shardwise; build the model without MoE layers"
+        )

@@ -8,5 +8,4 @@ from shardwise.monitor.monitor import Monitor, MonitorMaster
 from shardwise.monitor.tensorboard import TensorBoardMonitor
 from shardwise.monitor.wandb import WandbMonitor
 
-__all__ = ["CSVMonitor", "CometMonitor", "Monitor", "MonitorMaster", "TensorBoardMonitor", "WandbMonitor",
-           "csvMonitor"]
+__all__ = ["CSVMonitor", "CometMonitor", "Monitor", "MonitorMaster", "TensorBoardMonitor", "WandbMonitor", "csvMonitor"]

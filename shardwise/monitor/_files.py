@@ -15,6 +15,8 @@ def prepare_log_dir(section: str, output_path: str, job_name: str) -> str:
         with tempfile.TemporaryFile(dir=log_dir):
             pass
     except OSError as error:
-        raise ValueError(f"{section}.output_path: cannot write to {log_dir!r} ({error.strerror or error}); "
-                         f"set {section}.output_path to a writable directory") from None
+        raise ValueError(
+            f"{section}.output_path: cannot write to {log_dir!r} ({error.strerror or error}); "
+            f"set {section}.output_path to a writable directory"
+        ) from None
     return log_dir

@@ -21,9 +21,14 @@ class CometMonitor(Monitor):
 
         self.samples_log_interval = comet_config.samples_log_interval
         self._last_logged: dict[str, int] = {}
-        self.experiment = comet_ml.start(api_key=comet_config.api_key, project=comet_config.project,
-                                         workspace=comet_config.workspace, experiment_key=comet_config.experiment_key,
-                                         mode=comet_config.mode, online=comet_config.online)
+        self.experiment = comet_ml.start(
+            api_key=comet_config.api_key,
+            project=comet_config.project,
+            workspace=comet_config.workspace,
+            experiment_key=comet_config.experiment_key,
+            mode=comet_config.mode,
+            online=comet_config.online,
+        )
         if comet_config.experiment_name is not None:
             self.experiment.set_name(comet_config.experiment_name)
 

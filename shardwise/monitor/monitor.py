@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 logger = logging.getLogger("shardwise")
 
@@ -21,8 +21,10 @@ Event = tuple[str, float, int]
 def require_package(module: str, what: str, extra: str = "monitor") -> None:
     """Raise ImportError naming the extra to install when ``module`` cannot be imported."""
     if importlib.util.find_spec(module) is None:
-        raise ImportError(f"{what} needs the '{module}' package, which is not installed; install it with "
-                          f"pip install 'shardwise[{extra}]' (or pip install {module}), or disable the section")
+        raise ImportError(
+            f"{what} needs the '{module}' package, which is not installed; install it with "
+            f"pip install 'shardwise[{extra}]' (or pip install {module}), or disable the section"
+        )
 
 
 def _global_rank() -> int:
@@ -71,10 +73,12 @@ class MonitorMaster(Monitor):
         from shardwise.monitor.tensorboard import TensorBoardMonitor
         from shardwise.monitor.wandb import WandbMonitor
 
-        kinds = (("tb_monitor", monitor_config.tensorboard, TensorBoardMonitor),
-                 ("wandb_monitor", monitor_config.wandb, WandbMonitor),
-                 ("csv_monitor", monitor_config.csv_monitor, csvMonitor),
-                 ("comet_monitor", monitor_config.comet, CometMonitor))
+        kinds = (
+            ("tb_monitor", monitor_config.tensorboard, TensorBoardMonitor),
+            ("wandb_monitor", monitor_config.wandb, WandbMonitor),
+            ("csv_monitor", monitor_config.csv_monitor, csvMonitor),
+            ("comet_monitor", monitor_config.comet, CometMonitor),
+        )
         for attribute, section, cls in kinds:
             if section.enabled:
                 cls.check_available()
@@ -87,8 +91,7 @@ class MonitorMaster(Monitor):
     @property
     def monitors(self) -> list[Monitor]:
         """The monitors built here (none off rank 0)."""
-        return [m for m in (self.tb_monitor, self.wandb_monitor, self.csv_monitor, self.comet_monitor)
-                if m is not None]
+        return [m for m in (self.tb_monitor, self.wandb_monitor, self.csv_monitor, self.comet_monitor) if m is not None]
 
     def write_events(self, event_list: Iterable[Event]) -> None:
         """Write ``(tag, value, step)`` events to every monitor (rank 0 only). Values may be
@@ -105,8 +108,13 @@ class MonitorMaster(Monitor):
                 monitor.write_events(events)
             except Exception as error:  # noqa: BLE001 - a dashboard must not stop training
                 self._failed.add(name)
-                logger.warning("%s failed to write events (%s: %s); it is switched off for the rest of "
-                               "this run, training continues", name, type(error).__name__, error)
+                logger.warning(
+                    "%s failed to write events (%s: %s); it is switched off for the rest of "
+                    "this run, training continues",
+                    name,
+                    type(error).__name__,
+                    error,
+                )
 
     def flush(self) -> None:
         for monitor in self.monitors:

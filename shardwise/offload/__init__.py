@@ -13,6 +13,19 @@ from shardwise.offload._copies import HostCopies, PendingCopy, copy_from_host_, 
 from shardwise.offload._nvme import SwapPathError, make_swap_dir, remove_swap_dir, reserve
 from shardwise.offload._optimizer import OptimizerSwapper, build_optimizer_swapper, state_tensors_per_param
 
-__all__ = ["HostCopies", "OptimizerSwapper", "PendingCopy", "SwapFileError", "SwapIO", "SwapPathError",
-           "SwapRecord", "build_optimizer_swapper", "copy_from_host_", "make_swap_dir", "remove_swap_dir",
-           "reserve", "state_tensors_per_param", "to_device"]
+__all__ = [
+    "HostCopies",
+    "OptimizerSwapper",
+    "PendingCopy",
+    "SwapFileError",
+    "SwapIO",
+    "SwapPathError",
+    "SwapRecord",
+    "build_optimizer_swapper",
+    "copy_from_host_",
+    "make_swap_dir",
+    "remove_swap_dir",
+    "reserve",
+    "state_tensors_per_param",
+    "to_device",
+]

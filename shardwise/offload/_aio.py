@@ -71,7 +71,7 @@ class SwapIO:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
             try:
                 for start in range(0, len(data), self.block_size):
-                    chunk = data[start:start + self.block_size]
+                    chunk = data[start : start + self.block_size]
                     written = os.pwrite(fd, chunk, start)
                     while written < len(chunk):  # short writes are legal; finish the request
                         written += os.pwrite(fd, chunk[written:], start + written)
@@ -79,8 +79,10 @@ class SwapIO:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise SwapFileError(f"could not write swap file {path} ({len(data)} bytes): {exc.strerror}; "
-                                "check free space and permissions of nvme_path") from exc
+            raise SwapFileError(
+                f"could not write swap file {path} ({len(data)} bytes): {exc.strerror}; "
+                "check free space and permissions of nvme_path"
+            ) from exc
         self.bytes_written += len(data)
         return SwapRecord(path, tensor.numel(), tensor.dtype, len(data), zlib.crc32(data))
 
@@ -90,8 +92,10 @@ class SwapIO:
         if out is None:
             out = torch.empty(record.numel, dtype=record.dtype)
         elif out.numel() != record.numel or out.dtype != record.dtype or not out.is_contiguous():
-            raise ValueError(f"read buffer ({out.numel()} x {out.dtype}) does not match {record.path} "
-                             f"({record.numel} x {record.dtype})")
+            raise ValueError(
+                f"read buffer ({out.numel()} x {out.dtype}) does not match {record.path} "
+                f"({record.numel} x {record.dtype})"
+            )
         return self._pool.submit(self._read, record, out)
 
     def _read(self, record: SwapRecord, out: torch.Tensor) -> torch.Tensor:
@@ -99,17 +103,21 @@ class SwapIO:
         try:
             fd = os.open(record.path, os.O_RDONLY)
         except OSError as exc:
-            raise SwapFileError(f"swap file {record.path} cannot be opened ({exc.strerror}); it was "
-                                "removed or nvme_path was unmounted while training") from exc
+            raise SwapFileError(
+                f"swap file {record.path} cannot be opened ({exc.strerror}); it was "
+                "removed or nvme_path was unmounted while training"
+            ) from exc
         try:
             size = os.fstat(fd).st_size
             if size != record.nbytes:
-                raise SwapFileError(f"swap file {record.path} has {size} bytes, {record.nbytes} were "
-                                    "written; it was truncated or overwritten by another process")
+                raise SwapFileError(
+                    f"swap file {record.path} has {size} bytes, {record.nbytes} were "
+                    "written; it was truncated or overwritten by another process"
+                )
             os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)  # the kernel queues the whole file
             done = 0
             while done < len(data):
-                got = os.preadv(fd, [data[done:done + self.block_size]], done)
+                got = os.preadv(fd, [data[done : done + self.block_size]], done)
                 if got == 0:
                     raise SwapFileError(f"swap file {record.path} ended after {done} of {record.nbytes} bytes")
                 done += got
@@ -117,9 +125,11 @@ class SwapIO:
             os.close(fd)
         crc = zlib.crc32(data)
         if crc != record.crc32:
-            raise SwapFileError(f"swap file {record.path} fails its checksum (crc32 {crc:#010x}, "
-                                f"written {record.crc32:#010x}): the disk or another process altered "
-                                "it; the optimizer state in it is lost, resume from the last checkpoint")
+            raise SwapFileError(
+                f"swap file {record.path} fails its checksum (crc32 {crc:#010x}, "
+                f"written {record.crc32:#010x}): the disk or another process altered "
+                "it; the optimizer state in it is lost, resume from the last checkpoint"
+            )
         self.bytes_read += len(data)
         return out
 

@@ -22,7 +22,7 @@ class SwapPathError(RuntimeError):
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2 ** 30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB"
 
 
 def make_swap_dir(nvme_path: str, *, key: str, rank: int, need_bytes: int) -> Path:
@@ -39,8 +39,10 @@ def make_swap_dir(nvme_path: str, *, key: str, rank: int, need_bytes: int) -> Pa
     """
     root = Path(nvme_path)
     if not root.exists():
-        raise SwapPathError(f"{key}={nvme_path!r} does not exist; create it (mkdir -p {nvme_path}) or "
-                            f"set {key} to a directory on a fast local disk")
+        raise SwapPathError(
+            f"{key}={nvme_path!r} does not exist; create it (mkdir -p {nvme_path}) or "
+            f"set {key} to a directory on a fast local disk"
+        )
     if not root.is_dir():
         raise SwapPathError(f"{key}={nvme_path!r} is not a directory; set {key} to a directory")
     folder = None
@@ -52,14 +54,18 @@ def make_swap_dir(nvme_path: str, *, key: str, rank: int, need_bytes: int) -> Pa
     except OSError as exc:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
-        raise SwapPathError(f"cannot create swap files under {key}={nvme_path!r}: {exc.strerror}; make it "
-                            f"writable by this user or set {key} to a writable directory") from None
+        raise SwapPathError(
+            f"cannot create swap files under {key}={nvme_path!r}: {exc.strerror}; make it "
+            f"writable by this user or set {key} to a writable directory"
+        ) from None
     free = shutil.disk_usage(root).free
     if need_bytes > free:
         shutil.rmtree(folder, ignore_errors=True)
-        raise SwapPathError(f"{key}={nvme_path!r} has {_gib(free)} free but rank {rank} needs "
-                            f"{_gib(need_bytes)} for its swap files; free space there, point {key} at a "
-                            "larger disk, use more ranks, or offload to \"cpu\" instead")
+        raise SwapPathError(
+            f"{key}={nvme_path!r} has {_gib(free)} free but rank {rank} needs "
+            f"{_gib(need_bytes)} for its swap files; free space there, point {key} at a "
+            'larger disk, use more ranks, or offload to "cpu" instead'
+        )
     _remove_at_exit(folder)
     return folder
 
@@ -71,8 +77,10 @@ def reserve(path: Path, nbytes: int, *, key: str) -> None:
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
-        raise SwapPathError(f"cannot reserve {_gib(nbytes)} for swap file {path} under {key}: "
-                            f"{exc.strerror}; free space there or point {key} at a larger disk") from None
+        raise SwapPathError(
+            f"cannot reserve {_gib(nbytes)} for swap file {path} under {key}: "
+            f"{exc.strerror}; free space there or point {key} at a larger disk"
+        ) from None
     finally:
         os.close(fd)
 

@@ -23,9 +23,9 @@ import ctypes
 import functools
 import os
 import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -65,9 +65,18 @@ class OptimizerSwapper:
             copies of the parameters, e.g. fp32 masters of bf16 parameters).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: list[nn.Parameter], *, folder: Path,
-                 io: SwapIO, sub_group_size: int, buffer_count: int, swap_masters: bool,
-                 pinned: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: list[nn.Parameter],
+        *,
+        folder: Path,
+        io: SwapIO,
+        sub_group_size: int,
+        buffer_count: int,
+        swap_masters: bool,
+        pinned: frozenset[int] = frozenset(),
+    ):
         self.optimizer, self.masters, self.folder, self.io = optimizer, masters, folder, io
         self.grads = [m.grad for m in masters]
         """Each master's gradient shard; attached only while its sub-group steps (a swapped-out
@@ -126,8 +135,11 @@ class OptimizerSwapper:
 
     def _swapped_keys(self, i: int) -> list[str]:
         state = self.optimizer.state.get(self.masters[i], {})
-        return [k for k, v in state.items()
-                if isinstance(v, torch.Tensor) and k != "step" and v.numel() == self._numel[i] and v.numel() > 1]
+        return [
+            k
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and k != "step" and v.numel() == self._numel[i] and v.numel() > 1
+        ]
 
     def _start_swap_out(self, members: list[int]) -> list[tuple[int, str, Future]]:
         writes = []
@@ -155,9 +167,12 @@ class OptimizerSwapper:
 
     # -- the step ---------------------------------------------------------------------------------
 
-    def step(self, after_group: Callable[[list[int]], None], *,
-             timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
-             ) -> None:
+    def step(
+        self,
+        after_group: Callable[[list[int]], None],
+        *,
+        timer: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext(),
+    ) -> None:
         """Step the optimizer sub-group by sub-group; ``after_group(indices)`` runs while
         those masters are in memory and updated (to copy them into the parameters).
         ``timer`` times the waits for reads (``optimizer_swap_in_state``) and writes
@@ -290,10 +305,19 @@ def _close(io: SwapIO, folder: Path) -> None:
     remove_swap_dir(folder)
 
 
-def build_optimizer_swapper(optimizer: torch.optim.Optimizer, masters: list[nn.Parameter], *, comm, nvme_path: str,
-                            aio, sub_group_size: int, buffer_count: int, swap_masters: bool,
-                            pinned: frozenset[int] = frozenset(),
-                            key: str = "zero_optimization.offload_optimizer.nvme_path") -> OptimizerSwapper:
+def build_optimizer_swapper(
+    optimizer: torch.optim.Optimizer,
+    masters: list[nn.Parameter],
+    *,
+    comm,
+    nvme_path: str,
+    aio,
+    sub_group_size: int,
+    buffer_count: int,
+    swap_masters: bool,
+    pinned: frozenset[int] = frozenset(),
+    key: str = "zero_optimization.offload_optimizer.nvme_path",
+) -> OptimizerSwapper:
     """Check and reserve ``nvme_path`` on every rank (all raise if any rank cannot use it),
     then swap the masters' state out. Collective."""
     need = sum(m.numel() * 4 for m in masters) * state_tensors_per_param(optimizer)
@@ -313,7 +337,15 @@ def build_optimizer_swapper(optimizer: torch.optim.Optimizer, masters: list[nn.P
         raise SwapPathError(f"offloading the optimizer state to nvme failed on rank(s) {ranks}: {errors[0][1]}")
     # a thread per request in flight: queue_depth requests for each of intra_op_parallelism
     io = SwapIO(block_size=aio.block_size, threads=aio.intra_op_parallelism * aio.queue_depth)
-    swapper = OptimizerSwapper(optimizer, masters, folder=folder, io=io, sub_group_size=sub_group_size,
-                               buffer_count=buffer_count, swap_masters=swap_masters, pinned=pinned)
+    swapper = OptimizerSwapper(
+        optimizer,
+        masters,
+        folder=folder,
+        io=io,
+        sub_group_size=sub_group_size,
+        buffer_count=buffer_count,
+        swap_masters=swap_masters,
+        pinned=pinned,
+    )
     swapper.swap_out_all()
     return swapper

@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -16,28 +17,56 @@ logger = logging.getLogger("shardwise")
 
 # Keys torch's own optimizers take beyond DeepSpeed's, passed through unchanged.
 _TORCH_KNOBS = ("foreach", "fused", "maximize", "differentiable")
-_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam",
-              "bias_correction", "set_grad_none", "capturable") + _TORCH_KNOBS
-_ONEBIT_KEYS = ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "amsgrad",
-                "cuda_aware", "comm_backend_name")
+_ADAM_KEYS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "adam_w_mode",
+    "torch_adam",
+    "bias_correction",
+    "set_grad_none",
+    "capturable",
+) + _TORCH_KNOBS
+_ONEBIT_KEYS = (
+    "lr",
+    "bias_correction",
+    "betas",
+    "eps",
+    "eps_inside_sqrt",
+    "weight_decay",
+    "amsgrad",
+    "cuda_aware",
+    "comm_backend_name",
+)
 _ALLOWED: dict[str, tuple[str, ...]] = {
     "adam": _ADAM_KEYS,
     "adamw": _ADAM_KEYS,
     "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov") + _TORCH_KNOBS,
-    "adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
-               + _TORCH_KNOBS,
-    "lamb": ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay",
-             "max_coeff", "min_coeff", "amsgrad"),
+    "adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps") + _TORCH_KNOBS,
+    "lamb": (
+        "lr",
+        "bias_correction",
+        "betas",
+        "eps",
+        "eps_inside_sqrt",
+        "weight_decay",
+        "max_coeff",
+        "min_coeff",
+        "amsgrad",
+    ),
     "lion": ("lr", "betas", "weight_decay", "set_grad_none"),
     "onebitadam": _ONEBIT_KEYS + ("freeze_step",),
-    "zerooneadam": _ONEBIT_KEYS + ("var_freeze_step", "var_update_scaler", "local_step_scaler",
-                                   "local_step_clipper"),
-    "onebitlamb": _ONEBIT_KEYS + ("freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
-                                  "factor_min", "factor_threshold"),
+    "zerooneadam": _ONEBIT_KEYS + ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"),
+    "onebitlamb": _ONEBIT_KEYS
+    + ("freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold"),
 }
-_ONEBIT = {"onebitadam": ("shardwise.optim.onebit.adam", "OneBitAdam"),
-           "zerooneadam": ("shardwise.optim.onebit.zoadam", "ZeroOneAdam"),
-           "onebitlamb": ("shardwise.optim.onebit.lamb", "OneBitLamb")}
+_ONEBIT = {
+    "onebitadam": ("shardwise.optim.onebit.adam", "OneBitAdam"),
+    "zerooneadam": ("shardwise.optim.onebit.zoadam", "ZeroOneAdam"),
+    "onebitlamb": ("shardwise.optim.onebit.lamb", "OneBitLamb"),
+}
 # Optimizers whose torch implementation has fused CUDA and CPU kernels we select by default
 # (on CPU, fused AdamW steps about 5x faster than the multi-tensor path: bench/README.md).
 _FUSED = ("adam", "adamw", "sgd", "adagrad")
@@ -66,8 +95,12 @@ def _fast_path(name: str, params: list, kwargs: dict) -> dict:
         return {}
     tensors = _tensors(params)
     devices = {t.device.type for t in tensors}
-    if name in _FUSED and len(devices) == 1 and devices <= {"cuda", "cpu"} and \
-            all(t.is_floating_point() and not t.is_sparse for t in tensors):
+    if (
+        name in _FUSED
+        and len(devices) == 1
+        and devices <= {"cuda", "cpu"}
+        and all(t.is_floating_point() and not t.is_sparse for t in tensors)
+    ):
         return {"fused": True}
     return {"foreach": True}
 
@@ -79,15 +112,17 @@ def _check_keys(name: str, given: Mapping[str, Any]) -> None:
         raise ValueError(f"unknown optimizer {name!r}{hint} (known: {', '.join(_ALLOWED)})")
     if "max_grad_norm" in given:
         # DeepSpeed refuses this key too: clipping is an engine feature.
-        raise ValueError("optimizer.params.max_grad_norm is not supported; use the top-level "
-                         "'gradient_clipping' config key")
+        raise ValueError(
+            "optimizer.params.max_grad_norm is not supported; use the top-level 'gradient_clipping' config key"
+        )
     allowed = _ALLOWED[name]
     for key in given:
         if key not in allowed:
             match = difflib.get_close_matches(key, allowed, n=1)
             hint = f"; did you mean {match[0]!r}?" if match else ""
-            raise ValueError(f"optimizer {name!r} has no parameter {key!r}{hint} "
-                             f"(allowed: {', '.join(sorted(allowed))})")
+            raise ValueError(
+                f"optimizer {name!r} has no parameter {key!r}{hint} (allowed: {', '.join(sorted(allowed))})"
+            )
 
 
 def _adam(name: str, params: list, kwargs: dict) -> torch.optim.Optimizer:
@@ -96,8 +131,9 @@ def _adam(name: str, params: list, kwargs: dict) -> torch.optim.Optimizer:
     adam_w_mode = bool(kwargs.pop("adam_w_mode", True))
     kwargs.pop("set_grad_none", None)  # torch's zero_grad() already sets grads to None
     if not kwargs.pop("bias_correction", True):
-        raise ValueError(f"optimizer {name!r}: bias_correction=false is not supported "
-                         "(torch's Adam always corrects the moments)")
+        raise ValueError(
+            f"optimizer {name!r}: bias_correction=false is not supported (torch's Adam always corrects the moments)"
+        )
     # DeepSpeed: type AdamW is always decoupled; type Adam is decoupled unless
     # adam_w_mode is false. torch_adam only picks the implementation.
     decoupled = name == "adamw" or adam_w_mode
@@ -136,8 +172,7 @@ def build_optimizer(config, params) -> torch.optim.Optimizer:
             for Adam.
     """
     name = config.type
-    given = {k: v for k, v in dict(config.params or {}).items()
-             if not (isinstance(v, str) and v == "auto")}
+    given = {k: v for k, v in dict(config.params or {}).items() if not (isinstance(v, str) and v == "auto")}
     _check_keys(name, given)
     params = list(params)
     kwargs = dict(given)

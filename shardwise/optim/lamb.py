@@ -41,11 +41,20 @@ class Lamb(torch.optim.Optimizer):
         ValueError: ``amsgrad=True`` or an out-of-range hyper-parameter.
     """
 
-    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
-                 amsgrad: bool = False):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+    ):
         if amsgrad:
             raise ValueError("Lamb does not support amsgrad=True; remove it from optimizer.params")
         if lr < 0:
@@ -55,11 +64,18 @@ class Lamb(torch.optim.Optimizer):
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"Lamb betas must be in [0, 1), got {tuple(betas)}")
         if not 0 <= min_coeff <= max_coeff:
-            raise ValueError("Lamb needs 0 <= min_coeff <= max_coeff, got "
-                             f"{min_coeff}, {max_coeff}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
+            raise ValueError(f"Lamb needs 0 <= min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=tuple(betas),
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -115,8 +131,8 @@ def lamb_update_(group: dict, params: list[torch.Tensor], states: list[dict]) ->
     # Steps live on the CPU, so reading them does not synchronise the device.
     counts = [int(s.item()) for s in steps]
     if group["bias_correction"]:
-        c1 = [1 - beta1 ** t for t in counts]
-        c2 = [1 - beta2 ** t for t in counts]
+        c1 = [1 - beta1**t for t in counts]
+        c2 = [1 - beta2**t for t in counts]
     else:
         c1 = c2 = [1.0] * len(params)
     denom = torch._foreach_div(exp_avg_sq, c2)

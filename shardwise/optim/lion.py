@@ -24,8 +24,7 @@ class Lion(torch.optim.Optimizer):
         weight_decay: decoupled weight decay.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0):
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
         if lr < 0:
             raise ValueError(f"Lion lr must be >= 0, got {lr}")
         if not all(0.0 <= b < 1.0 for b in betas):

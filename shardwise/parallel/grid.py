@@ -40,12 +40,16 @@ def _sizes_of(topology: ProcessTopology) -> dict[str, int]:
     canonical = ["tensor" if a == t_axis else a for a in topology.axes]
     unknown = [a for a in canonical if a not in _ORDER]
     if unknown:
-        raise ValueError(f"topology axes {topology.axes}: shardwise's grid has the axes pipe, data and "
-                         f"tensor (DeepSpeed's 'model'); {unknown} are not among them")
+        raise ValueError(
+            f"topology axes {topology.axes}: shardwise's grid has the axes pipe, data and "
+            f"tensor (DeepSpeed's 'model'); {unknown} are not among them"
+        )
     if canonical != [a for a in _ORDER if a in canonical]:
-        raise ValueError(f"topology axes {topology.axes} are not in the order pipe, data, tensor (outermost "
-                         "first, tensor innermost, as DeepSpeed's PipeModelDataParallelTopology); list "
-                         "them in that order")
+        raise ValueError(
+            f"topology axes {topology.axes} are not in the order pipe, data, tensor (outermost "
+            "first, tensor innermost, as DeepSpeed's PipeModelDataParallelTopology); list "
+            "them in that order"
+        )
     return {a: max(topology.get_dim(t_axis if a == "tensor" and t_axis else a), 1) for a in _ORDER}
 
 
@@ -63,8 +67,18 @@ class ParallelGrid:
         mesh: the ``DeviceMesh`` (pipe, data, tensor), None for a grid read from an ``mpu``.
     """
 
-    def __init__(self, *, pipe: int, data: int, tensor: int, groups: dict, mesh=None, mpu=None,
-                 timeout_s: float = 1800.0, check_hangs: bool = True):
+    def __init__(
+        self,
+        *,
+        pipe: int,
+        data: int,
+        tensor: int,
+        groups: dict,
+        mesh=None,
+        mpu=None,
+        timeout_s: float = 1800.0,
+        check_hangs: bool = True,
+    ):
         from shardwise.parallel.topology import PipeModelDataParallelTopology
 
         self.pipe, self.data, self.tensor = pipe, data, tensor
@@ -85,36 +99,55 @@ class ParallelGrid:
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
-    def build(cls, *, tensor: int = 1, pipe: int = 1, data: int | None = None, device_type: str | None = None,
-              timeout_s: float = 1800.0, check_hangs: bool = True) -> "ParallelGrid":
+    def build(
+        cls,
+        *,
+        tensor: int = 1,
+        pipe: int = 1,
+        data: int | None = None,
+        device_type: str | None = None,
+        timeout_s: float = 1800.0,
+        check_hangs: bool = True,
+    ) -> ParallelGrid:
         """A grid of the given sizes over the whole world (``data`` defaults to what is left)."""
         world = dist.get_world_size()
         for name, size in (("tensor", tensor), ("pipe", pipe)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}-parallel size must be a positive integer, got {size!r}")
         if world % (tensor * pipe):
-            raise ValueError(f"{world} rank(s) cannot be split into tensor-parallel groups of {tensor} x "
-                             f"pipeline stages {pipe}: tensor x pipe ({tensor * pipe}) must divide the "
-                             "number of ranks; change the sizes or the number of processes")
+            raise ValueError(
+                f"{world} rank(s) cannot be split into tensor-parallel groups of {tensor} x "
+                f"pipeline stages {pipe}: tensor x pipe ({tensor * pipe}) must divide the "
+                "number of ranks; change the sizes or the number of processes"
+            )
         if data is None:
             data = world // (tensor * pipe)
         if pipe * data * tensor != world:
-            raise ValueError(f"grid pipe {pipe} x data {data} x tensor {tensor} = {pipe * data * tensor} "
-                             f"ranks, but the job has {world}")
+            raise ValueError(
+                f"grid pipe {pipe} x data {data} x tensor {tensor} = {pipe * data * tensor} "
+                f"ranks, but the job has {world}"
+            )
         return cls._from_mesh(pipe, data, tensor, device_type, timeout_s, check_hangs)
 
     @classmethod
-    def from_topology(cls, topology: ProcessTopology, *, device_type: str | None = None,
-                      timeout_s: float = 1800.0, check_hangs: bool = True) -> "ParallelGrid":
+    def from_topology(
+        cls,
+        topology: ProcessTopology,
+        *,
+        device_type: str | None = None,
+        timeout_s: float = 1800.0,
+        check_hangs: bool = True,
+    ) -> ParallelGrid:
         """A grid laid out as DeepSpeed's ``topology`` (its world size must be the job's)."""
         sizes = _sizes_of(topology)
         if topology.world_size() != dist.get_world_size():
-            raise ValueError(f"the topology has {topology.world_size()} ranks ({topology!r}) but the job has "
-                             f"{dist.get_world_size()}")
+            raise ValueError(
+                f"the topology has {topology.world_size()} ranks ({topology!r}) but the job has {dist.get_world_size()}"
+            )
         return cls._from_mesh(sizes["pipe"], sizes["data"], sizes["tensor"], device_type, timeout_s, check_hangs)
 
     @classmethod
-    def _from_mesh(cls, pipe, data, tensor, device_type, timeout_s, check_hangs) -> "ParallelGrid":
+    def _from_mesh(cls, pipe, data, tensor, device_type, timeout_s, check_hangs) -> ParallelGrid:
         from torch.distributed.device_mesh import init_device_mesh
 
         from shardwise.accelerator import get_accelerator
@@ -125,20 +158,26 @@ class ParallelGrid:
         topo = ProcessTopology(["pipe", "data", "tensor"], [pipe, data, tensor])
         model_lists = [topo.filter_match(data=d) for d in range(data)]
         groups["model"] = _own_group(model_lists)
-        return cls(pipe=pipe, data=data, tensor=tensor, groups=groups, mesh=mesh,
-                   timeout_s=timeout_s, check_hangs=check_hangs)
+        return cls(
+            pipe=pipe, data=data, tensor=tensor, groups=groups, mesh=mesh, timeout_s=timeout_s, check_hangs=check_hangs
+        )
 
     @classmethod
-    def from_mpu(cls, mpu, *, timeout_s: float = 1800.0, check_hangs: bool = True) -> "ParallelGrid":
+    def from_mpu(cls, mpu, *, timeout_s: float = 1800.0, check_hangs: bool = True) -> ParallelGrid:
         """A grid over the groups of a Megatron-style ``mpu`` (or another grid)."""
         if isinstance(mpu, ParallelGrid):
             return mpu
-        missing = [m for m in ("get_data_parallel_group", "get_data_parallel_world_size",
-                               "get_data_parallel_rank") if not hasattr(mpu, m)]
+        missing = [
+            m
+            for m in ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank")
+            if not hasattr(mpu, m)
+        ]
         if missing:
-            raise TypeError(f"mpu={type(mpu).__name__} lacks {missing}: initialize(mpu=...) needs a Megatron-style "
-                            "object with get_data_parallel_group/rank/world_size and "
-                            "get_tensor_model_parallel_* (or get_model_parallel_*)")
+            raise TypeError(
+                f"mpu={type(mpu).__name__} lacks {missing}: initialize(mpu=...) needs a Megatron-style "
+                "object with get_data_parallel_group/rank/world_size and "
+                "get_tensor_model_parallel_* (or get_model_parallel_*)"
+            )
 
         def read(kind: str, prefixes: tuple[str, ...]):
             for prefix in prefixes:
@@ -151,32 +190,42 @@ class ParallelGrid:
 
         tensor, t_rank, t_group = read("tensor", ("tensor_model_parallel", "slice_parallel", "model_parallel"))
         pipe, p_rank, p_group = read("pipe", ("pipeline_model_parallel", "pipe_parallel"))
-        if pipe > 1 and not hasattr(mpu, "get_tensor_model_parallel_world_size") \
-                and not hasattr(mpu, "get_slice_parallel_world_size"):
-            raise TypeError("the mpu has pipeline groups but no get_tensor_model_parallel_*: its "
-                            "get_model_parallel_* may include the pipeline; add the tensor-parallel accessors")
+        if (
+            pipe > 1
+            and not hasattr(mpu, "get_tensor_model_parallel_world_size")
+            and not hasattr(mpu, "get_slice_parallel_world_size")
+        ):
+            raise TypeError(
+                "the mpu has pipeline groups but no get_tensor_model_parallel_*: its "
+                "get_model_parallel_* may include the pipeline; add the tensor-parallel accessors"
+            )
         data = int(mpu.get_data_parallel_world_size())
         d_rank = int(mpu.get_data_parallel_rank())
         world = dist.get_world_size()
         if pipe * data * tensor != world:
-            raise ValueError(f"the mpu's sizes pipe {pipe} x data {data} x tensor {tensor} = {pipe * data * tensor} "
-                             f"do not cover the job's {world} ranks")
+            raise ValueError(
+                f"the mpu's sizes pipe {pipe} x data {data} x tensor {tensor} = {pipe * data * tensor} "
+                f"do not cover the job's {world} ranks"
+            )
         coords = [None] * world  # every rank checks every rank's place, so all raise together
         dist.all_gather_object(coords, (p_rank, d_rank, t_rank))
         for r, (p, d, t) in enumerate(coords):
             expected = (p * data + d) * tensor + t
             if expected != r:
-                raise ValueError(f"the mpu puts global rank {r} at pipe {p}, data {d}, tensor {t}, which is rank "
-                                 f"{expected} in shardwise's layout (tensor innermost, then data, then pipe, as "
-                                 "Megatron and DeepSpeed lay ranks out); build the mpu's groups in that order")
+                raise ValueError(
+                    f"the mpu puts global rank {r} at pipe {p}, data {d}, tensor {t}, which is rank "
+                    f"{expected} in shardwise's layout (tensor innermost, then data, then pipe, as "
+                    "Megatron and DeepSpeed lay ranks out); build the mpu's groups in that order"
+                )
         groups = {"pipe": p_group, "data": mpu.get_data_parallel_group(), "tensor": t_group}
         topo = ProcessTopology(["pipe", "data", "tensor"], [pipe, data, tensor])
         groups["model"] = _own_group([topo.filter_match(data=d) for d in range(data)]) if pipe > 1 else t_group
         if None in groups.values():  # axes of size 1: this rank alone
             alone = _own_group([[r] for r in range(world)])
             groups = {axis: alone if group is None else group for axis, group in groups.items()}
-        return cls(pipe=pipe, data=data, tensor=tensor, groups=groups, mpu=mpu, timeout_s=timeout_s,
-                   check_hangs=check_hangs)
+        return cls(
+            pipe=pipe, data=data, tensor=tensor, groups=groups, mpu=mpu, timeout_s=timeout_s, check_hangs=check_hangs
+        )
 
     # -- communicators ----------------------------------------------------------------------
 
@@ -193,8 +242,9 @@ class ParallelGrid:
         if axis not in self._comms:
             # the tensor group's all-reduces sit on the critical path of every layer, the data
             # group's parameter gathers on the step's: same-host shared memory where it can
-            self._comms[axis] = Communicator(self._group(axis), name=label,
-                                             shared_memory=axis in ("tensor", "data"), **self._comm_options)
+            self._comms[axis] = Communicator(
+                self._group(axis), name=label, shared_memory=axis in ("tensor", "data"), **self._comm_options
+            )
         return self._comms[axis]
 
     def _group(self, axis: str):
@@ -292,8 +342,10 @@ class ParallelGrid:
         return self._group("model")
 
     def __repr__(self) -> str:
-        return (f"ParallelGrid(pipe={self.pipe}, data={self.data}, tensor={self.tensor}; rank {self.global_rank} "
-                f"at stage {self.stage_id}, data {self.data_parallel_id}, tensor {self.tensor_rank})")
+        return (
+            f"ParallelGrid(pipe={self.pipe}, data={self.data}, tensor={self.tensor}; rank {self.global_rank} "
+            f"at stage {self.stage_id}, data {self.data_parallel_id}, tensor {self.tensor_rank})"
+        )
 
 
 def _own_group(rank_lists: list[list[int]]):

@@ -35,8 +35,9 @@ class ProcessTopology:
     def __init__(self, axes: Sequence[str], dims: Sequence[int]):
         axes, dims = list(axes), [int(d) for d in dims]
         if len(axes) != len(dims):
-            raise ValueError(f"ProcessTopology: {len(axes)} axes {axes} but {len(dims)} dims {dims}; "
-                             "give one size per axis")
+            raise ValueError(
+                f"ProcessTopology: {len(axes)} axes {axes} but {len(dims)} dims {dims}; give one size per axis"
+            )
         if len(set(axes)) != len(axes):
             raise ValueError(f"ProcessTopology: axis names must be unique, got {axes}")
         bad = [(a, d) for a, d in zip(axes, dims) if d < 1]
@@ -52,8 +53,7 @@ class ProcessTopology:
     def get_rank(self, **coord_kwargs: int) -> int:
         """The global rank at the coordinate given for every axis."""
         if set(coord_kwargs) != set(self.axes):
-            raise ValueError(f"get_rank() needs a coordinate for every axis {self.axes}, "
-                             f"got {sorted(coord_kwargs)}")
+            raise ValueError(f"get_rank() needs a coordinate for every axis {self.axes}, got {sorted(coord_kwargs)}")
         key = self.ProcessCoord(**coord_kwargs)
         if key not in self.mapping:
             raise ValueError(f"coordinate {coord_kwargs} is outside the topology {dict(zip(self.axes, self.dims))}")
@@ -62,13 +62,13 @@ class ProcessTopology:
     def get_axis_names(self) -> list[str]:
         return list(self.axes)
 
-    def get_rank_repr(self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_",
-                      outer_sep: str = "-") -> str:
+    def get_rank_repr(self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-") -> str:
         """A string naming ``rank``'s coordinates on the axes not omitted (for file names),
         e.g. ``"model_01"``."""
         coord = self.get_coord(rank)
-        return outer_sep.join(f"{axis}{inner_sep}{getattr(coord, axis):02d}"
-                              for axis in self.axes if axis not in omit_axes)
+        return outer_sep.join(
+            f"{axis}{inner_sep}{getattr(coord, axis):02d}" for axis in self.axes if axis not in omit_axes
+        )
 
     def get_dim(self, axis: str) -> int:
         """The size of ``axis``; 0 when the topology has no such axis (DeepSpeed's rule)."""
@@ -97,8 +97,11 @@ class ProcessTopology:
         unknown = set(filter_kwargs) - set(self.axes)
         if unknown:
             raise ValueError(f"filter_match(): unknown axes {sorted(unknown)}; the axes are {self.axes}")
-        return [rank for coord, rank in self.mapping.items()
-                if all(getattr(coord, a) == i for a, i in filter_kwargs.items())]
+        return [
+            rank
+            for coord, rank in self.mapping.items()
+            if all(getattr(coord, a) == i for a, i in filter_kwargs.items())
+        ]
 
     def get_axis_list(self, axis: str, idx: int) -> list[int]:
         """The ranks at index ``idx`` of ``axis`` (all other axes free)."""
@@ -134,6 +137,8 @@ def tensor_axis(topology: ProcessTopology) -> str | None:
     """The name of ``topology``'s tensor-parallel axis, or None when it has none."""
     found = [a for a in TENSOR_AXES if a in topology.axes]
     if len(found) > 1:
-        raise ValueError(f"the topology has both {found[0]!r} and {found[1]!r} axes; name the "
-                         "tensor-parallel axis once ('model' is DeepSpeed's name for it)")
+        raise ValueError(
+            f"the topology has both {found[0]!r} and {found[1]!r} axes; name the "
+            "tensor-parallel axis once ('model' is DeepSpeed's name for it)"
+        )
     return found[0] if found else None

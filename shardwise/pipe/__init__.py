@@ -11,5 +11,12 @@ DeepSpeed's users import them.
 from shardwise.parallel.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 from shardwise.pipe.module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec
 
-__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineError",
-           "PipelineModule", "ProcessTopology", "TiedLayerSpec"]
+__all__ = [
+    "LayerSpec",
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
+    "PipelineError",
+    "PipelineModule",
+    "ProcessTopology",
+    "TiedLayerSpec",
+]

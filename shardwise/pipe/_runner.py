@@ -97,15 +97,30 @@ class StageRunner:
             grid, me = self.parts.grid, self.parts.grid.stage_id
             what, stream = f"pipeline stage {me} <-> stage {stage} {kind}", 0 if kind == "activation" else 1
             if self._links is not None:
-                self.channels[key] = SharedChannel(self._links, grid.pipe_comm, me, stage,
-                                                   peer_rank=grid.stage_to_global(stage), what=what, stream=stream)
+                self.channels[key] = SharedChannel(
+                    self._links,
+                    grid.pipe_comm,
+                    me,
+                    stage,
+                    peer_rank=grid.stage_to_global(stage),
+                    what=what,
+                    stream=stream,
+                )
             else:
-                self.channels[key] = Channel(grid.pipe_comm, grid.stage_to_global(stage), what=what,
-                                             device=self.device, stream=stream)
+                self.channels[key] = Channel(
+                    grid.pipe_comm, grid.stage_to_global(stage), what=what, device=self.device, stream=stream
+                )
         return self.channels[key]
 
-    def run(self, actions: list[Action], data: Iterator | None, *, training: bool, micro_batches: int,
-            compute_loss: bool = True) -> _BatchRun:
+    def run(
+        self,
+        actions: list[Action],
+        data: Iterator | None,
+        *,
+        training: bool,
+        micro_batches: int,
+        compute_loss: bool = True,
+    ) -> _BatchRun:
         """Execute ``actions`` (one batch of ``micro_batches`` read from ``data``) and wait
         for the sends still in flight; returns the batch's state (its losses and logits)."""
         run = _BatchRun(self, data, training=training, micro_batches=micro_batches, compute_loss=compute_loss)
@@ -148,8 +163,9 @@ class StageRunner:
 class _BatchRun:
     """The state of one batch on this stage while its actions execute."""
 
-    def __init__(self, runner: StageRunner, data: Iterator | None, *, training: bool, micro_batches: int,
-                 compute_loss: bool):
+    def __init__(
+        self, runner: StageRunner, data: Iterator | None, *, training: bool, micro_batches: int, compute_loss: bool
+    ):
         self.runner, self.parts, self.data = runner, runner.parts, data
         self.training, self.micro_batches, self.compute_loss = training, micro_batches, compute_loss
         self.inputs: dict[tuple[int, int], object] = {}
@@ -196,20 +212,25 @@ class _BatchRun:
 
     def _next_micro_batch(self, mb: int):
         if self.data is None:
-            raise PipelineError("train_batch() needs a data iterator: pass one or call set_dataiterator() (or give "
-                                "initialize(training_data=...))")
+            raise PipelineError(
+                "train_batch() needs a data iterator: pass one or call set_dataiterator() (or give "
+                "initialize(training_data=...))"
+            )
         try:
             batch = next(self.data)
         except StopIteration:
-            raise PipelineError(f"the data iterator ran out inside a batch: {self.read} of {self.micro_batches} "
-                                "micro-batches were read (gradient_accumulation_steps micro-batches per "
-                                "train_batch)") from None
+            raise PipelineError(
+                f"the data iterator ran out inside a batch: {self.read} of {self.micro_batches} "
+                "micro-batches were read (gradient_accumulation_steps micro-batches per "
+                "train_batch)"
+            ) from None
         self.read += 1
         device = self.runner.device
         batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise PipelineError(f"micro-batch {mb}: a pipeline data iterator yields (inputs, labels) pairs, got "
-                                f"{type(batch).__name__}")
+            raise PipelineError(
+                f"micro-batch {mb}: a pipeline data iterator yields (inputs, labels) pairs, got {type(batch).__name__}"
+            )
         return batch
 
     # -- transfers: the timers carry DeepSpeed's pipeline timer names (wall_clock_breakdown);
@@ -218,27 +239,31 @@ class _BatchRun:
     def recv_activation(self, a: RecvActivation) -> None:
         with self.parts.timer("pipe_recv_input"):
             self.inputs[(a.micro_batch, a.chunk)] = self.runner.channel("activation", a.from_stage).recv(
-                tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
+                tag=f"micro-batch {a.micro_batch} chunk {a.chunk}"
+            )
         self._received("activation", a.from_stage)
 
     def send_activation(self, a: SendActivation) -> None:
         key = (a.micro_batch, a.chunk)
         with self.parts.timer("pipe_send_output"):
-            self.runner.channel("activation", a.to_stage).send(self.outputs[key], tag=f"micro-batch {a.micro_batch} "
-                                                                                      f"chunk {a.chunk + 1}")
+            self.runner.channel("activation", a.to_stage).send(
+                self.outputs[key], tag=f"micro-batch {a.micro_batch} chunk {a.chunk + 1}"
+            )
         if not self.training:
             self.outputs.pop(key)
 
     def recv_grad(self, a: RecvGrad) -> None:
         with self.parts.timer("pipe_recv_grad"):
             self.grads_in[(a.micro_batch, a.chunk)] = self.runner.channel("gradient", a.from_stage).recv(
-                tag=f"micro-batch {a.micro_batch} chunk {a.chunk}")
+                tag=f"micro-batch {a.micro_batch} chunk {a.chunk}"
+            )
         self._received("gradient", a.from_stage)
 
     def send_grad(self, a: SendGrad) -> None:
         with self.parts.timer("pipe_send_grad"):
-            self.runner.channel("gradient", a.to_stage).send(self.grads_out.pop((a.micro_batch, a.chunk)),
-                                                             tag=f"micro-batch {a.micro_batch} chunk {a.chunk - 1}")
+            self.runner.channel("gradient", a.to_stage).send(
+                self.grads_out.pop((a.micro_batch, a.chunk)), tag=f"micro-batch {a.micro_batch} chunk {a.chunk - 1}"
+            )
 
     # -- compute ------------------------------------------------------------------------------
 
@@ -265,8 +290,10 @@ class _BatchRun:
             if self.compute_loss:
                 loss = module.loss_fn(out, self.labels.pop(mb)) if module.loss_fn is not None else out
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                    raise PipelineError("the last stage's loss is not a scalar tensor: give PipelineModule a "
-                                        "loss_fn(outputs, labels), or make the last layer return the loss")
+                    raise PipelineError(
+                        "the last stage's loss is not a scalar tensor: give PipelineModule a "
+                        "loss_fn(outputs, labels), or make the last layer return the loss"
+                    )
                 self.losses.append(loss.detach())
                 out_for_backward = loss
             else:
@@ -317,8 +344,11 @@ class _BatchRun:
             return [scaled], [None]
         outs, _ = tree_flatten(out)
         gs, _ = tree_flatten(self.grads_in.pop(key))
-        pairs = [(o, g) for o, g in zip(outs, gs)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)]
+        pairs = [
+            (o, g)
+            for o, g in zip(outs, gs)
+            if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)
+        ]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     @contextlib.contextmanager
@@ -344,8 +374,13 @@ class _BatchRun:
         x = self.inputs.pop(key)
         if chunk > 0:
             self.grads_out[key] = tree_map(
-                lambda t: (t.grad if t.grad is not None else torch.zeros_like(t))
-                if isinstance(t, torch.Tensor) and t.requires_grad else None, x)
+                lambda t: (
+                    (t.grad if t.grad is not None else torch.zeros_like(t))
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                    else None
+                ),
+                x,
+            )
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -379,8 +414,10 @@ def check_handlers(handlers: dict[type, Callable]) -> None:
     missing = sorted(t.__name__ for t in declared - set(handlers))
     foreign = sorted(getattr(t, "__name__", repr(t)) for t in set(handlers) - declared)
     if missing or foreign:
-        raise PipelineError(f"the pipeline runner's handler table does not match _actions.Action: missing "
-                            f"{missing or 'none'}, not actions {foreign or 'none'}")
+        raise PipelineError(
+            f"the pipeline runner's handler table does not match _actions.Action: missing "
+            f"{missing or 'none'}, not actions {foreign or 'none'}"
+        )
 
 
 check_handlers(HANDLERS)

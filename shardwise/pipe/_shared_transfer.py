@@ -107,7 +107,7 @@ class _Ring:
     def _copy(self, part: torch.Tensor, position: int, *, into_ring: bool) -> None:
         start, n = position % self.capacity, part.numel()
         first = min(n, self.capacity - start)
-        for ring, flat in ((self.data[start:start + first], part[:first]), (self.data[:n - first], part[first:])):
+        for ring, flat in ((self.data[start : start + first], part[:first]), (self.data[: n - first], part[first:])):
             if not flat.numel():
                 continue
             if into_ring:
@@ -165,10 +165,15 @@ class SharedChannel:
     def send(self, obj, *, tag: str) -> None:
         leaves, description = describe(obj)
         meta = pickle.dumps(description)
-        parts = [torch.tensor([len(meta)], dtype=torch.int64).view(torch.uint8),
-                 torch.frombuffer(bytearray(meta), dtype=torch.uint8)]
-        parts += [leaf.detach().contiguous().reshape(-1).view(torch.uint8)
-                  for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.numel()]
+        parts = [
+            torch.tensor([len(meta)], dtype=torch.int64).view(torch.uint8),
+            torch.frombuffer(bytearray(meta), dtype=torch.uint8),
+        ]
+        parts += [
+            leaf.detach().contiguous().reshape(-1).view(torch.uint8)
+            for leaf in leaves
+            if isinstance(leaf, torch.Tensor) and leaf.numel()
+        ]
         count(self.comm, "send", sum(part.numel() for part in parts), self.peer_rank, tag=f"{self.what} {tag}")
         self.queue.extend(parts)
         self.flush()
@@ -223,6 +228,7 @@ class SharedChannel:
             self.links.flush()
             done += self._in.take(dst[done:])
             return done == dst.numel()
+
         self._wait(progress, "recv", tag)
 
     # -- waiting ----------------------------------------------------------------------------
@@ -245,8 +251,11 @@ class SharedChannel:
                 continue
             now = time.monotonic()
             if now > deadline or (now > next_check and not _alive(self.links.pids[self.peer])):
-                failure = None if now > deadline else RuntimeError(
-                    f"rank {self.peer_rank}'s process (pid {self.links.pids[self.peer]}) has exited")
+                failure = (
+                    None
+                    if now > deadline
+                    else RuntimeError(f"rank {self.peer_rank}'s process (pid {self.links.pids[self.peer]}) has exited")
+                )
                 record = count(self.comm, op, 0, self.peer_rank, tag=f"{self.what} {tag} (shared memory)")
                 raise self.comm.diagnose(record, failure)
             if now > next_check:

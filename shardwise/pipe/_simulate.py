@@ -207,8 +207,9 @@ def simulate_plans(plans: Sequence[Sequence[Action]], *, costs: Costs | Sequence
                 needs = needs_of(action, s)
                 if any((ds, da) not in ends for ds, da, _ in needs):
                     break
-                start = max([free[s]] + [ends[(ds, da)] + (per_stage[ds].comm if msg else 0.0)
-                                         for ds, da, msg in needs])
+                start = max(
+                    [free[s]] + [ends[(ds, da)] + (per_stage[ds].comm if msg else 0.0) for ds, da, msg in needs]
+                )
                 end = start + per_stage[s].of(action)
                 ends[(s, action)] = free[s] = end
                 busy[s] += end - start if isinstance(action, COMPUTE) else 0.0

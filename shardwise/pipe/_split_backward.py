@@ -119,8 +119,12 @@ class WeightHalf:
         self.groups, self.rest = [], []
 
 
-def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor],
-                   params: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightHalf]:
+def backward_input(
+    outputs: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    inputs: list[torch.Tensor],
+    params: list[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightHalf]:
     """The input half of the backward of ``outputs`` (with output gradients ``grads``;
     None for a scalar loss) through a chunk with leaf ``inputs`` and parameters
     ``params``: returns the gradients w.r.t. ``inputs`` (None where unused) and the
@@ -153,16 +157,22 @@ def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
 
     handles = []
     for junction, group in group_of.items():
+
         def keep(grad_outputs, junction=junction, group=group):
             group.grads[junction] = grad_outputs
+
         handles.append(junction.register_prehook(keep))
     try:
         input_grads: list[torch.Tensor | None] = [None] * len(inputs)
         wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
         if live and wanted:
-            found = torch.autograd.grad([outputs[i] for i in live], [inputs[i] for i in wanted],
-                                        grad_outputs=[grads[i] for i in live], retain_graph=True,
-                                        allow_unused=True)
+            found = torch.autograd.grad(
+                [outputs[i] for i in live],
+                [inputs[i] for i in wanted],
+                grad_outputs=[grads[i] for i in live],
+                retain_graph=True,
+                allow_unused=True,
+            )
             for i, grad in zip(wanted, found):
                 input_grads[i] = grad
     finally:

@@ -120,7 +120,9 @@ class _CapturedCall:
 
 def _gather_first(strategy, unit):
     """A gradient hook that gathers ``unit`` (stage 3) before the backward that reads it."""
+
     def hook(grad):
         strategy.gather_units([unit])
         return grad
+
     return hook

@@ -31,9 +31,15 @@ def describe(obj) -> tuple[list, tuple]:
     """``obj``'s leaves and its description: the tree structure, and per leaf its shape,
     dtype and requires_grad (tensors) or its value (anything else)."""
     leaves, spec = tree_flatten(obj)
-    return leaves, (treespec_dumps(spec), tuple(
-        ("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."), bool(x.requires_grad))
-        if isinstance(x, torch.Tensor) else ("value", x) for x in leaves))
+    return leaves, (
+        treespec_dumps(spec),
+        tuple(
+            ("tensor", tuple(x.shape), str(x.dtype).removeprefix("torch."), bool(x.requires_grad))
+            if isinstance(x, torch.Tensor)
+            else ("value", x)
+            for x in leaves
+        ),
+    )
 
 
 def rebuild(description, device: torch.device, fill) -> object:
@@ -87,8 +93,7 @@ class Channel:
                 self._send(leaf.detach().contiguous(), tag)
 
     def _send(self, tensor: torch.Tensor, tag: str) -> None:
-        self.pending.append((send(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream),
-                             tensor))
+        self.pending.append((send(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream), tensor))
 
     def post_ahead(self) -> None:
         """Post the receive of the next message's header now, before its data is needed, so
@@ -98,8 +103,10 @@ class Channel:
         will come, or the receive stays pending."""
         if self._header is None:
             header = torch.empty(2, dtype=torch.int64, device=self.device)
-            self._header = header, recv(self.comm, header, self.peer, tag=f"{self.what} (next message)",
-                                        stream=self.stream)
+            self._header = (
+                header,
+                recv(self.comm, header, self.peer, tag=f"{self.what} (next message)", stream=self.stream),
+            )
 
     def recv(self, *, tag: str):
         """The next object sent on this channel; floating tensors the sender had requiring
@@ -115,8 +122,11 @@ class Channel:
             self._received_meta = pickle.loads(blob.cpu().numpy().tobytes())
         if self._received_meta is None:
             raise RuntimeError(f"{self.what} from rank {self.peer}: no payload description was received")
-        return rebuild(self._received_meta, self.device,
-                       lambda tensor: recv(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream))
+        return rebuild(
+            self._received_meta,
+            self.device,
+            lambda tensor: recv(self.comm, tensor, self.peer, tag=f"{self.what} {tag}", stream=self.stream),
+        )
 
     def finish(self) -> None:
         """Wait for every send in flight."""

@@ -33,9 +33,11 @@ class PipelineEngine(Engine):
         self.virtual_stages = model.virtual_stages
         configured = section.get("virtual_stages", 2 if self.schedule_name == "interleaved" else 1)
         if configured != model.virtual_stages:
-            raise PipelineError(f"the config's pipeline schedule {self.schedule_name!r} runs {configured} model chunk(s) "
-                                f"per stage but the PipelineModule has virtual_stages={model.virtual_stages}; the "
-                                "interleaved schedule and PipelineModule(virtual_stages=...) go together")
+            raise PipelineError(
+                f"the config's pipeline schedule {self.schedule_name!r} runs {configured} model chunk(s) "
+                f"per stage but the PipelineModule has virtual_stages={model.virtual_stages}; the "
+                "interleaved schedule and PipelineModule(virtual_stages=...) go together"
+            )
         self.schedule_options = {"virtual_stages": model.virtual_stages} if model.virtual_stages > 1 else {}
         if section.get("activation_checkpoint_interval"):  # the config's wins, as in DeepSpeed
             model.set_checkpoint_interval(section["activation_checkpoint_interval"])
@@ -47,13 +49,23 @@ class PipelineEngine(Engine):
         if reduce_once:
             self.strategy.accumulate_unreduced = True
         if self.schedule_name in ("zero_bubble", "1f1b_split") and stage == 3 and not keep_gathered:
-            raise PipelineError(f"the {self.schedule_name} schedule splits backwards into input and weight halves, "
-                                "so at ZeRO stage 3 it keeps a stage's layers gathered across the batch: remove "
-                                "pipeline.keep_gathered: false, or use the 1f1b schedule")
-        parts = StageParts(module=model, grid=grid, strategy=self.strategy, policy=self.policy,
-                           loss_scaler=self.loss_scaler, timer=self._progress.timer, step=self._model_step)
-        self._runner = StageRunner(parts, keep_gathered=keep_gathered, reduce_once=reduce_once,
-                                   timeout_s=config.comm.timeout_s)
+            raise PipelineError(
+                f"the {self.schedule_name} schedule splits backwards into input and weight halves, "
+                "so at ZeRO stage 3 it keeps a stage's layers gathered across the batch: remove "
+                "pipeline.keep_gathered: false, or use the 1f1b schedule"
+            )
+        parts = StageParts(
+            module=model,
+            grid=grid,
+            strategy=self.strategy,
+            policy=self.policy,
+            loss_scaler=self.loss_scaler,
+            timer=self._progress.timer,
+            step=self._model_step,
+        )
+        self._runner = StageRunner(
+            parts, keep_gathered=keep_gathered, reduce_once=reduce_once, timeout_s=config.comm.timeout_s
+        )
         self._device = self._runner.device
         self.data_iterator = None
         if self.training_dataloader is not None:  # initialize(training_data=...): read it forever, as DeepSpeed
@@ -77,16 +89,22 @@ class PipelineEngine(Engine):
     # -- what the ordinary engine does and a pipeline does not ------------------------------
 
     def forward(self, *args, **kwargs):
-        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) or "
-                            "engine.eval_batch(data_iter) instead of engine(...)")
+        raise PipelineError(
+            "a pipeline engine runs whole batches: call engine.train_batch(data_iter) or "
+            "engine.eval_batch(data_iter) instead of engine(...)"
+        )
 
     def backward(self, *args, **kwargs):
-        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch(data_iter); it does "
-                            "the backward and the step")
+        raise PipelineError(
+            "a pipeline engine runs whole batches: call engine.train_batch(data_iter); it does "
+            "the backward and the step"
+        )
 
     def step(self, *args, **kwargs):
-        raise PipelineError("a pipeline engine runs whole batches: call engine.train_batch(data_iter); it does "
-                            "the backward and the step")
+        raise PipelineError(
+            "a pipeline engine runs whole batches: call engine.train_batch(data_iter); it does "
+            "the backward and the step"
+        )
 
     # -- training ---------------------------------------------------------------------------
 
@@ -96,8 +114,9 @@ class PipelineEngine(Engine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        actions = sched.build_schedule(self.schedule_name, self.num_stages, self.micro_batches, self.stage_id,
-                                       **self.schedule_options)
+        actions = sched.build_schedule(
+            self.schedule_name, self.num_stages, self.micro_batches, self.stage_id, **self.schedule_options
+        )
         # every training schedule ends with its OptimizerStep, which calls _model_step
         run = self._runner.run(actions, self.data_iterator, training=True, micro_batches=self.micro_batches)
         self.agg_train_loss = self._batch_loss(run.losses)
@@ -115,8 +134,11 @@ class PipelineEngine(Engine):
     def _batch_loss(self, losses: list[torch.Tensor], *, broadcast: bool = True) -> torch.Tensor:
         """The batch's mean loss: averaged over micro-batches and data-parallel ranks on the
         last stage, then (``broadcast``) sent to every stage (DeepSpeed's ``agg_train_loss``)."""
-        loss = torch.stack([x.float() for x in losses]).mean().reshape(1) if losses \
+        loss = (
+            torch.stack([x.float() for x in losses]).mean().reshape(1)
+            if losses
             else torch.zeros(1, device=self._device)
+        )
         loss = loss.to(self._device)
         if self.is_last_stage() and self.comm.world_size > 1:
             self.comm.all_reduce(loss, tag="batch loss").wait()
@@ -127,8 +149,15 @@ class PipelineEngine(Engine):
 
     # -- evaluation -------------------------------------------------------------------------
 
-    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: str | None = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None):
+    def eval_batch(
+        self,
+        data_iter,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ):
         """Forward ``num_micro_batches`` (default ``gradient_accumulation_steps``) micro-batches
         from ``data_iter`` without gradients, as DeepSpeed's ``eval_batch``: returns the mean
         loss (``reduce_output="avg"``, averaged over data-parallel ranks too; on every stage
@@ -143,10 +172,12 @@ class PipelineEngine(Engine):
         self.module.eval()
         try:
             with torch.no_grad():
-                actions = sched.build_schedule("eval", self.num_stages, micro_batches, self.stage_id,
-                                               **self.schedule_options)
-                run = self._runner.run(actions, data_iter, training=False, micro_batches=micro_batches,
-                                       compute_loss=compute_loss)
+                actions = sched.build_schedule(
+                    "eval", self.num_stages, micro_batches, self.stage_id, **self.schedule_options
+                )
+                run = self._runner.run(
+                    actions, data_iter, training=False, micro_batches=micro_batches, compute_loss=compute_loss
+                )
         finally:
             self.module.train()
             self.set_dataiterator(train_iterator)

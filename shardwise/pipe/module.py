@@ -62,8 +62,15 @@ class TiedLayerSpec(LayerSpec):
         tied_weight_attr: the attribute(s) of the module that are tied across stages.
     """
 
-    def __init__(self, key: str, typename: type, *module_args, forward_fn: Callable | None = None,
-                 tied_weight_attr: str | Sequence[str] = "weight", **module_kwargs):
+    def __init__(
+        self,
+        key: str,
+        typename: type,
+        *module_args,
+        forward_fn: Callable | None = None,
+        tied_weight_attr: str | Sequence[str] = "weight",
+        **module_kwargs,
+    ):
         super().__init__(typename, *module_args, **module_kwargs)
         self.key = key
         self.forward_fn = forward_fn
@@ -86,8 +93,7 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     part gets at least one item)."""
     n = len(weights)
     if n < num_parts:
-        raise PipelineError(f"{n} layer(s) cannot fill {num_parts} pipeline stages; give at least one layer "
-                            "per stage")
+        raise PipelineError(f"{n} layer(s) cannot fill {num_parts} pipeline stages; give at least one layer per stage")
 
     def pack(limit: float) -> list[int]:
         bounds, total = [0], 0.0
@@ -166,10 +172,23 @@ class PipelineModule(nn.Module):
             in ``_actions.py``). The config's ``pipeline.virtual_stages`` must agree.
     """
 
-    def __init__(self, layers, num_stages: int | None = None, topology=None, loss_fn=None, seed_layers: bool = False,
-                 seed_fn=None, base_seed: int = 1234, partition_method="parameters",
-                 activation_checkpoint_interval: int = 0, activation_checkpoint_func=None,
-                 checkpointable_layers=None, dynamic_shape: bool = False, *, virtual_stages: int = 1):
+    def __init__(
+        self,
+        layers,
+        num_stages: int | None = None,
+        topology=None,
+        loss_fn=None,
+        seed_layers: bool = False,
+        seed_fn=None,
+        base_seed: int = 1234,
+        partition_method="parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func=None,
+        checkpointable_layers=None,
+        dynamic_shape: bool = False,
+        *,
+        virtual_stages: int = 1,
+    ):
         super().__init__()
         from shardwise.parallel import ParallelGrid
 
@@ -189,8 +208,9 @@ class PipelineModule(nn.Module):
             import torch.distributed as dist
 
             if not isinstance(num_stages, int) or num_stages < 1 or dist.get_world_size() % num_stages:
-                raise PipelineError(f"num_stages={num_stages!r} must be a positive integer dividing the "
-                                    f"{dist.get_world_size()} rank(s)")
+                raise PipelineError(
+                    f"num_stages={num_stages!r} must be a positive integer dividing the {dist.get_world_size()} rank(s)"
+                )
             grid = ParallelGrid.build(pipe=num_stages)
         self._grid = grid
         self.num_stages = grid.pipe
@@ -203,8 +223,10 @@ class PipelineModule(nn.Module):
         self.virtual_stages = virtual_stages
         self.num_chunks = self.num_stages * virtual_stages
         if len(self._layer_specs) < self.num_chunks:
-            raise PipelineError(f"{len(self._layer_specs)} layer(s) cannot fill {self.num_stages} pipeline stages"
-                                + (f" x {virtual_stages} virtual stages" if virtual_stages > 1 else ""))
+            raise PipelineError(
+                f"{len(self._layer_specs)} layer(s) cannot fill {self.num_stages} pipeline stages"
+                + (f" x {virtual_stages} virtual stages" if virtual_stages > 1 else "")
+            )
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
@@ -236,10 +258,16 @@ class PipelineModule(nn.Module):
         n, p = len(self._layer_specs), self.num_chunks
         if isinstance(method, (list, tuple)):
             bounds = [int(b) for b in method]
-            if len(bounds) != p + 1 or bounds[0] != 0 or bounds[-1] != n or any(
-                    b <= a for a, b in zip(bounds, bounds[1:])):
-                raise PipelineError(f"partition_method={list(method)}: explicit boundaries must be {p + 1} increasing "
-                                    f"layer indices from 0 to {n}")
+            if (
+                len(bounds) != p + 1
+                or bounds[0] != 0
+                or bounds[-1] != n
+                or any(b <= a for a, b in zip(bounds, bounds[1:]))
+            ):
+                raise PipelineError(
+                    f"partition_method={list(method)}: explicit boundaries must be {p + 1} increasing "
+                    f"layer indices from 0 to {n}"
+                )
             return bounds
         if not isinstance(method, str):
             raise PipelineError(f"partition_method must be a string or a list of boundaries, got {method!r}")
@@ -250,14 +278,16 @@ class PipelineModule(nn.Module):
             return partition_balanced([_param_count(layer) for layer in self._layer_specs], p)
         if lowered.startswith("type:"):
             pattern = method.split(":", 1)[1]
-            weights = [1 if re.search(pattern, _type_name(layer), re.IGNORECASE) else 0
-                       for layer in self._layer_specs]
+            weights = [1 if re.search(pattern, _type_name(layer), re.IGNORECASE) else 0 for layer in self._layer_specs]
             if not any(weights):
-                raise PipelineError(f"partition_method={method!r} matches no layer; the layer types are "
-                                    f"{sorted({_type_name(layer) for layer in self._layer_specs})}")
+                raise PipelineError(
+                    f"partition_method={method!r} matches no layer; the layer types are "
+                    f"{sorted({_type_name(layer) for layer in self._layer_specs})}"
+                )
             return partition_balanced(weights, p)
-        raise PipelineError(f"partition_method={method!r} is not one of 'parameters', 'uniform', 'type:<regex>' "
-                            "or a list of boundaries")
+        raise PipelineError(
+            f"partition_method={method!r} is not one of 'parameters', 'uniform', 'type:<regex>' or a list of boundaries"
+        )
 
     # -- building -------------------------------------------------------------------------
 
@@ -288,8 +318,10 @@ class PipelineModule(nn.Module):
         return funcs
 
     def _tied_shape_record(self) -> dict[str, dict[str, tuple]]:
-        return {key: {a: tuple(_getattr(module, a).shape) for a in self.tied_weight_attrs[key]}
-                for key, module in self.tied_modules.items()}
+        return {
+            key: {a: tuple(_getattr(module, a).shape) for a in self.tied_weight_attrs[key]}
+            for key, module in self.tied_modules.items()
+        }
 
     def _tie_across_stages(self) -> dict[str, tuple[list[int], object]]:
         """For every tied key used on more than one stage: the stages using it and the
@@ -300,15 +332,17 @@ class PipelineModule(nn.Module):
         users: dict[str, list[int]] = {}
         for chunk in range(self.num_chunks):
             stage = chunk % self.num_stages
-            for layer in self._layer_specs[self.parts[chunk]:self.parts[chunk + 1]]:
+            for layer in self._layer_specs[self.parts[chunk] : self.parts[chunk + 1]]:
                 if isinstance(layer, TiedLayerSpec) and stage not in users.setdefault(layer.key, []):
                     users[layer.key].append(stage)
         shapes = grid.pipe_comm.all_gather_object(self._tied_shapes, tag="tied layer shapes")
         for key in users:
             seen = {str(s[key]) for s in shapes if key in s}
             if len(seen) > 1:
-                raise PipelineError(f"tied key {key!r} has different shapes on different stages: {sorted(seen)}; "
-                                    "every TiedLayerSpec with one key must build the same weights")
+                raise PipelineError(
+                    f"tied key {key!r} has different shapes on different stages: {sorted(seen)}; "
+                    "every TiedLayerSpec with one key must build the same weights"
+                )
         groups = {}
         for key, stages in sorted(users.items()):
             if len(stages) < 2:
@@ -334,8 +368,7 @@ class PipelineModule(nn.Module):
             comm = self._tied_comms[key] = Communicator(group, name=f"tied weight {key}")
             with torch.no_grad():
                 for attr in self.tied_weight_attrs[key]:
-                    comm.broadcast(_getattr(self.tied_modules[key], attr).data, src=0,
-                                   tag=f"tied weight {key}").wait()
+                    comm.broadcast(_getattr(self.tied_modules[key], attr).data, src=0, tag=f"tied weight {key}").wait()
 
     # -- running --------------------------------------------------------------------------
 
@@ -348,7 +381,7 @@ class PipelineModule(nn.Module):
         if interval <= 0 or not torch.is_grad_enabled():
             return _run_range(funcs)(*_as_args(x))
         for start in range(0, len(funcs), interval):
-            chunk = funcs[start:start + interval]
+            chunk = funcs[start : start + interval]
             args = _as_args(x)
             # a reentrant recompute needs an input that requires grad (not the token ids)
             needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
@@ -390,8 +423,9 @@ class PipelineModule(nn.Module):
         """The stage that holds layer ``layer_idx``."""
         if not 0 <= layer_idx < len(self._layer_specs):
             raise PipelineError(f"layer {layer_idx} is not in this model of {len(self._layer_specs)} layers")
-        return next(c for c in range(self.num_chunks) if self.parts[c] <= layer_idx < self.parts[c + 1]) \
-            % self.num_stages
+        return (
+            next(c for c in range(self.num_chunks) if self.parts[c] <= layer_idx < self.parts[c + 1]) % self.num_stages
+        )
 
     def set_checkpoint_interval(self, interval: int) -> None:
         self.activation_checkpoint_interval = interval
@@ -414,9 +448,11 @@ def _call_directly(fn, *args):
 def _run_range(funcs):
     """Run ``funcs`` in order; each takes the previous output as its one argument (a tuple
     stays a tuple), as DeepSpeed's layers do."""
+
     def run(*inputs):
         x = inputs[0] if len(inputs) == 1 else inputs
         for fn in funcs:
             x = fn(x)
         return x
+
     return run

@@ -266,9 +266,7 @@ def zero_bubble(num_stages: int, num_micro_batches: int, stage_id: int) -> list[
     return _place_comm_and_step(order, num_stages, s, num_stages)
 
 
-def eval_schedule(
-    num_stages: int, num_micro_batches: int, stage_id: int, *, virtual_stages: int = 1
-) -> list[Action]:
+def eval_schedule(num_stages: int, num_micro_batches: int, stage_id: int, *, virtual_stages: int = 1) -> list[Action]:
     """Forwards only (``eval_batch``): no backward, reduction or optimizer step.
 
     With ``virtual_stages > 1`` micro-batches go through the stage's chunks in rounds of
@@ -279,10 +277,7 @@ def eval_schedule(
     if v < 1:
         raise ValueError(f"virtual_stages must be >= 1, got {v}")
     order: list[Action] = [
-        Forward(first + i, c * p + s)
-        for first in range(0, m, p)
-        for c in range(v)
-        for i in range(min(p, m - first))
+        Forward(first + i, c * p + s) for first in range(0, m, p) for c in range(v) for i in range(min(p, m - first))
     ]
     return _place_comm(order, p, s, p * v)
 
@@ -378,8 +373,15 @@ def simulate(
     costs = []
     for s in range(num_stages):
         whole = at(t_backward_input, s) + at(t_backward_weight, s) if t_backward is None else at(t_backward, s)
-        costs.append(Costs(forward=at(t_forward, s), backward=whole, backward_input=at(t_backward_input, s),
-                           backward_weight=at(t_backward_weight, s), comm=at(t_comm, s)))
+        costs.append(
+            Costs(
+                forward=at(t_forward, s),
+                backward=whole,
+                backward_input=at(t_backward_input, s),
+                backward_weight=at(t_backward_weight, s),
+                comm=at(t_comm, s),
+            )
+        )
     return simulate_plans(plans, costs=costs)
 
 

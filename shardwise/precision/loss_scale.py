@@ -49,14 +49,18 @@ class LossScaler:
         self._overflows_at_min = 0
 
     @classmethod
-    def from_config(cls, fp16) -> "LossScaler":
+    def from_config(cls, fp16) -> LossScaler:
         """Build the scaler an ``FP16Config`` describes (static when loss_scale > 0)."""
         if fp16.loss_scale > 0:
             return cls(scale=float(fp16.loss_scale), dynamic=False)
-        return cls(scale=float(2 ** fp16.initial_scale_power), dynamic=True,
-                   window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                   consecutive_hysteresis=fp16.consecutive_hysteresis,
-                   min_scale=float(fp16.min_loss_scale))
+        return cls(
+            scale=float(2**fp16.initial_scale_power),
+            dynamic=True,
+            window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=float(fp16.min_loss_scale),
+        )
 
     def update(self, overflow: bool) -> None:
         """Record one optimizer step's outcome and adjust the scale."""
@@ -80,7 +84,9 @@ class LossScaler:
                     "loss or activations are too large for fp16 (inf/nan in the forward, "
                     "a too-high learning rate, or a diverging run). Steps are being skipped; "
                     "consider bf16, a lower lr, or gradient clipping.",
-                    self._overflows_at_min, self.min_scale)
+                    self._overflows_at_min,
+                    self.min_scale,
+                )
             return
         self.scale = max(self.scale / self.factor, self.min_scale)
 
@@ -95,9 +101,13 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         """Plain numbers that restore the scaler exactly."""
-        return {"scale": self.scale, "dynamic": self.dynamic, "iteration": self._iteration,
-                "last_overflow_iteration": self._last_overflow_iteration,
-                "hysteresis_left": self._hysteresis_left}
+        return {
+            "scale": self.scale,
+            "dynamic": self.dynamic,
+            "iteration": self._iteration,
+            "last_overflow_iteration": self._last_overflow_iteration,
+            "hysteresis_left": self._hysteresis_left,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

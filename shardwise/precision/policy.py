@@ -31,11 +31,10 @@ class PrecisionPolicy:
         return self.param_dtype != self.master_dtype
 
     @classmethod
-    def from_config(cls, config) -> "PrecisionPolicy":
+    def from_config(cls, config) -> PrecisionPolicy:
         """Read ``fp16`` / ``bf16`` from a TrainConfig."""
         if config.fp16.enabled:
-            return cls(torch.float16, loss_scaling=True, auto_cast_inputs=config.fp16.auto_cast,
-                       skip_nonfinite=True)
+            return cls(torch.float16, loss_scaling=True, auto_cast_inputs=config.fp16.auto_cast, skip_nonfinite=True)
         if config.bf16.enabled:
             return cls(torch.bfloat16, skip_nonfinite=config.bf16.check_grad_overflow)
         return cls()

@@ -165,31 +165,40 @@ def block_groups(blocks: list[ShardBlock], open_shards, splits: dict[str, Tensor
             for name, shape in zip(block.names, block.shapes):
                 split = splits.get(name)
                 stored = split.stored_shape if split is not None else tuple(int(d) for d in shape)
-                tensors.append(PartTensor(block_key(block.key, name), block.dtype, stored, split, block.key,
-                                          offset, shape.numel(), name))
+                tensors.append(
+                    PartTensor(
+                        block_key(block.key, name), block.dtype, stored, split, block.key, offset, shape.numel(), name
+                    )
+                )
                 offset += shape.numel()
-        groups.append(PartGroup(tuple(tensors), bucket_blocks[0].shard,
-                                lambda bucket=bucket: open_shards(bucket), whole=False))
+        groups.append(
+            PartGroup(tuple(tensors), bucket_blocks[0].shard, lambda bucket=bucket: open_shards(bucket), whole=False)
+        )
     return groups
 
 
-def whole_group(key: str, tensor: torch.Tensor, split: TensorSplit | None, data_size: int, *,
-                name: str | None = None) -> PartGroup:
+def whole_group(
+    key: str, tensor: torch.Tensor, split: TensorSplit | None, data_size: int, *, name: str | None = None
+) -> PartGroup:
     """A tensor every data rank holds whole, written ``1 / data_size`` by each."""
     stored = split.stored_shape if split is not None else tuple(tensor.shape)
     flat = tensor.detach().reshape(-1)
     entry = PartTensor(key, tensor.dtype, stored, split, "whole", 0, flat.numel(), name or key)
-    return PartGroup((entry,), partition(flat.numel(), data_size)[1],
-                     lambda: contextlib.nullcontext({"whole": flat}), whole=True)
+    return PartGroup(
+        (entry,), partition(flat.numel(), data_size)[1], lambda: contextlib.nullcontext({"whole": flat}), whole=True
+    )
 
 
-def write_parts(writers: Writers, staging, stem: str, groups: list[PartGroup], *,
-                part_bytes: int) -> tuple[dict, list[str]]:
+def write_parts(
+    writers: Writers, staging, stem: str, groups: list[PartGroup], *, part_bytes: int
+) -> tuple[dict, list[str]]:
     """Write ``groups`` into ``<stem>-00001.safetensors``... of about ``part_bytes`` each
     (collective; see [Note: shards written in place]). Returns this rank's file records
     and the part names."""
-    entries = writers.stage_lists([(t.key, t.dtype, list(t.shape)) for group in groups for t in group.tensors],
-                                  tag=f"{stem} checkpoint tensors of every stage")
+    entries = writers.stage_lists(
+        [(t.key, t.dtype, list(t.shape)) for group in groups for t in group.tensors],
+        tag=f"{stem} checkpoint tensors of every stage",
+    )
     if not entries:
         return {}, []
     parts: list[list[tuple]] = []
@@ -204,38 +213,42 @@ def write_parts(writers: Writers, staging, stem: str, groups: list[PartGroup], *
     names = [f"{stem}-{k + 1:05d}.safetensors" for k in range(len(parts))]
     where: dict[str, tuple[str, int]] = {}  # tensor key -> (file, byte offset of its data)
     for name, part in zip(names, parts):
-        offsets = ckpt.create_tensor_file(staging / name, part) if writers.rank == 0 \
-            else ckpt.tensor_file_layout(part)[1]
+        offsets = (
+            ckpt.create_tensor_file(staging / name, part) if writers.rank == 0 else ckpt.tensor_file_layout(part)[1]
+        )
         where.update((key, (name, offsets[key])) for key, _, _ in part)
     writers.barrier(tag=f"{stem} checkpoint files created")
     start = len(groups) * writers.rank // writers.size  # ranks start apart: mostly different files at once
     for group in groups[start:] + groups[:start]:
         _write_group(writers, staging, group, where)
     writers.barrier(tag=f"{stem} shards written")
-    return {name: ckpt.seal_tensor_file(staging / name)
-            for k, name in enumerate(names) if k % writers.size == writers.rank}, names
+    return {
+        name: ckpt.seal_tensor_file(staging / name) for k, name in enumerate(names) if k % writers.size == writers.rank
+    }, names
 
 
 def without_names(groups: list[PartGroup], names: set[str]) -> list[PartGroup]:
     """``groups`` without the tensors of ``names`` (a tied weight another stage writes)."""
     if not names:
         return groups
-    return [PartGroup(tuple(t for t in g.tensors if t.name not in names), g.shard, g.open, g.whole)
-            for g in groups]
+    return [PartGroup(tuple(t for t in g.tensors if t.name not in names), g.shard, g.open, g.whole) for g in groups]
 
 
 def _write_group(writers: Writers, staging, group: PartGroup, where: dict[str, tuple[str, int]]) -> None:
     low = writers.data.rank * group.shard
     high = low + group.shard
-    mine = [t for t in group.tensors if (t.split is not None or writers.tensor_rank == 0)
-            and max(t.offset, low) < min(t.offset + t.numel, high)]
+    mine = [
+        t
+        for t in group.tensors
+        if (t.split is not None or writers.tensor_rank == 0) and max(t.offset, low) < min(t.offset + t.numel, high)
+    ]
     if not mine:
         return
     with group.open() as sources:
         for tensor in mine:
             start, end = max(tensor.offset, low), min(tensor.offset + tensor.numel, high)
             base = 0 if group.whole else low
-            data = sources[tensor.source][start - base:end - base]
+            data = sources[tensor.source][start - base : end - base]
             name, offset = where[tensor.key]
             if tensor.split is None:
                 ckpt.write_into(staging / name, offset + (start - tensor.offset) * data.element_size(), data)

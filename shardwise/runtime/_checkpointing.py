@@ -56,8 +56,14 @@ import torch
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import CheckpointError, TensorSplit
 from shardwise.checkpoint import layout as ckpt_layout
-from shardwise.runtime._checkpoint_parts import (Writers, block_groups, block_key, whole_group, without_names,
-                                                 write_parts)
+from shardwise.runtime._checkpoint_parts import (
+    Writers,
+    block_groups,
+    block_key,
+    whole_group,
+    without_names,
+    write_parts,
+)
 from shardwise.runtime._checkpoint_state import ModuleState, OptimizerState, Stateful
 from shardwise.runtime._placement import Placement
 from shardwise.zero._strategy import MASTER_KEY
@@ -90,8 +96,9 @@ def save(parts: Stateful, place: Placement, save_dir, *, tag, save_latest: bool,
     # collective for sharded and tensor-parallel state: every rank takes part
     records = {}
     if parts.optimizer is not None:
-        records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(parts.optimizer, place,
-                                                                                          staging)
+        records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(
+            parts.optimizer, place, staging
+        )
     module_records, skeletons["module"], skeletons["module_files"] = _write_module(parts.module, place, staging)
     records.update(module_records)
     skeletons["aliases"] = place.aliases
@@ -100,14 +107,20 @@ def save(parts: Stateful, place: Placement, save_dir, *, tag, save_latest: bool,
     stage_first = writers.data.rank == 0 and writers.tensor_rank == 0
     all_records = writers.all_gather_object(
         (place.global_rank, records, rank_skeletons, skeletons if stage_first and writers.stages > 1 else None),
-        tag="checkpoint records")
+        tag="checkpoint records",
+    )
     if writers.rank == 0:
-        manifest = {**parts.counters.state_dict(), "layout": place.layout(parts.module.param_dtype),
-                    "skeletons": _manifest_skeletons(skeletons, all_records, writers.stages,
-                                                     rank_state=rank_skeletons[1] is not None)}
+        manifest = {
+            **parts.counters.state_dict(),
+            "layout": place.layout(parts.module.param_dtype),
+            "skeletons": _manifest_skeletons(
+                skeletons, all_records, writers.stages, rank_state=rank_skeletons[1] is not None
+            ),
+        }
         merged = {name: rec for _, recs, _, _ in all_records for name, rec in recs.items()}
-        ckpt.finalize_checkpoint(save_dir, tag, staging, manifest=manifest, file_records=merged,
-                                 save_latest=save_latest)
+        ckpt.finalize_checkpoint(
+            save_dir, tag, staging, manifest=manifest, file_records=merged, save_latest=save_latest
+        )
     writers.barrier(tag=f"checkpoint {tag}: finalized")
     return True
 
@@ -128,7 +141,8 @@ def _write_rank_files(parts: Stateful, place: Placement, staging, skeletons: dic
     rank_skeleton = None
     if parts.optimizer is not None and parts.optimizer.has_rank_state:
         files[_optimizer_rank_file(place.global_rank)], rank_skeleton = ckpt.flatten_state(
-            parts.optimizer.rank_state_dict())
+            parts.optimizer.rank_state_dict()
+        )
     return ckpt.write_files(staging, files), (rng_skeleton, rank_skeleton)
 
 
@@ -154,13 +168,16 @@ def _check_same_directory(place: Placement, save_dir) -> None:
         ranks_of.setdefault(directory, []).append(rank)
     if len(ranks_of) == 1:
         return
-    shown = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {directory!r}"
-                      for directory, ranks in list(ranks_of.items())[:8])
+    shown = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {directory!r}"
+        for directory, ranks in list(ranks_of.items())[:8]
+    )
     raise ValueError(
         f"save_checkpoint was called with a different directory on each rank ({shown}"
         f"{'; ...' if len(ranks_of) > 8 else ''}). Every rank writes its part of one checkpoint into the "
         "same directory: pass the same save_dir on every rank (a name made from the time differs between "
-        "ranks that start a second apart; make the name on one rank and broadcast it, or leave the time out)")
+        "ranks that start a second apart; make the name on one rank and broadcast it, or leave the time out)"
+    )
 
 
 def _check_tag_agrees(writers: Writers, tag: str, mode: str) -> None:
@@ -170,8 +187,9 @@ def _check_tag_agrees(writers: Writers, tag: str, mode: str) -> None:
     digest = int(hashlib.sha1(tag.encode()).hexdigest()[:12], 16)
     agree = True
     for comm in comms:
-        low, high = comm.all_reduce_scalars([-digest, digest], op=torch.distributed.ReduceOp.MAX,
-                                            tag="checkpoint tag check")
+        low, high = comm.all_reduce_scalars(
+            [-digest, digest], op=torch.distributed.ReduceOp.MAX, tag="checkpoint tag check"
+        )
         agree = agree and -low == high
     if not agree:
         message = f"checkpoint tag {tag!r} differs between ranks; pass the same tag on every rank"
@@ -205,8 +223,10 @@ def _merge_stage_skeletons(stages: list[dict]) -> dict:
         groups = [dict(g, params=[]) for g in optimizer["param_groups"]]
         for skel in stages:
             if len(skel["optimizer"]["param_groups"]) != len(groups):
-                raise NotImplementedError("pipeline stages have different numbers of optimizer parameter groups; "
-                                          "a checkpoint needs the same groups on every stage")
+                raise NotImplementedError(
+                    "pipeline stages have different numbers of optimizer parameter groups; "
+                    "a checkpoint needs the same groups on every stage"
+                )
             for group, stage_group in zip(groups, skel["optimizer"]["param_groups"]):
                 group["params"] += [n for n in stage_group["params"] if n not in group["params"]]
         optimizer["param_groups"] = groups
@@ -238,13 +258,15 @@ def _write_optimizer(optimizer: OptimizerState, place: Placement, staging) -> tu
         else:
             skeleton["state"].setdefault(name, {})[key] = ref
     groups = block_groups(blocks, optimizer.shards, splits)
-    groups += [whole_group(block_key(key, name), tensor, splits.get(name), writers.data.world_size, name=name)
-               for key, name, tensor in sliced]
+    groups += [
+        whole_group(block_key(key, name), tensor, splits.get(name), writers.data.world_size, name=name)
+        for key, name, tensor in sliced
+    ]
     groups = without_names(groups, place.tied_elsewhere)
-    part_records, parts = write_parts(writers, staging, "optimizer", groups,
-                                       part_bytes=CHECKPOINT_PART_BYTES)
+    part_records, parts = write_parts(writers, staging, "optimizer", groups, part_bytes=CHECKPOINT_PART_BYTES)
     records.update(part_records)
     return records, skeleton, [_OPTIMIZER] + parts
+
 
 def _take_split_state(named: dict, splits: dict[str, TensorSplit]) -> list[tuple[str, str, torch.Tensor]]:
     """Remove from the named optimizer state the tensors that are tensor-parallel slices
@@ -259,9 +281,11 @@ def _take_split_state(named: dict, splits: dict[str, TensorSplit]) -> list[tuple
             if not isinstance(value, torch.Tensor) or value.numel() <= 1:
                 continue  # step counters: alike on every tensor rank
             if tuple(value.shape) != split.held_shape:
-                raise NotImplementedError(f"optimizer state {key!r} of tensor-parallel parameter {name} has shape "
-                                          f"{list(value.shape)}, not the parameter's {list(split.held_shape)}: a "
-                                          "checkpoint can store only per-element state of split parameters")
+                raise NotImplementedError(
+                    f"optimizer state {key!r} of tensor-parallel parameter {name} has shape "
+                    f"{list(value.shape)}, not the parameter's {list(split.held_shape)}: a "
+                    "checkpoint can store only per-element state of split parameters"
+                )
             taken.append((key, name, named["state"][name].pop(key)))
         if name in named.get("master", {}):
             taken.append((MASTER_KEY, name, named["master"].pop(name)))
@@ -299,19 +323,28 @@ def _write_module(module: ModuleState, place: Placement, staging) -> tuple[dict,
     records: dict = {}
     if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_MODEL: tensors}))
-    skeleton = {key: flat_skeleton[key] if key in plain else {"__tensor__": name_of.get(key, key)}
-                for key in place.keys}
+    skeleton = {
+        key: flat_skeleton[key] if key in plain else {"__tensor__": name_of.get(key, key)} for key in place.keys
+    }
     groups = block_groups(module.blocks(), module.shards, splits)
     groups += [whole_group(name, tensor, splits.get(name), writers.data.world_size) for name, tensor in sliced.items()]
     groups = without_names(groups, place.tied_elsewhere)
-    part_records, parts = write_parts(writers, staging, "model", groups,
-                                       part_bytes=CHECKPOINT_PART_BYTES)
+    part_records, parts = write_parts(writers, staging, "model", groups, part_bytes=CHECKPOINT_PART_BYTES)
     records.update(part_records)
     return records, skeleton, [_MODEL] + parts
 
 
-def load(parts: Stateful, place: Placement, load_dir, *, tag, strict: bool, load_optimizer: bool,
-         load_scheduler: bool, module_only: bool):
+def load(
+    parts: Stateful,
+    place: Placement,
+    load_dir,
+    *,
+    tag,
+    strict: bool,
+    load_optimizer: bool,
+    load_scheduler: bool,
+    module_only: bool,
+):
     """Restore ``parts`` from a checkpoint, this rank reading what ``place`` says it holds;
     returns ``(path, client_state)``.
 
@@ -326,13 +359,16 @@ def load(parts: Stateful, place: Placement, load_dir, *, tag, strict: bool, load
     manifest = ckpt.read_manifest(path)
     load_optimizer = load_optimizer and not module_only and parts.optimizer is not None
     if load_optimizer and "optimizer" not in manifest["skeletons"]:
-        raise CheckpointError(f"{path} holds no optimizer state (it was saved without an optimizer); load "
-                              "with load_optimizer_states=False")
+        raise CheckpointError(
+            f"{path} holds no optimizer state (it was saved without an optimizer); load "
+            "with load_optimizer_states=False"
+        )
     where = f"checkpoint {path} (saved at {_saved_layout(manifest)})"
     module_state = _read_module_state(path, manifest, place, where=where)
     saved_optimizer = _read_optimizer_state(path, manifest, place, where=where) if load_optimizer else None
-    engine_state = ckpt.unflatten_state(ckpt.read_tensors(path, _ENGINE, manifest=manifest),
-                                        manifest["skeletons"]["engine_state"])
+    engine_state = ckpt.unflatten_state(
+        ckpt.read_tensors(path, _ENGINE, manifest=manifest), manifest["skeletons"]["engine_state"]
+    )
     _load_module(parts.module, module_state, strict=strict)
     del module_state
     parts.client.load_state_dict(engine_state["client_state"])
@@ -350,8 +386,10 @@ def load(parts: Stateful, place: Placement, load_dir, *, tag, strict: bool, load
 def _resolve(load_dir, tag) -> Path | None:
     """The checkpoint directory to load; None (with a warning) for no ``latest`` file."""
     if tag is None and not (Path(load_dir) / "latest").is_file():
-        logger.warning("no 'latest' file in %s: nothing to resume from, starting fresh "
-                       "(pass tag= to load a specific checkpoint)", load_dir)
+        logger.warning(
+            "no 'latest' file in %s: nothing to resume from, starting fresh (pass tag= to load a specific checkpoint)",
+            load_dir,
+        )
         return None
     return Path(load_dir) / ckpt.resolve_tag(load_dir, tag)
 
@@ -372,8 +410,9 @@ def _read_optimizer_state(path: Path, manifest: dict, place: Placement, *, where
 def _load_module(module: ModuleState, state: dict, *, strict: bool) -> None:
     result = module.load_state_dict(state, strict=strict)
     if not strict and (result.missing_keys or result.unexpected_keys):
-        logger.warning("checkpoint loaded non-strictly: missing %s, unexpected %s",
-                       result.missing_keys, result.unexpected_keys)
+        logger.warning(
+            "checkpoint loaded non-strictly: missing %s, unexpected %s", result.missing_keys, result.unexpected_keys
+        )
 
 
 def _load_optimizer_rank_state(optimizer: OptimizerState, path: Path, manifest: dict, rank: int) -> None:
@@ -410,18 +449,25 @@ def _load_counters(parts: Stateful, manifest: dict) -> None:
 def _load_rng(parts: Stateful, path: Path, manifest: dict, rank: int) -> None:
     name = _rng_file(rank)
     if name not in manifest.get("files", {}):
-        logger.warning("checkpoint %s has no RNG state for rank %d (saved at %s); random streams start fresh",
-                       path, rank, _saved_layout(manifest))
+        logger.warning(
+            "checkpoint %s has no RNG state for rank %d (saved at %s); random streams start fresh",
+            path,
+            rank,
+            _saved_layout(manifest),
+        )
         return
-    parts.rng.load_state_dict(ckpt.unflatten_state(ckpt.read_tensors(path, name, manifest=manifest),
-                                                   manifest["skeletons"]["rng"][str(rank)]))
+    parts.rng.load_state_dict(
+        ckpt.unflatten_state(ckpt.read_tensors(path, name, manifest=manifest), manifest["skeletons"]["rng"][str(rank)])
+    )
 
 
 def _saved_layout(manifest: dict) -> str:
     layout = manifest.get("layout", {})
     pipe = layout.get("pp_degree", 1)
-    return (f"ZeRO stage {layout.get('zero_stage', '?')}, data {layout.get('dp_world_size', '?')} x tensor "
-            f"{layout.get('tp_degree', 1)}" + (f" x pipe {pipe}" if pipe > 1 else ""))
+    return (
+        f"ZeRO stage {layout.get('zero_stage', '?')}, data {layout.get('dp_world_size', '?')} x tensor "
+        f"{layout.get('tp_degree', 1)}" + (f" x pipe {pipe}" if pipe > 1 else "")
+    )
 
 
 def _module_to_layout(state: dict, place: Placement, *, where: str) -> dict:
@@ -458,8 +504,14 @@ def _optimizer_to_layout(saved: dict, place: Placement, *, where: str) -> dict:
             if not isinstance(value, torch.Tensor) or value.numel() <= 1:
                 continue
             if tuple(value.shape) != split.stored_shape:
-                problems.append(_mismatch(f"{name} (optimizer state {key!r})" if holder is not master
-                                          else f"{name} (fp32 master)", value, split.stored_shape, split))
+                problems.append(
+                    _mismatch(
+                        f"{name} (optimizer state {key!r})" if holder is not master else f"{name} (fp32 master)",
+                        value,
+                        split.stored_shape,
+                        split,
+                    )
+                )
             else:
                 holder[key] = split.slice_of(value)
     _raise_mismatches(place, problems, where)
@@ -477,7 +529,8 @@ def _raise_mismatches(place: Placement, problems: list[str], where: str) -> None
         raise CheckpointError(
             f"{where} does not fit this model at {place.describe()}: {shown}. A checkpoint stores full tensors, "
             "so any ZeRO stage and data x tensor layout loads it, but the model must have the same sizes; nothing "
-            "was loaded")
+            "was loaded"
+        )
 
 
 def module_state_for_layout(state: dict, place: Placement) -> dict:

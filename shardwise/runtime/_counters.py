@@ -32,6 +32,8 @@ class StepCounters:
 def counter(name: str) -> property:
     """An engine attribute that reads and writes ``engine.counters.<name>`` (so scripts and
     the engine keep using ``engine.global_steps`` and the like)."""
-    return property(lambda self: getattr(self.counters, name),
-                    lambda self, value: setattr(self.counters, name, value),
-                    doc=f"``counters.{name}`` (see ``StepCounters``).")
+    return property(
+        lambda self: getattr(self.counters, name),
+        lambda self, value: setattr(self.counters, name, value),
+        doc=f"``counters.{name}`` (see ``StepCounters``).",
+    )

@@ -22,13 +22,17 @@ class DeepSpeedNames:
     # -- the pipeline engine's entry points, on an engine that is not one -------------------
 
     def train_batch(self, data_iter=None):
-        raise RuntimeError("train_batch() runs a pipeline: the model passed to initialize() must be a "
-                           "shardwise.pipe.PipelineModule; for other models call engine(batch), "
-                           "engine.backward(loss) and engine.step()")
+        raise RuntimeError(
+            "train_batch() runs a pipeline: the model passed to initialize() must be a "
+            "shardwise.pipe.PipelineModule; for other models call engine(batch), "
+            "engine.backward(loss) and engine.step()"
+        )
 
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg"):
-        raise RuntimeError("eval_batch() runs a pipeline: the model passed to initialize() must be a "
-                           "shardwise.pipe.PipelineModule; for other models call engine(batch) under torch.no_grad()")
+        raise RuntimeError(
+            "eval_batch() runs a pipeline: the model passed to initialize() must be a "
+            "shardwise.pipe.PipelineModule; for other models call engine(batch) under torch.no_grad()"
+        )
 
     # -- batch sizes ------------------------------------------------------------------------
 
@@ -47,8 +51,11 @@ class DeepSpeedNames:
         return batch.train_batch_size, batch.train_micro_batch_size_per_gpu, batch.gradient_accumulation_steps
 
     def _set_batch(self, micro: int, accumulation: int) -> None:
-        batch = BatchConfig(train_batch_size=micro * accumulation * self.dp_world_size,
-                            train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
+        batch = BatchConfig(
+            train_batch_size=micro * accumulation * self.dp_world_size,
+            train_micro_batch_size_per_gpu=micro,
+            gradient_accumulation_steps=accumulation,
+        )
         self.train_config = dataclasses.replace(self.train_config, batch=batch)
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
@@ -56,8 +63,10 @@ class DeepSpeedNames:
         (the micro-batch size stays). Raises ValueError unless it divides evenly."""
         per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if train_batch_size % per_step != 0:
-            raise ValueError(f"train batch size {train_batch_size} must be divisible by micro-batch size x "
-                             f"data-parallel size = {per_step}")
+            raise ValueError(
+                f"train batch size {train_batch_size} must be divisible by micro-batch size x "
+                f"data-parallel size = {per_step}"
+            )
         self._set_batch(self.train_micro_batch_size_per_gpu(), train_batch_size // per_step)
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
@@ -170,8 +179,11 @@ class DeepSpeedNames:
         time (``module_state_pieces``), so only rank 0 ever holds all of it. A parameter
         reachable under several keys (tied embeddings) is one tensor under all of them, as
         in DeepSpeed, so ``save_pretrained`` recognises the tie and writes it once."""
-        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad} \
-            if exclude_frozen_parameters else set()
+        frozen = (
+            {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            if exclude_frozen_parameters
+            else set()
+        )
         holders = self.module.state_dict(keep_vars=True)
         rank0 = self.global_rank == 0
         first_key: dict[int, str] = {}

@@ -46,16 +46,18 @@ class StateOffloader:
         self.compute_device = compute_device
         self.moved: list[_Moved] = []
 
-    def offload(self, *, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
-                non_blocking: bool = False) -> None:
+    def offload(
+        self, *, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
         device = OffloadDeviceEnum(device)
         if device == OffloadDeviceEnum.nvme:
             raise ValueError("offload_states(device='nvme') is not supported; offload to 'cpu'")
         if device == OffloadDeviceEnum.none:
             return
         if getattr(self.strategy, "swapper", None) is not None:
-            raise ValueError("offload_states() cannot move state that nvme offload manages; it already lives "
-                             "in swap files")
+            raise ValueError(
+                "offload_states() cannot move state that nvme offload manages; it already lives in swap files"
+            )
         seen = {m.storage.data_ptr() for m in self.moved}
         pin = pin_memory and self.compute_device.type == "cuda"
         for kind in _kinds(include):

@@ -62,23 +62,30 @@ class Placement:
         if self.writers.stages == 1:
             return state
         names = self.params
-        return {**state, "state": {n: v for n, v in state["state"].items() if n in names},
-                "master": {n: v for n, v in state.get("master", {}).items() if n in names},
-                "param_groups": [dict(g, params=[n for n in g["params"] if n in names])
-                                 for g in state["param_groups"]]}
+        return {
+            **state,
+            "state": {n: v for n, v in state["state"].items() if n in names},
+            "master": {n: v for n, v in state.get("master", {}).items() if n in names},
+            "param_groups": [dict(g, params=[n for n in g["params"] if n in names]) for g in state["param_groups"]],
+        }
 
     def layout(self, param_dtype: torch.dtype) -> dict:
         """The manifest's ``layout`` entry."""
         writers = self.writers
-        return {"zero_stage": self.zero_stage, "dp_world_size": writers.data.world_size,
-                "tp_degree": writers.tensor_size, "pp_degree": writers.stages,
-                "param_dtype": str(param_dtype).removeprefix("torch.")}
+        return {
+            "zero_stage": self.zero_stage,
+            "dp_world_size": writers.data.world_size,
+            "tp_degree": writers.tensor_size,
+            "pp_degree": writers.stages,
+            "param_dtype": str(param_dtype).removeprefix("torch."),
+        }
 
     def describe(self) -> str:
         """The layout in words, as errors name it."""
         writers = self.writers
-        return (f"ZeRO stage {self.zero_stage}, data {writers.data.world_size} x tensor {writers.tensor_size}"
-                + (f" x pipe {writers.stages}" if writers.stages > 1 else ""))
+        return f"ZeRO stage {self.zero_stage}, data {writers.data.world_size} x tensor {writers.tensor_size}" + (
+            f" x pipe {writers.stages}" if writers.stages > 1 else ""
+        )
 
 
 def placement(module: nn.Module, grid, *, zero_stage: int) -> Placement:
@@ -93,9 +100,17 @@ def placement(module: nn.Module, grid, *, zero_stage: int) -> Placement:
         split = splits.get(name_of_key.get(key))
         shape = split.stored_shape if split is not None else tuple(getattr(tensor, "ds_shape", tensor.shape))
         keys[key] = (tensor.dtype, tuple(int(d) for d in shape))
-    return Placement(Writers.of(grid), grid.global_rank, zero_stage, keys, name_of_key,
-                     frozenset(name_of.values()), splits, _tied_elsewhere(module, grid, name_of),
-                     _aliases(current))
+    return Placement(
+        Writers.of(grid),
+        grid.global_rank,
+        zero_stage,
+        keys,
+        name_of_key,
+        frozenset(name_of.values()),
+        splits,
+        _tied_elsewhere(module, grid, name_of),
+        _aliases(current),
+    )
 
 
 def _aliases(current: dict) -> dict[str, str]:
@@ -123,8 +138,7 @@ def tensor_splits(module: nn.Module, grid) -> dict[str, TensorSplit]:
     parallelism in checkpoints] in ``_checkpointing.py``); empty without tensor parallelism."""
     if grid.tensor == 1:
         return {}
-    return {name: split for name, p in module.named_parameters()
-            if (split := _split_of(name, p, grid)) is not None}
+    return {name: split for name, p in module.named_parameters() if (split := _split_of(name, p, grid)) is not None}
 
 
 def _split_of(name: str, param, grid) -> TensorSplit | None:
@@ -137,15 +151,19 @@ def _split_of(name: str, param, grid) -> TensorSplit | None:
     info = getattr(param, "tensor_parallel_shard", None)
     if info is not None:
         if (info.parts, info.index) != (grid.tensor, grid.tensor_rank):
-            raise NotImplementedError(f"parameter {name} is slice {info.index} of {info.parts}, but this rank is "
-                                      f"tensor rank {grid.tensor_rank} of {grid.tensor}: checkpoints store slices "
-                                      "split over the grid's tensor group only")
+            raise NotImplementedError(
+                f"parameter {name} is slice {info.index} of {info.parts}, but this rank is "
+                f"tensor rank {grid.tensor_rank} of {grid.tensor}: checkpoints store slices "
+                "split over the grid's tensor group only"
+            )
         return TensorSplit(tuple(info.full_shape), info.dim, info.index, info.parts, stride, transposed)
     dim = getattr(param, "partition_dim", None)
     if dim is None:
-        raise NotImplementedError(f"parameter {name} is marked tensor-parallel but has no partition_dim, so a "
-                                  "checkpoint cannot tell where its slice belongs; set param.partition_dim "
-                                  "(and partition_stride) as Megatron's layers do")
+        raise NotImplementedError(
+            f"parameter {name} is marked tensor-parallel but has no partition_dim, so a "
+            "checkpoint cannot tell where its slice belongs; set param.partition_dim "
+            "(and partition_stride) as Megatron's layers do"
+        )
     full = list(getattr(param, "ds_shape", param.shape))
     full[dim] *= grid.tensor
     return TensorSplit(tuple(full), dim, grid.tensor_rank, grid.tensor, stride, transposed)

@@ -46,8 +46,9 @@ class _LossSum:
 
     def add(self, loss: torch.Tensor) -> None:
         if self.total.device != loss.device:
-            self.total = self.total.to(loss.device) if self.count else \
-                torch.zeros((), dtype=torch.float64, device=loss.device)
+            self.total = (
+                self.total.to(loss.device) if self.count else torch.zeros((), dtype=torch.float64, device=loss.device)
+            )
         self.total += loss.detach().to(torch.float64)
         self.count += 1
 
@@ -98,9 +99,12 @@ class ProgressReporter:
 
         def never_reached():
             if not profiler.finished:
-                logger.warning("flops_profiler.profile_step=%d was never reached: the run ended after %d "
-                               "optimizer steps; choose a smaller profile_step", config.profile_step,
-                               engine.global_steps)
+                logger.warning(
+                    "flops_profiler.profile_step=%d was never reached: the run ended after %d "
+                    "optimizer steps; choose a smaller profile_step",
+                    config.profile_step,
+                    engine.global_steps,
+                )
 
         atexit.register(never_reached)
         return profiler
@@ -160,12 +164,21 @@ class ProgressReporter:
         steps = max(engine.global_steps - self._last_steps, 1)
         sent = {op: (total - self._last_bytes.get(op, 0)) / steps for op, total in engine.comm.bytes.items()}
         sent = {op: n for op, n in sent.items() if n}
-        self.last = {"step": engine.global_steps, "loss": loss, "lr": lr[0] if lr else 0.0,
-                     "loss_scale": engine.get_loss_scale(), "samples_per_s": samples / elapsed,
-                     "data_parallel_bytes_per_step": sent}
+        self.last = {
+            "step": engine.global_steps,
+            "loss": loss,
+            "lr": lr[0] if lr else 0.0,
+            "loss_scale": engine.get_loss_scale(),
+            "samples_per_s": samples / elapsed,
+            "data_parallel_bytes_per_step": sent,
+        }
         if self.enabled:
-            parts = [f"step {engine.global_steps}", f"loss {loss:.4f}",
-                     f"lr {self.last['lr']:.3e}", f"{self.last['samples_per_s']:.1f} samples/s"]
+            parts = [
+                f"step {engine.global_steps}",
+                f"loss {loss:.4f}",
+                f"lr {self.last['lr']:.3e}",
+                f"{self.last['samples_per_s']:.1f} samples/s",
+            ]
             if engine.loss_scaler is not None:
                 parts.insert(3, f"loss scale {engine.get_loss_scale():g}")
             if engine.skipped_steps:
@@ -196,8 +209,7 @@ class ProgressReporter:
             events.append((TAG + "loss_scale", engine.get_loss_scale(), samples))
         if self.breakdown:
             names = list(TIMERS) + [name for name in step_timings if name not in TIMERS]
-            events += [(f"{TAG}elapsed_time_ms_{name}", 1000 * step_timings.get(name, 0.0), samples)
-                       for name in names]
+            events += [(f"{TAG}elapsed_time_ms_{name}", 1000 * step_timings.get(name, 0.0), samples) for name in names]
         if self.memory:
             events += [(f"{TAG}memory_{name}_MB", value, samples) for name, value in self._memory().items()]
         engine.monitor.write_events(events)
@@ -206,11 +218,13 @@ class ProgressReporter:
         """Device memory allocated and its peak (CPU: the process RSS), host RSS and the
         model-state bytes the engine holds, in MB."""
         accelerator = get_accelerator()
-        mb = 1 / 2 ** 20
-        return {"allocated": accelerator.memory_allocated() * mb,
-                "max_allocated": accelerator.max_memory_allocated() * mb,
-                "host_rss": host_memory.current() * mb,
-                "model_states": self.engine.model_state_bytes().total * mb}
+        mb = 1 / 2**20
+        return {
+            "allocated": accelerator.memory_allocated() * mb,
+            "max_allocated": accelerator.max_memory_allocated() * mb,
+            "host_rss": host_memory.current() * mb,
+            "model_states": self.engine.model_state_bytes().total * mb,
+        }
 
 
 def _bytes(n: float) -> str:

@@ -23,8 +23,10 @@ def _data_parallel_size(mpu, mesh_device) -> int:
         return 1
     if mpu is not None:
         if not hasattr(mpu, "get_data_parallel_world_size"):
-            raise ValueError(f"DeepSpeedConfig(mpu=...): {type(mpu).__name__} has no get_data_parallel_world_size(); "
-                             "pass a Megatron-style mpu or a shardwise ParallelGrid")
+            raise ValueError(
+                f"DeepSpeedConfig(mpu=...): {type(mpu).__name__} has no get_data_parallel_world_size(); "
+                "pass a Megatron-style mpu or a shardwise ParallelGrid"
+            )
         return mpu.get_data_parallel_world_size()
     if mesh_device is not None:
         return dist.get_world_size(mesh_device.get_group(mesh_dim="data_parallel"))

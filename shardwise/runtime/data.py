@@ -52,9 +52,19 @@ class RepeatingLoader:
             return next(self.data_iter)
 
 
-def deepspeed_io(dataset, *, batch_size: int, rank: int, world_size: int, pin_memory: bool = False,
-                 data_sampler=None, collate_fn=None, num_workers: int = 0, drop_last: bool = False,
-                 seed: int = 0) -> DistributedLoader:
+def deepspeed_io(
+    dataset,
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    pin_memory: bool = False,
+    data_sampler=None,
+    collate_fn=None,
+    num_workers: int = 0,
+    drop_last: bool = False,
+    seed: int = 0,
+) -> DistributedLoader:
     """A loader giving this rank its shard of ``dataset`` in micro-batches of ``batch_size``.
 
     Args:
@@ -70,10 +80,20 @@ def deepspeed_io(dataset, *, batch_size: int, rank: int, world_size: int, pin_me
         seed: the DistributedSampler's shuffle seed (the same on every rank).
     """
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        raise TypeError("deepspeed_io needs a map-style Dataset (with __len__ and __getitem__); "
-                        "shard an IterableDataset yourself and build a DataLoader directly")
-    sampler = data_sampler or DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                                 shuffle=True, seed=seed, drop_last=drop_last)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
-                        pin_memory=pin_memory, num_workers=num_workers, drop_last=drop_last)
+        raise TypeError(
+            "deepspeed_io needs a map-style Dataset (with __len__ and __getitem__); "
+            "shard an IterableDataset yourself and build a DataLoader directly"
+        )
+    sampler = data_sampler or DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+        num_workers=num_workers,
+        drop_last=drop_last,
+    )
     return DistributedLoader(loader, sampler)

@@ -27,6 +27,7 @@ from shardwise.runtime._offload_states import StateOffloader
 from shardwise.runtime._placement import placement
 from shardwise.runtime._progress import ProgressReporter
 from shardwise.runtime.data import deepspeed_io
+
 # imported here also so that ``deepspeed.runtime.lr_schedules`` is an attribute after
 # ``import deepspeed``, as in DeepSpeed (Accelerate reads VALID_LR_SCHEDULES that way)
 from shardwise.runtime.lr_schedules import build_lr_scheduler
@@ -53,8 +54,19 @@ class Engine(DeepSpeedNames, nn.Module):
     on every ``gradient_accumulation_steps``-th call of ``step()`` (the boundary).
     """
 
-    def __init__(self, *, model: nn.Module, config, grid: ParallelGrid, mpu=None, optimizer=None,
-                 model_parameters=None, lr_scheduler=None, training_data=None, collate_fn=None):
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        config,
+        grid: ParallelGrid,
+        mpu=None,
+        optimizer=None,
+        model_parameters=None,
+        lr_scheduler=None,
+        training_data=None,
+        collate_fn=None,
+    ):
         super().__init__()
         self.module = model
         self.train_config = config
@@ -76,8 +88,9 @@ class Engine(DeepSpeedNames, nn.Module):
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         if self.optimizer is not None:
             self.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped
-        self.training_dataloader = (self.deepspeed_io(training_data, collate_fn=collate_fn)
-                                    if training_data is not None else None)
+        self.training_dataloader = (
+            self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
+        )
         self.counters = StepCounters()
         self._boundary_override: bool | None = None
         self._no_sync = False
@@ -101,8 +114,10 @@ class Engine(DeepSpeedNames, nn.Module):
         from shardwise.optim import build_optimizer
 
         if client_optimizer is not None and self.train_config.optimizer is not None:
-            raise ValueError("an optimizer was passed to initialize() and the config has an "
-                             "'optimizer' section; keep only one of them")
+            raise ValueError(
+                "an optimizer was passed to initialize() and the config has an "
+                "'optimizer' section; keep only one of them"
+            )
         params = model_parameters if model_parameters is not None else self.module.parameters()
         params = [p for p in params] if not isinstance(params, list) else params
         if client_optimizer is None and self.train_config.optimizer is None:
@@ -110,24 +125,34 @@ class Engine(DeepSpeedNames, nn.Module):
         if isinstance(client_optimizer, torch.optim.Optimizer):
             return self.strategy.adopt_client_optimizer(client_optimizer)
         mapped = self.strategy.optimizer_params(params)
-        optimizer = client_optimizer(mapped) if callable(client_optimizer) \
+        optimizer = (
+            client_optimizer(mapped)
+            if callable(client_optimizer)
             else build_optimizer(self.train_config.optimizer, mapped)
+        )
         return self.strategy.adopt_client_optimizer(optimizer)
 
     def _configure_lr_scheduler(self, client_scheduler):
         if client_scheduler is not None:
             if self.train_config.scheduler is not None:
-                logger.warning("both a client lr_scheduler and a config 'scheduler' section "
-                               "were given; using the client scheduler as DeepSpeed does")
-            if isinstance(client_scheduler, torch.optim.lr_scheduler.LRScheduler) or \
-                    hasattr(client_scheduler, "state_dict") and hasattr(client_scheduler, "step"):
+                logger.warning(
+                    "both a client lr_scheduler and a config 'scheduler' section "
+                    "were given; using the client scheduler as DeepSpeed does"
+                )
+            if (
+                isinstance(client_scheduler, torch.optim.lr_scheduler.LRScheduler)
+                or hasattr(client_scheduler, "state_dict")
+                and hasattr(client_scheduler, "step")
+            ):
                 return client_scheduler
             return client_scheduler(self.optimizer)
         if self.train_config.scheduler is None:
             return None
         if self.optimizer is None:
-            raise ValueError("the config has a 'scheduler' section but no optimizer was given; "
-                             "add an 'optimizer' section or pass optimizer= to initialize()")
+            raise ValueError(
+                "the config has a 'scheduler' section but no optimizer was given; "
+                "add an 'optimizer' section or pass optimizer= to initialize()"
+            )
         return build_lr_scheduler(self.train_config.scheduler, self.optimizer)
 
     # -- the training step ------------------------------------------------------------------
@@ -141,11 +166,12 @@ class Engine(DeepSpeedNames, nn.Module):
         """Backpropagate ``loss``; at the accumulation boundary the gradients are reduced
         across ranks (overlapped with backward) and averaged before this returns."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("engine.backward() expects a scalar loss tensor, got "
-                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+            raise ValueError(
+                "engine.backward() expects a scalar loss tensor, got "
+                f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}"
+            )
         with self._progress.timer("backward"):
-            self.strategy.pre_backward(boundary=self.is_gradient_accumulation_boundary(),
-                                       sync=not self._no_sync)
+            self.strategy.pre_backward(boundary=self.is_gradient_accumulation_boundary(), sync=not self._no_sync)
             scaled = loss.float()
             gas = self.gradient_accumulation_steps()
             if scale_wrt_gas and gas > 1:
@@ -172,8 +198,10 @@ class Engine(DeepSpeedNames, nn.Module):
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         if self.optimizer is None:
-            raise RuntimeError("engine.step() needs an optimizer: add an 'optimizer' section "
-                               "to the config or pass optimizer= to initialize()")
+            raise RuntimeError(
+                "engine.step() needs an optimizer: add an 'optimizer' section "
+                "to the config or pass optimizer= to initialize()"
+            )
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         result = self.strategy.step(max_grad_norm=self.train_config.gradient_clipping, loss_scale=scale)
         self._last_result = result
@@ -187,8 +215,13 @@ class Engine(DeepSpeedNames, nn.Module):
             self.skipped_steps += 1
             if self.grid.global_rank == 0:
                 after = self.loss_scaler.scale if self.loss_scaler is not None else scale
-                logger.info("step %d: gradient overflow (norm %s); skipped the update, "
-                            "loss scale %g -> %g", self.global_steps + 1, result.grad_norm, scale, after)
+                logger.info(
+                    "step %d: gradient overflow (norm %s); skipped the update, loss scale %g -> %g",
+                    self.global_steps + 1,
+                    result.grad_norm,
+                    scale,
+                    after,
+                )
         self.global_steps += 1
 
     def zero_grad(self) -> None:
@@ -254,47 +287,84 @@ class Engine(DeepSpeedNames, nn.Module):
     @property
     def local_rank(self) -> int:
         import os
+
         return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
 
-    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True, data_sampler=None,
-                     collate_fn=None, num_local_io_workers=None):
+    def deepspeed_io(
+        self,
+        dataset,
+        batch_size=None,
+        route=None,
+        pin_memory=True,
+        data_sampler=None,
+        collate_fn=None,
+        num_local_io_workers=None,
+    ):
         """A DataLoader over ``dataset`` that gives each data-parallel rank its own shard."""
         del route
-        return deepspeed_io(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                            rank=self.comm.rank, world_size=self.comm.world_size,
-                            pin_memory=pin_memory and self.device.type == "cuda",
-                            data_sampler=data_sampler, collate_fn=collate_fn,
-                            num_workers=num_local_io_workers or 0,
-                            drop_last=self.train_config.dataloader_drop_last)
+        return deepspeed_io(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            rank=self.comm.rank,
+            world_size=self.comm.world_size,
+            pin_memory=pin_memory and self.device.type == "cuda",
+            data_sampler=data_sampler,
+            collate_fn=collate_fn,
+            num_workers=num_local_io_workers or 0,
+            drop_last=self.train_config.dataloader_drop_last,
+        )
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
-                        exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """Save module, optimizer, scheduler, scaler, counters, RNG and ``client_state``
         under ``save_dir/tag`` (default tag ``global_step<N>``). Collective: call on every rank."""
-        return _checkpointing.save(self._stateful(client_state or {}), self._placement(), save_dir, tag=tag,
-                                   save_latest=save_latest,
-                                   tag_validation=self.train_config.checkpoint.tag_validation)
+        return _checkpointing.save(
+            self._stateful(client_state or {}),
+            self._placement(),
+            save_dir,
+            tag=tag,
+            save_latest=save_latest,
+            tag_validation=self.train_config.checkpoint.tag_validation,
+        )
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
         """Load a checkpoint saved by :meth:`save_checkpoint`; returns ``(path, client_state)``."""
-        return _checkpointing.load(self._stateful(), self._placement(), load_dir, tag=tag, strict=load_module_strict,
-                                   load_optimizer=load_optimizer_states and not load_module_only,
-                                   load_scheduler=load_lr_scheduler_states and not load_module_only,
-                                   module_only=load_module_only)
+        return _checkpointing.load(
+            self._stateful(),
+            self._placement(),
+            load_dir,
+            tag=tag,
+            strict=load_module_strict,
+            load_optimizer=load_optimizer_states and not load_module_only,
+            load_scheduler=load_lr_scheduler_states and not load_module_only,
+            module_only=load_module_only,
+        )
 
     def _stateful(self, client_state: dict | None = None) -> Stateful:
         """What a checkpoint saves and restores (see ``runtime/_checkpoint_state.py``)."""
         optimizer = OptimizerState(self.strategy, self.optimizer) if self.optimizer is not None else None
-        return Stateful(ModuleState(self.strategy, param_dtype=self.policy.param_dtype), optimizer, self.lr_scheduler,
-                        self.loss_scaler, self.counters, self.gradient_accumulation_steps(),
-                        client=ClientState(client_state or {}))
+        return Stateful(
+            ModuleState(self.strategy, param_dtype=self.policy.param_dtype),
+            optimizer,
+            self.lr_scheduler,
+            self.loss_scaler,
+            self.counters,
+            self.gradient_accumulation_steps(),
+            client=ClientState(client_state or {}),
+        )
 
     def _placement(self):
         """Which names of a checkpoint this rank holds (see ``runtime/_placement.py``)."""
@@ -320,8 +390,15 @@ class Engine(DeepSpeedNames, nn.Module):
             state = {k: v for k, v in state.items() if k not in frozen}
         return {prefix + k: v for k, v in state.items()}
 
-    def load_module_state_dict(self, checkpoint: dict, strict=True, custom_load_fn=None, fetch_z3_params=False,
-                               z3_params_to_fetch=None, allowed_missing_keys=None):
+    def load_module_state_dict(
+        self,
+        checkpoint: dict,
+        strict=True,
+        custom_load_fn=None,
+        fetch_z3_params=False,
+        z3_params_to_fetch=None,
+        allowed_missing_keys=None,
+    ):
         """Load ``checkpoint["module"]`` (a full state dict) into the model at any stage;
         with ``custom_load_fn(src=state, dst=module)`` that function does the copying
         (inside ``GatheredParameters`` of the listed or, with ``fetch_z3_params``, all
@@ -333,13 +410,20 @@ class Engine(DeepSpeedNames, nn.Module):
             result = self.strategy.load_module_state_dict(state, strict=strict and allowed_missing_keys is None)
             unexpected_missing = set(result.missing_keys) - set(allowed_missing_keys or ())
             if strict and allowed_missing_keys is not None and (unexpected_missing or result.unexpected_keys):
-                raise RuntimeError(f"module state does not match the model: missing {sorted(unexpected_missing)}, "
-                                   f"unexpected {sorted(result.unexpected_keys)}")
+                raise RuntimeError(
+                    f"module state does not match the model: missing {sorted(unexpected_missing)}, "
+                    f"unexpected {sorted(result.unexpected_keys)}"
+                )
             return None
         from shardwise.zero import GatheredParameters
 
-        fetch = list(z3_params_to_fetch) if z3_params_to_fetch is not None else \
-            list(self.module.parameters()) if fetch_z3_params else []
+        fetch = (
+            list(z3_params_to_fetch)
+            if z3_params_to_fetch is not None
+            else list(self.module.parameters())
+            if fetch_z3_params
+            else []
+        )
         with GatheredParameters(fetch, modifier_rank=0):
             custom_load_fn(src=state, dst=self.module)
         self.strategy.reset_master_from_params()
@@ -354,8 +438,9 @@ class Engine(DeepSpeedNames, nn.Module):
         Call ``reload_states()`` before training again. See [Note: offloading by storage]
         in ``runtime/_offload_states.py``."""
         if self.train_config.zero.offload_param.enabled:
-            raise ValueError("offload_states() is not supported with offload_param: the parameters live "
-                             "off the device already")
+            raise ValueError(
+                "offload_states() is not supported with offload_param: the parameters live off the device already"
+            )
         self._offloader.offload(include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
@@ -376,12 +461,16 @@ class Engine(DeepSpeedNames, nn.Module):
         try:
             return getattr(module, name)
         except AttributeError:
-            raise AttributeError(f"neither the {type(self).__name__} nor its wrapped module "
-                                 f"({type(module).__name__}) has an attribute {name!r}") from None
+            raise AttributeError(
+                f"neither the {type(self).__name__} nor its wrapped module "
+                f"({type(module).__name__}) has an attribute {name!r}"
+            ) from None
 
     def __repr__(self) -> str:  # the module repr is long; keep the engine's short
-        return (f"Engine(zero_stage={self.train_config.zero.stage}, dtype={self.policy.param_dtype}, "
-                f"dp_world_size={self.comm.world_size}, module={type(self.module).__name__})")
+        return (
+            f"Engine(zero_stage={self.train_config.zero.stage}, dtype={self.policy.param_dtype}, "
+            f"dp_world_size={self.comm.world_size}, module={type(self.module).__name__})"
+        )
 
 
 DeepSpeedEngine = Engine

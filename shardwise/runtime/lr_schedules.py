@@ -24,7 +24,8 @@ import difflib
 import inspect
 import logging
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 logger = logging.getLogger("shardwise")
 
@@ -39,8 +40,7 @@ def _per_group(optimizer, value, name: str) -> list[float]:
     groups = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
         if len(value) != groups:
-            raise ValueError(f"{name} has {len(value)} values but the optimizer has {groups} "
-                             "param groups")
+            raise ValueError(f"{name} has {len(value)} values but the optimizer has {groups} param groups")
         return [float(v) for v in value]
     return [float(value)] * groups
 
@@ -131,10 +131,15 @@ class WarmupLR(_Schedule):
         last_batch_iteration: iteration to start at; -1 for a fresh run.
     """
 
-    def __init__(self, optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
-                 warmup_max_lr: float | Sequence[float] | None = None,
-                 warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG_RATE,
-                 last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] | None = None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ):
         if warmup_max_lr is None:
             warmup_max_lr = optimizer.param_groups[0]["lr"]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
@@ -170,16 +175,24 @@ class WarmupDecayLR(WarmupLR):
         last_batch_iteration: iteration to start at; -1 for a fresh run.
     """
 
-    def __init__(self, optimizer, total_num_steps: int,
-                 warmup_min_lr: float | Sequence[float] = 0.0,
-                 warmup_max_lr: float | Sequence[float] = 0.001, warmup_num_steps: int = 1000,
-                 warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ):
         self.total_num_steps = int(total_num_steps)
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         if self.total_num_steps < self.warmup_num_steps:
-            logger.warning("WarmupDecayLR: total_num_steps %d is less than warmup_num_steps %d",
-                           self.total_num_steps, self.warmup_num_steps)
+            logger.warning(
+                "WarmupDecayLR: total_num_steps %d is less than warmup_num_steps %d",
+                self.total_num_steps,
+                self.warmup_num_steps,
+            )
 
     def _gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -208,17 +221,27 @@ class WarmupCosineLR(_Schedule):
         last_batch_iteration: iteration to start at; -1 for a fresh run.
     """
 
-    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
-                 warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = WARMUP_LOG_RATE,
+        last_batch_iteration: int = -1,
+    ):
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.warmup_num_steps = max(2, _positive_int(warmup_num_steps, "warmup_num_steps"))
         self.cos_min_ratio = float(cos_min_ratio)
         self.warmup_type = _warmup_type(warmup_type)
         if self.total_num_steps < self.warmup_num_steps:
-            logger.warning("WarmupCosineLR: total_num_steps %d is less than warmup_num_steps %d",
-                           self.total_num_steps, self.warmup_num_steps)
+            logger.warning(
+                "WarmupCosineLR: total_num_steps %d is less than warmup_num_steps %d",
+                self.total_num_steps,
+                self.warmup_num_steps,
+            )
         self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         super().__init__(optimizer, last_batch_iteration)
 
@@ -269,25 +292,38 @@ class OneCycle(_Schedule):
         last_batch_iteration: iteration to start at; -1 for a fresh run.
     """
 
-    def __init__(self, optimizer, cycle_min_lr: float | Sequence[float],
-                 cycle_max_lr: float | Sequence[float], decay_lr_rate: float = 0.0,
-                 cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
-                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
-                 decay_step_size: int = 0, cycle_momentum: bool = True,
-                 cycle_min_mom: float | Sequence[float] = 0.8,
-                 cycle_max_mom: float | Sequence[float] = 0.9, decay_mom_rate: float = 0.0,
-                 last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ):
         self.first_step_size = float(cycle_first_step_size)
-        self.second_step_size = float(cycle_second_step_size if cycle_second_step_size is not None
-                                      else cycle_first_step_size)
+        self.second_step_size = float(
+            cycle_second_step_size if cycle_second_step_size is not None else cycle_first_step_size
+        )
         if self.first_step_size <= 0 or self.second_step_size <= 0:
-            raise ValueError("cycle_first_step_size and cycle_second_step_size must be > 0, got "
-                             f"{cycle_first_step_size} and {cycle_second_step_size}")
+            raise ValueError(
+                "cycle_first_step_size and cycle_second_step_size must be > 0, got "
+                f"{cycle_first_step_size} and {cycle_second_step_size}"
+            )
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
         self.first_stair_count = int(cycle_first_stair_count)
-        self.second_stair_count = int(cycle_second_stair_count if cycle_second_stair_count
-                                      is not None else cycle_first_stair_count)
+        self.second_stair_count = int(
+            cycle_second_stair_count if cycle_second_stair_count is not None else cycle_first_stair_count
+        )
         self.decay_step_size = int(decay_step_size)
         self.decay_lr_rate = float(decay_lr_rate)
         self.decay_mom_rate = float(decay_mom_rate)
@@ -303,12 +339,17 @@ class OneCycle(_Schedule):
         if "betas" in getattr(optimizer, "defaults", {}):
             betas2 = {g["betas"][1] for g in optimizer.param_groups}
             if betas2 != {_ONE_CYCLE_BETA2}:
-                logger.warning("OneCycle sets beta2 to %s while cycling momentum, as DeepSpeed "
-                               "does (the optimizer had %s)", _ONE_CYCLE_BETA2, sorted(betas2))
+                logger.warning(
+                    "OneCycle sets beta2 to %s while cycling momentum, as DeepSpeed does (the optimizer had %s)",
+                    _ONE_CYCLE_BETA2,
+                    sorted(betas2),
+                )
             return True
-        logger.warning("OneCycle: cycle_momentum is disabled because %s has no 'betas' "
-                       "(as in DeepSpeed, only beta1 of Adam-like optimizers is cycled)",
-                       type(optimizer).__name__)
+        logger.warning(
+            "OneCycle: cycle_momentum is disabled because %s has no 'betas' "
+            "(as in DeepSpeed, only beta1 of Adam-like optimizers is cycled)",
+            type(optimizer).__name__,
+        )
         return False
 
     def _scale(self, iteration: int) -> float:
@@ -317,8 +358,7 @@ class OneCycle(_Schedule):
         if position <= self.first_step_size:
             offset, span, stairs = position, self.first_step_size, self.first_stair_count
         else:
-            offset, span, stairs = self.total_size - position, self.second_step_size, \
-                self.second_stair_count
+            offset, span, stairs = self.total_size - position, self.second_step_size, self.second_stair_count
         if stairs > 0:
             # Quantise from the iteration offset, not from the float scale: at a half's
             # end the scale can land a hair under a whole stair and floor one too low.
@@ -377,9 +417,15 @@ class LRRangeTest(_Schedule):
         last_batch_iteration: iteration to start at; -1 for a fresh run.
     """
 
-    def __init__(self, optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
-                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
-                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ):
         self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         if lr_range_test_step_size <= 0:
             raise ValueError(f"lr_range_test_step_size must be > 0, got {lr_range_test_step_size}")
@@ -395,8 +441,7 @@ class LRRangeTest(_Schedule):
         return [lr * (1 + self.step_rate * interval) for lr in self.min_lrs]
 
 
-SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
-                                           LRRangeTest)}
+SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 
 VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
@@ -425,16 +470,15 @@ def build_lr_scheduler(config, optimizer):
         raise ValueError(f"unknown scheduler {config.type!r}{hint} (known: {', '.join(SCHEDULES)})")
     signature = inspect.signature(cls.__init__)
     allowed = [n for n in signature.parameters if n not in ("self", "optimizer")]
-    params = {k: v for k, v in dict(config.params or {}).items()
-              if not (isinstance(v, str) and v == "auto")}
+    params = {k: v for k, v in dict(config.params or {}).items() if not (isinstance(v, str) and v == "auto")}
     for key in params:
         if key not in allowed:
             match = difflib.get_close_matches(key, allowed, n=1)
             hint = f"; did you mean {match[0]!r}?" if match else ""
-            raise ValueError(f"scheduler.params.{key} is not a parameter of {config.type}{hint} "
-                             f"(allowed: {', '.join(allowed)})")
-    missing = [n for n in allowed
-               if signature.parameters[n].default is inspect.Parameter.empty and n not in params]
+            raise ValueError(
+                f"scheduler.params.{key} is not a parameter of {config.type}{hint} (allowed: {', '.join(allowed)})"
+            )
+    missing = [n for n in allowed if signature.parameters[n].default is inspect.Parameter.empty and n not in params]
     if missing:
         raise ValueError(f"scheduler {config.type} needs scheduler.params.{missing[0]}")
     return cls(optimizer, **params)

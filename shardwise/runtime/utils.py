@@ -43,9 +43,13 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     gc.collect()
     accelerator = get_accelerator()
     gib = 2**30
-    logger.info("%s | device memory allocated %.2f GiB, max allocated %.2f GiB, reserved %.2f GiB", message,
-                accelerator.memory_allocated() / gib, accelerator.max_memory_allocated() / gib,
-                accelerator.memory_reserved() / gib)
+    logger.info(
+        "%s | device memory allocated %.2f GiB, max allocated %.2f GiB, reserved %.2f GiB",
+        message,
+        accelerator.memory_allocated() / gib,
+        accelerator.max_memory_allocated() / gib,
+        accelerator.memory_reserved() / gib,
+    )
     try:
         import psutil
     except ImportError:

@@ -23,23 +23,50 @@ size; a *sharded* parameter is one rank's chunk of a full parameter (marked
 from shardwise.tensor_parallel._comm import as_tensor_comm
 from shardwise.tensor_parallel._partition import ShardInfo, shard_info
 from shardwise.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from shardwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                              VocabParallelEmbedding)
-from shardwise.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region, copy_to_tensor_region,
-                                                gather_from_sequence_parallel_region, gather_from_sequence_region,
-                                                gather_from_tensor_model_parallel_region, gather_from_tensor_region,
-                                                reduce_from_tensor_model_parallel_region, reduce_from_tensor_region,
-                                                reduce_scatter_to_sequence_parallel_region,
-                                                reduce_scatter_to_sequence_region, scatter_to_sequence_parallel_region,
-                                                scatter_to_sequence_region, scatter_to_tensor_model_parallel_region,
-                                                scatter_to_tensor_region)
+from shardwise.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    VocabParallelEmbedding,
+)
+from shardwise.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    copy_to_tensor_region,
+    gather_from_sequence_parallel_region,
+    gather_from_sequence_region,
+    gather_from_tensor_model_parallel_region,
+    gather_from_tensor_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_from_tensor_region,
+    reduce_scatter_to_sequence_parallel_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_sequence_region,
+    scatter_to_tensor_model_parallel_region,
+    scatter_to_tensor_region,
+)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceParallelLayerNorm", "ShardInfo",
-           "VocabParallelEmbedding", "as_tensor_comm", "copy_to_tensor_model_parallel_region", "copy_to_tensor_region",
-           "gather_from_sequence_parallel_region", "gather_from_sequence_region",
-           "gather_from_tensor_model_parallel_region", "gather_from_tensor_region",
-           "reduce_from_tensor_model_parallel_region", "reduce_from_tensor_region",
-           "reduce_scatter_to_sequence_parallel_region", "reduce_scatter_to_sequence_region",
-           "scatter_to_sequence_parallel_region", "scatter_to_sequence_region",
-           "scatter_to_tensor_model_parallel_region", "scatter_to_tensor_region", "shard_info",
-           "vocab_parallel_cross_entropy"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "SequenceParallelLayerNorm",
+    "ShardInfo",
+    "VocabParallelEmbedding",
+    "as_tensor_comm",
+    "copy_to_tensor_model_parallel_region",
+    "copy_to_tensor_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_sequence_region",
+    "gather_from_tensor_model_parallel_region",
+    "gather_from_tensor_region",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_from_tensor_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_region",
+    "scatter_to_tensor_model_parallel_region",
+    "scatter_to_tensor_region",
+    "shard_info",
+    "vocab_parallel_cross_entropy",
+]

@@ -35,12 +35,16 @@ def as_tensor_comm(group) -> Communicator:
         if hasattr(group, getter):
             found = getattr(group, getter)()
             if found is None:
-                raise ValueError(f"{type(group).__name__}.{getter}() returned None: initialise "
-                                 "model parallelism first, or pass the group itself")
+                raise ValueError(
+                    f"{type(group).__name__}.{getter}() returned None: initialise "
+                    "model parallelism first, or pass the group itself"
+                )
             return as_tensor_comm(found)
     if isinstance(group, dist.ProcessGroup):
         if group not in _COMMS:
             _COMMS[group] = Communicator(group, name="tensor-parallel", shared_memory=True)
         return _COMMS[group]
-    raise TypeError(f"group= must be the tensor-parallel process group, a Communicator, a grid "
-                    f"with tensor_comm or an mpu; got {type(group).__name__}")
+    raise TypeError(
+        f"group= must be the tensor-parallel process group, a Communicator, a grid "
+        f"with tensor_comm or an mpu; got {type(group).__name__}"
+    )

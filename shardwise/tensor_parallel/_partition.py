@@ -24,8 +24,15 @@ from typing import NamedTuple
 
 import torch
 
-_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "tensor_parallel_full_shape",
-          "tensor_parallel_shard", "sequence_parallel", "tensor_parallel_transposed")
+_MARKS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "tensor_parallel_full_shape",
+    "tensor_parallel_shard",
+    "sequence_parallel",
+    "tensor_parallel_transposed",
+)
 
 
 class ShardInfo(NamedTuple):
@@ -48,8 +55,10 @@ def shard_size(size: int, tp_degree: int, *, what: str) -> int:
         ValueError: ``size`` does not divide evenly by ``tp_degree``.
     """
     if size % tp_degree:
-        raise ValueError(f"{what}={size} is not divisible by the tensor-parallel degree (group size) "
-                         f"{tp_degree}; tensor-parallel layers split evenly")
+        raise ValueError(
+            f"{what}={size} is not divisible by the tensor-parallel degree (group size) "
+            f"{tp_degree}; tensor-parallel layers split evenly"
+        )
     return size // tp_degree
 
 

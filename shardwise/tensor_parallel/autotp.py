@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 from shardwise.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from shardwise.tensor_parallel.policies import (POLICIES, TPPolicy, policy_from_hf_tp_plan,
-                                                policy_from_layer_specs)
+from shardwise.tensor_parallel.policies import POLICIES, TPPolicy, policy_from_hf_tp_plan, policy_from_layer_specs
 
 logger = logging.getLogger("shardwise")
 
@@ -49,8 +48,10 @@ def resolve_policy(model: nn.Module, section: dict | None = None) -> TPPolicy:
     base = None
     if preset is not None:
         if preset not in POLICIES:
-            raise ValueError(f"tensor_parallel.preset_model={preset!r} is not a known preset; shardwise has "
-                             f"{sorted(POLICIES)} (or give partition_config.layer_specs)")
+            raise ValueError(
+                f"tensor_parallel.preset_model={preset!r} is not a known preset; shardwise has "
+                f"{sorted(POLICIES)} (or give partition_config.layer_specs)"
+            )
         base = POLICIES[preset]
     elif model_type in POLICIES:
         base = POLICIES[model_type]
@@ -64,21 +65,30 @@ def resolve_policy(model: nn.Module, section: dict | None = None) -> TPPolicy:
         extra = policy_from_layer_specs(specs, name="tensor_parallel.partition_config", model_type=model_type)
         if base is None:
             return extra
-        return TPPolicy(f"{base.name}+partition_config", column=base.column + extra.column,
-                        row=base.row + extra.row, fused={**base.fused, **extra.fused},
-                        head_attrs=base.head_attrs, head_counts=base.head_counts,
-                        shared_inputs=base.shared_inputs)
+        return TPPolicy(
+            f"{base.name}+partition_config",
+            column=base.column + extra.column,
+            row=base.row + extra.row,
+            fused={**base.fused, **extra.fused},
+            head_attrs=base.head_attrs,
+            head_counts=base.head_counts,
+            shared_inputs=base.shared_inputs,
+        )
     if base is None:
-        linears = sorted({type(m).__name__ for m in model.modules()
-                          if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
-        blocks = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.ModuleList)
-                         for m in m.children()})
-        raise ValueError(f"AutoTP has no sharding policy for {type(model).__name__} (model_type {model_type!r}); "
-                         f"built-in: {sorted(POLICIES)}. Its blocks are {blocks or ['?']} with layers of "
-                         f"{linears}. Name the layers to split in the config: \"tensor_parallel\": "
-                         "{\"autotp_size\": N, \"partition_config\": {\"layer_specs\": [{\"patterns\": "
-                         "[\".*\\\\.out_proj\\\\.weight$\"], \"partition_type\": \"row\"}, {\"patterns\": "
-                         "[\".*\\\\.in_proj\\\\.weight$\"], \"partition_type\": \"column\"}]}}")
+        linears = sorted(
+            {type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+        )
+        blocks = sorted(
+            {type(m).__name__ for m in model.modules() if isinstance(m, nn.ModuleList) for m in m.children()}
+        )
+        raise ValueError(
+            f"AutoTP has no sharding policy for {type(model).__name__} (model_type {model_type!r}); "
+            f"built-in: {sorted(POLICIES)}. Its blocks are {blocks or ['?']} with layers of "
+            f'{linears}. Name the layers to split in the config: "tensor_parallel": '
+            '{"autotp_size": N, "partition_config": {"layer_specs": [{"patterns": '
+            '[".*\\\\.out_proj\\\\.weight$"], "partition_type": "row"}, {"patterns": '
+            '[".*\\\\.in_proj\\\\.weight$"], "partition_type": "column"}]}}'
+        )
     return base
 
 
@@ -96,12 +106,15 @@ def apply_autotp(model: nn.Module, comm, *, policy: TPPolicy) -> dict[nn.Paramet
             continue
         replaced[kind] += 1
         layer = _shard(module, name, kind, comm, blocks=policy.blocks(name))
-        successors.update((old, new) for old, new in ((module.weight, layer.weight), (module.bias, layer.bias))
-                          if old is not None)
+        successors.update(
+            (old, new) for old, new in ((module.weight, layer.weight), (module.bias, layer.bias)) if old is not None
+        )
         _set_submodule(model, name, layer)
     if not any(replaced.values()):
-        raise ValueError(f"AutoTP policy {policy.name!r} matched no layer of {type(model).__name__}; check its "
-                         "patterns against the module names (print(model) shows them)")
+        raise ValueError(
+            f"AutoTP policy {policy.name!r} matched no layer of {type(model).__name__}; check its "
+            "patterns against the module names (print(model) shows them)"
+        )
     for module in model.modules():
         for attr in policy.head_attrs.get(type(module).__name__, ()):
             value = getattr(module, attr)
@@ -113,8 +126,13 @@ def apply_autotp(model: nn.Module, comm, *, policy: TPPolicy) -> dict[nn.Paramet
         check = _SameBatchCheck(comm)
         check.handle = model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        logger.info("AutoTP (%s): %d column- and %d row-parallel layers split %d ways", policy.name,
-                    replaced["column"], replaced["row"], tp)
+        logger.info(
+            "AutoTP (%s): %d column- and %d row-parallel layers split %d ways",
+            policy.name,
+            replaced["column"],
+            replaced["row"],
+            tp,
+        )
     return successors
 
 
@@ -154,15 +172,19 @@ def _check_head_counts(model: nn.Module, policy: TPPolicy, tp: int) -> None:
     for attr in policy.head_counts:
         value = getattr(config, attr, None)
         if value is not None and value % tp:
-            raise ValueError(f"autotp_size {tp} does not divide the model's {attr} ({value}): each tensor rank must "
-                             "hold whole attention heads; choose an autotp_size that divides it")
+            raise ValueError(
+                f"autotp_size {tp} does not divide the model's {attr} ({value}): each tensor rank must "
+                "hold whole attention heads; choose an autotp_size that divides it"
+            )
 
 
 def _shard(module: nn.Module, name: str, kind: str, comm, *, blocks: int) -> nn.Module:
     is_conv1d = type(module).__name__ == "Conv1D"  # Hugging Face GPT-2's transposed linear
     if not (isinstance(module, nn.Linear) or is_conv1d):
-        raise ValueError(f"AutoTP: {name} is a {type(module).__name__}, not a linear layer; only nn.Linear and "
-                         "Hugging Face Conv1D layers can be split")
+        raise ValueError(
+            f"AutoTP: {name} is a {type(module).__name__}, not a linear layer; only nn.Linear and "
+            "Hugging Face Conv1D layers can be split"
+        )
     weight = module.weight.t() if is_conv1d else module.weight  # [out, in]
     bias = module.bias
     tp = comm.world_size
@@ -191,8 +213,10 @@ def _interleave_blocks(weight: torch.Tensor, bias: torch.Tensor | None, *, block
     transposed weights])."""
     out = weight.shape[0]
     if out % (blocks * tp):
-        raise ValueError(f"AutoTP cannot split {name}: its {out} output features hold {blocks} blocks, which do not "
-                         f"split into {tp} equal parts each")
+        raise ValueError(
+            f"AutoTP cannot split {name}: its {out} output features hold {blocks} blocks, which do not "
+            f"split into {tp} equal parts each"
+        )
     order = torch.arange(out).reshape(blocks, tp, out // (blocks * tp)).transpose(0, 1).reshape(-1)
     with torch.no_grad():
         return weight[order], (bias[order] if bias is not None else None)
@@ -220,21 +244,31 @@ class _SameBatchCheck:
 
     def __call__(self, module, args, kwargs):
         tensors = [t for t in _tensors((args, kwargs))]
-        summary = torch.tensor([float(sum(t.numel() for t in tensors)),
-                                float(sum(t.detach().double().sum() for t in tensors)) if tensors else 0.0,
-                                float(sum((t.detach().double() * (1 + torch.arange(t.numel()).reshape(t.shape)))
-                                          .sum() for t in tensors)) if tensors else 0.0],
-                               dtype=torch.float64, device=tensors[0].device if tensors else None)
+        summary = torch.tensor(
+            [
+                float(sum(t.numel() for t in tensors)),
+                float(sum(t.detach().double().sum() for t in tensors)) if tensors else 0.0,
+                float(
+                    sum((t.detach().double() * (1 + torch.arange(t.numel()).reshape(t.shape))).sum() for t in tensors)
+                )
+                if tensors
+                else 0.0,
+            ],
+            dtype=torch.float64,
+            device=tensors[0].device if tensors else None,
+        )
         low, high = summary.clone(), summary.clone()
         self.comm.all_reduce(low, op=torch.distributed.ReduceOp.MIN, tag="AutoTP same-batch check").wait()
         self.comm.all_reduce(high, op=torch.distributed.ReduceOp.MAX, tag="AutoTP same-batch check").wait()
         self.handle.remove()
         if not torch.equal(low, high):
-            raise ValueError("the ranks of a tensor-parallel group were given different inputs: with tensor "
-                             "parallelism every rank of a tensor group computes one model on one batch. Feed data "
-                             "by data-parallel rank (engine.grid.get_data_parallel_rank() and "
-                             "get_data_parallel_world_size(), or the loader initialize(training_data=...) returns), "
-                             "not by global rank")
+            raise ValueError(
+                "the ranks of a tensor-parallel group were given different inputs: with tensor "
+                "parallelism every rank of a tensor group computes one model on one batch. Feed data "
+                "by data-parallel rank (engine.grid.get_data_parallel_rank() and "
+                "get_data_parallel_world_size(), or the loader initialize(training_data=...) returns), "
+                "not by global rank"
+            )
         return None
 
 
@@ -253,4 +287,3 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, attr, new)
-

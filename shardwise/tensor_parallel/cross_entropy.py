@@ -58,8 +58,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (grad * grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, group,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, group, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """The per-token cross-entropy of logits split by vocabulary over the tensor group.
 
     Equals ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(),
@@ -87,5 +88,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, as_tensor_comm(group),
-                                            float(label_smoothing))
+    return _VocabParallelCrossEntropy.apply(
+        vocab_parallel_logits, target, as_tensor_comm(group), float(label_smoothing)
+    )

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +44,14 @@ from torch import nn
 
 from shardwise.tensor_parallel._comm import as_tensor_comm
 from shardwise.tensor_parallel._partition import copy_marks, mark_sharded, shard_size, take_shard
-from shardwise.tensor_parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region,
-                                                gather_from_tensor_region, reduce_from_tensor_region,
-                                                reduce_scatter_to_sequence_region, scatter_to_tensor_region)
+from shardwise.tensor_parallel.mappings import (
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    gather_from_tensor_region,
+    reduce_from_tensor_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tensor_region,
+)
 
 InitMethod = Callable[[torch.Tensor], object]
 """Initialises a full weight in place, as ``torch.nn.init.xavier_normal_`` does."""
@@ -71,8 +76,9 @@ def _is_meta(device) -> bool:
     return device is not None and torch.device(device).type == "meta"
 
 
-def _full_linear_params(out_features: int, in_features: int, *, bias: bool, init_method: InitMethod | None,
-                        dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _full_linear_params(
+    out_features: int, in_features: int, *, bias: bool, init_method: InitMethod | None, dtype, device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The full weight and bias. See [Note: tensor-parallel initialisation]."""
     place = "meta" if _is_meta(device) else "cpu"
     weight = torch.empty(out_features, in_features, dtype=dtype, device=place)
@@ -100,8 +106,19 @@ class _ParallelLinear(_HoldsComm, nn.Module):
     bias_sharded: bool
     """Whether the bias is sharded (along dim 0) or replicated."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool, group, init_method, skip_bias_add: bool,
-                 sequence_parallel: bool, dtype, device) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        group,
+        init_method,
+        skip_bias_add: bool,
+        sequence_parallel: bool,
+        dtype,
+        device,
+    ) -> None:
         super().__init__()
         self.comm = as_tensor_comm(group)
         self.input_size, self.output_size = input_size, output_size
@@ -111,8 +128,14 @@ class _ParallelLinear(_HoldsComm, nn.Module):
         shard_size(sharded[1], self.tp_degree, what=f"{name}: {sharded[0]}")
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel
-        weight, full_bias = _full_linear_params(output_size, input_size, bias=bias, init_method=init_method,
-                                                dtype=dtype or torch.get_default_dtype(), device=device)
+        weight, full_bias = _full_linear_params(
+            output_size,
+            input_size,
+            bias=bias,
+            init_method=init_method,
+            dtype=dtype or torch.get_default_dtype(),
+            device=device,
+        )
         self._hold_shards(weight, full_bias, device=device)
 
     def _hold_shards(self, weight: torch.Tensor, bias: torch.Tensor | None, *, device=None) -> None:
@@ -122,8 +145,11 @@ class _ParallelLinear(_HoldsComm, nn.Module):
 
         def own(full: torch.Tensor, dim: int | None) -> nn.Parameter:
             with torch.no_grad():
-                data = full.detach().clone() if dim is None else take_shard(full.detach(), dim=dim, index=index,
-                                                                            parts=parts)
+                data = (
+                    full.detach().clone()
+                    if dim is None
+                    else take_shard(full.detach(), dim=dim, index=index, parts=parts)
+                )
             param = nn.Parameter(data if device is None else data.to(device))
             if dim is not None:
                 mark_sharded(param, full_shape=full.shape, dim=dim, index=index, parts=parts)
@@ -138,8 +164,9 @@ class _ParallelLinear(_HoldsComm, nn.Module):
     @classmethod
     def _from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, *, group, **options):
         out_features, in_features = weight.shape
-        layer = cls(in_features, out_features, bias=bias is not None, group=group, dtype=weight.dtype,
-                    device="meta", **options)
+        layer = cls(
+            in_features, out_features, bias=bias is not None, group=group, dtype=weight.dtype, device="meta", **options
+        )
         layer._hold_shards(weight, bias)
         for param, source in ((layer.weight, weight), (layer.bias, bias)):
             if param is not None:
@@ -147,9 +174,11 @@ class _ParallelLinear(_HoldsComm, nn.Module):
         return layer
 
     def extra_repr(self) -> str:
-        return (f"input_size={self.input_size}, output_size={self.output_size}, bias={self.bias is not None}, "
-                f"tp_degree={self.tp_degree}, skip_bias_add={self.skip_bias_add}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, bias={self.bias is not None}, "
+            f"tp_degree={self.tp_degree}, skip_bias_add={self.skip_bias_add}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -190,20 +219,42 @@ class ColumnParallelLinear(_ParallelLinear):
     weight_dim = 0
     bias_sharded = True
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True, *, group,
-                 init_method: InitMethod | None = None, skip_bias_add: bool = False, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, device=None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        *,
+        group,
+        init_method: InitMethod | None = None,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ) -> None:
         if sequence_parallel and gather_output:
-            raise ValueError("ColumnParallelLinear: sequence_parallel=True needs gather_output=False (the output "
-                             "stays sharded for a row-parallel layer)")
+            raise ValueError(
+                "ColumnParallelLinear: sequence_parallel=True needs gather_output=False (the output "
+                "stays sharded for a row-parallel layer)"
+            )
         self.gather_output = gather_output
         self.input_in_region = False
         """True when the caller put the input into the tensor region already (one
         ``copy_to_tensor_region`` shared by several column-parallel layers reading the
         same input, so their input gradients are summed before one all-reduce; see [Note:
         one input region for sibling layers] in ``autotp.py``)."""
-        super().__init__(input_size, output_size, bias=bias, group=group, init_method=init_method,
-                         skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        super().__init__(
+            input_size,
+            output_size,
+            bias=bias,
+            group=group,
+            init_method=init_method,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if self.sequence_parallel:
@@ -221,24 +272,44 @@ class ColumnParallelLinear(_ParallelLinear):
         return out, bias
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group, gather_output: bool = False, skip_bias_add: bool = False,
-                    sequence_parallel: bool = False) -> "ColumnParallelLinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        group,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+    ) -> ColumnParallelLinear:
         """This rank's column-parallel shard of a full ``nn.Linear`` (copied, on its
         device and dtype; ``linear`` is left as it is).
 
         Raises:
             ValueError: ``linear.out_features`` does not divide by the tensor-parallel degree.
         """
-        return cls._from_full(linear.weight, linear.bias, group=group, gather_output=gather_output,
-                              skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel)
+        return cls._from_full(
+            linear.weight,
+            linear.bias,
+            group=group,
+            gather_output=gather_output,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel,
+        )
 
     @classmethod
-    def from_conv1d(cls, conv, *, group, gather_output: bool = False, skip_bias_add: bool = False,
-                    sequence_parallel: bool = False) -> "ColumnParallelLinear":
+    def from_conv1d(
+        cls, conv, *, group, gather_output: bool = False, skip_bias_add: bool = False, sequence_parallel: bool = False
+    ) -> ColumnParallelLinear:
         """As :meth:`from_linear`, from Hugging Face's GPT-2 ``Conv1D`` (weight stored
         transposed, ``[in, out]``)."""
-        return cls._from_full(conv.weight.t(), conv.bias, group=group, gather_output=gather_output,
-                              skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel)
+        return cls._from_full(
+            conv.weight.t(),
+            conv.bias,
+            group=group,
+            gather_output=gather_output,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel,
+        )
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -276,14 +347,34 @@ class RowParallelLinear(_ParallelLinear):
     weight_dim = 1
     bias_sharded = False
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False, *,
-                 group, init_method: InitMethod | None = None, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, dtype: torch.dtype | None = None, device=None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        *,
+        group,
+        init_method: InitMethod | None = None,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ) -> None:
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
-        super().__init__(input_size, output_size, bias=bias, group=group, init_method=init_method,
-                         skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        super().__init__(
+            input_size,
+            output_size,
+            bias=bias,
+            group=group,
+            init_method=init_method,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
@@ -301,24 +392,50 @@ class RowParallelLinear(_ParallelLinear):
         return out if bias is None else out + bias
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group, input_is_parallel: bool = True, skip_bias_add: bool = False,
-                    sequence_parallel: bool = False) -> "RowParallelLinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        group,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+    ) -> RowParallelLinear:
         """This rank's row-parallel shard of a full ``nn.Linear`` (copied, on its device
         and dtype; ``linear`` is left as it is).
 
         Raises:
             ValueError: ``linear.in_features`` does not divide by the tensor-parallel degree.
         """
-        return cls._from_full(linear.weight, linear.bias, group=group, input_is_parallel=input_is_parallel,
-                              skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel)
+        return cls._from_full(
+            linear.weight,
+            linear.bias,
+            group=group,
+            input_is_parallel=input_is_parallel,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel,
+        )
 
     @classmethod
-    def from_conv1d(cls, conv, *, group, input_is_parallel: bool = True, skip_bias_add: bool = False,
-                    sequence_parallel: bool = False) -> "RowParallelLinear":
+    def from_conv1d(
+        cls,
+        conv,
+        *,
+        group,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+    ) -> RowParallelLinear:
         """As :meth:`from_linear`, from Hugging Face's GPT-2 ``Conv1D`` (weight stored
         transposed, ``[in, out]``)."""
-        return cls._from_full(conv.weight.t(), conv.bias, group=group, input_is_parallel=input_is_parallel,
-                              skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel)
+        return cls._from_full(
+            conv.weight.t(),
+            conv.bias,
+            group=group,
+            input_is_parallel=input_is_parallel,
+            skip_bias_add=skip_bias_add,
+            sequence_parallel=sequence_parallel,
+        )
 
 
 class VocabParallelEmbedding(_HoldsComm, nn.Module):
@@ -346,9 +463,18 @@ class VocabParallelEmbedding(_HoldsComm, nn.Module):
             ``padding_idx`` is outside the vocabulary.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, group, padding_idx: int | None = None,
-                 init_method: InitMethod | None = None, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, device=None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group,
+        padding_idx: int | None = None,
+        init_method: InitMethod | None = None,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ) -> None:
         super().__init__()
         self.comm = as_tensor_comm(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -357,8 +483,9 @@ class VocabParallelEmbedding(_HoldsComm, nn.Module):
         self.vocab_start, self.vocab_end = self.comm.rank * rows, (self.comm.rank + 1) * rows
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"VocabParallelEmbedding: padding_idx={padding_idx} is outside the vocabulary "
-                                 f"of {num_embeddings}")
+                raise ValueError(
+                    f"VocabParallelEmbedding: padding_idx={padding_idx} is outside the vocabulary of {num_embeddings}"
+                )
             padding_idx %= num_embeddings
         self.padding_idx = padding_idx
         self.sequence_parallel = sequence_parallel
@@ -379,8 +506,9 @@ class VocabParallelEmbedding(_HoldsComm, nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         padding = self.padding_idx
-        local_padding = padding - self.vocab_start if padding is not None and \
-            self.vocab_start <= padding < self.vocab_end else None
+        local_padding = (
+            padding - self.vocab_start if padding is not None and self.vocab_start <= padding < self.vocab_end else None
+        )
         if self.tp_degree == 1:
             out = F.embedding(ids, self.weight, local_padding)
         else:
@@ -392,24 +520,34 @@ class VocabParallelEmbedding(_HoldsComm, nn.Module):
         return reduce_from_tensor_region(out, self.comm)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, group,
-                       sequence_parallel: bool = False) -> "VocabParallelEmbedding":
+    def from_embedding(
+        cls, embedding: nn.Embedding, *, group, sequence_parallel: bool = False
+    ) -> VocabParallelEmbedding:
         """This rank's vocabulary shard of a full ``nn.Embedding`` (copied, on its device
         and dtype; its ``padding_idx`` kept).
 
         Raises:
             ValueError: ``embedding.num_embeddings`` does not divide by the tensor-parallel degree.
         """
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group, padding_idx=embedding.padding_idx,
-                    sequence_parallel=sequence_parallel, dtype=embedding.weight.dtype, device="meta")
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            group=group,
+            padding_idx=embedding.padding_idx,
+            sequence_parallel=sequence_parallel,
+            dtype=embedding.weight.dtype,
+            device="meta",
+        )
         layer._hold_shard(embedding.weight)
         layer.weight.requires_grad_(embedding.weight.requires_grad)
         return layer
 
     def extra_repr(self) -> str:
-        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
-                f"vocab=[{self.vocab_start}, {self.vocab_end}), padding_idx={self.padding_idx}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"vocab=[{self.vocab_start}, {self.vocab_end}), padding_idx={self.padding_idx}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class SequenceParallelLayerNorm(_HoldsComm, nn.LayerNorm):
@@ -427,8 +565,17 @@ class SequenceParallelLayerNorm(_HoldsComm, nn.LayerNorm):
         device: parameter device (default: CPU).
     """
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,
-                 group, dtype: torch.dtype | None = None, device=None) -> None:
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        group,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
         self.comm = as_tensor_comm(group)
 
@@ -438,10 +585,11 @@ class SequenceParallelLayerNorm(_HoldsComm, nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
     @classmethod
-    def from_layer_norm(cls, norm: nn.LayerNorm, *, group) -> "SequenceParallelLayerNorm":
+    def from_layer_norm(cls, norm: nn.LayerNorm, *, group) -> SequenceParallelLayerNorm:
         """A sequence-parallel LayerNorm that holds ``norm``'s own parameters (the same
         ``nn.Parameter`` objects, so an optimizer built over them keeps working)."""
-        layer = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine, norm.bias is not None, group=group,
-                    device="meta")
+        layer = cls(
+            norm.normalized_shape, norm.eps, norm.elementwise_affine, norm.bias is not None, group=group, device="meta"
+        )
         layer.weight, layer.bias = norm.weight, norm.bias
         return layer

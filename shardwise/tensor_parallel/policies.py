@@ -45,7 +45,7 @@ class TPPolicy:
     region once for all of them (see [Note: one input region for sibling layers])."""
 
     def kind(self, module_name: str) -> str | None:
-        """"column", "row" or None for the module named ``module_name``."""
+        """ "column", "row" or None for the module named ``module_name``."""
         if any(re.fullmatch(p, module_name) for p in self.column):
             return "column"
         if any(re.fullmatch(p, module_name) for p in self.row):
@@ -57,27 +57,43 @@ class TPPolicy:
         return next((n for p, n in self.fused.items() if re.fullmatch(p, module_name)), 1)
 
 
-_LLAMA_LIKE = dict(column=(r".*\.self_attn\.[qkv]_proj", r".*\.mlp\.(gate|up)_proj"),
-                   row=(r".*\.self_attn\.o_proj", r".*\.mlp\.down_proj"),
-                   shared_inputs=(r".*\.self_attn", r".*\.mlp"))
+_LLAMA_LIKE = dict(
+    column=(r".*\.self_attn\.[qkv]_proj", r".*\.mlp\.(gate|up)_proj"),
+    row=(r".*\.self_attn\.o_proj", r".*\.mlp\.down_proj"),
+    shared_inputs=(r".*\.self_attn", r".*\.mlp"),
+)
 
 POLICIES: dict[str, TPPolicy] = {
     "llama": TPPolicy("llama", **_LLAMA_LIKE),
     "mistral": TPPolicy("mistral", **_LLAMA_LIKE),
     "qwen2": TPPolicy("qwen2", **_LLAMA_LIKE),
-    "gpt2": TPPolicy("gpt2", column=(r".*\.attn\.c_attn", r".*\.mlp\.c_fc"), row=(r".*\.attn\.c_proj", r".*\.mlp\.c_proj"),
-                     fused={r".*\.attn\.c_attn": 3}, head_attrs={"GPT2Attention": ("num_heads", "split_size")},
-                     head_counts=("n_head",)),
-    "opt": TPPolicy("opt", column=(r".*\.self_attn\.[qkv]_proj", r".*\.fc1"), row=(r".*\.self_attn\.out_proj", r".*\.fc2"),
-                    head_attrs={"OPTAttention": ("num_heads",)}, shared_inputs=(r".*\.self_attn",)),
-    "gpt_neox": TPPolicy("gpt_neox", column=(r".*\.attention\.query_key_value", r".*\.mlp\.dense_h_to_4h"),
-                         row=(r".*\.attention\.dense", r".*\.mlp\.dense_4h_to_h")),
+    "gpt2": TPPolicy(
+        "gpt2",
+        column=(r".*\.attn\.c_attn", r".*\.mlp\.c_fc"),
+        row=(r".*\.attn\.c_proj", r".*\.mlp\.c_proj"),
+        fused={r".*\.attn\.c_attn": 3},
+        head_attrs={"GPT2Attention": ("num_heads", "split_size")},
+        head_counts=("n_head",),
+    ),
+    "opt": TPPolicy(
+        "opt",
+        column=(r".*\.self_attn\.[qkv]_proj", r".*\.fc1"),
+        row=(r".*\.self_attn\.out_proj", r".*\.fc2"),
+        head_attrs={"OPTAttention": ("num_heads",)},
+        shared_inputs=(r".*\.self_attn",),
+    ),
+    "gpt_neox": TPPolicy(
+        "gpt_neox",
+        column=(r".*\.attention\.query_key_value", r".*\.mlp\.dense_h_to_4h"),
+        row=(r".*\.attention\.dense", r".*\.mlp\.dense_4h_to_h"),
+    ),
 }
 """Built-in policies by Hugging Face ``config.model_type``."""
 
 
-def policy_from_layer_specs(specs: list[dict], *, name: str = "partition_config",
-                            model_type: str | None = None) -> TPPolicy:
+def policy_from_layer_specs(
+    specs: list[dict], *, name: str = "partition_config", model_type: str | None = None
+) -> TPPolicy:
     """A policy from DeepSpeed's ``tensor_parallel.partition_config.layer_specs``: each spec
     has ``patterns`` (regular expressions on parameter names such as
     ``.*\\.o_proj\\.weight$``, or on module names) and ``partition_type`` ``"row"`` or
@@ -86,30 +102,43 @@ def policy_from_layer_specs(specs: list[dict], *, name: str = "partition_config"
     column, row, fused = [], [], {}
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict) or "patterns" not in spec or "partition_type" not in spec:
-            raise ValueError(f"{name}.layer_specs[{i}] must be an object with 'patterns' and 'partition_type', "
-                             f"got {spec!r}")
+            raise ValueError(
+                f"{name}.layer_specs[{i}] must be an object with 'patterns' and 'partition_type', got {spec!r}"
+            )
         kind = spec["partition_type"]
         if kind not in ("row", "column"):
             raise ValueError(f"{name}.layer_specs[{i}].partition_type must be 'row' or 'column', got {kind!r}")
         extra = set(spec) - {"patterns", "partition_type", "shape", "partition_dim", "model_types"}
         if extra:
-            raise ValueError(f"{name}.layer_specs[{i}] has unknown keys {sorted(extra)}; allowed: patterns, "
-                             "partition_type, shape, partition_dim, model_types")
+            raise ValueError(
+                f"{name}.layer_specs[{i}] has unknown keys {sorted(extra)}; allowed: patterns, "
+                "partition_type, shape, partition_dim, model_types"
+            )
         if spec.get("model_types") and model_type not in spec["model_types"]:
             continue
         if spec.get("partition_dim") not in (None, 0):
-            raise ValueError(f"{name}.layer_specs[{i}].partition_dim={spec['partition_dim']!r}: only 0 (the "
-                             "stacked output blocks of a fused column-parallel layer) is supported")
-        patterns = [_module_pattern(p) for p in ([spec["patterns"]] if isinstance(spec["patterns"], str)
-                                                 else spec["patterns"])]
+            raise ValueError(
+                f"{name}.layer_specs[{i}].partition_dim={spec['partition_dim']!r}: only 0 (the "
+                "stacked output blocks of a fused column-parallel layer) is supported"
+            )
+        patterns = [
+            _module_pattern(p) for p in ([spec["patterns"]] if isinstance(spec["patterns"], str) else spec["patterns"])
+        ]
         (column if kind == "column" else row).extend(patterns)
         shape = spec.get("shape")
         if shape is not None:
-            if kind != "column" or not (isinstance(shape, list) and len(shape) == 2 and shape[1] == -1
-                                        and isinstance(shape[0], int) and shape[0] >= 1):
-                raise ValueError(f"{name}.layer_specs[{i}].shape={shape!r}: only [k, -1] on a column spec (k "
-                                 "stacked output blocks, each split separately) is supported")
-            fused.update({p: shape[0] for p in patterns})
+            if kind != "column" or not (
+                isinstance(shape, list)
+                and len(shape) == 2
+                and shape[1] == -1
+                and isinstance(shape[0], int)
+                and shape[0] >= 1
+            ):
+                raise ValueError(
+                    f"{name}.layer_specs[{i}].shape={shape!r}: only [k, -1] on a column spec (k "
+                    "stacked output blocks, each split separately) is supported"
+                )
+            fused.update(dict.fromkeys(patterns, shape[0]))
     return TPPolicy(name, column=tuple(column), row=tuple(row), fused=fused, head_counts=())
 
 
@@ -118,7 +147,7 @@ def _module_pattern(pattern: str) -> str:
     pattern = pattern.removeprefix("^").removesuffix("$")
     for suffix in (r"\.weight", r"\.bias", r"\.(weight|bias)"):
         if pattern.endswith(suffix):
-            return pattern[:-len(suffix)]
+            return pattern[: -len(suffix)]
     return pattern
 
 
@@ -133,6 +162,8 @@ def policy_from_hf_tp_plan(plan: dict[str, str], *, prefix: str) -> TPPolicy:
         elif style == "rowwise":
             row.append(pattern)
         else:
-            raise ValueError(f"the model's Hugging Face tp_plan splits {path!r} as {style!r}, which shardwise's "
-                             "AutoTP does not build; give tensor_parallel.partition_config.layer_specs instead")
+            raise ValueError(
+                f"the model's Hugging Face tp_plan splits {path!r} as {style!r}, which shardwise's "
+                "AutoTP does not build; give tensor_parallel.partition_config.layer_specs instead"
+            )
     return TPPolicy("tp_plan", column=tuple(column), row=tuple(row))

@@ -16,9 +16,10 @@ import queue
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _GRACE_AFTER_FAILURE_S = 15.0
 
@@ -27,18 +28,26 @@ class DistributedTestError(AssertionError):
     """One or more ranks failed; the message holds every rank's traceback."""
 
 
-def _worker(fn, rank: int, world_size: int, init_file: str, collective_timeout_s: float,
-            results, kwargs: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
+def _worker(fn, rank: int, world_size: int, init_file: str, collective_timeout_s: float, results, kwargs: dict) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+        SHARDWISE_ACCELERATOR="cpu",
+    )
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
         value = fn(rank, world_size, **kwargs)
         # plain pickle copies tensor data; the queue's default would share memory with a
         # process that is about to exit
@@ -50,9 +59,15 @@ def _worker(fn, rank: int, world_size: int, init_file: str, collective_timeout_s
     dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], *, world_size: int, tmp_path: str | os.PathLike | None = None,
-                    timeout_s: float = 180.0, collective_timeout_s: float = 60.0,
-                    **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    tmp_path: str | os.PathLike | None = None,
+    timeout_s: float = 180.0,
+    collective_timeout_s: float = 60.0,
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` gloo ranks and return results.
 
     ``fn`` must be a module-level function (it is pickled by name) and its return value
@@ -78,10 +93,15 @@ def run_distributed(fn: Callable[..., Any], *, world_size: int, tmp_path: str | 
     with tempfile.TemporaryDirectory(dir=tmp_path) as rendezvous_dir:
         init_file = str(Path(rendezvous_dir) / "rendezvous")
         results = ctx.Queue()
-        procs = [ctx.Process(target=_worker, daemon=True, name=f"shardwise-rank{rank}",
-                             args=(fn, rank, world_size, init_file, collective_timeout_s,
-                                   results, kwargs))
-                 for rank in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                name=f"shardwise-rank{rank}",
+                args=(fn, rank, world_size, init_file, collective_timeout_s, results, kwargs),
+            )
+            for rank in range(world_size)
+        ]
         for proc in procs:
             proc.start()
         try:
@@ -95,8 +115,9 @@ def run_distributed(fn: Callable[..., Any], *, world_size: int, tmp_path: str | 
     errors = {rank: msg for rank, (status, msg) in outcome.items() if status != "ok"}
     if errors:
         body = "\n".join(f"--- rank {rank} ---\n{msg}" for rank, msg in sorted(errors.items()))
-        raise DistributedTestError(f"{len(errors)} of {world_size} ranks failed in "
-                                   f"{getattr(fn, '__name__', fn)}:\n{body}")
+        raise DistributedTestError(
+            f"{len(errors)} of {world_size} ranks failed in {getattr(fn, '__name__', fn)}:\n{body}"
+        )
     return [pickle.loads(outcome[rank][1]) for rank in range(world_size)]
 
 
@@ -127,8 +148,7 @@ def _collect(procs, results, timeout_s: float) -> dict[int, tuple[str, Any]]:
                 except queue.Empty:
                     pass
                 if rank not in outcome:
-                    outcome[rank] = ("died", f"process exited with code {proc.exitcode} "
-                                             "without reporting a result")
+                    outcome[rank] = ("died", f"process exited with code {proc.exitcode} without reporting a result")
                     deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
                     reason = "was stopped after another rank failed"
     for rank in range(len(procs)):

@@ -18,23 +18,54 @@ def tiny_lm(family: str, *, seed: int = 0):
     # far apart and a wrong mask or position changes the tokens
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)
     if family == "llama":  # grouped-query attention, untied head
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                          num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
-                                          **common)
+        config = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            **common,
+        )
     elif family == "mistral":
-        config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                            num_attention_heads=8, num_key_value_heads=4, **common)
+        config = transformers.MistralConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            **common,
+        )
     elif family == "qwen2":  # biases on q/k/v
-        config = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                          num_attention_heads=8, num_key_value_heads=4, **common)
+        config = transformers.Qwen2Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            **common,
+        )
     elif family == "gpt2":  # Conv1D, stacked q/k/v, tied head
         config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=8, n_positions=128, **common)
     elif family == "opt":
-        config = transformers.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=8,
-                                        max_position_embeddings=128, word_embed_proj_dim=64, **common)
+        config = transformers.OPTConfig(
+            hidden_size=64,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            max_position_embeddings=128,
+            word_embed_proj_dim=64,
+            **common,
+        )
     elif family == "gpt_neox":
-        config = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                            num_attention_heads=8, max_position_embeddings=128, **common)
+        config = transformers.GPTNeoXConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            max_position_embeddings=128,
+            **common,
+        )
     else:
         raise ValueError(family)
     model = transformers.AutoModelForCausalLM.from_config(config)

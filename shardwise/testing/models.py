@@ -13,8 +13,7 @@ class TinyMLP(nn.Module):
     frozen layer. Input ``(tokens, targets)`` of shape ``(batch, seq)``.
     """
 
-    def __init__(self, vocab: int = 32, width: int = 16, *, seed: int = 0, freeze_first: bool = False,
-                 passes: int = 1):
+    def __init__(self, vocab: int = 32, width: int = 16, *, seed: int = 0, freeze_first: bool = False, passes: int = 1):
         super().__init__()
         self.passes = passes  # >1 calls the same layers several times per forward
         generator = torch.Generator().manual_seed(seed)
@@ -44,8 +43,13 @@ class TinyMLP(nn.Module):
 def token_batches(*, num_steps: int, batch: int, seq: int = 8, vocab: int = 32, seed: int = 0):
     """``num_steps`` global batches of ``(tokens, targets)``, each ``(batch, seq)``."""
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, vocab, (batch, seq), generator=generator),
-             torch.randint(0, vocab, (batch, seq), generator=generator)) for _ in range(num_steps)]
+    return [
+        (
+            torch.randint(0, vocab, (batch, seq), generator=generator),
+            torch.randint(0, vocab, (batch, seq), generator=generator),
+        )
+        for _ in range(num_steps)
+    ]
 
 
 class PipelineBlock(nn.Module):
@@ -71,6 +75,9 @@ def pipeline_specs(num_blocks: int, *, tied: bool, vocab: int, width: int) -> li
     from shardwise.pipe import LayerSpec, TiedLayerSpec
 
     first = TiedLayerSpec("embed", nn.Embedding, vocab, width) if tied else LayerSpec(nn.Embedding, vocab, width)
-    last = TiedLayerSpec("embed", nn.Embedding, vocab, width, forward_fn=tied_head) if tied \
+    last = (
+        TiedLayerSpec("embed", nn.Embedding, vocab, width, forward_fn=tied_head)
+        if tied
         else LayerSpec(nn.Linear, width, vocab)
+    )
     return [first] + [LayerSpec(PipelineBlock, width) for _ in range(num_blocks)] + [last]

@@ -22,8 +22,10 @@ def param_groups(model, *, split: bool, lr: float, weight_decay: float):
     params = [p for p in model.parameters() if p.requires_grad]
     if not split:
         return params
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr / 2}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr / 2},
+    ]
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,17 @@ class ReferenceRun:
         return float((off / moved).sqrt())
 
 
-def reference_run(model, batches, *, lr: float, clip: float, weight_decay: float = 0.0,
-                  split_groups: bool = False, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                  **optimizer_options) -> ReferenceRun:
+def reference_run(
+    model,
+    batches,
+    *,
+    lr: float,
+    clip: float,
+    weight_decay: float = 0.0,
+    split_groups: bool = False,
+    optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    **optimizer_options,
+) -> ReferenceRun:
     """Train a copy of ``model`` on full global batches with ``optimizer`` (torch's AdamW by
     default; SGD is sensitive to the gradient's scale, which AdamW hides); clip at ``clip``
     when positive. ``optimizer_options`` go to its constructor."""
@@ -77,8 +87,7 @@ def reference_run(model, batches, *, lr: float, clip: float, weight_decay: float
 
 def reference_train(model, batches, *, lr: float, weight_decay: float, clip: float, split_groups: bool):
     """Train a copy of ``model`` on full global batches with torch.optim.AdamW; returns it."""
-    return reference_run(model, batches, lr=lr, weight_decay=weight_decay, clip=clip,
-                         split_groups=split_groups).model
+    return reference_run(model, batches, lr=lr, weight_decay=weight_decay, clip=clip, split_groups=split_groups).model
 
 
 def engine_train(engine, batches, *, rank: int, world_size: int, micro: int) -> list[float]:
@@ -88,7 +97,7 @@ def engine_train(engine, batches, *, rank: int, world_size: int, micro: int) -> 
     for tokens, targets in batches:
         for step in range(engine.gradient_accumulation_steps()):
             start = (step * world_size + rank) * micro
-            engine.backward(engine(tokens[start:start + micro], targets[start:start + micro]))
+            engine.backward(engine(tokens[start : start + micro], targets[start : start + micro]))
             engine.step()
         norms.append(engine.get_global_grad_norm())
     return norms
@@ -99,8 +108,10 @@ def max_param_diff(reference, module) -> float:
     from shardwise.zero import GatheredParameters
 
     with GatheredParameters(list(module.parameters())):
-        return max((a.detach() - b.detach().float()).abs().max().item()
-                   for a, b in zip(reference.parameters(), module.parameters()))
+        return max(
+            (a.detach() - b.detach().float()).abs().max().item()
+            for a, b in zip(reference.parameters(), module.parameters())
+        )
 
 
 def grad_bytes_outside(module, counted: list[torch.Tensor]) -> int:

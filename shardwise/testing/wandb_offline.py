@@ -22,11 +22,11 @@ def _records(data: bytes) -> list[bytes]:
         if left < 7:
             pos += left
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
         if length == 0 and kind == 0:
             pos += left
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             out.append(pending)
@@ -47,6 +47,7 @@ def offline_history(run_dir: str | Path) -> list[dict]:
         record = pb.Record()
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
-            rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                         for item in record.history.item})
+            rows.append(
+                {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item}
+            )
     return rows

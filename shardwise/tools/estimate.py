@@ -43,8 +43,16 @@ class Estimate:
     """Offloaded states held in each node's CPU memory."""
 
 
-def estimate(num_params: int, *, num_nodes: int = 1, devices_per_node: int = 1, dtype: str = "fp16",
-             stage: int, offload_optimizer: bool = False, offload_param: bool = False) -> Estimate:
+def estimate(
+    num_params: int,
+    *,
+    num_nodes: int = 1,
+    devices_per_node: int = 1,
+    dtype: str = "fp16",
+    stage: int,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+) -> Estimate:
     """Closed-form model-state memory of one ZeRO setting (see the module docstring).
 
     Args:
@@ -123,8 +131,9 @@ def _gib(num_bytes: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardwise estimate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="shardwise estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=_size, help="parameter count, e.g. 1.3b or 350m")
     source.add_argument("--model", help="package.module:Class built on the meta device to count parameters")
@@ -132,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num_nodes", type=int, default=1)
     parser.add_argument("--num_gpus", "--devices_per_node", type=int, default=1, dest="devices")
     parser.add_argument("--dtype", default="fp16", choices=sorted(_BYTES))
-    parser.add_argument("--device_memory", type=_size, default=None,
-                        help="bytes per device (e.g. 80g) to say which settings fit")
+    parser.add_argument(
+        "--device_memory", type=_size, default=None, help="bytes per device (e.g. 80g) to say which settings fit"
+    )
     args = parser.parse_args(argv)
     try:
         num_params = int(args.params) if args.params else count_params(args.model, json.loads(args.model_args))
@@ -141,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise estimate: {exc}", file=sys.stderr)
         return 2
     rows = all_settings(num_params, num_nodes=args.num_nodes, devices_per_node=args.devices, dtype=args.dtype)
-    print(f"{num_params / 1e6:.1f}M parameters, {args.num_nodes} node(s) x {args.devices} device(s), "
-          f"{args.dtype}; model states only (activations and buffers come on top)\n")
+    print(
+        f"{num_params / 1e6:.1f}M parameters, {args.num_nodes} node(s) x {args.devices} device(s), "
+        f"{args.dtype}; model states only (activations and buffers come on top)\n"
+    )
     header = "| stage | offload | per device | CPU per node |" + (" fits |" if args.device_memory else "")
     print(header)
     print("|" + " --- |" * (header.count("|") - 1))

@@ -27,11 +27,13 @@ def collect() -> list[tuple[str, str]]:
 
     import shardwise
 
-    rows = [("shardwise", f"{shardwise.__version__} ({os.path.dirname(shardwise.__file__)})"),
-            ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
-            ("python", f"{platform.python_version()} ({sys.executable})"),
-            ("platform", platform.platform()),
-            ("cpu count", str(os.cpu_count()))]
+    rows = [
+        ("shardwise", f"{shardwise.__version__} ({os.path.dirname(shardwise.__file__)})"),
+        ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("platform", platform.platform()),
+        ("cpu count", str(os.cpu_count())),
+    ]
     if torch.cuda.is_available():
         rows.append(("cuda", f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)"))
         for index in range(torch.cuda.device_count()):
@@ -42,21 +44,36 @@ def collect() -> list[tuple[str, str]]:
         rows.append(("bf16 on gpu", "yes" if torch.cuda.is_bf16_supported() else "no"))
     else:
         rows.append(("cuda", "not available (training runs on CPU with gloo)"))
-    rows.append(("gloo", "available" if dist.is_gloo_available() else "NOT available: CPU training "
-                 "needs a torch build with gloo"))
-    rows.append(("mpi backend", "available" if dist.is_mpi_available() else "not built into torch "
-                 "(not needed: mpirun can still launch ranks)"))
-    optional = [("tensorboard", "tensorboard", "TensorBoard monitor (pip install tensorboard)"),
-                ("wandb", "wandb", "Weights & Biases monitor (pip install wandb)"),
-                ("transformers", "transformers", "Hugging Face models (pip install transformers)"),
-                ("triton", "triton", "compiles sparse attention's FlexAttention kernels on CUDA (ships with "
-                 "CUDA torch)"),
-                ("safetensors", "safetensors", "checkpoint files (required)")]
+    rows.append(
+        (
+            "gloo",
+            "available" if dist.is_gloo_available() else "NOT available: CPU training needs a torch build with gloo",
+        )
+    )
+    rows.append(
+        (
+            "mpi backend",
+            "available"
+            if dist.is_mpi_available()
+            else "not built into torch (not needed: mpirun can still launch ranks)",
+        )
+    )
+    optional = [
+        ("tensorboard", "tensorboard", "TensorBoard monitor (pip install tensorboard)"),
+        ("wandb", "wandb", "Weights & Biases monitor (pip install wandb)"),
+        ("transformers", "transformers", "Hugging Face models (pip install transformers)"),
+        ("triton", "triton", "compiles sparse attention's FlexAttention kernels on CUDA (ships with CUDA torch)"),
+        ("safetensors", "safetensors", "checkpoint files (required)"),
+    ]
     for name, module, purpose in optional:
         version = _version(module)
         rows.append((name, version if version else f"not installed: {purpose}"))
-    rows.append(("ZeRO stages", "0-3; optimizer offload to CPU or NVMe at stages 1-3, parameter offload "
-                 "to CPU or NVMe at stage 3"))
+    rows.append(
+        (
+            "ZeRO stages",
+            "0-3; optimizer offload to CPU or NVMe at stages 1-3, parameter offload to CPU or NVMe at stage 3",
+        )
+    )
     for tool in ("ssh", "pdsh", "srun", "mpirun"):
         rows.append((f"launcher: {tool}", shutil.which(tool) or "not found"))
     return rows

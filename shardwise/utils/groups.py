@@ -31,8 +31,9 @@ def _grid():
 
 def _require_initialized() -> None:
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("torch.distributed is not initialized; call shardwise.init_distributed() "
-                           "or shardwise.initialize() first")
+        raise RuntimeError(
+            "torch.distributed is not initialized; call shardwise.init_distributed() or shardwise.initialize() first"
+        )
 
 
 def get_data_parallel_group():
@@ -69,8 +70,10 @@ def get_tensor_model_parallel_src_rank() -> int:
 def get_tensor_model_parallel_group():
     grid = _grid()
     if grid is None or grid.tensor == 1:
-        raise RuntimeError("no tensor-parallel group: the job trains without tensor parallelism "
-                           "(set tensor_parallel.autotp_size or pass mpu= to initialize())")
+        raise RuntimeError(
+            "no tensor-parallel group: the job trains without tensor parallelism "
+            "(set tensor_parallel.autotp_size or pass mpu= to initialize())"
+        )
     return grid.get_tensor_model_parallel_group()
 
 
@@ -106,8 +109,7 @@ def _get_sequence_parallel_rank() -> int:
 
 
 def _get_sequence_parallel_group():
-    raise KeyError("No sequence parallel group found: this version of shardwise has no sequence "
-                   "parallelism (Ulysses)")
+    raise KeyError("No sequence parallel group found: this version of shardwise has no sequence parallelism (Ulysses)")
 
 
 def _get_broadcast_src_rank() -> int:

@@ -19,13 +19,16 @@ from shardwise.checkpoint import consolidate
 
 def _refuse_frozen_exclusion(exclude_frozen_parameters: bool) -> None:
     if exclude_frozen_parameters:
-        raise NotImplementedError("exclude_frozen_parameters=True is not available in this version of "
-                                  "shardwise: checkpoints do not record which parameters were frozen; "
-                                  "drop the frozen names from the returned state dict yourself")
+        raise NotImplementedError(
+            "exclude_frozen_parameters=True is not available in this version of "
+            "shardwise: checkpoints do not record which parameters were frozen; "
+            "drop the frozen names from the returned state dict yourself"
+        )
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False,
-                                             lazy_mode=False) -> dict:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir, tag=None, exclude_frozen_parameters=False, lazy_mode=False
+) -> dict:
     """The full fp32 state dict of the checkpoint ``checkpoint_dir/tag`` (tag None: the one
     named in ``latest``), on the CPU, ready for ``model.load_state_dict``.
 
@@ -43,10 +46,17 @@ def _parse_size(size) -> int:
     if isinstance(size, int):
         return size
     text = str(size).strip().upper()
-    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
-                         ("KB", 10**3), ("B", 1)):
+    for unit, factor in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+        ("B", 1),
+    ):
         if text.endswith(unit):
-            return int(float(text[:-len(unit)]) * factor)
+            return int(float(text[: -len(unit)]) * factor)
     raise ValueError(f"max_shard_size {size!r} is not a size such as '5GB', '500MB' or a number of bytes")
 
 
@@ -63,9 +73,14 @@ def _shards(state: dict, max_bytes: int | None) -> list[list[str]]:
     return groups + [current] if current or not groups else groups
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
-                                               safe_serialization=False, tag=None,
-                                               exclude_frozen_parameters=False) -> None:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir,
+    output_dir,
+    max_shard_size="5GB",
+    safe_serialization=False,
+    tag=None,
+    exclude_frozen_parameters=False,
+) -> None:
     """Write the checkpoint's full fp32 state dict into ``output_dir`` as
     ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``), split into
     ``pytorch_model-00001-of-0000N.bin`` files plus a Hugging Face index JSON when larger
@@ -85,7 +100,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
             save_file(part, os.path.join(output_dir, file), metadata={"format": "pt"})
         else:
             torch.save(part, os.path.join(output_dir, file))
-        weight_map.update({k: file for k in keys})
+        weight_map.update(dict.fromkeys(keys, file))
     if len(groups) > 1:
         total = sum(t.numel() * t.element_size() for t in state.values())
         with open(os.path.join(output_dir, f"{name}.index.json"), "w") as f:

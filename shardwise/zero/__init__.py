@@ -25,11 +25,21 @@ import torch
 
 from shardwise.zero._gathered import GatheredParameters, register_external_parameter
 from shardwise.zero._init import Init, load_state_dict, materialize
-from shardwise.zero._leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
-                                  unset_z3_leaf_modules, z3_leaf_module)
-from shardwise.zero._param_state import (safe_get_full_fp32_param, safe_get_full_grad,
-                                         safe_get_full_optimizer_state, safe_set_full_fp32_param,
-                                         safe_set_full_grad, safe_set_full_optimizer_state)
+from shardwise.zero._leaf import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
+from shardwise.zero._param_state import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+)
 from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._stage0 import Stage0Strategy
 from shardwise.zero._stage3 import Stage3Strategy
@@ -37,12 +47,31 @@ from shardwise.zero._strategy import ModelParallel, ModelStateBytes, StepResult,
 
 logger = logging.getLogger("shardwise")
 
-__all__ = ["GatheredParameters", "Init", "load_state_dict", "materialize", "ModelStateBytes", "ShardedStrategy",
-           "Stage0Strategy", "Stage3Strategy", "StepResult", "ZeroStrategy", "build_strategy", "get_z3_leaf_modules",
-           "register_external_parameter", "safe_get_full_fp32_param", "safe_get_full_grad",
-           "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
-           "safe_set_full_optimizer_state", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-           "z3_leaf_module"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "load_state_dict",
+    "materialize",
+    "ModelStateBytes",
+    "ShardedStrategy",
+    "Stage0Strategy",
+    "Stage3Strategy",
+    "StepResult",
+    "ZeroStrategy",
+    "build_strategy",
+    "get_z3_leaf_modules",
+    "register_external_parameter",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+]
 
 DEFAULT_DP_BUCKET_BYTES = 25 * 1024 * 1024
 """Gradient bucket size for stage 0 when the config does not set reduce_bucket_size.
@@ -55,36 +84,48 @@ def _refuse_unbuilt(config, policy) -> None:
     """Settings this version reads but cannot honour yet are errors, never ignored."""
     zero = config.zero
     names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    for key, value in (("data_types.grad_accum_dtype", config.data_types.grad_accum_dtype),
-                       ("communication_data_type", config.communication_data_type)):
+    for key, value in (
+        ("data_types.grad_accum_dtype", config.data_types.grad_accum_dtype),
+        ("communication_data_type", config.communication_data_type),
+    ):
         if value is not None and names[value] != policy.param_dtype:
             raise NotImplementedError(
                 f"{key}={value!r} differs from the training dtype ({policy.param_dtype}); "
                 "gradients are accumulated and reduced in the training dtype in this version of "
-                f"shardwise; remove {key}")
+                f"shardwise; remove {key}"
+            )
     if config.checkpoint.use_node_local_storage or config.checkpoint.parallel_write:
-        raise NotImplementedError("checkpoint.use_node_local_storage and checkpoint.parallel_write are "
-                                  "not available in this version of shardwise yet; remove them "
-                                  "(checkpoints go to the shared save_dir)")
+        raise NotImplementedError(
+            "checkpoint.use_node_local_storage and checkpoint.parallel_write are "
+            "not available in this version of shardwise yet; remove them "
+            "(checkpoints go to the shared save_dir)"
+        )
     if zero.stage > 0 and config.optimizer is not None and config.optimizer.type == "lamb":
         raise NotImplementedError(
             f"the Lamb optimizer needs whole parameters for its trust ratio and cannot run on ZeRO "
-            f"stage {zero.stage}'s flat shards yet; use stage 0, or Adam/AdamW/SGD/Adagrad")
+            f"stage {zero.stage}'s flat shards yet; use stage 0, or Adam/AdamW/SGD/Adagrad"
+        )
 
 
 def _warn_ignored(config, comm) -> None:
     """Performance switches whose behaviour shardwise always has: say so once."""
     raw = config.raw.get("zero_optimization") or {}
-    ignored = [key for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions")
-               if raw.get(key) is False]
+    ignored = [
+        key
+        for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions")
+        if raw.get(key) is False
+    ]
     if "allgather_bucket_size" in raw and config.zero.stage in (1, 2):
         ignored.append("allgather_bucket_size (parameters are all-gathered per reduce bucket)")
     if config.zero.stage == 3:
         ignored += [key for key in ("stage3_module_granularity_threshold",) if key in raw]
     if ignored and comm.rank == 0:
-        logger.warning("zero_optimization settings with no effect in this version of shardwise: %s "
-                       "(gradients are always reduce-scattered in contiguous buckets overlapped with "
-                       "backward; stage 3 units are whole modules)", ", ".join(ignored))
+        logger.warning(
+            "zero_optimization settings with no effect in this version of shardwise: %s "
+            "(gradients are always reduce-scattered in contiguous buckets overlapped with "
+            "backward; stage 3 units are whole modules)",
+            ", ".join(ignored),
+        )
 
 
 def build_strategy(module, *, config, comm, policy, grid=None) -> ZeroStrategy:
@@ -97,16 +138,41 @@ def build_strategy(module, *, config, comm, policy, grid=None) -> ZeroStrategy:
     element_size = policy.param_dtype.itemsize
     bucket_numel = zero.reduce_bucket_size if user_set else DEFAULT_DP_BUCKET_BYTES // element_size
     predivide = comm.world_size if config.prescale_gradients else config.gradient_predivide_factor
-    offload = dict(offload=zero.offload_optimizer, aio=config.aio, sub_group_size=zero.sub_group_size,
-                   model_parallel=ModelParallel.from_grid(grid))
+    offload = dict(
+        offload=zero.offload_optimizer,
+        aio=config.aio,
+        sub_group_size=zero.sub_group_size,
+        model_parallel=ModelParallel.from_grid(grid),
+    )
     if zero.stage == 3:
-        return Stage3Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel, **offload,
-                              predivide_factor=predivide, prefetch_numel=zero.stage3_prefetch_bucket_size,
-                              max_live_numel=zero.stage3_max_live_parameters, param_offload=zero.offload_param,
-                              max_reuse_distance=zero.stage3_max_reuse_distance,
-                              persistence_threshold=zero.stage3_param_persistence_threshold)
+        return Stage3Strategy(
+            module,
+            comm=comm,
+            policy=policy,
+            bucket_numel=bucket_numel,
+            **offload,
+            predivide_factor=predivide,
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+            param_offload=zero.offload_param,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+        )
     if zero.stage in (1, 2):
-        return ShardedStrategy(module, comm=comm, policy=policy, stage=zero.stage, **offload,
-                               bucket_numel=bucket_numel, predivide_factor=predivide)
-    return Stage0Strategy(module, comm=comm, policy=policy, bucket_numel=bucket_numel,
-                          predivide_factor=predivide, model_parallel=ModelParallel.from_grid(grid))
+        return ShardedStrategy(
+            module,
+            comm=comm,
+            policy=policy,
+            stage=zero.stage,
+            **offload,
+            bucket_numel=bucket_numel,
+            predivide_factor=predivide,
+        )
+    return Stage0Strategy(
+        module,
+        comm=comm,
+        policy=policy,
+        bucket_numel=bucket_numel,
+        predivide_factor=predivide,
+        model_parallel=ModelParallel.from_grid(grid),
+    )

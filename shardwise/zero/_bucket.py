@@ -41,7 +41,7 @@ class ShardedBucket:
     """Parameter shapes (stage 3 empties the parameters themselves while sharded)."""
 
     def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
-        return tensor[rank * self.shard:(rank + 1) * self.shard]
+        return tensor[rank * self.shard : (rank + 1) * self.shard]
 
 
 def master_is_copy(bucket: ShardedBucket) -> bool:

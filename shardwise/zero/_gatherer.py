@@ -90,8 +90,10 @@ class BucketGatherer:
     def gather_params(self) -> None:
         """All-gather every bucket from each rank's slice."""
         comm = self.strategy.comm
-        handles = [comm.all_gather_scratch(bucket.flat_param, tag=f"parameter bucket {bucket.index}")
-                   for bucket in self.strategy.buckets]
+        handles = [
+            comm.all_gather_scratch(bucket.flat_param, tag=f"parameter bucket {bucket.index}")
+            for bucket in self.strategy.buckets
+        ]
         for handle in handles:
             handle.wait()
 
@@ -128,8 +130,7 @@ class UnitGatherer:
         max_reuse_distance: ``stage3_max_reuse_distance``.
     """
 
-    def __init__(self, strategy, *, param_offload, prefetch_numel: int, max_live_numel: int,
-                 max_reuse_distance: int):
+    def __init__(self, strategy, *, param_offload, prefetch_numel: int, max_live_numel: int, max_reuse_distance: int):
         self.strategy = strategy
         self.param_offload = param_offload
         self.prefetch_numel = prefetch_numel
@@ -237,8 +238,9 @@ class UnitGatherer:
 
     def _launch_gather(self, unit: Stage3Unit, shard: torch.Tensor) -> None:
         comm, tag = self.strategy.comm, f"parameters of unit {unit.index} ({type(unit.module).__name__})"
-        unit.begin_gather(lambda flat: comm.all_gather_into_tensor(flat, to_device(shard, flat.device, flat.dtype),
-                                                                   tag=tag))
+        unit.begin_gather(
+            lambda flat: comm.all_gather_into_tensor(flat, to_device(shard, flat.device, flat.dtype), tag=tag)
+        )
 
     def _gather_read(self, upto: Stage3Unit) -> None:
         """Launch the all-gathers of units whose shards were being read, in the order the
@@ -310,8 +312,7 @@ class UnitGatherer:
             return False
         if position >= len(self._reuse_distance):
             return False  # this step runs more calls than the recorded one
-        return self._reuse_distance[position] <= self.max_reuse_distance and \
-            self.live_numel <= self.max_live_numel
+        return self._reuse_distance[position] <= self.max_reuse_distance and self.live_numel <= self.max_live_numel
 
     def _plan_reuse(self) -> None:
         """For each forward call on the trace, the elements gathered before its unit is used
@@ -320,7 +321,7 @@ class UnitGatherer:
         self._reuse_distance = []
         for i, unit in enumerate(self._trace):
             between = 0
-            for other in sequence[i + 1:]:
+            for other in sequence[i + 1 :]:
                 if other is unit:
                     break
                 between += other.padded
@@ -333,6 +334,7 @@ class UnitGatherer:
             if units and self._order_recorded:
                 self._prefetch(units[0], step=-1)
             return grad
+
         return hook
 
     # -- the strategy's backward and step -------------------------------------------------------
@@ -414,8 +416,11 @@ class UnitGatherer:
             for unit in strategy.buckets:
                 if unit.persistent:
                     shard = to_device(unit.master.detach(), unit.flat_param.device, unit.flat_param.dtype)
-                    handles.append(strategy.comm.all_gather_into_tensor(
-                        unit.flat_param, shard, tag=f"persistent parameters (unit {unit.index})"))
+                    handles.append(
+                        strategy.comm.all_gather_into_tensor(
+                            unit.flat_param, shard, tag=f"persistent parameters (unit {unit.index})"
+                        )
+                    )
         for handle in handles:
             handle.wait()
 

@@ -66,8 +66,14 @@ def full_shape(param: torch.Tensor) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def _partition_param(param: nn.Parameter, comm: Communicator, dtype: torch.dtype | None, device: torch.device,
-                     where: str, shard_device: torch.device | None = None) -> None:
+def _partition_param(
+    param: nn.Parameter,
+    comm: Communicator,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    where: str,
+    shard_device: torch.device | None = None,
+) -> None:
     with torch.no_grad():
         full = param.detach().to(device)
         if dtype is not None and full.is_floating_point():
@@ -76,8 +82,8 @@ def _partition_param(param: nn.Parameter, comm: Communicator, dtype: torch.dtype
         comm.broadcast(full, src=0, tag=f"zero.Init {where}").wait()
         padded, shard = partition(full.numel(), comm.world_size)
         flat = torch.zeros(padded, dtype=full.dtype, device=full.device)
-        flat[:full.numel()].copy_(full.reshape(-1))
-        local = flat[comm.rank * shard:(comm.rank + 1) * shard].clone().to(shard_device or full.device)
+        flat[: full.numel()].copy_(full.reshape(-1))
+        local = flat[comm.rank * shard : (comm.rank + 1) * shard].clone().to(shard_device or full.device)
     _mark_partitioned(param, InitShard(local, param.shape, comm))
     param.data = torch.empty(0, dtype=full.dtype, device=full.device)
 
@@ -106,7 +112,7 @@ def gather_init_params(params) -> None:
         device = p.device  # the compute device (the slice may be in CPU memory: remote_device)
         full = torch.empty(shard.local.numel() * shard.comm.world_size, dtype=shard.local.dtype, device=device)
         shard.comm.all_gather_into_tensor(full, shard.local.to(device), tag="zero.Init gather").wait()
-        p.data = full[:shard.numel].view(shard.shape)
+        p.data = full[: shard.numel].view(shard.shape)
 
 
 def release_init_params(params, *, modifier_rank: int | None) -> None:
@@ -121,7 +127,7 @@ def release_init_params(params, *, modifier_rank: int | None) -> None:
                 start = shard.comm.rank * size
                 valid = max(0, min(size, shard.numel - start))
                 shard.local.zero_()
-                shard.local[:valid].copy_(full.reshape(-1)[start:start + valid])
+                shard.local[:valid].copy_(full.reshape(-1)[start : start + valid])
             p.data = torch.empty(0, dtype=shard.local.dtype, device=p.device)
 
 
@@ -181,17 +187,35 @@ class Init:
         pin_memory, mem_efficient_linear: accepted for DeepSpeed compatibility.
     """
 
-    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
-                 remote_device=None, pin_memory: bool = False, config_dict_or_path=None, config=None,
-                 enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, **unused):
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group=None,
+        mem_efficient_linear: bool = True,
+        remote_device=None,
+        pin_memory: bool = False,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu=None,
+        **unused,
+    ):
         del mem_efficient_linear, pin_memory
-        unknown = sorted(set(unused) - {"zero_param_parallel_group", "zero_quantized_weights",
-                                        "zero_quantized_nontrainable_weights", "sequence_data_parallel_group",
-                                        "param_swapper"})
+        unknown = sorted(
+            set(unused)
+            - {
+                "zero_param_parallel_group",
+                "zero_quantized_weights",
+                "zero_quantized_nontrainable_weights",
+                "sequence_data_parallel_group",
+                "param_swapper",
+            }
+        )
         if unknown:
             raise TypeError(f"zero.Init got unexpected arguments {unknown}")
         if remote_device not in (None, "none", "cpu", "nvme"):
-            raise ValueError(f"zero.Init(remote_device={remote_device!r}): use None, \"cpu\" or \"nvme\"")
+            raise ValueError(f'zero.Init(remote_device={remote_device!r}): use None, "cpu" or "nvme"')
         self.shard_device = torch.device("cpu") if remote_device in ("cpu", "nvme") else None
         self.enabled = enabled
         self._wrapped: list[tuple[type, object]] = []
@@ -221,13 +245,16 @@ class Init:
             if not self._partition_own(sub, name or type(sub).__name__, memo=memo):
                 untouched.append(name or type(sub).__name__)
         if untouched:
-            logger.warning("zero.Init: modules without reset_parameters() were materialised from the meta "
-                           "device uninitialised: %s; load their weights (shardwise.zero.load_state_dict)",
-                           ", ".join(untouched[:8]) + (" ..." if len(untouched) > 8 else ""))
+            logger.warning(
+                "zero.Init: modules without reset_parameters() were materialised from the meta "
+                "device uninitialised: %s; load their weights (shardwise.zero.load_state_dict)",
+                ", ".join(untouched[:8]) + (" ..." if len(untouched) > 8 else ""),
+            )
         return module
 
-    def _partition_own(self, module: nn.Module, where: str, *, materialize_meta: bool = True,
-                       memo: dict | None = None) -> bool:
+    def _partition_own(
+        self, module: nn.Module, where: str, *, materialize_meta: bool = True, memo: dict | None = None
+    ) -> bool:
         """Partition ``module``'s own unpartitioned parameters; False if meta ones had no
         initialiser. While a model is being built, meta parameters are left alone: the
         builder (e.g. ``from_pretrained``) fills them."""
@@ -359,8 +386,9 @@ def load_state_dict(module: nn.Module, state_dict: dict | None, *, strict: bool 
         prefix = f"{prefix}." if prefix else ""
         own = [p for p in sub.parameters(recurse=False)]
         names = [prefix + n for n, _ in sub.named_parameters(recurse=False)]
-        buffers = [(prefix + n, b) for n, b in sub.named_buffers(recurse=False)
-                   if n not in sub._non_persistent_buffers_set]
+        buffers = [
+            (prefix + n, b) for n, b in sub.named_buffers(recurse=False) if n not in sub._non_persistent_buffers_set
+        ]
         expected.update(names)
         expected.update(n for n, _ in buffers)
         with GatheredParameters(own, modifier_rank=src):
@@ -378,19 +406,23 @@ def load_state_dict(module: nn.Module, state_dict: dict | None, *, strict: bool 
     missing = sorted(expected - set(state_dict)) if rank == src else []
     unexpected = sorted(set(state_dict) - expected) if rank == src else []
     if comm is not None:  # every rank raises the same error (a raise on one rank would hang the rest)
-        missing, unexpected, problems = comm.all_gather_object((missing, unexpected, problems),
-                                                               tag="load_state_dict result")[src]
+        missing, unexpected, problems = comm.all_gather_object(
+            (missing, unexpected, problems), tag="load_state_dict result"
+        )[src]
     if problems:
         raise ValueError("load_state_dict: " + "; ".join(problems[:10]))
     if strict and (missing or unexpected):
-        raise RuntimeError(f"load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; "
-                           "pass strict=False to load the matching part")
+        raise RuntimeError(
+            f"load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; "
+            "pass strict=False to load the matching part"
+        )
     return missing, unexpected
 
 
 def _copy_checked(target: torch.Tensor, value: torch.Tensor, name: str, problems: list[str]) -> None:
     if tuple(target.shape) != tuple(value.shape):
-        problems.append(f"{name} has shape {tuple(value.shape)} in the state dict and "
-                        f"{tuple(target.shape)} in the model")
+        problems.append(
+            f"{name} has shape {tuple(value.shape)} in the state dict and {tuple(target.shape)} in the model"
+        )
         return
     target.copy_(value)

@@ -22,8 +22,10 @@ def per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], *, master
             index_to_name[index] = names.get(p, f"unnamed.{index}")
             index += 1
     state = optimizer.state_dict()
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [index_to_name[i] for i in g["params"]]} for g in state["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [index_to_name[i] for i in g["params"]]}
+        for g in state["param_groups"]
+    ]
     by_name = {index_to_name[i]: s for i, s in state["state"].items()}
     master = {name: p.detach() for p, name in names.items()} if masters else {}
     return {"state": by_name, "param_groups": groups, "master": master}
@@ -36,12 +38,14 @@ def check_groups(saved: dict, optimizer, known_names) -> None:
         raise CheckpointError(
             f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this one has "
             f"{len(optimizer.param_groups)}; build the optimizer with the same groups, or load with "
-            "load_optimizer_states=False")
+            "load_optimizer_states=False"
+        )
     missing = [n for g in saved_groups for n in g["params"] if n not in known_names]
     if missing:
         raise CheckpointError(
             f"the checkpoint's optimizer holds state for parameters this model lacks: {missing[:5]}; "
-            "load with load_optimizer_states=False to take only the weights")
+            "load with load_optimizer_states=False to take only the weights"
+        )
 
 
 def load_per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], saved: dict) -> None:
@@ -55,9 +59,13 @@ def load_per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], save
     check_groups(saved, optimizer, name_to_index)
     # contiguous copies: the saved tensors may map a checkpoint file (read_tensors(mmap=True))
     # or be strided views of one (a tensor-parallel slice)
-    state = {name_to_index[n]: {k: v.clone(memory_format=torch.contiguous_format) if isinstance(v, torch.Tensor)
-                                else v for k, v in s.items()}
-             for n, s in saved["state"].items()}
+    state = {
+        name_to_index[n]: {
+            k: v.clone(memory_format=torch.contiguous_format) if isinstance(v, torch.Tensor) else v
+            for k, v in s.items()
+        }
+        for n, s in saved["state"].items()
+    }
     # torch pairs saved and current parameters by position, so list them in this optimizer's
     # order (the saved order is another layout's); the options come from the checkpoint
     groups = [{**g, "params": indices} for g, indices in zip(saved["param_groups"], current)]
@@ -66,4 +74,3 @@ def load_per_param_state_by_name(optimizer, names: dict[torch.Tensor, str], save
         for p, name in names.items():
             if name in saved.get("master", {}):
                 p.copy_(saved["master"][name])
-

@@ -30,8 +30,10 @@ def _get(param, key: str, *, local: bool) -> torch.Tensor | None:
 def _set(param, value: torch.Tensor, key: str, *, local: bool) -> None:
     strategy = _strategy(param)
     if strategy is None:
-        raise ValueError("this parameter is not trained by a shardwise engine; "
-                         "pass a parameter of the model given to shardwise.initialize()")
+        raise ValueError(
+            "this parameter is not trained by a shardwise engine; "
+            "pass a parameter of the model given to shardwise.initialize()"
+        )
     strategy.set_param_state(param, key, value, local=local)
 
 
@@ -101,7 +103,17 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _set(param, value, GRAD_KEY, local=True)
 
 
-__all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
-           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+]

@@ -19,4 +19,3 @@ def partition(numel: int, world_size: int) -> tuple[int, int]:
         raise ValueError(f"cannot partition {numel} elements over {world_size} ranks")
     shard = -(-numel // world_size)
     return shard * world_size, shard
-

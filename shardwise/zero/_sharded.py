@@ -77,9 +77,20 @@ class ShardedStrategy:
         sub_group_size: elements stepped at once when offloading to nvme.
     """
 
-    def __init__(self, module: nn.Module, *, comm: Communicator, policy: PrecisionPolicy, stage: int,
-                 bucket_numel: int, predivide_factor: float = 1.0, offload=None, aio=None,
-                 sub_group_size: int = 1_000_000_000, model_parallel: ModelParallel = ModelParallel()):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        comm: Communicator,
+        policy: PrecisionPolicy,
+        stage: int,
+        bucket_numel: int,
+        predivide_factor: float = 1.0,
+        offload=None,
+        aio=None,
+        sub_group_size: int = 1_000_000_000,
+        model_parallel: ModelParallel = ModelParallel(),
+    ):
         self.module, self.comm, self.policy, self.stage = module, comm, policy, stage
         self.model_parallel = model_parallel
         self.bucket_numel, self.predivide_factor = bucket_numel, predivide_factor
@@ -133,14 +144,17 @@ class ShardedStrategy:
         rest = [p for p in self.trainable if p not in seen]
         if rest:  # trainable but not optimized: still reduced, never updated
             self._layout(list(reversed(rest)), group=-1)
-        return [{**options, "params": [b.master for b in self.buckets if b.group == g]}
-                for g, options in enumerate(self._group_options)]
+        return [
+            {**options, "params": [b.master for b in self.buckets if b.group == g]}
+            for g, options in enumerate(self._group_options)
+        ]
 
     def _layout(self, params: list[nn.Parameter], group: int) -> None:
         pending: list[nn.Parameter] = []
         for p in params:
-            if pending and (sum(q.numel() for q in pending) + p.numel() > self.bucket_numel
-                            or pending[0].dtype != p.dtype):
+            if pending and (
+                sum(q.numel() for q in pending) + p.numel() > self.bucket_numel or pending[0].dtype != p.dtype
+            ):
                 self._add_bucket(pending, group)
                 pending = []
             pending.append(p)
@@ -168,24 +182,29 @@ class ShardedStrategy:
         flat = torch.zeros(padded, dtype=dtype, device=device)
         with torch.no_grad():
             for p, off in zip(params, offsets):
-                flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = flat[off:off + p.numel()].view_as(p)
-        bucket = ShardedBucket(len(self.buckets), group, params, offsets, numel, padded, shard, flat,
-                         shapes=[p.shape for p in params])
+                flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = flat[off : off + p.numel()].view_as(p)
+        bucket = ShardedBucket(
+            len(self.buckets), group, params, offsets, numel, padded, shard, flat, shapes=[p.shape for p in params]
+        )
         local = bucket.local(flat, rank)
         separate = self.policy.needs_master_copy or host != device
-        bucket.master = nn.Parameter(self._host_tensor(local.detach().to(host, torch.float32, copy=True))
-                                     if separate else local)
+        bucket.master = nn.Parameter(
+            self._host_tensor(local.detach().to(host, torch.float32, copy=True)) if separate else local
+        )
         if self.stage == 1:
             bucket.grad_full = torch.zeros(padded, dtype=dtype, device=device)
             local_grad = bucket.local(bucket.grad_full, rank)
-            bucket.grad_shard = local_grad if local_grad.dtype == torch.float32 and host == device \
+            bucket.grad_shard = (
+                local_grad
+                if local_grad.dtype == torch.float32 and host == device
                 else self._new_grad_shard(shard, host)
+            )
         else:
             bucket.grad_shard = self._new_grad_shard(shard, host)
         bucket.master.grad = bucket.grad_shard
         self.buckets.append(bucket)
-        self._bucket_of.update({p: bucket for p in params})
+        self._bucket_of.update(dict.fromkeys(params, bucket))
         self._offset_of.update(zip(params, offsets))
 
     def _new_grad_shard(self, numel: int, device: torch.device) -> torch.Tensor:
@@ -210,8 +229,10 @@ class ShardedStrategy:
         shards = {id(b.master) for b in self.buckets}
         if not all(id(p) in shards for g in optimizer.param_groups for p in g["params"]):
             if optimizer.state:
-                raise ValueError("a client optimizer that already holds state cannot be sharded by "
-                                 "ZeRO; pass it before its first step")
+                raise ValueError(
+                    "a client optimizer that already holds state cannot be sharded by "
+                    "ZeRO; pass it before its first step"
+                )
             groups = [dict(g) for g in optimizer.param_groups]
             optimizer = type(optimizer)(self.optimizer_params(groups), **_constructor_defaults(optimizer))
         self.optimizer = optimizer
@@ -220,9 +241,16 @@ class ShardedStrategy:
 
             self._ensure_layout()
             self.swapper = build_optimizer_swapper(
-                optimizer, [b.master for b in self.buckets], comm=self.comm, nvme_path=self.offload.nvme_path,
-                aio=self.aio, sub_group_size=self.sub_group_size, buffer_count=self.offload.buffer_count,
-                swap_masters=self.gatherer.swap_masters(), pinned=self.gatherer.pinned_masters())
+                optimizer,
+                [b.master for b in self.buckets],
+                comm=self.comm,
+                nvme_path=self.offload.nvme_path,
+                aio=self.aio,
+                sub_group_size=self.sub_group_size,
+                buffer_count=self.offload.buffer_count,
+                swap_masters=self.gatherer.swap_masters(),
+                pinned=self.gatherer.pinned_masters(),
+            )
         return optimizer
 
     def _ensure_layout(self) -> None:
@@ -235,8 +263,10 @@ class ShardedStrategy:
         self._ensure_layout()
         self._zero_new_grads()
         if self.stage >= 2 and not sync and not self.accumulate_unreduced:
-            raise RuntimeError(f"no_sync() cannot be used with ZeRO stage {self.stage}: gradients are "
-                               "reduced on every micro-step; use stage 0 or 1")
+            raise RuntimeError(
+                f"no_sync() cannot be used with ZeRO stage {self.stage}: gradients are "
+                "reduced on every micro-step; use stage 0 or 1"
+            )
         if self.stage == 1:
             self._attach_grad_views()
         self._reducing = sync and (boundary or self.stage >= 2)
@@ -247,7 +277,7 @@ class ShardedStrategy:
     def _attach_grad_views(self) -> None:
         for bucket in self.buckets:
             for p, off in zip(bucket.params, bucket.offsets):
-                view = bucket.grad_full[off:off + p.numel()].view_as(p)
+                view = bucket.grad_full[off : off + p.numel()].view_as(p)
                 if p.grad is None:
                     view.zero_()
                 elif p.grad.data_ptr() != view.data_ptr():
@@ -269,7 +299,7 @@ class ShardedStrategy:
             if bucket.staging is None:
                 bucket.staging = torch.zeros(bucket.padded, dtype=param.dtype, device=param.device)
             offset = self._offset_of[param]
-            bucket.staging[offset:offset + param.grad.numel()].copy_(param.grad.reshape(-1))
+            bucket.staging[offset : offset + param.grad.numel()].copy_(param.grad.reshape(-1))
             param.grad = None
         bucket.ready.add(id(param))
         self._launch_ready(force=False)
@@ -284,8 +314,7 @@ class ShardedStrategy:
 
     def _launch(self, bucket: ShardedBucket) -> None:
         if self.stage >= 2 and bucket.staging is None:  # no gradient reached it this micro-step
-            bucket.staging = torch.zeros(bucket.padded, dtype=bucket.flat_param.dtype,
-                                         device=bucket.flat_param.device)
+            bucket.staging = torch.zeros(bucket.padded, dtype=bucket.flat_param.dtype, device=bucket.flat_param.device)
         source = bucket.grad_full if self.stage == 1 else bucket.staging
         if self.predivide_factor != 1.0:
             source.div_(self.predivide_factor)
@@ -368,8 +397,10 @@ class ShardedStrategy:
         if max_grad_norm > 0:
             clip_by_total_norm_(grads, max_grad_norm, float(norm))
         if self.swapper is not None:
-            self.swapper.step(lambda indices: self.gatherer.copy_masters_to_params([self.buckets[i] for i in indices]),
-                              timer=self.timer)
+            self.swapper.step(
+                lambda indices: self.gatherer.copy_masters_to_params([self.buckets[i] for i in indices]),
+                timer=self.timer,
+            )
         else:
             self.optimizer.step()
             self.gatherer.copy_masters_to_params(self.buckets)
@@ -389,7 +420,7 @@ class ShardedStrategy:
             for p, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 start, end = max(offset, low), min(offset + shape.numel(), low + bucket.shard)
                 if start < end and (weight := self.model_parallel.weight(p)) != 1.0:
-                    views.append((bucket.grad_shard[start - low:end - low], weight))
+                    views.append((bucket.grad_shard[start - low : end - low], weight))
         return views
 
     @contextlib.contextmanager
@@ -428,11 +459,15 @@ class ShardedStrategy:
     def model_state_bytes(self) -> ModelStateBytes:
         def size(t):
             return 0 if t is None else t.numel() * t.element_size()
+
         untouched = [p for p in self.module.parameters() if p not in self._bucket_of]
         params = sum(size(b.flat_param) for b in self.buckets) + sum(size(p) for p in untouched)
         grads = sum(size(b.grad_full) for b in self.buckets)
-        grads += sum(size(b.grad_shard) for b in self.buckets
-                     if b.grad_full is None or not same_storage(b.grad_shard, b.grad_full))
+        grads += sum(
+            size(b.grad_shard)
+            for b in self.buckets
+            if b.grad_full is None or not same_storage(b.grad_shard, b.grad_full)
+        )
         master = sum(size(b.master) for b in self.buckets if master_is_copy(b))
         return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
 
@@ -454,20 +489,26 @@ class ShardedStrategy:
                 per_key = {}
                 held = self.optimizer.state.get(bucket.master, {})
                 for key, value in sorted(held.items()):  # one collective per key: same order on every rank
-                    per_key[key] = self._gather(bucket, value) if self._is_shard_state(bucket, key, value) \
-                        else value
-                full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy \
-                    else None
+                    per_key[key] = self._gather(bucket, value) if self._is_shard_state(bucket, key, value) else value
+                full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy else None
             for p, off, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 name = self.names[p]
-                state[name] = {k: (v[off:off + shape.numel()].view(shape).clone()
-                                   if isinstance(v, torch.Tensor) and v.numel() == bucket.padded else v)
-                               for k, v in per_key.items()}
+                state[name] = {
+                    k: (
+                        v[off : off + shape.numel()].view(shape).clone()
+                        if isinstance(v, torch.Tensor) and v.numel() == bucket.padded
+                        else v
+                    )
+                    for k, v in per_key.items()
+                }
                 if full_master is not None:
-                    master[name] = full_master[off:off + shape.numel()].view(shape).clone()
+                    master[name] = full_master[off : off + shape.numel()].view(shape).clone()
         replicated = self.optimizer_state_replicated()
-        return {"state": {n: s for n, s in state.items() if s}, "param_groups": replicated["param_groups"],
-                "master": master}
+        return {
+            "state": {n: s for n, s in state.items() if s},
+            "param_groups": replicated["param_groups"],
+            "master": master,
+        }
 
     @staticmethod
     def _is_shard_state(bucket: ShardedBucket, key: str, value) -> bool:
@@ -484,8 +525,10 @@ class ShardedStrategy:
             small = {k: v for k, v in held.items() if not self._is_shard_state(bucket, k, v)}
             if small:
                 state.update({self.names[p]: dict(small) for p in bucket.params})
-        groups = [{**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
-                  for g, options in enumerate(self._optimizer_group_options())]
+        groups = [
+            {**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
+            for g, options in enumerate(self._optimizer_group_options())
+        ]
         return {"state": state, "param_groups": groups, "master": {}}
 
     def optimizer_state_blocks(self) -> list[ShardBlock]:
@@ -500,8 +543,10 @@ class ShardedStrategy:
             if self.policy.needs_master_copy:
                 dtypes[MASTER_KEY] = torch.float32
             names = tuple(self.names[p] for p in bucket.params)
-            blocks += [ShardBlock(bucket.index, key, dtype, names, tuple(bucket.shapes), bucket.padded, bucket.shard)
-                       for key, dtype in sorted(dtypes.items())]
+            blocks += [
+                ShardBlock(bucket.index, key, dtype, names, tuple(bucket.shapes), bucket.padded, bucket.shard)
+                for key, dtype in sorted(dtypes.items())
+            ]
         return blocks
 
     @contextlib.contextmanager
@@ -532,8 +577,18 @@ class ShardedStrategy:
 
     def module_state_blocks(self) -> list[ShardBlock]:
         """Each bucket's parameters in their training dtype, named by ``named_parameters``."""
-        return [ShardBlock(b.index, PARAM_KEY, b.flat_param.dtype, tuple(self.names[p] for p in b.params),
-                           tuple(b.shapes), b.padded, b.shard) for b in self.buckets]
+        return [
+            ShardBlock(
+                b.index,
+                PARAM_KEY,
+                b.flat_param.dtype,
+                tuple(self.names[p] for p in b.params),
+                tuple(b.shapes),
+                b.padded,
+                b.shard,
+            )
+            for b in self.buckets
+        ]
 
     @contextlib.contextmanager
     def module_shards(self, bucket: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -548,14 +603,17 @@ class ShardedStrategy:
         check_groups(saved, self.optimizer, set(self.names.values()))
         index = {id(b.master): i for i, b in enumerate(self.buckets)}
         masters = saved.get("master", {})
-        groups = [{**saved_group, "params": [index[id(p)] for p in group["params"]]}
-                  for saved_group, group in zip(saved["param_groups"], self.optimizer.param_groups)]
+        groups = [
+            {**saved_group, "params": [index[id(p)] for p in group["params"]]}
+            for saved_group, group in zip(saved["param_groups"], self.optimizer.param_groups)
+        ]
         state: dict[int, dict] = {}
         for bucket in self.buckets:
             if self.policy.needs_master_copy and all(self.names[p] in masters for p in bucket.params):
                 with torch.no_grad(), self._resident([bucket]):
-                    bucket.master.copy_(self._local_slice(
-                        bucket, [masters[self.names[p]] for p in bucket.params], torch.float32))
+                    bucket.master.copy_(
+                        self._local_slice(bucket, [masters[self.names[p]] for p in bucket.params], torch.float32)
+                    )
             entry = self._saved_entry(bucket, saved["state"])
             if self.swapper is None:
                 if entry:
@@ -563,8 +621,9 @@ class ShardedStrategy:
                 continue
             # what stays in memory (``step``) through the optimizer's own loading; the rest
             # straight to the swap files
-            swapped = {k: v.to(torch.float32) for k, v in entry.items()
-                       if self._is_shard_state(bucket, k, v) and v.numel() > 1}
+            swapped = {
+                k: v.to(torch.float32) for k, v in entry.items() if self._is_shard_state(bucket, k, v) and v.numel() > 1
+            }
             kept = {k: v for k, v in entry.items() if k not in swapped}
             if kept:
                 state[index[id(bucket.master)]] = kept
@@ -593,7 +652,7 @@ class ShardedStrategy:
         for shape, off, value in zip(bucket.shapes, bucket.offsets, values):
             start, end = max(off, low), min(off + shape.numel(), high)
             if value is not None and start < end:
-                out[start - low:end - low].copy_(value.reshape(-1)[start - off:end - off])
+                out[start - low : end - low].copy_(value.reshape(-1)[start - off : end - off])
         return out
 
     # -- one parameter's state (see ZeroStrategy) -----------------------------------------------
@@ -628,7 +687,7 @@ class ShardedStrategy:
         if full is None:
             return None
         off, _, _, shape = self._overlap(bucket, param)
-        return full[off:off + shape.numel()].view(shape).clone()
+        return full[off : off + shape.numel()].view(shape).clone()
 
     def local_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
         """The part of ``param``'s ``key`` in this rank's shard, flattened (maybe empty)."""
@@ -640,7 +699,7 @@ class ShardedStrategy:
         low = self.comm.rank * bucket.shard
         with self._resident([bucket]):
             shard = self._state_shard(bucket, key)
-            return None if shard is None else shard[start - low:end - low].clone()
+            return None if shard is None else shard[start - low : end - low].clone()
 
     def set_param_state(self, param: nn.Parameter, key: str, value: torch.Tensor, *, local: bool) -> None:
         """Write ``value`` (whole, or this rank's part when ``local``) into ``param``'s
@@ -651,12 +710,12 @@ class ShardedStrategy:
             raise ValueError(f"parameter {self.names.get(param, '?')} is not trained by this ZeRO strategy")
         off, start, end, _ = self._overlap(bucket, param)
         low = self.comm.rank * bucket.shard
-        part = value.reshape(-1) if local else value.reshape(-1)[start - off:end - off]
+        part = value.reshape(-1) if local else value.reshape(-1)[start - off : end - off]
         with torch.no_grad(), self._resident([bucket]):
             shard = self._state_shard(bucket, key)
             if shard is None:
                 raise KeyError(f"the optimizer holds no state {key!r} for this parameter")
-            shard[start - low:end - low].copy_(part)
+            shard[start - low : end - low].copy_(part)
             if key == MASTER_KEY:
                 self.gatherer.copy_masters_to_params([bucket])
         if key == MASTER_KEY:
@@ -665,11 +724,13 @@ class ShardedStrategy:
     def state_tensors(self, kind: str) -> list[torch.Tensor]:
         """The tensors holding ``kind`` of state (see ZeroStrategy)."""
         self._ensure_layout()
-        tensors = {"optim_states": optimizer_state_tensors(self.optimizer),
-                   "hp_params": [b.master for b in self.buckets if master_is_copy(b)],
-                   "lp_params": [b.flat_param for b in self.buckets],
-                   "lp_grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None],
-                   "contiguous_grad_buffer": [b.staging for b in self.buckets if b.staging is not None]}
+        tensors = {
+            "optim_states": optimizer_state_tensors(self.optimizer),
+            "hp_params": [b.master for b in self.buckets if master_is_copy(b)],
+            "lp_params": [b.flat_param for b in self.buckets],
+            "lp_grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None],
+            "contiguous_grad_buffer": [b.staging for b in self.buckets if b.staging is not None],
+        }
         return tensors[kind]
 
     def release_gathered(self) -> None:

@@ -25,8 +25,16 @@ from torch import nn
 from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
 from shardwise.zero._named_state import load_per_param_state_by_name, per_param_state_by_name
-from shardwise.zero._strategy import (GRAD_KEY, MASTER_KEY, ModelParallel, ModelStateBytes, StepResult,
-                                      clip_by_total_norm_, is_tensor_parallel, no_timer)
+from shardwise.zero._strategy import (
+    GRAD_KEY,
+    MASTER_KEY,
+    ModelParallel,
+    ModelStateBytes,
+    StepResult,
+    clip_by_total_norm_,
+    is_tensor_parallel,
+    no_timer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +55,21 @@ class _AllReduceBucket:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
-               for v in state.values() if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The optimizer's per-element state tensors (not its scalar ``step`` counters)."""
     if optimizer is None:
         return []
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+    ]
 
 
 def broadcast_module_state(module: nn.Module, comm: Communicator) -> None:
@@ -71,7 +84,7 @@ def broadcast_module_state(module: nn.Module, comm: Communicator) -> None:
             comm.broadcast(flat, src=0, tag=f"initial {dtype} state").wait()
             offset = 0
             for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
 
@@ -92,8 +105,16 @@ class Stage0Strategy:
             ``world_size / predivide_factor`` after it (1.0 = average after).
     """
 
-    def __init__(self, module: nn.Module, *, comm: Communicator, policy: PrecisionPolicy,
-                 bucket_numel: int, predivide_factor: float = 1.0, model_parallel: ModelParallel = ModelParallel()):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        comm: Communicator,
+        policy: PrecisionPolicy,
+        bucket_numel: int,
+        predivide_factor: float = 1.0,
+        model_parallel: ModelParallel = ModelParallel(),
+    ):
         self.module, self.comm, self.policy = module, comm, policy
         self.timer = no_timer  # nothing of its own to time: its all-reduces are the backward's
         self.model_parallel = model_parallel
@@ -102,8 +123,7 @@ class Stage0Strategy:
         module.to(policy.param_dtype)
         broadcast_module_state(module, comm)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
-        self._master = {p: self._make_master(p) for p in self.trainable} \
-            if policy.needs_master_copy else {}
+        self._master = {p: self._make_master(p) for p in self.trainable} if policy.needs_master_copy else {}
         self._param_of_master = {id(master): p for p, master in self._master.items()}
         self.buckets = self._build_buckets(bucket_numel)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
@@ -131,8 +151,7 @@ class Stage0Strategy:
         buckets: list[_AllReduceBucket] = []
         pending: list[nn.Parameter] = []
         for p in reversed(self.trainable):
-            if pending and (sum(q.numel() for q in pending) + p.numel() > bucket_numel
-                            or pending[0].dtype != p.dtype):
+            if pending and (sum(q.numel() for q in pending) + p.numel() > bucket_numel or pending[0].dtype != p.dtype):
                 buckets.append(self._new_bucket(len(buckets), pending))
                 pending = []
             pending.append(p)
@@ -152,7 +171,7 @@ class Stage0Strategy:
         for bucket in self.buckets:
             offset = 0
             for p in bucket.params:
-                view = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                view = bucket.buffer[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
                 if p.grad is None:
                     view.zero_()
@@ -196,13 +215,11 @@ class Stage0Strategy:
 
     def named_optimizer_params(self) -> dict[torch.Tensor, str]:
         """The tensor the optimizer updates for each parameter, keyed to its module name."""
-        return {self._master.get(p, p): name for name, p in self.module.named_parameters()
-                if p.requires_grad}
+        return {self._master.get(p, p): name for name, p in self.module.named_parameters() if p.requires_grad}
 
     def optimizer_state_by_name(self) -> dict:
         """The optimizer state keyed by parameter name (see ``_named_state``)."""
-        return per_param_state_by_name(self.optimizer, self.named_optimizer_params(),
-                                       masters=bool(self._master))
+        return per_param_state_by_name(self.optimizer, self.named_optimizer_params(), masters=bool(self._master))
 
     def optimizer_state_replicated(self) -> dict:
         """All of the named optimizer state: every rank holds all of it at stage 0."""
@@ -304,8 +321,9 @@ class Stage0Strategy:
         agree = self._grads_local and (self.policy.skip_nonfinite or max_grad_norm > 0)
         if self.model_parallel.comms or agree:  # see [Note: the global norm over the grid] in _strategy.py
             mp = self.model_parallel
-            square = mp.local_square(grads, [(g, w) for p, g in zip(self.trainable, grads)
-                                             if (w := mp.weight(p)) != 1.0])
+            square = mp.local_square(
+                grads, [(g, w) for p, g in zip(self.trainable, grads) if (w := mp.weight(p)) != 1.0]
+            )
             square = square.to(grads[0].device if grads else square.device).reshape(1)
             if agree:
                 self.comm.all_reduce(square, tag="local gradient norm").wait()
@@ -329,8 +347,7 @@ class Stage0Strategy:
         """Copy the fp32 master weights into the low-precision module parameters."""
         if self._master:
             with torch.no_grad():
-                torch._foreach_copy_([p.data for p in self.trainable],
-                                     [self._master[p] for p in self.trainable])
+                torch._foreach_copy_([p.data for p in self.trainable], [self._master[p] for p in self.trainable])
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -393,11 +410,13 @@ class Stage0Strategy:
 
     def state_tensors(self, kind: str) -> list[torch.Tensor]:
         """The tensors holding ``kind`` of state (see ZeroStrategy)."""
-        tensors = {"optim_states": optimizer_state_tensors(self.optimizer),
-                   "hp_params": [t for m in self._master.values() for t in (m, m.grad) if t is not None],
-                   "lp_params": list(self.module.parameters()),
-                   "lp_grads": [b.buffer for b in self.buckets],
-                   "contiguous_grad_buffer": []}
+        tensors = {
+            "optim_states": optimizer_state_tensors(self.optimizer),
+            "hp_params": [t for m in self._master.values() for t in (m, m.grad) if t is not None],
+            "lp_params": list(self.module.parameters()),
+            "lp_grads": [b.buffer for b in self.buckets],
+            "contiguous_grad_buffer": [],
+        }
         return tensors[kind]
 
     def release_gathered(self) -> None:

@@ -36,21 +36,29 @@ from torch import nn
 
 from shardwise.config import ConfigError
 from shardwise.zero._gatherer import UnitGatherer
-from shardwise.zero._leaf import unit_roots
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
+from shardwise.zero._leaf import unit_roots
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy
-from shardwise.zero._strategy import PARAM_KEY, ModelStateBytes
 from shardwise.zero._stage0 import optimizer_state_bytes
+from shardwise.zero._strategy import PARAM_KEY, ModelStateBytes
 from shardwise.zero._unit import Stage3Unit, UnitState
 
 
 class Stage3Strategy(ShardedStrategy):
     """ZeRO stage 3 (see the module docstring). Arguments as :class:`ShardedStrategy`."""
 
-    def __init__(self, module: nn.Module, *, prefetch_numel: int = 50_000_000,
-                 max_live_numel: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 persistence_threshold: int = 0, param_offload=None, **kwargs):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        prefetch_numel: int = 50_000_000,
+        max_live_numel: int = 1_000_000_000,
+        max_reuse_distance: int = 1_000_000_000,
+        persistence_threshold: int = 0,
+        param_offload=None,
+        **kwargs,
+    ):
         frozen = [p for p in module.parameters() if init_shard(p) is not None and not p.requires_grad]
         if frozen:  # frozen parameters stay whole at stage 3 (they have no unit yet)
             gather_init_params(frozen)
@@ -60,8 +68,12 @@ class Stage3Strategy(ShardedStrategy):
                 p.__dict__.pop("__deepcopy__", None)
         super().__init__(module, stage=3, **kwargs)
         self.gatherer = UnitGatherer(
-            self, param_offload=param_offload if param_offload is not None and param_offload.enabled else None,
-            prefetch_numel=prefetch_numel, max_live_numel=max_live_numel, max_reuse_distance=max_reuse_distance)
+            self,
+            param_offload=param_offload if param_offload is not None and param_offload.enabled else None,
+            prefetch_numel=prefetch_numel,
+            max_live_numel=max_live_numel,
+            max_reuse_distance=max_reuse_distance,
+        )
         self.persistence_threshold = persistence_threshold
         self._owner, self._sharers = self._owners(module)
         self._persistent_params: dict[int, list[nn.Parameter]] = {}
@@ -105,8 +117,10 @@ class Stage3Strategy(ShardedStrategy):
             self._add_bucket(params, group, module=self.module, persistent=True)
         self._persistent_params.clear()
         self._check_param_buffer_size()
-        return [{**options, "params": [b.master for b in self.buckets if b.group == g]}
-                for g, options in enumerate(self._group_options)]
+        return [
+            {**options, "params": [b.master for b in self.buckets if b.group == g]}
+            for g, options in enumerate(self._group_options)
+        ]
 
     def _layout(self, params: list[nn.Parameter], group: int) -> None:
         by_owner: dict[nn.Module, list[nn.Parameter]] = {}
@@ -127,8 +141,9 @@ class Stage3Strategy(ShardedStrategy):
                 if p in self._bucket_of:
                     self.add_external_user(user, self._bucket_of[p])
 
-    def _add_bucket(self, params: list[nn.Parameter], group: int, *, module: nn.Module,
-                    persistent: bool = False) -> None:
+    def _add_bucket(
+        self, params: list[nn.Parameter], group: int, *, module: nn.Module, persistent: bool = False
+    ) -> None:
         """A unit: flat buffer of the full parameters (freed right away), an fp32 master
         shard and an fp32 gradient shard. Parameters built by ``zero.Init`` arrive as
         per-parameter slices and are gathered here one unit at a time."""
@@ -145,23 +160,36 @@ class Stage3Strategy(ShardedStrategy):
         gather_init_params(built_partitioned)
         with torch.no_grad():
             for p, off, shape in zip(params, offsets, shapes):
-                flat[off:off + shape.numel()].copy_(p.detach().reshape(-1))
-                p.data = flat[off:off + shape.numel()].view(shape)
+                flat[off : off + shape.numel()].copy_(p.detach().reshape(-1))
+                p.data = flat[off : off + shape.numel()].view(shape)
         for p in built_partitioned:
             del p._shardwise_init, p.ds_tensor
             p.__dict__.pop("__deepcopy__", None)
-        unit = Stage3Unit(len(self.buckets), group, params, offsets, numel, padded, shard, flat, shapes=shapes,
-                          module=module, persistent=persistent)
+        unit = Stage3Unit(
+            len(self.buckets),
+            group,
+            params,
+            offsets,
+            numel,
+            padded,
+            shard,
+            flat,
+            shapes=shapes,
+            module=module,
+            persistent=persistent,
+        )
         self.gatherer.count_live(unit, +1)
         host = self._master_device(device)
-        unit.master = nn.Parameter(self._host_tensor(unit.local(flat, rank).detach().to(host, torch.float32, copy=True)))
+        unit.master = nn.Parameter(
+            self._host_tensor(unit.local(flat, rank).detach().to(host, torch.float32, copy=True))
+        )
         unit.grad_shard = self._new_grad_shard(shard, host)
         unit.master.grad = unit.grad_shard
         for p, shape in zip(params, shapes):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
             p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size
         self.buckets.append(unit)
-        self._bucket_of.update({p: unit for p in params})
+        self._bucket_of.update(dict.fromkeys(params, unit))
         self._offset_of.update(zip(params, offsets))
 
     def _check_param_buffer_size(self) -> None:
@@ -178,7 +206,8 @@ class Stage3Strategy(ShardedStrategy):
                 f"zero_optimization.offload_param.buffer_size={size} elements is smaller than the "
                 f"parameter shard of {type(unit.module).__name__} ({', '.join(self.names[p] for p in unit.params)}: "
                 f"{unit.shard} elements per rank); raise buffer_size to at least {unit.shard}, use more "
-                "ranks, or keep those parameters in CPU memory with offload_param.max_in_cpu")
+                "ranks, or keep those parameters in CPU memory with offload_param.max_in_cpu"
+            )
 
     # -- module state ---------------------------------------------------------------------------
 
@@ -230,10 +259,12 @@ class Stage3Strategy(ShardedStrategy):
         for key, tensor in current.items():
             if tensor in self._bucket_of and key in state and id(tensor) not in key_of:
                 key_of[id(tensor)] = key
-        mismatched = [f"size mismatch for {key}: copying a param with shape {tuple(state[key].shape)} from "
-                      f"checkpoint, the shape in current model is {tuple(tensor.ds_shape)}"
-                      for key, tensor in current.items()
-                      if tensor in self._bucket_of and key in state and state[key].shape != tensor.ds_shape]
+        mismatched = [
+            f"size mismatch for {key}: copying a param with shape {tuple(state[key].shape)} from "
+            f"checkpoint, the shape in current model is {tuple(tensor.ds_shape)}"
+            for key, tensor in current.items()
+            if tensor in self._bucket_of and key in state and state[key].shape != tensor.ds_shape
+        ]
         if mismatched:
             raise RuntimeError("Error(s) in loading state_dict: " + "; ".join(mismatched))
         rest = {k: v for k, v in state.items() if not (k in current and current[k] in self._bucket_of)}
@@ -241,8 +272,10 @@ class Stage3Strategy(ShardedStrategy):
         missing = [k for k in result.missing_keys if k not in state]
         unexpected = list(result.unexpected_keys)
         if strict and (missing or unexpected):
-            raise RuntimeError(f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys "
-                               f"{unexpected}; load with load_module_strict=False to skip them")
+            raise RuntimeError(
+                f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys "
+                f"{unexpected}; load with load_module_strict=False to skip them"
+            )
         with torch.no_grad():
             for unit in self.buckets:
                 present = [key_of.get(id(p)) for p in unit.params]
@@ -268,8 +301,9 @@ class Stage3Strategy(ShardedStrategy):
         masters = sum(u.master.numel() * 4 for u in self.buckets)
         mixed = self.policy.needs_master_copy
         grads = sum(u.grad_shard.numel() * 4 for u in self.buckets)
-        return ModelStateBytes(live + (0 if mixed else masters), grads, masters if mixed else 0,
-                               optimizer_state_bytes(self.optimizer))
+        return ModelStateBytes(
+            live + (0 if mixed else masters), grads, masters if mixed else 0, optimizer_state_bytes(self.optimizer)
+        )
 
     def add_external_user(self, module: nn.Module, unit: Stage3Unit) -> None:
         """Gather ``unit`` for ``module``'s forward and backward too (its owner is elsewhere)."""

@@ -48,7 +48,7 @@ class ModelParallel:
     """Communicators over the tensor and pipeline groups with more than one rank."""
 
     @classmethod
-    def from_grid(cls, grid) -> "ModelParallel":
+    def from_grid(cls, grid) -> ModelParallel:
         if grid is None:
             return cls()
         comms = tuple(c for size, c in ((grid.tensor, "tensor_comm"), (grid.pipe, "pipe_comm")) if size > 1)
@@ -63,8 +63,11 @@ class ModelParallel:
     def local_square(self, grads: list[torch.Tensor], weighted: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
         """Sum of squares of ``grads`` (fp64), the elements also in ``weighted`` (views
         into them, with their weight below 1) counted at that weight."""
-        total = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() if grads \
+        total = (
+            torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+            if grads
             else torch.zeros((), dtype=torch.float64)
+        )
         if weighted:
             norms = torch.stack(torch._foreach_norm([v for v, _ in weighted])).double().pow(2)
             factors = torch.tensor([1.0 - w for _, w in weighted], dtype=torch.float64, device=norms.device)

@@ -104,7 +104,7 @@ class Stage3Unit(ShardedBucket):
         handle, self.pending = self.pending, None
         handle.wait()
         for p, off, shape in zip(self.params, self.offsets, self.shapes):
-            p.data = self.flat_param[off:off + shape.numel()].view(shape)
+            p.data = self.flat_param[off : off + shape.numel()].view(shape)
 
     def free(self) -> None:
         """READING, GATHERING or GATHERED -> SHARDED: finish what is in flight (a read nobody

@@ -20,19 +20,23 @@ NEW = 32
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_on_gpu_generates_what_the_model_generates(family, inject):
     reference = tiny_lm(family)
-    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                      replace_with_kernel_inject=inject)
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32, replace_with_kernel_inject=inject)
     reference = reference.cuda()
     assert all(p.is_cuda for p in engine.module.parameters())
     assert engine.cuda_graph == inject  # the fast path's decode steps replay as CUDA graphs by default
     single, (batch, mask) = prompts()
     single, batch, mask = single.cuda(), batch.cuda(), mask.cuda()
     with torch.no_grad():
-        torch.testing.assert_close(engine(batch, attention_mask=mask).logits,
-                                   reference(batch, attention_mask=mask).logits, rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            engine(batch, attention_mask=mask).logits, reference(batch, attention_mask=mask).logits, rtol=0, atol=1e-4
+        )
     other_single, (other, other_mask) = prompts(seed=5)  # same shapes: the captured graphs are replayed
-    for ids, kwargs in ((single, {}), (batch, {"attention_mask": mask}), (other_single.cuda(), {}),
-                        (other.cuda(), {"attention_mask": other_mask.cuda()})):
+    for ids, kwargs in (
+        (single, {}),
+        (batch, {"attention_mask": mask}),
+        (other_single.cuda(), {}),
+        (other.cuda(), {"attention_mask": other_mask.cuda()}),
+    ):
         kwargs.update(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
         want, got = reference.generate(ids, **kwargs), engine.generate(ids, **kwargs)
         assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
@@ -46,8 +50,9 @@ def test_graphs_off_gives_the_same_tokens():
     batch, mask = batch.cuda(), mask.cuda()
     outs = []
     for graphs in (False, True):
-        engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                          replace_with_kernel_inject=True, enable_cuda_graph=graphs)
+        engine = shardwise.init_inference(
+            copy.deepcopy(reference), dtype=torch.float32, replace_with_kernel_inject=True, enable_cuda_graph=graphs
+        )
         assert engine.cuda_graph == graphs
         outs.append(engine.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
     assert torch.equal(*outs)

@@ -16,15 +16,19 @@ def _train(stage, dtype, zero_extra):
     torch.manual_seed(0)
     model = TinyMLP(seed=1)  # on the CPU: the engine moves it to the GPU, as DeepSpeed's does
     initial = [p.detach().clone() for p in model.parameters()]
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.2,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, **zero_extra}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, **zero_extra},
+    }
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
     engine, optimizer, _, _ = shardwise.initialize(model=model, config=config)
     for tokens, targets in token_batches(num_steps=3, batch=4, seed=2):
         for micro in range(2):
-            x, y = tokens[2 * micro:2 * micro + 2].cuda(), targets[2 * micro:2 * micro + 2].cuda()
+            x, y = tokens[2 * micro : 2 * micro + 2].cuda(), targets[2 * micro : 2 * micro + 2].cuda()
             engine.backward(engine(x, y))
             engine.step()
     with GatheredParameters(list(engine.module.parameters())):
@@ -59,8 +63,15 @@ def test_offloaded_training_on_gpu_matches_training_without_offload(tmp_path, st
 def test_parameters_on_nvme_on_gpu(tmp_path):
     _, _, expected, initial = _train(3, "bf16", {})
     swap = {"device": "nvme", "nvme_path": str(tmp_path)}
-    engine, _, got, _ = _train(3, "bf16", {"offload_optimizer": swap, "offload_param": {**swap, "max_in_cpu": 0},
-                                           "stage3_param_persistence_threshold": 0})  # else tiny units stay
+    engine, _, got, _ = _train(
+        3,
+        "bf16",
+        {
+            "offload_optimizer": swap,
+            "offload_param": {**swap, "max_in_cpu": 0},
+            "stage3_param_persistence_threshold": 0,
+        },
+    )  # else tiny units stay
     assert engine.strategy.model_state_bytes().master_params == 0
     assert max((a - b).abs().max().item() for a, b in zip(expected, got)) < 5e-2
     assert _update_error(initial, expected, got) < 0.15
@@ -73,14 +84,22 @@ def test_forward_and_backward_with_offload_never_wait_for_the_gpu(stage):
     (see [Note: stream-ordered waits]). torch's sync debug mode raises at any call that
     would make the Python thread wait for the GPU."""
     torch.manual_seed(0)
-    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300,
-                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 300,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
+    }
     engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
     for tokens, targets in token_batches(num_steps=3, batch=4, seed=2):
         for micro in range(2):
-            x, y = tokens[2 * micro:2 * micro + 2].cuda(), targets[2 * micro:2 * micro + 2].cuda()
+            x, y = tokens[2 * micro : 2 * micro + 2].cuda(), targets[2 * micro : 2 * micro + 2].cuda()
             torch.cuda.set_sync_debug_mode("error")
             try:
                 engine.backward(engine(x, y))

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HEADS, DIM, SEQ = 4, 32, 512
 LAYOUTS = {
     "fixed": lambda block: FixedSparsityConfig(HEADS, block, num_local_blocks=4, num_global_blocks=1),
-    "fixed_causal": lambda block: FixedSparsityConfig(HEADS, block, num_local_blocks=4, num_global_blocks=1,
-                                                      attention="unidirectional"),
-    "variable": lambda block: VariableSparsityConfig(HEADS, block, num_random_blocks=1,
-                                                     local_window_blocks=(2, 4), global_block_indices=(0, 5)),
+    "fixed_causal": lambda block: FixedSparsityConfig(
+        HEADS, block, num_local_blocks=4, num_global_blocks=1, attention="unidirectional"
+    ),
+    "variable": lambda block: VariableSparsityConfig(
+        HEADS, block, num_random_blocks=1, local_window_blocks=(2, 4), global_block_indices=(0, 5)
+    ),
     "bigbird": lambda block: BigBirdSparsityConfig(HEADS, block, different_layout_per_head=True),
     "longformer": lambda block: BSLongformerSparsityConfig(HEADS, block),
 }
@@ -44,26 +46,37 @@ def _reference(q, k, v, layout, block, kpm=None, am=None):
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 
 
-CASES = ([(name, 64, torch.bfloat16, False) for name in sorted(LAYOUTS)]
-         + [(name, 32, torch.float32, False) for name in ("fixed", "longformer")]
-         + [("bigbird", 64, torch.float16, False), ("fixed", 64, torch.bfloat16, True),
-            ("longformer", 32, torch.float32, True), ("fixed", 128, torch.bfloat16, True)])
+CASES = (
+    [(name, 64, torch.bfloat16, False) for name in sorted(LAYOUTS)]
+    + [(name, 32, torch.float32, False) for name in ("fixed", "longformer")]
+    + [
+        ("bigbird", 64, torch.float16, False),
+        ("fixed", 64, torch.bfloat16, True),
+        ("longformer", 32, torch.float32, True),
+        ("fixed", 128, torch.bfloat16, True),
+    ]
+)
 
 
-@pytest.mark.parametrize(("name", "block", "dtype", "masks"), CASES,
-                         ids=[f"{n}-{b}-{str(d)[6:]}-{'masks' if m else 'plain'}" for n, b, d, m in CASES])
+@pytest.mark.parametrize(
+    ("name", "block", "dtype", "masks"),
+    CASES,
+    ids=[f"{n}-{b}-{str(d)[6:]}-{'masks' if m else 'plain'}" for n, b, d, m in CASES],
+)
 def test_flex_attention_equals_masked_dense_attention(name, block, dtype, masks):
     layout = LAYOUTS[name](block).make_layout(SEQ)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, HEADS, SEQ, DIM, device="cuda", generator=generator).to(dtype).requires_grad_()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(2, HEADS, SEQ, DIM, device="cuda", generator=generator).to(dtype).requires_grad_() for _ in range(3)
+    )
     kwargs, ref_masks = {}, {}
     if masks:
         kpm = torch.zeros(2, SEQ, device="cuda")
-        kpm[1, -block // 2:] = -10000.0  # the second sequence's padding
+        kpm[1, -block // 2 :] = -10000.0  # the second sequence's padding
         am = torch.ones(SEQ, SEQ, device="cuda").tril()  # every row keeps its own position
-        kwargs = dict(key_padding_mask=kpm.to(dtype), key_padding_mask_mode="add", attn_mask=am.to(dtype),
-                      attn_mask_mode="mul")
+        kwargs = dict(
+            key_padding_mask=kpm.to(dtype), key_padding_mask_mode="add", attn_mask=am.to(dtype), attn_mask_mode="mul"
+        )
         ref_masks = dict(kpm=kpm.to(dtype), am=am)
     with warnings.catch_warnings():  # a compile failure would warn and fall back to the gather path
         warnings.filterwarnings("error", message="FlexAttention failed")
@@ -77,8 +90,9 @@ def test_flex_attention_equals_masked_dense_attention(name, block, dtype, masks)
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     for name_, g, w in zip("qkv", got, want):
         scale = w.abs().max().item()
-        torch.testing.assert_close(g.double(), w.double(), atol=tol * max(scale, 1.0), rtol=tol,
-                                   msg=lambda m, name_=name_: f"d{name_}: {m}")
+        torch.testing.assert_close(
+            g.double(), w.double(), atol=tol * max(scale, 1.0), rtol=tol, msg=lambda m, name_=name_: f"d{name_}: {m}"
+        )
 
 
 def test_flex_path_is_taken_and_matches_the_gather_path():

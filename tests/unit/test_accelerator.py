@@ -41,10 +41,18 @@ def test_cuda_names_need_no_gpu():
 
 
 def test_synchronous_device_flags():
-    cpu_flags = [CPU.is_synchronized_device(), CPU.use_host_timers(), CPU.resolves_data_dependency(),
-                 CPU.handles_memory_backpressure()]
-    cuda_flags = [CUDA.is_synchronized_device(), CUDA.use_host_timers(), CUDA.resolves_data_dependency(),
-                  CUDA.handles_memory_backpressure()]
+    cpu_flags = [
+        CPU.is_synchronized_device(),
+        CPU.use_host_timers(),
+        CPU.resolves_data_dependency(),
+        CPU.handles_memory_backpressure(),
+    ]
+    cuda_flags = [
+        CUDA.is_synchronized_device(),
+        CUDA.use_host_timers(),
+        CUDA.resolves_data_dependency(),
+        CUDA.handles_memory_backpressure(),
+    ]
     assert cpu_flags == [True] * 4
     assert cuda_flags == [False] * 4
 
@@ -130,9 +138,19 @@ def test_signatures_follow_deepspeed():
         return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
 
     none_index = [("device_index", None)]
-    for method in (CPU.device_name, CPU.synchronize, CPU.memory_allocated, CPU.max_memory_allocated,
-                   CPU.reset_max_memory_allocated, CPU.memory_reserved, CPU.max_memory_reserved,
-                   CPU.total_memory, CPU.available_memory, CPU.current_stream, CPU.default_stream):
+    for method in (
+        CPU.device_name,
+        CPU.synchronize,
+        CPU.memory_allocated,
+        CPU.max_memory_allocated,
+        CPU.reset_max_memory_allocated,
+        CPU.memory_reserved,
+        CPU.max_memory_reserved,
+        CPU.total_memory,
+        CPU.available_memory,
+        CPU.current_stream,
+        CPU.default_stream,
+    ):
         assert names(method) == none_index, method.__name__
     assert names(CPU.pin_memory)[:2] == [("tensor", inspect.Parameter.empty), ("align_bytes", 1)]
     assert names(CPU.range_push) == [("msg", inspect.Parameter.empty), ("domain", None), ("category", None)]

@@ -14,8 +14,13 @@ import pytest
 
 def _run(body: str, *, path: str | None = None) -> dict:
     """Run ``body`` in a fresh interpreter (``path`` first on sys.path); it sets ``out``."""
-    code = "import json, sys\n" + (f"sys.path.insert(0, {path!r})\n" if path else "") + "out = {}\n" + \
-        textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+    code = (
+        "import json, sys\n"
+        + (f"sys.path.insert(0, {path!r})\n" if path else "")
+        + "out = {}\n"
+        + textwrap.dedent(body)
+        + "\nprint(json.dumps(out))\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -75,7 +80,8 @@ def test_alias_wins_over_an_installed_deepspeed(tmp_path):
     (fake / "__init__.py").write_text("REAL = True\n")
     (fake / "zero" / "__init__.py").write_text("REAL = True\n")
     (fake / "only_real.py").write_text("REAL = True\n")
-    out = _run("""
+    out = _run(
+        """
         import importlib.util
         out["real_first"] = importlib.util.find_spec("deepspeed").origin
         import shardwise
@@ -86,14 +92,17 @@ def test_alias_wins_over_an_installed_deepspeed(tmp_path):
             import deepspeed.only_real
         except ModuleNotFoundError as error:
             out["missing"] = error.name
-    """, path=str(tmp_path))
+    """,
+        path=str(tmp_path),
+    )
     assert out["real_first"].startswith(str(fake))
     assert out["same"] == [True, True]
     assert out["missing"] == "deepspeed.only_real"  # never picked up from the real package's folder
 
 
-@pytest.mark.parametrize("first", ["import accelerate.utils", "import transformers.trainer",
-                                   "import transformers.integrations.deepspeed"])
+@pytest.mark.parametrize(
+    "first", ["import accelerate.utils", "import transformers.trainer", "import transformers.integrations.deepspeed"]
+)
 def test_install_after_a_library_decided_is_an_error(first):
     out = _run(f"""
         {first}

@@ -15,8 +15,15 @@ class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
         fp32_optimizer_states: must be True (states take the parameters' dtype).
     """
 
-    def __init__(self, model_params, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0,
-                 amsgrad: bool = False, fp32_optimizer_states: bool = True):
+    def __init__(
+        self,
+        model_params,
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        fp32_optimizer_states: bool = True,
+    ):
         if amsgrad:
             raise ValueError("DeepSpeedCPUAdagrad(amsgrad=True) is not supported: Adagrad has no AMSGrad variant")
         if not fp32_optimizer_states:

@@ -15,8 +15,14 @@ class DeepSpeedCPULion(Lion):
             offloaded masters).
     """
 
-    def __init__(self, model_params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0.0, fp32_optimizer_states: bool = True):
+    def __init__(
+        self,
+        model_params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        fp32_optimizer_states: bool = True,
+    ):
         if not fp32_optimizer_states:
             raise ValueError("DeepSpeedCPULion(fp32_optimizer_states=False) is not supported")
         super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)
@@ -25,8 +31,14 @@ class DeepSpeedCPULion(Lion):
 class FusedLion(Lion):
     """DeepSpeed's ``FusedLion`` signature (``set_grad_none`` accepted)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0.0, set_grad_none: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+    ):
         del set_grad_none
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
 

@@ -10,7 +10,6 @@ from shardwise.ops.sparse_attention._from_config import sparsity_config_from_dic
 from shardwise.ops.sparse_attention.bert_sparse_self_attention import BertSparseSelfAttention
 from shardwise.ops.sparse_attention.sparse_attention_utils import SparseAttentionUtils
 from shardwise.ops.sparse_attention.sparse_self_attention import SparseSelfAttention
-
 from shardwise.ops.sparse_attention.sparsity_config import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,

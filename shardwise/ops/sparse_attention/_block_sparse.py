@@ -41,8 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._split_attention import (SUPPORTED_DTYPES, SplitAttention, _additive, _Masks, build_split_plan,
-                               width_groups)
+from ._split_attention import SUPPORTED_DTYPES, SplitAttention, _additive, _Masks, build_split_plan, width_groups
 
 logger = logging.getLogger("shardwise")
 
@@ -112,21 +111,28 @@ def _build_plan(layout: Tensor, device: torch.device) -> _Plan:
     empty = (counts == 0).nonzero()
     if len(empty):
         head, row = (int(x) for x in empty[0])
-        raise ValueError(f"layout head {head} row {row} has no nonzero block: query block {row} "
-                         f"of head {head} attends to no key ({len(empty)} such rows in all)")
+        raise ValueError(
+            f"layout head {head} row {row} has no nonzero block: query block {row} "
+            f"of head {head} attends to no key ({len(empty)} such rows in all)"
+        )
     groups, kv, ordered = [], [], []
     for rows, cols, valid in width_groups(layout.reshape(num_heads * n, n)):  # every row: none is empty
         heads = rows // n
         ordered.append(rows)
         kv.append((heads[:, None] * n + cols).reshape(-1))
-        groups.append(_RowGroup(
-            num_rows=len(rows), heads=heads.to(device), row_blocks=(rows % n).to(device),
-            cols=cols.to(device), valid=None if bool(valid.all()) else valid.to(device)))
+        groups.append(
+            _RowGroup(
+                num_rows=len(rows),
+                heads=heads.to(device),
+                row_blocks=(rows % n).to(device),
+                cols=cols.to(device),
+                valid=None if bool(valid.all()) else valid.to(device),
+            )
+        )
     order = torch.cat(ordered)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order))
-    return _Plan(groups=tuple(groups), rows=order.to(device), inverse=inverse.to(device),
-                 kv=torch.cat(kv).to(device))
+    return _Plan(groups=tuple(groups), rows=order.to(device), inverse=inverse.to(device), kv=torch.cat(kv).to(device))
 
 
 def _plan(layout: Tensor, block: int, device: torch.device, kind: str = "gather"):
@@ -154,8 +160,16 @@ def _group_bias(group: _RowGroup, masks: _Masks, rpe: Tensor | None) -> Tensor |
     return part if bias is None else bias + part
 
 
-def _gather_attention(query: Tensor, key: Tensor, value: Tensor, plan: _Plan, block: int,
-                      scale: float | None, masks: _Masks, rpe: Tensor | None) -> Tensor:
+def _gather_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    plan: _Plan,
+    block: int,
+    scale: float | None,
+    masks: _Masks,
+    rpe: Tensor | None,
+) -> Tensor:
     """The path for relative position scores (which need their gradient) and for devices without
     torch's CPU flash kernel. See [Note: block-sparse gather plan]."""
     batch, num_heads, seq, dim = query.shape
@@ -164,8 +178,7 @@ def _gather_attention(query: Tensor, key: Tensor, value: Tensor, plan: _Plan, bl
     q_blocks, k_blocks, v_blocks = (t.reshape(batch, num_heads * n, block, dim) for t in (query, key, value))
     # One gather per tensor, split per group: the backward then fills one zero gradient buffer
     # per tensor instead of one per group plus the sums (fresh buffers cost page faults).
-    q_groups = _Permute.apply(q_blocks, plan.rows, plan.inverse).split(
-        [g.num_rows for g in plan.groups], dim=1)
+    q_groups = _Permute.apply(q_blocks, plan.rows, plan.inverse).split([g.num_rows for g in plan.groups], dim=1)
     kv_sizes = [g.cols.numel() for g in plan.groups]
     k_groups = k_blocks.index_select(1, plan.kv).split(kv_sizes, dim=1)
     v_groups = v_blocks.index_select(1, plan.kv).split(kv_sizes, dim=1)
@@ -193,8 +206,9 @@ class _Permute(torch.autograd.Function):
         return grad.index_select(1, inverse), None, None
 
 
-def _dense_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int,
-                     scale: float | None, masks: tuple) -> Tensor:
+def _dense_attention(
+    query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int, scale: float | None, masks: tuple
+) -> Tensor:
     """Masked SDPA over the whole sequence; only for a single block, where it is cheapest."""
     seq = query.shape[2]
     allowed = layout.to(query.device, torch.bool).repeat_interleave(block, 1).repeat_interleave(block, 2)
@@ -209,27 +223,39 @@ def _dense_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, 
     return F.scaled_dot_product_attention(query, key, value, attn_mask=bias.to(query.dtype), scale=scale)
 
 
-def _validate(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int,
-              modes: tuple[str, str]) -> None:
+def _validate(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int, modes: tuple[str, str]) -> None:
     if query.dim() != 4 or query.shape != key.shape or key.shape != value.shape:
-        raise ValueError("query, key and value must share one [batch, heads, seq, head_dim] shape, got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        raise ValueError(
+            "query, key and value must share one [batch, heads, seq, head_dim] shape, got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
     _, num_heads, seq, _ = query.shape
     if block <= 0 or seq % block:
         raise ValueError(f"sequence length {seq} must be a multiple of block {block}")
     n = seq // block
     if tuple(layout.shape) != (num_heads, n, n):
-        raise ValueError(f"layout must be [heads, seq/block, seq/block] = {(num_heads, n, n)}, "
-                         f"got {tuple(layout.shape)}")
+        raise ValueError(
+            f"layout must be [heads, seq/block, seq/block] = {(num_heads, n, n)}, got {tuple(layout.shape)}"
+        )
     for name, mode in zip(("key_padding_mask_mode", "attn_mask_mode"), modes):
         if mode not in ("add", "mul"):
             raise ValueError(f"{name} must be 'add' or 'mul', got {mode!r}")
 
 
-def block_sparse_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int, *,
-                           scale: float | None = None, key_padding_mask: Tensor | None = None,
-                           key_padding_mask_mode: MaskMode = "add", attn_mask: Tensor | None = None,
-                           attn_mask_mode: MaskMode = "mul", rpe: Tensor | None = None) -> Tensor:
+def block_sparse_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layout: Tensor,
+    block: int,
+    *,
+    scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+    key_padding_mask_mode: MaskMode = "add",
+    attn_mask: Tensor | None = None,
+    attn_mask_mode: MaskMode = "mul",
+    rpe: Tensor | None = None,
+) -> Tensor:
     """Softmax attention restricted to the nonzero blocks of ``layout``.
 
     Equals dense attention whose scores ``q . k * scale + rpe + key_padding_mask + attn_mask``
@@ -255,8 +281,7 @@ def block_sparse_attention(query: Tensor, key: Tensor, value: Tensor, layout: Te
     """
     _validate(query, key, value, layout, block, (key_padding_mask_mode, attn_mask_mode))
     batch, num_heads, seq, _ = query.shape
-    kpm = None if key_padding_mask is None else _additive(key_padding_mask.reshape(-1, seq),
-                                                           key_padding_mask_mode)
+    kpm = None if key_padding_mask is None else _additive(key_padding_mask.reshape(-1, seq), key_padding_mask_mode)
     am = None if attn_mask is None else attn_mask.reshape(seq, seq)
     if rpe is not None and rpe.dim() == 3:
         rpe = rpe[None]
@@ -268,8 +293,13 @@ def block_sparse_attention(query: Tensor, key: Tensor, value: Tensor, layout: Te
         if out is not None:
             return out
     n = seq // block
-    masks = _Masks(None if kpm is None else kpm.reshape(-1, n, block),
-                   None if am is None else am.reshape(n, block, n, block), attn_mask_mode, block, query.dtype)
+    masks = _Masks(
+        None if kpm is None else kpm.reshape(-1, n, block),
+        None if am is None else am.reshape(n, block, n, block),
+        attn_mask_mode,
+        block,
+        query.dtype,
+    )
     if query.device.type == "cpu" and rpe is None and query.dtype in SUPPORTED_DTYPES:
         split = _plan(layout, block, query.device, "split")
         return SplitAttention.apply(query, key, value, split, block, scale, masks)
@@ -290,8 +320,7 @@ def _flex_block_mask(layout: Tensor, block: int, seq: int, device: torch.device)
         return _block_masks[key]
     num_heads, n, _ = layout.shape
     per_tile = _FLEX_TILE // block
-    tiles = layout.detach().to(device, torch.bool).reshape(num_heads, n // per_tile, per_tile,
-                                                           n // per_tile, per_tile)
+    tiles = layout.detach().to(device, torch.bool).reshape(num_heads, n // per_tile, per_tile, n // per_tile, per_tile)
     full = tiles.all(dim=4).all(dim=2)
     partial = tiles.any(dim=4).any(dim=2) & ~full
 
@@ -304,8 +333,9 @@ def _flex_block_mask(layout: Tensor, block: int, seq: int, device: torch.device)
     def mask_mod(b, h, q_idx, kv_idx):
         return dense_layout[h, q_idx // block, kv_idx // block]
 
-    block_mask = BlockMask.from_kv_blocks(*indices(partial), *indices(full), BLOCK_SIZE=_FLEX_TILE,
-                                          mask_mod=mask_mod, seq_lengths=(seq, seq))
+    block_mask = BlockMask.from_kv_blocks(
+        *indices(partial), *indices(full), BLOCK_SIZE=_FLEX_TILE, mask_mod=mask_mod, seq_lengths=(seq, seq)
+    )
     _remember(_block_masks, key, block_mask)
     return block_mask
 
@@ -323,12 +353,12 @@ def _flex_call(query, key, value, block_mask, scale, kpm, am, rpe):
         return score
 
     plain = kpm is None and am is None and rpe is None
-    return flex_attention(query, key, value, score_mod=None if plain else score_mod,
-                          block_mask=block_mask, scale=scale)
+    return flex_attention(query, key, value, score_mod=None if plain else score_mod, block_mask=block_mask, scale=scale)
 
 
-def _flex_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int,
-                    scale: float | None, masks: tuple) -> Tensor | None:
+def _flex_attention(
+    query: Tensor, key: Tensor, value: Tensor, layout: Tensor, block: int, scale: float | None, masks: tuple
+) -> Tensor | None:
     """FlexAttention on CUDA, compiled once; None (use the gather path) when not applicable.
 
     A compile failure on the first call warns once and disables this path for the process;
@@ -351,12 +381,20 @@ def _flex_attention(query: Tensor, key: Tensor, value: Tensor, layout: Tensor, b
             out = _flex_state["compiled"](query, key, value, block_mask, scale, kpm, am, rpe)
     except Exception as error:  # noqa: BLE001 - any compile failure falls back
         _flex_state["failed"] = True
-        warnings.warn(f"FlexAttention failed ({type(error).__name__}: {error}); block-sparse attention "
-                      "uses the gather path from now on", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"FlexAttention failed ({type(error).__name__}: {error}); block-sparse attention "
+            "uses the gather path from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
     if timing_key not in _flex_state["timed"]:
         _flex_state["timed"].add(timing_key)
         torch.cuda.synchronize(query.device)
-        logger.info("block-sparse FlexAttention compiled for %s %s in %.1f s", tuple(query.shape),
-                    query.dtype, time.perf_counter() - start)
+        logger.info(
+            "block-sparse FlexAttention compiled for %s %s in %.1f s",
+            tuple(query.shape),
+            query.dtype,
+            time.perf_counter() - start,
+        )
     return out

@@ -13,8 +13,13 @@ from shardwise.ops.sparse_attention.sparsity_config import (
     VariableSparsityConfig,
 )
 
-_CLASSES = {"dense": DenseSparsityConfig, "fixed": FixedSparsityConfig, "variable": VariableSparsityConfig,
-            "bigbird": BigBirdSparsityConfig, "bslongformer": BSLongformerSparsityConfig}
+_CLASSES = {
+    "dense": DenseSparsityConfig,
+    "fixed": FixedSparsityConfig,
+    "variable": VariableSparsityConfig,
+    "bigbird": BigBirdSparsityConfig,
+    "bslongformer": BSLongformerSparsityConfig,
+}
 
 
 def sparsity_config_from_dict(section: dict[str, Any] | None, num_heads: int) -> SparsityConfig | None:

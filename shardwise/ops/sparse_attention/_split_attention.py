@@ -123,16 +123,23 @@ def build_split_plan(layout: Tensor, block: int, device: torch.device) -> _Split
         if not runs:
             continue
         identity = bool(cols.equal(torch.arange(n)))
-        orders.append(_Order(heads=heads.to(device), cols=None if identity else cols.to(device),
-                             every_head=bool(heads.equal(torch.arange(num_heads)))))
+        orders.append(
+            _Order(
+                heads=heads.to(device),
+                cols=None if identity else cols.to(device),
+                every_head=bool(heads.equal(torch.arange(num_heads))),
+            )
+        )
         step = max(1, _CHUNK_TOKENS // (len(heads) * block))
         for start, stop, width in runs:
-            remainder[heads[:, None, None], torch.arange(start, stop)[None, :, None],
-                      cols[None, None, :width]] = False
-            prefixes.extend(_Prefix(order=len(orders) - 1, start=first, stop=min(first + step, stop),
-                                    width=width) for first in range(start, stop, step))
-    return _SplitPlan(orders=tuple(orders), prefixes=tuple(prefixes),
-                      chunks=_remainder_chunks(remainder, block, device))
+            remainder[heads[:, None, None], torch.arange(start, stop)[None, :, None], cols[None, None, :width]] = False
+            prefixes.extend(
+                _Prefix(order=len(orders) - 1, start=first, stop=min(first + step, stop), width=width)
+                for first in range(start, stop, step)
+            )
+    return _SplitPlan(
+        orders=tuple(orders), prefixes=tuple(prefixes), chunks=_remainder_chunks(remainder, block, device)
+    )
 
 
 def _runs(widths: Tensor) -> list[tuple[int, int, int]]:
@@ -181,11 +188,16 @@ def _remainder_chunks(remainder: Tensor, block: int, device: torch.device) -> tu
         for first in range(0, len(rows), step):
             part = slice(first, first + step)
             chunk_valid = valid[part]
-            chunks.append(_Chunk(
-                heads=heads[part].to(device), row_blocks=(rows[part] % n).to(device),
-                cols=cols[part].to(device),
-                valid=None if bool(chunk_valid.all()) else chunk_valid.to(device),
-                flat=rows[part].to(device), kv=(heads[part, None] * n + cols[part]).reshape(-1).to(device)))
+            chunks.append(
+                _Chunk(
+                    heads=heads[part].to(device),
+                    row_blocks=(rows[part] % n).to(device),
+                    cols=cols[part].to(device),
+                    valid=None if bool(chunk_valid.all()) else chunk_valid.to(device),
+                    flat=rows[part].to(device),
+                    kv=(heads[part, None] * n + cols[part]).reshape(-1).to(device),
+                )
+            )
     return tuple(chunks)
 
 
@@ -205,14 +217,14 @@ class _Masks:
 
     def prefix(self, order: _Order, prefix: _Prefix) -> Tensor | None:
         """``[b or 1, 1, R * block or 1, width * block]``."""
-        cols = order.cols[:prefix.width] if order.cols is not None else None
+        cols = order.cols[: prefix.width] if order.cols is not None else None
         bias = None
         if self.kpm is not None:
-            kpm = self.kpm[:, :prefix.width] if cols is None else self.kpm[:, cols]
+            kpm = self.kpm[:, : prefix.width] if cols is None else self.kpm[:, cols]
             bias = kpm.reshape(kpm.shape[0], 1, 1, -1)
         if self.am is not None:
-            am = self.am[prefix.start:prefix.stop]
-            am = am[:, :, :prefix.width] if cols is None else am[:, :, cols]
+            am = self.am[prefix.start : prefix.stop]
+            am = am[:, :, : prefix.width] if cols is None else am[:, :, cols]
             am = _additive(am, self.am_mode).reshape(1, 1, (prefix.stop - prefix.start) * self.block, -1)
             bias = am if bias is None else bias + am
         return None if bias is None else bias.to(self.dtype)
@@ -253,8 +265,7 @@ def _merge(out: Tensor, lse: Tensor, flat: Tensor, part_out: Tensor, part_lse: T
     old_lse, old_out = lse.index_select(1, flat), out.index_select(1, flat)
     new_lse = torch.logaddexp(old_lse, part_lse)
     finite = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
-    merged = (old_out * (old_lse - finite).exp_()[..., None]
-              + part_out.float() * (part_lse - finite).exp_()[..., None])
+    merged = old_out * (old_lse - finite).exp_()[..., None] + part_out.float() * (part_lse - finite).exp_()[..., None]
     out.index_copy_(1, flat, merged)
     lse.index_copy_(1, flat, new_lse)
 
@@ -272,7 +283,7 @@ def _ordered(t: Tensor, order: _Order) -> Tensor:
 def _rows(t: Tensor, order: _Order, prefix: _Prefix) -> Tensor:
     """The prefix's rows of ``[b, h, n, block, ...]`` as ``[b, hg, R * block, ...]``: a view
     when the layout is every head's."""
-    region = t[:, :, prefix.start:prefix.stop]
+    region = t[:, :, prefix.start : prefix.stop]
     if not order.every_head:
         region = region.index_select(1, order.heads)
     return region.flatten(2, 3)
@@ -280,7 +291,7 @@ def _rows(t: Tensor, order: _Order, prefix: _Prefix) -> Tensor:
 
 def _put(t: Tensor, order: _Order, prefix: _Prefix, value: Tensor, add: bool) -> None:
     """Writes (or adds) ``[b, hg, R * block, ...]`` into the prefix's rows of ``[b, h, n, block, ...]``."""
-    region = t[:, :, prefix.start:prefix.stop]
+    region = t[:, :, prefix.start : prefix.stop]
     value = value.reshape(region.shape[0], -1, *region.shape[2:])
     if order.every_head:
         region.add_(value) if add else region.copy_(value)
@@ -292,8 +303,9 @@ class SplitAttention(torch.autograd.Function):
     """Block-sparse attention on CPU by prefixes and remainders. See [Note: prefix and remainder]."""
 
     @staticmethod
-    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, plan: _SplitPlan, block: int,
-                scale: float | None, masks: _Masks) -> Tensor:
+    def forward(
+        ctx, query: Tensor, key: Tensor, value: Tensor, plan: _SplitPlan, block: int, scale: float | None, masks: _Masks
+    ) -> Tensor:
         batch, num_heads, seq, dim = query.shape
         n = seq // block
         blocks = [t.contiguous().view(batch, num_heads, n, block, dim) for t in (query, key, value)]
@@ -304,8 +316,13 @@ class SplitAttention(torch.autograd.Function):
             keys, values = _ordered(blocks[1], order), _ordered(blocks[2], order)
             for prefix in (p for p in plan.prefixes if p.order == order_index):
                 span = prefix.width * block
-                part_out, part_lse = _attend(_rows(blocks[0], order, prefix), keys[:, :, :span],
-                                             values[:, :, :span], masks.prefix(order, prefix), scale)
+                part_out, part_lse = _attend(
+                    _rows(blocks[0], order, prefix),
+                    keys[:, :, :span],
+                    values[:, :, :span],
+                    masks.prefix(order, prefix),
+                    scale,
+                )
                 # Prefixes come first and share no row: their results are copied, not merged.
                 _put(out.view(blocks[0].shape), order, prefix, part_out, add=False)
                 _put(lse.view(blocks[0].shape[:4]), order, prefix, part_lse, add=False)
@@ -350,9 +367,18 @@ def _prefix_backward(ctx, order: _Order, prefixes: list[_Prefix], saved: tuple, 
     for prefix in prefixes:
         span = prefix.width * block
         q, g, o = (_rows(t.view(q_blocks.shape), order, prefix) for t in (q_blocks, grad, out))
-        parts = _flash_backward(g, q, keys[:, :, :span], values[:, :, :span], o,
-                                _rows(lse.view(q_blocks.shape[:4]), order, prefix), 0.0, False,
-                                attn_mask=ctx.masks.prefix(order, prefix), scale=ctx.scale)
+        parts = _flash_backward(
+            g,
+            q,
+            keys[:, :, :span],
+            values[:, :, :span],
+            o,
+            _rows(lse.view(q_blocks.shape[:4]), order, prefix),
+            0.0,
+            False,
+            attn_mask=ctx.masks.prefix(order, prefix),
+            scale=ctx.scale,
+        )
         _put(dq.view(q_blocks.shape), order, prefix, parts[0], add=True)
         dkeys[:, :, :span] += parts[1]
         dvalues[:, :, :span] += parts[2]
@@ -371,8 +397,9 @@ def _chunk_backward(ctx, chunk: _Chunk, saved: tuple, grads: tuple) -> None:
     num_rows = len(chunk.flat)
     q, g, o = (t.index_select(1, chunk.flat) for t in (flat_q, grad, out))
     k, v = (t.index_select(1, chunk.kv).view(batch, num_rows, -1, dim) for t in (flat_k, flat_v))
-    parts = _flash_backward(g, q, k, v, o, lse.index_select(1, chunk.flat), 0.0, False,
-                            attn_mask=ctx.masks.chunk(chunk), scale=ctx.scale)
+    parts = _flash_backward(
+        g, q, k, v, o, lse.index_select(1, chunk.flat), 0.0, False, attn_mask=ctx.masks.chunk(chunk), scale=ctx.scale
+    )
     dq.index_add_(1, chunk.flat, parts[0].float())
     dk.index_add_(1, chunk.kv, parts[1].reshape(batch, -1, block, dim).float())
     dv.index_add_(1, chunk.kv, parts[2].reshape(batch, -1, block, dim).float())

@@ -30,14 +30,17 @@ class BertSparseSelfAttention(nn.Module):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         if hidden % heads != 0:
-            raise ValueError(f"BertSparseSelfAttention: hidden_size {hidden} is not a multiple of "
-                             f"num_attention_heads {heads}")
+            raise ValueError(
+                f"BertSparseSelfAttention: hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+            )
         if sparsity_config is None:
             sparsity_config = FixedSparsityConfig(num_heads=4)
         if sparsity_config.num_heads != heads:
-            raise ValueError(f"BertSparseSelfAttention: the sparsity config has num_heads="
-                             f"{sparsity_config.num_heads} but the model has num_attention_heads={heads}; "
-                             f"build the config with num_heads={heads}")
+            raise ValueError(
+                f"BertSparseSelfAttention: the sparsity config has num_heads="
+                f"{sparsity_config.num_heads} but the model has num_attention_heads={heads}; "
+                f"build the config with num_heads={heads}"
+            )
         self.num_attention_heads = heads
         self.attention_head_size = hidden // heads
         self.all_head_size = hidden
@@ -62,8 +65,9 @@ class BertSparseSelfAttention(nn.Module):
                 token is attended and a large negative number where it is padding).
                 ``[batch, seq]`` or the extended ``[batch, 1, 1, seq]``; None for no padding.
         """
-        query, key, value = (self.transpose_for_scores(layer(hidden_states))
-                             for layer in (self.query, self.key, self.value))
+        query, key, value = (
+            self.transpose_for_scores(layer(hidden_states)) for layer in (self.query, self.key, self.value)
+        )
         context = self.sparse_self_attention(query, key, value, key_padding_mask=attention_mask)
         context = context.permute(0, 2, 1, 3).contiguous()
         return context.view(*context.shape[:-2], self.all_head_size)
@@ -82,8 +86,9 @@ class HFBertSparseSelfAttention(BertSparseSelfAttention):
     Attention weights are never materialised: the second element is None.
     """
 
-    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args,
-                **kwargs) -> tuple[Tensor, None]:
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args, **kwargs
+    ) -> tuple[Tensor, None]:
         return super().forward(hidden_states, _key_padding_mask(attention_mask)), None
 
 
@@ -93,10 +98,12 @@ def _key_padding_mask(mask: Tensor | None) -> Tensor | None:
         return None
     if mask.dim() == 4:
         if mask.shape[-2] > 1 and not bool((mask == mask[:, :, :1, :]).all()):
-            raise ValueError("BertSparseSelfAttention: the attention mask differs between query "
-                             "positions (a causal or per-query mask); block-sparse attention takes "
-                             "a key padding mask only - express causality with a unidirectional "
-                             "sparsity config")
+            raise ValueError(
+                "BertSparseSelfAttention: the attention mask differs between query "
+                "positions (a causal or per-query mask); block-sparse attention takes "
+                "a key padding mask only - express causality with a unidirectional "
+                "sparsity config"
+            )
         mask = mask[:, 0, 0, :]
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))

@@ -22,10 +22,12 @@ def _encoder_of(model: nn.Module, what: str) -> tuple[str, nn.Module]:
     for name in ("bert", "roberta"):
         if hasattr(model, name):
             return name, getattr(model, name)
-    raise ValueError(f"SparseAttentionUtils.{what} supports models with a 'bert' or 'roberta' "
-                     f"attribute (e.g. BertForMaskedLM, RobertaForSequenceClassification); "
-                     f"{type(model).__name__} has neither. For another model, replace its "
-                     "self-attention modules with BertSparseSelfAttention yourself")
+    raise ValueError(
+        f"SparseAttentionUtils.{what} supports models with a 'bert' or 'roberta' "
+        f"attribute (e.g. BertForMaskedLM, RobertaForSequenceClassification); "
+        f"{type(model).__name__} has neither. For another model, replace its "
+        "self-attention modules with BertSparseSelfAttention yourself"
+    )
 
 
 class SparseAttentionUtils:
@@ -51,22 +53,27 @@ class SparseAttentionUtils:
         reserved = _ROBERTA_RESERVED if name == "roberta" else 0
         original = table.weight.shape[0] - reserved
         if max_position <= original:
-            raise ValueError(f"extend_position_embedding: max_position {max_position} must exceed the "
-                             f"model's {original} positions")
+            raise ValueError(
+                f"extend_position_embedding: max_position {max_position} must exceed the model's {original} positions"
+            )
         with torch.no_grad():
             trained = table.weight[reserved:]
             copies = -(-max_position // original)
             rows = torch.cat([table.weight[:reserved], trained.repeat(copies, 1)[:max_position]])
-        new_table = nn.Embedding(rows.shape[0], rows.shape[1], padding_idx=table.padding_idx,
-                                 device=rows.device, dtype=rows.dtype)
+        new_table = nn.Embedding(
+            rows.shape[0], rows.shape[1], padding_idx=table.padding_idx, device=rows.device, dtype=rows.dtype
+        )
         new_table.weight.data.copy_(rows)
         embeddings.position_embeddings = new_table
         total = rows.shape[0]
         for buffer in ("position_ids", "token_type_ids"):
             old = getattr(embeddings, buffer, None)
             if isinstance(old, Tensor) and old.dim() == 2:
-                fresh = (torch.arange(total, device=old.device, dtype=old.dtype)[None] if buffer == "position_ids"
-                         else torch.zeros(1, total, device=old.device, dtype=old.dtype))
+                fresh = (
+                    torch.arange(total, device=old.device, dtype=old.dtype)[None]
+                    if buffer == "position_ids"
+                    else torch.zeros(1, total, device=old.device, dtype=old.dtype)
+                )
                 embeddings.register_buffer(buffer, fresh, persistent=False)
         model.config.max_position_embeddings = total
         logger.info("extended position embeddings from %d to %d positions", original, max_position)
@@ -83,7 +90,8 @@ class SparseAttentionUtils:
 
     @staticmethod
     def replace_model_self_attention_with_sparse_self_attention(
-            model: nn.Module, max_position: int, sparsity_config: SparsityConfig | None = None) -> nn.Module:
+        model: nn.Module, max_position: int, sparsity_config: SparsityConfig | None = None
+    ) -> nn.Module:
         """Replace every encoder layer's self-attention of a BERT or RoBERTa ``model`` with
         ``BertSparseSelfAttention`` sharing the trained query, key and value layers; in place.
 
@@ -101,12 +109,14 @@ class SparseAttentionUtils:
         name, encoder = _encoder_of(model, "replace_model_self_attention_with_sparse_self_attention")
         model.config.max_position_embeddings = max_position + (_ROBERTA_RESERVED if name == "roberta" else 0)
         SparseAttentionUtils.replace_self_attention_layer_with_sparse_self_attention_layer(
-            model.config, encoder.encoder.layer, sparsity_config)
+            model.config, encoder.encoder.layer, sparsity_config
+        )
         return model
 
     @staticmethod
     def replace_self_attention_layer_with_sparse_self_attention_layer(
-            config, layers, sparsity_config: SparsityConfig | None = None):
+        config, layers, sparsity_config: SparsityConfig | None = None
+    ):
         """Replace ``layer.attention.self`` of each of ``layers`` with a sparse one that keeps
         the layer's ``query``, ``key`` and ``value``; returns ``layers``."""
         if sparsity_config is None:
@@ -119,9 +129,16 @@ class SparseAttentionUtils:
         return layers
 
     @staticmethod
-    def pad_to_block_size(block_size: int, input_ids: Tensor | None, attention_mask: Tensor | None,
-                          token_type_ids: Tensor | None, position_ids: Tensor | None,
-                          inputs_embeds: Tensor | None, pad_token_id: int, model_embeddings=None):
+    def pad_to_block_size(
+        block_size: int,
+        input_ids: Tensor | None,
+        attention_mask: Tensor | None,
+        token_type_ids: Tensor | None,
+        position_ids: Tensor | None,
+        inputs_embeds: Tensor | None,
+        pad_token_id: int,
+        model_embeddings=None,
+    ):
         """Pad the sequence dimension to a multiple of ``block_size``.
 
         Returns ``(pad_len, input_ids, attention_mask, token_type_ids, position_ids,
@@ -139,16 +156,21 @@ class SparseAttentionUtils:
             return pad_len, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
         if inputs_embeds is not None:
             if model_embeddings is None:
-                raise ValueError("pad_to_block_size: inputs_embeds need model_embeddings to embed the "
-                                 "padding tokens")
+                raise ValueError("pad_to_block_size: inputs_embeds need model_embeddings to embed the padding tokens")
             pad_ids = torch.full((batch, pad_len), pad_token_id, dtype=torch.long, device=inputs_embeds.device)
             inputs_embeds = torch.cat([inputs_embeds, model_embeddings(pad_ids)], dim=-2)
 
         def pad(tensor: Tensor | None, value) -> Tensor | None:
             return None if tensor is None else F.pad(tensor, (0, pad_len), value=value)
 
-        return (pad_len, pad(input_ids, pad_token_id), pad(attention_mask, 0), pad(token_type_ids, 0),
-                pad(position_ids, pad_token_id), inputs_embeds)
+        return (
+            pad_len,
+            pad(input_ids, pad_token_id),
+            pad(attention_mask, 0),
+            pad(token_type_ids, 0),
+            pad(position_ids, pad_token_id),
+            inputs_embeds,
+        )
 
     @staticmethod
     def unpad_sequence_output(pad_len: int, sequence_output: Tensor) -> Tensor:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from shardwise.ops.sparse_attention._block_sparse import MaskMode, block_sparse_attention
@@ -32,15 +31,19 @@ class SparseSelfAttention(nn.Module):
         max_seq_length: the longest sequence accepted; the master layout's size.
     """
 
-    def __init__(self, sparsity_config=None, key_padding_mask_mode: MaskMode = "add",
-                 attn_mask_mode: MaskMode = "mul", max_seq_length: int = 2048):
+    def __init__(
+        self,
+        sparsity_config=None,
+        key_padding_mask_mode: MaskMode = "add",
+        attn_mask_mode: MaskMode = "mul",
+        max_seq_length: int = 2048,
+    ):
         super().__init__()
         if sparsity_config is None:
             from shardwise.ops.sparse_attention.sparsity_config import SparsityConfig
 
             sparsity_config = SparsityConfig(num_heads=4)
-        for name, mode in (("key_padding_mask_mode", key_padding_mask_mode),
-                           ("attn_mask_mode", attn_mask_mode)):
+        for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
             if mode not in ("add", "mul"):
                 raise ValueError(f"SparseSelfAttention.{name} must be 'add' or 'mul', got {mode!r}")
         self.sparsity_config = sparsity_config
@@ -68,12 +71,15 @@ class SparseSelfAttention(nn.Module):
         if self._needs_layout_sync:
             self._sync_layout()
         if seq_len % block:
-            raise ValueError(f"SparseSelfAttention: sequence length {seq_len} is not a multiple of "
-                             f"block {block}; pad the inputs with "
-                             "SparseAttentionUtils.pad_to_block_size")
+            raise ValueError(
+                f"SparseSelfAttention: sequence length {seq_len} is not a multiple of "
+                f"block {block}; pad the inputs with "
+                "SparseAttentionUtils.pad_to_block_size"
+            )
         if seq_len > self.max_seq_length:
-            raise ValueError(f"SparseSelfAttention: sequence length {seq_len} exceeds "
-                             f"max_seq_length {self.max_seq_length}")
+            raise ValueError(
+                f"SparseSelfAttention: sequence length {seq_len} exceeds max_seq_length {self.max_seq_length}"
+            )
         cached = self._layouts.get(seq_len)
         if cached is None or cached[0] is not self.master_layout:
             num_blocks = seq_len // block
@@ -81,8 +87,15 @@ class SparseSelfAttention(nn.Module):
             self._layouts[seq_len] = cached
         return cached[1]
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, rpe: Tensor | None = None,
-                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        rpe: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
         """Attention output ``[batch, heads, seq, head_dim]``.
 
         Args:
@@ -96,14 +109,27 @@ class SparseSelfAttention(nn.Module):
         if key.shape[-2] != seq_len and key.shape[-1] == seq_len:
             key = key.transpose(-1, -2)
         if query.shape != key.shape or key.shape != value.shape:
-            raise ValueError("SparseSelfAttention supports self-attention only: query, key and value "
-                             f"shapes differ: {tuple(query.shape)}, {tuple(key.shape)}, "
-                             f"{tuple(value.shape)}")
+            raise ValueError(
+                "SparseSelfAttention supports self-attention only: query, key and value "
+                f"shapes differ: {tuple(query.shape)}, {tuple(key.shape)}, "
+                f"{tuple(value.shape)}"
+            )
         if num_heads != self.sparsity_config.num_heads:
-            raise ValueError(f"SparseSelfAttention: query has {num_heads} heads but the sparsity "
-                             f"config has num_heads={self.sparsity_config.num_heads}")
+            raise ValueError(
+                f"SparseSelfAttention: query has {num_heads} heads but the sparsity "
+                f"config has num_heads={self.sparsity_config.num_heads}"
+            )
         layout = self.get_layout(seq_len)
-        return block_sparse_attention(query, key, value, layout, self.sparsity_config.block,
-                                      scale=float(head_dim) ** -0.5, key_padding_mask=key_padding_mask,
-                                      key_padding_mask_mode=self.key_padding_mask_mode,
-                                      attn_mask=attn_mask, attn_mask_mode=self.attn_mask_mode, rpe=rpe)
+        return block_sparse_attention(
+            query,
+            key,
+            value,
+            layout,
+            self.sparsity_config.block,
+            scale=float(head_dim) ** -0.5,
+            key_padding_mask=key_padding_mask,
+            key_padding_mask_mode=self.key_padding_mask_mode,
+            attn_mask=attn_mask,
+            attn_mask_mode=self.attn_mask_mode,
+            rpe=rpe,
+        )

@@ -26,7 +26,8 @@ The classes, arguments and defaults are DeepSpeed's
 from __future__ import annotations
 
 import operator
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -46,28 +47,35 @@ def _check_int(owner: str, name: str, value, minimum: int) -> int:
 
 def _check_attention(owner: str, attention) -> str:
     if attention not in _ATTENTIONS:
-        raise ValueError(f"{owner}: attention must be 'unidirectional' (causal, e.g. GPT) or "
-                         f"'bidirectional' (e.g. BERT), got {attention!r}")
+        raise ValueError(
+            f"{owner}: attention must be 'unidirectional' (causal, e.g. GPT) or "
+            f"'bidirectional' (e.g. BERT), got {attention!r}"
+        )
     return attention
 
 
 def _check_at_most(owner: str, name: str, value: int, num_blocks: int) -> None:
     if value > num_blocks:
-        raise ValueError(f"{owner}: {name}={value} is more than the {num_blocks} blocks of this "
-                         f"sequence; use {name} <= {num_blocks} or a longer sequence")
+        raise ValueError(
+            f"{owner}: {name}={value} is more than the {num_blocks} blocks of this "
+            f"sequence; use {name} <= {num_blocks} or a longer sequence"
+        )
 
 
-def _global_ranges(owner: str, starts: Sequence[int],
-                   ends: Sequence[int] | None) -> tuple[tuple[int, int], ...]:
+def _global_ranges(owner: str, starts: Sequence[int], ends: Sequence[int] | None) -> tuple[tuple[int, int], ...]:
     """``[start, end)`` block ranges of the global blocks, validated."""
     starts = [_check_int(owner, "global_block_indices[]", s, 0) for s in starts]
     if ends is None:
         return tuple((s, s + 1) for s in starts)
     if len(ends) != len(starts):
-        raise ValueError(f"{owner}: global_block_end_indices has {len(ends)} entries but "
-                         f"global_block_indices has {len(starts)}; give one end per start")
-    ends = [_check_int(owner, f"global_block_end_indices[] (end of the range starting at {s})",
-                       e, s + 1) for s, e in zip(starts, ends)]
+        raise ValueError(
+            f"{owner}: global_block_end_indices has {len(ends)} entries but "
+            f"global_block_indices has {len(starts)}; give one end per start"
+        )
+    ends = [
+        _check_int(owner, f"global_block_end_indices[] (end of the range starting at {s})", e, s + 1)
+        for s, e in zip(starts, ends)
+    ]
     return tuple(zip(starts, ends))
 
 
@@ -99,8 +107,7 @@ def _band(num_blocks: int, half_width: int, causal: bool) -> torch.Tensor:
     return (offset <= half_width) & (offset >= (0 if causal else -half_width))
 
 
-def _random_blocks(num_blocks: int, count: int, causal: bool,
-                   generator: torch.Generator | None) -> torch.Tensor:
+def _random_blocks(num_blocks: int, count: int, causal: bool, generator: torch.Generator | None) -> torch.Tensor:
     """Bool ``[num_blocks, num_blocks]`` with ``count`` distinct random columns per row,
     drawn uniformly from the whole row, or from ``j <= i`` when ``causal`` (then row ``i``
     gets ``min(count, i + 1)``)."""
@@ -127,14 +134,17 @@ def check_layout(layout: torch.Tensor) -> None:
             [Note: sparsity layout]).
     """
     if layout.dim() != 3 or layout.shape[1] != layout.shape[2]:
-        raise ValueError(f"sparsity layout must be [num_heads, num_blocks, num_blocks], "
-                         f"got shape {tuple(layout.shape)}")
+        raise ValueError(
+            f"sparsity layout must be [num_heads, num_blocks, num_blocks], got shape {tuple(layout.shape)}"
+        )
     empty = (layout != 0).sum(dim=-1) == 0
     if bool(empty.any()):
         head, row = empty.nonzero()[0].tolist()
-        raise ValueError(f"sparsity layout: head {head}, row {row} is all zero, so query block "
-                         f"{row} attends to no key block ({int(empty.sum())} such rows in all); "
-                         f"set at least one block in every row, e.g. the diagonal")
+        raise ValueError(
+            f"sparsity layout: head {head}, row {row} is all zero, so query block "
+            f"{row} attends to no key block ({int(empty.sum())} such rows in all); "
+            f"set at least one block in every row, e.g. the diagonal"
+        )
 
 
 class SparsityConfig:
@@ -166,7 +176,8 @@ class SparsityConfig:
             raise ValueError(
                 f"{owner}: seq_len={seq_len} is not a multiple of block={self.block}; pad the "
                 f"inputs with SparseAttentionUtils.pad_to_block_size (and cut the output with "
-                f"SparseAttentionUtils.unpad_sequence_output)")
+                f"SparseAttentionUtils.unpad_sequence_output)"
+            )
         num_blocks = seq_len // self.block
         return torch.zeros((self.num_heads, num_blocks, num_blocks), dtype=torch.int64)
 
@@ -176,8 +187,7 @@ class SparsityConfig:
             layout[1:] = layout[0]
         return layout
 
-    def make_layout(self, seq_len: int, *,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+    def make_layout(self, seq_len: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
         """The 0/1 int64 layout ``[num_heads, seq_len // block, seq_len // block]``.
 
         Args:
@@ -190,13 +200,13 @@ class SparsityConfig:
             layout[h].copy_(self._head_layout(h, num_blocks, generator))
         return self.check_and_propagate_first_head_layout(layout)
 
-    def _head_layout(self, head: int, num_blocks: int,
-                     generator: torch.Generator | None) -> torch.Tensor:
+    def _head_layout(self, head: int, num_blocks: int, generator: torch.Generator | None) -> torch.Tensor:
         """Bool ``[num_blocks, num_blocks]`` pattern of ``head``."""
         raise NotImplementedError(
             f"{type(self).__name__} has no layout; use DenseSparsityConfig, FixedSparsityConfig, "
             f"VariableSparsityConfig, BigBirdSparsityConfig, BSLongformerSparsityConfig or "
-            f"LocalSlidingWindowSparsityConfig")
+            f"LocalSlidingWindowSparsityConfig"
+        )
 
 
 class DenseSparsityConfig(SparsityConfig):
@@ -230,33 +240,46 @@ class FixedSparsityConfig(SparsityConfig):
             ``different_layout_per_head``.
     """
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False,
-                 num_local_blocks: int = 4, num_global_blocks: int = 1,
-                 attention: Attention = "bidirectional", horizontal_global_attention: bool = False,
-                 num_different_global_patterns: int = 1):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_local_blocks: int = 4,
+        num_global_blocks: int = 1,
+        attention: Attention = "bidirectional",
+        horizontal_global_attention: bool = False,
+        num_different_global_patterns: int = 1,
+    ):
         super().__init__(num_heads, block, different_layout_per_head)
         owner = type(self).__name__
         self.num_local_blocks = _check_int(owner, "num_local_blocks", num_local_blocks, 1)
         self.num_global_blocks = _check_int(owner, "num_global_blocks", num_global_blocks, 1)
         if num_local_blocks % num_global_blocks != 0:
-            raise ValueError(f"{owner}: num_global_blocks={num_global_blocks} must divide "
-                             f"num_local_blocks={num_local_blocks}")
+            raise ValueError(
+                f"{owner}: num_global_blocks={num_global_blocks} must divide num_local_blocks={num_local_blocks}"
+            )
         self.attention = _check_attention(owner, attention)
         if horizontal_global_attention and attention != "bidirectional":
-            raise ValueError(f"{owner}: horizontal_global_attention=True needs "
-                             f"attention='bidirectional', got {attention!r}")
+            raise ValueError(
+                f"{owner}: horizontal_global_attention=True needs attention='bidirectional', got {attention!r}"
+            )
         self.horizontal_global_attention = bool(horizontal_global_attention)
         _check_int(owner, "num_different_global_patterns", num_different_global_patterns, 1)
         if num_different_global_patterns > 1 and not different_layout_per_head:
-            raise ValueError(f"{owner}: num_different_global_patterns="
-                             f"{num_different_global_patterns} needs different_layout_per_head="
-                             f"True (all heads share one layout otherwise)")
+            raise ValueError(
+                f"{owner}: num_different_global_patterns="
+                f"{num_different_global_patterns} needs different_layout_per_head="
+                f"True (all heads share one layout otherwise)"
+            )
         max_patterns = num_local_blocks // num_global_blocks
         if num_different_global_patterns > max_patterns:
-            raise ValueError(f"{owner}: num_different_global_patterns="
-                             f"{num_different_global_patterns} is more than num_local_blocks // "
-                             f"num_global_blocks = {num_local_blocks} // {num_global_blocks} = "
-                             f"{max_patterns} (the distinct global positions in a window)")
+            raise ValueError(
+                f"{owner}: num_different_global_patterns="
+                f"{num_different_global_patterns} is more than num_local_blocks // "
+                f"num_global_blocks = {num_local_blocks} // {num_global_blocks} = "
+                f"{max_patterns} (the distinct global positions in a window)"
+            )
         self.num_different_global_patterns = num_different_global_patterns
 
     def _head_layout(self, head, num_blocks, generator):
@@ -292,34 +315,43 @@ class VariableSparsityConfig(SparsityConfig):
             (bidirectional only).
     """
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False,
-                 num_random_blocks: int = 0, local_window_blocks: Sequence[int] = (4,),
-                 global_block_indices: Sequence[int] = (0,),
-                 global_block_end_indices: Sequence[int] | None = None,
-                 attention: Attention = "bidirectional", horizontal_global_attention: bool = False):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_random_blocks: int = 0,
+        local_window_blocks: Sequence[int] = (4,),
+        global_block_indices: Sequence[int] = (0,),
+        global_block_end_indices: Sequence[int] | None = None,
+        attention: Attention = "bidirectional",
+        horizontal_global_attention: bool = False,
+    ):
         super().__init__(num_heads, block, different_layout_per_head)
         owner = type(self).__name__
         self.num_random_blocks = _check_int(owner, "num_random_blocks", num_random_blocks, 0)
         if not local_window_blocks:
             raise ValueError(f"{owner}: local_window_blocks needs at least one window size")
-        self.local_window_blocks = [_check_int(owner, "local_window_blocks[]", s, 1)
-                                    for s in local_window_blocks]
+        self.local_window_blocks = [_check_int(owner, "local_window_blocks[]", s, 1) for s in local_window_blocks]
         self._global_ranges = _global_ranges(owner, global_block_indices, global_block_end_indices)
         self.global_block_indices = list(global_block_indices)
-        self.global_block_end_indices = (None if global_block_end_indices is None
-                                         else list(global_block_end_indices))
+        self.global_block_end_indices = None if global_block_end_indices is None else list(global_block_end_indices)
         self.attention = _check_attention(owner, attention)
         if horizontal_global_attention and attention != "bidirectional":
-            raise ValueError(f"{owner}: horizontal_global_attention=True needs "
-                             f"attention='bidirectional', got {attention!r}")
+            raise ValueError(
+                f"{owner}: horizontal_global_attention=True needs attention='bidirectional', got {attention!r}"
+            )
         self.horizontal_global_attention = bool(horizontal_global_attention)
 
     def _head_layout(self, head, num_blocks, generator):
         _check_at_most(type(self).__name__, "num_random_blocks", self.num_random_blocks, num_blocks)
         causal = self.attention == "unidirectional"
         is_global = _range_mask(num_blocks, self._global_ranges)
-        mask = (_random_blocks(num_blocks, self.num_random_blocks, causal, generator)
-                | _windows(num_blocks, self.local_window_blocks) | is_global[None, :])
+        mask = (
+            _random_blocks(num_blocks, self.num_random_blocks, causal, generator)
+            | _windows(num_blocks, self.local_window_blocks)
+            | is_global[None, :]
+        )
         if self.horizontal_global_attention:
             mask |= is_global[:, None]
         return mask.tril() if causal else mask
@@ -338,14 +370,20 @@ class BigBirdSparsityConfig(SparsityConfig):
         attention: ``"bidirectional"`` or ``"unidirectional"`` (block-level causal).
     """
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False,
-                 num_random_blocks: int = 1, num_sliding_window_blocks: int = 3,
-                 num_global_blocks: int = 1, attention: Attention = "bidirectional"):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_random_blocks: int = 1,
+        num_sliding_window_blocks: int = 3,
+        num_global_blocks: int = 1,
+        attention: Attention = "bidirectional",
+    ):
         super().__init__(num_heads, block, different_layout_per_head)
         owner = type(self).__name__
         self.num_random_blocks = _check_int(owner, "num_random_blocks", num_random_blocks, 0)
-        self.num_sliding_window_blocks = _check_int(owner, "num_sliding_window_blocks",
-                                                    num_sliding_window_blocks, 1)
+        self.num_sliding_window_blocks = _check_int(owner, "num_sliding_window_blocks", num_sliding_window_blocks, 1)
         self.num_global_blocks = _check_int(owner, "num_global_blocks", num_global_blocks, 0)
         self.attention = _check_attention(owner, attention)
 
@@ -355,9 +393,12 @@ class BigBirdSparsityConfig(SparsityConfig):
             _check_at_most(owner, name, getattr(self, name), num_blocks)
         causal = self.attention == "unidirectional"
         is_global = _range_mask(num_blocks, [(0, self.num_global_blocks)])
-        mask = (_random_blocks(num_blocks, self.num_random_blocks, causal, generator)
-                | _band(num_blocks, self.num_sliding_window_blocks // 2, causal=False)
-                | is_global[None, :] | is_global[:, None])
+        mask = (
+            _random_blocks(num_blocks, self.num_random_blocks, causal, generator)
+            | _band(num_blocks, self.num_sliding_window_blocks // 2, causal=False)
+            | is_global[None, :]
+            | is_global[:, None]
+        )
         return mask.tril() if causal else mask
 
 
@@ -375,26 +416,32 @@ class BSLongformerSparsityConfig(SparsityConfig):
         attention: ``"bidirectional"`` or ``"unidirectional"`` (block-level causal).
     """
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False,
-                 num_sliding_window_blocks: int = 3, global_block_indices: Sequence[int] = (0,),
-                 global_block_end_indices: Sequence[int] | None = None,
-                 attention: Attention = "bidirectional"):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_sliding_window_blocks: int = 3,
+        global_block_indices: Sequence[int] = (0,),
+        global_block_end_indices: Sequence[int] | None = None,
+        attention: Attention = "bidirectional",
+    ):
         super().__init__(num_heads, block, different_layout_per_head)
         owner = type(self).__name__
-        self.num_sliding_window_blocks = _check_int(owner, "num_sliding_window_blocks",
-                                                    num_sliding_window_blocks, 1)
+        self.num_sliding_window_blocks = _check_int(owner, "num_sliding_window_blocks", num_sliding_window_blocks, 1)
         self._global_ranges = _global_ranges(owner, global_block_indices, global_block_end_indices)
         self.global_block_indices = list(global_block_indices)
-        self.global_block_end_indices = (None if global_block_end_indices is None
-                                         else list(global_block_end_indices))
+        self.global_block_end_indices = None if global_block_end_indices is None else list(global_block_end_indices)
         self.attention = _check_attention(owner, attention)
 
     def _head_layout(self, head, num_blocks, generator):
-        _check_at_most(type(self).__name__, "num_sliding_window_blocks",
-                       self.num_sliding_window_blocks, num_blocks)
+        _check_at_most(type(self).__name__, "num_sliding_window_blocks", self.num_sliding_window_blocks, num_blocks)
         is_global = _range_mask(num_blocks, self._global_ranges)
-        mask = (_band(num_blocks, self.num_sliding_window_blocks // 2, causal=False)
-                | is_global[None, :] | is_global[:, None])
+        mask = (
+            _band(num_blocks, self.num_sliding_window_blocks // 2, causal=False)
+            | is_global[None, :]
+            | is_global[:, None]
+        )
         return mask.tril() if self.attention == "unidirectional" else mask
 
 
@@ -408,19 +455,21 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
         attention: ``"unidirectional"`` (the default here) or ``"bidirectional"``.
     """
 
-    def __init__(self, num_heads: int, block: int = 16, num_sliding_window_blocks: int = 3,
-                 attention: Attention = "unidirectional"):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        num_sliding_window_blocks: int = 3,
+        attention: Attention = "unidirectional",
+    ):
         super().__init__(num_heads, block)
         owner = type(self).__name__
-        self.num_sliding_window_blocks = _check_int(owner, "num_sliding_window_blocks",
-                                                    num_sliding_window_blocks, 1)
+        self.num_sliding_window_blocks = _check_int(owner, "num_sliding_window_blocks", num_sliding_window_blocks, 1)
         self.attention = _check_attention(owner, attention)
 
     def _head_layout(self, head, num_blocks, generator):
-        _check_at_most(type(self).__name__, "num_sliding_window_blocks",
-                       self.num_sliding_window_blocks, num_blocks)
-        return _band(num_blocks, self.num_sliding_window_blocks // 2,
-                     causal=self.attention == "unidirectional")
+        _check_at_most(type(self).__name__, "num_sliding_window_blocks", self.num_sliding_window_blocks, num_blocks)
+        return _band(num_blocks, self.num_sliding_window_blocks // 2, causal=self.attention == "unidirectional")
 
 
 __all__ = [

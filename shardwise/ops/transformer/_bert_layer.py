@@ -110,14 +110,20 @@ class DeepSpeedTransformerConfig:
 
 def _check(config: DeepSpeedTransformerConfig) -> None:
     if config.hidden_size <= 0 or config.heads <= 0 or config.hidden_size % config.heads:
-        raise ValueError(f"DeepSpeedTransformerConfig: hidden_size ({config.hidden_size}) must be a positive "
-                         f"multiple of heads ({config.heads})")
+        raise ValueError(
+            f"DeepSpeedTransformerConfig: hidden_size ({config.hidden_size}) must be a positive "
+            f"multiple of heads ({config.heads})"
+        )
     if config.initializer_range <= 0:
-        raise ValueError("DeepSpeedTransformerConfig.initializer_range must be > 0 (the std of the initial "
-                         f"weights, BERT uses 0.02), got {config.initializer_range}")
+        raise ValueError(
+            "DeepSpeedTransformerConfig.initializer_range must be > 0 (the std of the initial "
+            f"weights, BERT uses 0.02), got {config.initializer_range}"
+        )
     if config.adjust_init_range and config.num_hidden_layers <= 0:
-        raise ValueError("DeepSpeedTransformerConfig.num_hidden_layers must be > 0 with adjust_init_range=True, "
-                         f"got {config.num_hidden_layers}")
+        raise ValueError(
+            "DeepSpeedTransformerConfig.num_hidden_layers must be > 0 with adjust_init_range=True, "
+            f"got {config.num_hidden_layers}"
+        )
     for name in ("attn_dropout_ratio", "hidden_dropout_ratio"):
         if getattr(config, name) >= 1:
             raise ValueError(f"DeepSpeedTransformerConfig.{name} must be < 1, got {getattr(config, name)}")
@@ -152,10 +158,20 @@ class DeepSpeedTransformerLayer(nn.Module):
         config.layer_id = DeepSpeedTransformerLayer.layer_id
         DeepSpeedTransformerLayer.layer_id += 1
         hidden, inner = config.hidden_size, config.intermediate_size
-        shapes = {"attn_qkvw": (3 * hidden, hidden), "attn_qkvb": (3 * hidden,), "attn_ow": (hidden, hidden),
-                  "attn_ob": (hidden,), "attn_nw": (hidden,), "attn_nb": (hidden,), "inter_w": (inner, hidden),
-                  "inter_b": (inner,), "output_w": (hidden, inner), "output_b": (hidden,), "norm_w": (hidden,),
-                  "norm_b": (hidden,)}
+        shapes = {
+            "attn_qkvw": (3 * hidden, hidden),
+            "attn_qkvb": (3 * hidden,),
+            "attn_ow": (hidden, hidden),
+            "attn_ob": (hidden,),
+            "attn_nw": (hidden,),
+            "attn_nb": (hidden,),
+            "inter_w": (inner, hidden),
+            "inter_b": (inner,),
+            "output_w": (hidden, inner),
+            "output_b": (hidden,),
+            "norm_w": (hidden,),
+            "norm_b": (hidden,),
+        }
         for name, shape in shapes.items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.init_transformer_weights(config.adjust_init_range)
@@ -188,21 +204,38 @@ class DeepSpeedTransformerLayer(nn.Module):
                 for name, value in zip(("attn_ob", "attn_nb", "inter_b", "output_b", "norm_b"), biases[3:8]):
                     getattr(self, name).copy_(value.detach())
 
-    def forward(self, hidden_states, attention_mask=None, head_mask=None, layer_head_mask=None,
-                encoder_hidden_states=None, encoder_attention_mask=None, past_key_value=None,
-                output_attentions=False, grads=None):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        head_mask=None,
+        layer_head_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_value=None,
+        output_attentions=False,
+        grads=None,
+    ):
         """The layer's output for ``hidden_states`` ``[batch, seq, hidden]`` (a 1-tuple with
         ``config.return_tuple``). ``attention_mask``: see [Note: the fused BERT layer's math].
         The other arguments are DeepSpeed's signature; giving any of them is an error
         (DeepSpeed's kernel ignores them silently)."""
-        given = {"head_mask": head_mask, "layer_head_mask": layer_head_mask,
-                 "encoder_hidden_states": encoder_hidden_states, "encoder_attention_mask": encoder_attention_mask,
-                 "past_key_value": past_key_value, "grads": grads}
-        unsupported = [name for name, value in given.items() if value is not None] + \
-            (["output_attentions"] if output_attentions else [])
+        given = {
+            "head_mask": head_mask,
+            "layer_head_mask": layer_head_mask,
+            "encoder_hidden_states": encoder_hidden_states,
+            "encoder_attention_mask": encoder_attention_mask,
+            "past_key_value": past_key_value,
+            "grads": grads,
+        }
+        unsupported = [name for name, value in given.items() if value is not None] + (
+            ["output_attentions"] if output_attentions else []
+        )
         if unsupported:
-            raise NotImplementedError(f"DeepSpeedTransformerLayer.forward: {unsupported} are not supported (nor "
-                                      "used by DeepSpeed's kernel); pass hidden_states and attention_mask only")
+            raise NotImplementedError(
+                f"DeepSpeedTransformerLayer.forward: {unsupported} are not supported (nor "
+                "used by DeepSpeed's kernel); pass hidden_states and attention_mask only"
+            )
         cfg = self.config
         p_hidden = max(cfg.hidden_dropout_ratio, 0.0) if self.training else 0.0
         x = hidden_states
@@ -215,8 +248,9 @@ class DeepSpeedTransformerLayer(nn.Module):
         return (y,) if cfg.return_tuple else y
 
     def _norm(self, x, prefix: str):
-        return F.layer_norm(x, (x.shape[-1],), getattr(self, prefix + "w"), getattr(self, prefix + "b"),
-                            eps=self.config.layer_norm_eps)
+        return F.layer_norm(
+            x, (x.shape[-1],), getattr(self, prefix + "w"), getattr(self, prefix + "b"), eps=self.config.layer_norm_eps
+        )
 
     def _attention(self, x, mask):
         batch, seq, hidden = x.shape

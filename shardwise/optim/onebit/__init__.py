@@ -10,5 +10,4 @@ from shardwise.optim.onebit.adam import OneBitAdam
 from shardwise.optim.onebit.lamb import OneBitLamb
 from shardwise.optim.onebit.zoadam import ZeroOneAdam
 
-__all__ = ["COMM_BACKEND_NAMES", "CompressedOptimizer", "OneBitAdam", "OneBitLamb", "ZeroOneAdam",
-           "refuse_with_zero"]
+__all__ = ["COMM_BACKEND_NAMES", "CompressedOptimizer", "OneBitAdam", "OneBitLamb", "ZeroOneAdam", "refuse_with_zero"]

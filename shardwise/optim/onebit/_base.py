@@ -50,7 +50,6 @@ COMM_BACKEND_NAMES = ("nccl", "mpi", "hccl", "compressed")
 served by the torch.distributed backend the job runs on."""
 
 
-
 def refuse_with_zero(optimizer, stage: int) -> None:
     """Raise when ``optimizer`` exchanges data itself (a 1-bit optimizer) and ZeRO
     ``stage`` partitions state (see [Note: optimizers that exchange data themselves])."""
@@ -60,8 +59,9 @@ def refuse_with_zero(optimizer, stage: int) -> None:
 
 def check_backend_name(name: str, comm_backend_name: str) -> None:
     if comm_backend_name not in COMM_BACKEND_NAMES:
-        raise ValueError(f"{name}: comm_backend_name {comm_backend_name!r} is not one of "
-                         f"{', '.join(COMM_BACKEND_NAMES)}")
+        raise ValueError(
+            f"{name}: comm_backend_name {comm_backend_name!r} is not one of {', '.join(COMM_BACKEND_NAMES)}"
+        )
 
 
 BACKENDS_WITH_ALL_TO_ALL = frozenset({"gloo", "nccl", "mpi", "ucc", "xccl", "hccl"})
@@ -75,9 +75,11 @@ def check_collectives(name: str, backend: str) -> None:
     used = {part.split(":")[-1].strip().lower() for part in str(backend).split(",")}
     missing = sorted(used - BACKENDS_WITH_ALL_TO_ALL)
     if missing:
-        raise ValueError(f"{name} exchanges compressed data with all_to_all_single and all_gather_into_tensor, "
-                         f"which the process group's backend {backend!r} is not known to provide; run on one of "
-                         f"{', '.join(sorted(BACKENDS_WITH_ALL_TO_ALL))}")
+        raise ValueError(
+            f"{name} exchanges compressed data with all_to_all_single and all_gather_into_tensor, "
+            f"which the process group's backend {backend!r} is not known to provide; run on one of "
+            f"{', '.join(sorted(BACKENDS_WITH_ALL_TO_ALL))}"
+        )
 
 
 def check_adam_arguments(name: str, *, amsgrad: bool, lr: float, eps: float, weight_decay: float, betas) -> None:
@@ -85,14 +87,18 @@ def check_adam_arguments(name: str, *, amsgrad: bool, lr: float, eps: float, wei
     if amsgrad:
         raise ValueError(f"{name} does not support amsgrad=True")
     if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-        raise ValueError(f"{name}: needs lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, "
-                         f"eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}")
+        raise ValueError(
+            f"{name}: needs lr, eps, weight_decay >= 0 and betas in [0, 1); got lr={lr}, "
+            f"eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}"
+        )
 
 
 def check_freeze_step(owner: str, key: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: {key} must be an integer >= 1, got {value!r} (the warm-up estimates the "
-                         "variance that later steps freeze; with no warm-up step it would stay zero)")
+        raise ValueError(
+            f"{owner}: {key} must be an integer >= 1, got {value!r} (the warm-up estimates the "
+            "variance that later steps freeze; with no warm-up step it would stay zero)"
+        )
 
 
 # [Note: exchanged tensors live in the flat buffer]
@@ -109,8 +115,12 @@ def _live_in(members: list[torch.Tensor], flat: torch.Tensor) -> bool:
     offset = 0
     storage = flat.untyped_storage().data_ptr()
     for t in members:
-        if (t.dtype != flat.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage
-                or t.storage_offset() != flat.storage_offset() + offset):
+        if (
+            t.dtype != flat.dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.storage_offset() != flat.storage_offset() + offset
+        ):
             return False
         offset += t.numel()
     return offset == flat.numel()
@@ -132,8 +142,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         name = type(self).__name__
         check_backend_name(name, comm_backend_name)
         if max_grad_norm:
-            raise ValueError(f"{name}: max_grad_norm={max_grad_norm} is not applied by the optimizer; clip with "
-                             "the top-level 'gradient_clipping' config key")
+            raise ValueError(
+                f"{name}: max_grad_norm={max_grad_norm} is not applied by the optimizer; clip with "
+                "the top-level 'gradient_clipping' config key"
+            )
         super().__init__(params, defaults)
         self.comm_backend_name = comm_backend_name
         self.cuda_aware = cuda_aware
@@ -157,9 +169,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if comm.world_size > 1:
             check_collectives(type(self).__name__, dist.get_backend(comm.group))
         if comm.rank == 0 and dist.is_initialized():
-            logger.info("%s: comm_backend_name %r: compressed collectives run on torch.distributed's %s "
-                        "backend over the %d data-parallel ranks", type(self).__name__, self.comm_backend_name,
-                        dist.get_backend(comm.group), comm.world_size)
+            logger.info(
+                "%s: comm_backend_name %r: compressed collectives run on torch.distributed's %s "
+                "backend over the %d data-parallel ranks",
+                type(self).__name__,
+                self.comm_backend_name,
+                dist.get_backend(comm.group),
+                comm.world_size,
+            )
 
     def steps_taken(self) -> int:
         """Optimizer steps taken so far (the largest per-parameter step count)."""
@@ -185,8 +202,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def compressed_average_(self, tensors: list[torch.Tensor], *, tag: str,
-                            params: list[torch.Tensor] | None = None, state: bool = False) -> None:
+    def compressed_average_(
+        self, tensors: list[torch.Tensor], *, tag: str, params: list[torch.Tensor] | None = None, state: bool = False
+    ) -> None:
         """Replace ``tensors`` (the same shapes on every rank, every call) by their 1-bit
         compressed average over the data-parallel ranks, with error feedback; ``params``
         (the parameter each tensor belongs to) sorts them into their exchanges. ``state``:
@@ -223,14 +241,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
             exchange = self._exchanges.get(name)
             if exchange is None or exchange.numel != flat.numel():
                 exchange = self._exchanges[name] = CompressedAllReduce(
-                    comm, flat.numel(), device=flat.device, tag=f"{type(self).__name__} {tag} ({name})")
+                    comm, flat.numel(), device=flat.device, tag=f"{type(self).__name__} {tag} ({name})"
+                )
                 pending = (self._pending_rank_state or {}).get("exchanges", {}).pop(name, None)
                 if pending is not None:
                     self._load_exchange(name, pending)
             exchange(flat)
             if not in_place:
-                torch._foreach_copy_(members, [piece.view_as(t) for piece, t in
-                                               zip(flat.split([t.numel() for t in members]), members)])
+                torch._foreach_copy_(
+                    members, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in members]), members)]
+                )
 
     def mask_unmeasured_(self, group: dict, tensor: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Zero what came back from a compressed exchange (a momentum, gradient or update of
@@ -279,8 +299,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (empty before the first compressed step)."""
         if not self._exchanges:
             return {}
-        return {"world_size": self.communicator().world_size,
-                "exchanges": {name: exchange.state_dict() for name, exchange in self._exchanges.items()}}
+        return {
+            "world_size": self.communicator().world_size,
+            "exchanges": {name: exchange.state_dict() for name, exchange in self._exchanges.items()},
+        }
 
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore what ``rank_state_dict`` gave; error buffers from another world size
@@ -293,8 +315,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         world = comm.world_size if comm is not None else 1
         if int(state["world_size"]) != world:
             if comm is None or comm.rank == 0:
-                logger.info("%s: the checkpoint's error-feedback buffers are from %d data-parallel ranks, this "
-                            "run has %d; they start from zero", type(self).__name__, int(state["world_size"]), world)
+                logger.info(
+                    "%s: the checkpoint's error-feedback buffers are from %d data-parallel ranks, this "
+                    "run has %d; they start from zero",
+                    type(self).__name__,
+                    int(state["world_size"]),
+                    world,
+                )
             return
         saved = dict(state["exchanges"])
         for name in list(saved):
@@ -305,8 +332,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _load_exchange(self, name: str, state: dict) -> None:
         exchange = self._exchanges[name]
         if state["worker_error"].numel() != exchange.worker_error.numel():
-            logger.info("%s: the checkpoint's error-feedback buffers (%s) do not fit this model; they start from zero",
-                        type(self).__name__, name)
+            logger.info(
+                "%s: the checkpoint's error-feedback buffers (%s) do not fit this model; they start from zero",
+                type(self).__name__,
+                name,
+            )
             exchange.reset()
             return
         exchange.load_state_dict(state)

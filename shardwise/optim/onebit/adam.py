@@ -53,18 +53,37 @@ class OneBitAdam(CompressedOptimizer):
             the torch.distributed backend of the job (logged once).
     """
 
-    def __init__(self, params, deepspeed=None, lr: float = 1e-3, freeze_step: int = 100000,
-                 bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
-                 amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl"):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ):
         del deepspeed
         name = type(self).__name__
         check_adam_arguments(name, amsgrad=amsgrad, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         check_freeze_step(name, "freeze_step", freeze_step)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt)
-        super().__init__(params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware,
-                         max_grad_norm=max_grad_norm)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            eps_inside_sqrt=eps_inside_sqrt,
+        )
+        super().__init__(
+            params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware, max_grad_norm=max_grad_norm
+        )
         self.freeze_step = freeze_step
         self._frozen_denominators: dict = {}
         """param -> (eps, eps_inside_sqrt, c2), ``sqrt(v / c2) + eps``: computed once after the
@@ -84,8 +103,12 @@ class OneBitAdam(CompressedOptimizer):
         if compressed and self.steps_taken() == self.freeze_step:
             comm = self.communicator()
             if comm is None or comm.rank == 0:
-                logger.info("%s: warm-up of %d steps done; the variance is frozen and the momentum is exchanged "
-                            "1-bit compressed from now on", type(self).__name__, self.freeze_step)
+                logger.info(
+                    "%s: warm-up of %d steps done; the variance is frozen and the momentum is exchanged "
+                    "1-bit compressed from now on",
+                    type(self).__name__,
+                    self.freeze_step,
+                )
         work = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -106,8 +129,9 @@ class OneBitAdam(CompressedOptimizer):
                 state["step"] += 1
                 work.append((group, p, state))
         if compressed:
-            self.compressed_average_([state["exp_avg"] for _, _, state in work], tag="momentum",
-                                     params=[p for _, p, _ in work], state=True)
+            self.compressed_average_(
+                [state["exp_avg"] for _, _, state in work], tag="momentum", params=[p for _, p, _ in work], state=True
+            )
             for group, _, state in work:
                 self.mask_unmeasured_(group, state["exp_avg"], state["exp_avg_sq"])
         for group, p, state in work:
@@ -119,7 +143,7 @@ class OneBitAdam(CompressedOptimizer):
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         step = int(state["step"])
         if group["bias_correction"]:
-            c1 = 1 - beta1 ** step
+            c1 = 1 - beta1**step
             c2 = 1 - beta2 ** min(step, self.freeze_step)  # the variance stopped at freeze_step
         else:
             c1 = c2 = 1.0
@@ -134,7 +158,7 @@ class OneBitAdam(CompressedOptimizer):
             if group["eps_inside_sqrt"]:
                 denom = (state["exp_avg_sq"] / c2).add_(eps).sqrt_()
             else:
-                denom = (state["exp_avg_sq"].sqrt() / c2 ** 0.5).add_(eps)
+                denom = (state["exp_avg_sq"].sqrt() / c2**0.5).add_(eps)
             if frozen:
                 self._frozen_denominators[p] = (key, denom)
         p.addcdiv_(state["exp_avg"], denom, value=-lr / c1)

@@ -83,12 +83,28 @@ class OneBitLamb(CompressedOptimizer):
         factor_threshold: the most the factor may change from one step to the next, relative.
     """
 
-    def __init__(self, params, deepspeed=None, lr: float = 1e-3, freeze_step: int = 100000,
-                 bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
-                 max_coeff: float = 10.0, min_coeff: float = 0.01, amsgrad: bool = False, cuda_aware: bool = False,
-                 comm_backend_name: str = "nccl", coeff_beta: float = 0.9, factor_max: float = 4.0,
-                 factor_min: float = 0.5, factor_threshold: float = 0.1):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+    ):
         del deepspeed
         name = type(self).__name__
         check_adam_arguments(name, amsgrad=amsgrad, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
@@ -98,13 +114,23 @@ class OneBitLamb(CompressedOptimizer):
         if not 0 <= coeff_beta < 1:
             raise ValueError(f"{name}: coeff_beta must be in [0, 1), got {coeff_beta}")
         if not 0 < factor_min <= factor_max or factor_threshold < 0:
-            raise ValueError(f"{name}: needs 0 < factor_min <= factor_max and factor_threshold >= 0, got "
-                             f"factor_min={factor_min}, factor_max={factor_max}, factor_threshold={factor_threshold}")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
-                    "bias_correction": bias_correction, "eps_inside_sqrt": eps_inside_sqrt, "max_coeff": max_coeff,
-                    "min_coeff": min_coeff}
-        super().__init__(params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware,
-                         max_grad_norm=max_grad_norm)
+            raise ValueError(
+                f"{name}: needs 0 < factor_min <= factor_max and factor_threshold >= 0, got "
+                f"factor_min={factor_min}, factor_max={factor_max}, factor_threshold={factor_threshold}"
+            )
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "bias_correction": bias_correction,
+            "eps_inside_sqrt": eps_inside_sqrt,
+            "max_coeff": max_coeff,
+            "min_coeff": min_coeff,
+        }
+        super().__init__(
+            params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware, max_grad_norm=max_grad_norm
+        )
         self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
@@ -180,8 +206,10 @@ class OneBitLamb(CompressedOptimizer):
         beta1, beta2 = group["betas"]
         if not group["bias_correction"]:
             return [1.0] * len(momentum_steps), [1.0] * len(variance_steps)
-        return ([1 - beta1 ** t if t else 1.0 for t in momentum_steps],
-                [1 - beta2 ** t if t else 1.0 for t in variance_steps])
+        return (
+            [1 - beta1**t if t else 1.0 for t in momentum_steps],
+            [1 - beta2**t if t else 1.0 for t in variance_steps],
+        )
 
     # -- after the warm-up: compressed momentum, frozen variance and trust ratio ----------------
 
@@ -217,8 +245,12 @@ class OneBitLamb(CompressedOptimizer):
         start the fresh variance from the frozen one."""
         comm = self.communicator()
         if comm is None or comm.rank == 0:
-            logger.info("%s: warm-up of %d steps done; the variance and trust ratios are frozen and the momentum "
-                        "is exchanged 1-bit compressed from now on", type(self).__name__, self.freeze_step)
+            logger.info(
+                "%s: warm-up of %d steps done; the variance and trust ratios are frozen and the momentum "
+                "is exchanged 1-bit compressed from now on",
+                type(self).__name__,
+                self.freeze_step,
+            )
         scales = [float(torch.linalg.vector_norm(s["exp_avg"])) / s["exp_avg"].numel() ** 0.5 for s in states]
         # united within each exchange (see [Note: copies on several model-parallel ranks])
         united = {key: sum(sc for sc, k in zip(scales, keys) if k == key) / keys.count(key) for key in set(keys)}
@@ -240,8 +272,10 @@ class OneBitLamb(CompressedOptimizer):
         key = (c2, eps, group["eps_inside_sqrt"], id(frozen), frozen._version)  # a loaded or changed one: recompute
         cached = self._frozen_denominators.get(p)
         if cached is None or cached[0] != key:  # the frozen variance's denominator does not change
-            cached = self._frozen_denominators[p] = (key, self._denominator(state["exp_avg_sq"], c2, eps,
-                                                                            group["eps_inside_sqrt"]))
+            cached = self._frozen_denominators[p] = (
+                key,
+                self._denominator(state["exp_avg_sq"], c2, eps, group["eps_inside_sqrt"]),
+            )
         denom = cached[1]
         denom_fresh = self._denominator(fresh, c2_fresh, eps, group["eps_inside_sqrt"])
         update = (exp_avg / c1).div_(denom)
@@ -255,8 +289,9 @@ class OneBitLamb(CompressedOptimizer):
             factor = factor * share + (1 - share)
         last = state["last_factor"]
         factor = factor.clamp(self.factor_min, self.factor_max)
-        factor = torch.minimum(torch.maximum(factor, last * (1 - self.factor_threshold)),
-                               last * (1 + self.factor_threshold))
+        factor = torch.minimum(
+            torch.maximum(factor, last * (1 - self.factor_threshold)), last * (1 + self.factor_threshold)
+        )
         last.copy_(factor)
         coeff = self._frozen_coeff(group, state) * factor
         p.add_(update.mul_(coeff.to(update.dtype)), alpha=-group["lr"])
@@ -267,10 +302,10 @@ class OneBitLamb(CompressedOptimizer):
         average, count = state["lamb_coeff_freeze"], state["lamb_coeff_count"]
         if not group["bias_correction"]:
             return average
-        return torch.where(count > 0, average / (1 - self.coeff_beta ** count), average)
+        return torch.where(count > 0, average / (1 - self.coeff_beta**count), average)
 
     @staticmethod
     def _denominator(v: torch.Tensor, c2: float, eps: float, inside: bool) -> torch.Tensor:
         if inside:
             return (v / c2).add_(eps).sqrt_()
-        return (v.sqrt() / c2 ** 0.5).add_(eps)
+        return (v.sqrt() / c2**0.5).add_(eps)

@@ -96,22 +96,46 @@ class ZeroOneAdam(CompressedOptimizer):
             the torch.distributed backend of the job (logged once).
     """
 
-    def __init__(self, params, deepspeed=None, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
-                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, var_freeze_step: int = 100000,
-                 var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                 amsgrad: bool = False, cuda_aware: bool = False, comm_backend_name: str = "nccl"):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ):
         del deepspeed
         name = type(self).__name__
         check_adam_arguments(name, amsgrad=amsgrad, lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         check_freeze_step(name, "var_freeze_step", var_freeze_step)
-        for key, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
-                           ("local_step_clipper", local_step_clipper)):
+        for key, value in (
+            ("var_update_scaler", var_update_scaler),
+            ("local_step_scaler", local_step_scaler),
+            ("local_step_clipper", local_step_clipper),
+        ):
             _check_count(name, key, value)
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
-                    "bias_correction": bias_correction, "eps_inside_sqrt": eps_inside_sqrt}
-        super().__init__(params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware,
-                         max_grad_norm=max_grad_norm)
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "bias_correction": bias_correction,
+            "eps_inside_sqrt": eps_inside_sqrt,
+        }
+        super().__init__(
+            params, defaults, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware, max_grad_norm=max_grad_norm
+        )
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -144,9 +168,16 @@ class ZeroOneAdam(CompressedOptimizer):
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
-            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format), var_interval=1,
-                         var_counter=0, var_updates=0, local_step_interval=1, local_step_counter=0)
+            state.update(
+                step=torch.tensor(0.0),
+                exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+                var_interval=1,
+                var_counter=0,
+                var_updates=0,
+                local_step_interval=1,
+                local_step_counter=0,
+            )
         return state
 
     @torch.no_grad()
@@ -185,8 +216,12 @@ class ZeroOneAdam(CompressedOptimizer):
         """
         variances = [state["exp_avg_sq"] for _, _, state, _ in work]
         params = [p for _, p, _, _ in work]
-        rms = torch.stack([n.float() / v.numel() ** 0.5 for n, v in zip(torch._foreach_norm(
-            torch._foreach_sqrt(variances)), variances)])
+        rms = torch.stack(
+            [
+                n.float() / v.numel() ** 0.5
+                for n, v in zip(torch._foreach_norm(torch._foreach_sqrt(variances)), variances)
+            ]
+        )
         # the mean within each exchange (see [Note: copies on several model-parallel ranks])
         keys = self.exchange_keys(params)
         means = {key: rms[[i for i, k in enumerate(keys) if k == key]].mean() for key in set(keys)}
@@ -226,8 +261,11 @@ class ZeroOneAdam(CompressedOptimizer):
             self._pending_rank_state = None
             comm = self.communicator()
             if comm is None or comm.rank == 0:
-                logger.info("%s: the variance is frozen after %d steps; local steps from now on, synchronised "
-                            "1-bit compressed", type(self).__name__, self.var_freeze_step)
+                logger.info(
+                    "%s: the variance is frozen after %d steps; local steps from now on, synchronised 1-bit compressed",
+                    type(self).__name__,
+                    self.var_freeze_step,
+                )
             for _, p, state, _ in work:
                 state.update(param_at_sync=p.detach().clone(), lrs=0.0, decay=1.0)
         denoms = []
@@ -273,4 +311,4 @@ class ZeroOneAdam(CompressedOptimizer):
             c2 = 1 - beta2 ** state["var_updates"] if state["var_updates"] else 1.0
         if group["eps_inside_sqrt"]:
             return c1, (state["exp_avg_sq"] / c2).add_(group["eps"]).sqrt_()
-        return c1, (state["exp_avg_sq"].sqrt() / c2 ** 0.5).add_(group["eps"])
+        return c1, (state["exp_avg_sq"].sqrt() / c2**0.5).add_(group["eps"])

@@ -12,10 +12,27 @@ from shardwise.config._monitor import FlopsProfilerConfig
 from shardwise.profiling.flops_profiler._model_profile import get_model_profile
 from shardwise.profiling.flops_profiler._profiler import FlopsProfiler, StepTiming
 from shardwise.profiling.flops_profiler._step import StepProfiler
-from shardwise.profiling.flops_profiler._units import (DEFAULT_PRECISION, bytes_to_string, duration_to_string,
-                                                       flops_to_string, macs_to_string, number_to_string,
-                                                       params_to_string)
+from shardwise.profiling.flops_profiler._units import (
+    DEFAULT_PRECISION,
+    bytes_to_string,
+    duration_to_string,
+    flops_to_string,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
 
-__all__ = ["DEFAULT_PRECISION", "FlopsProfiler", "FlopsProfilerConfig", "StepProfiler", "StepTiming",
-           "bytes_to_string", "duration_to_string", "flops_to_string", "get_model_profile", "macs_to_string",
-           "number_to_string", "params_to_string"]
+__all__ = [
+    "DEFAULT_PRECISION",
+    "FlopsProfiler",
+    "FlopsProfilerConfig",
+    "StepProfiler",
+    "StepTiming",
+    "bytes_to_string",
+    "duration_to_string",
+    "flops_to_string",
+    "get_model_profile",
+    "macs_to_string",
+    "number_to_string",
+    "params_to_string",
+]

@@ -22,15 +22,18 @@ def _cpu_attention(query_shape, key_shape, value_shape, *args, out_shape=None, *
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _cpu_attention_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                            **kwargs) -> int:
+def _cpu_attention_backward(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
 def extra_formulas() -> dict:
     """``custom_mapping`` for ``FlopCounterMode``: see [Note: CPU attention kernels]."""
-    candidates = {"_scaled_dot_product_flash_attention_for_cpu": _cpu_attention,
-                  "_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_attention_backward}
+    candidates = {
+        "_scaled_dot_product_flash_attention_for_cpu": _cpu_attention,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_attention_backward,
+    }
     formulas = {}
     for name, formula in candidates.items():
         op = getattr(aten, name, None)

@@ -14,17 +14,31 @@ _MODES = ("forward", "generate")
 
 def _example_input(model: nn.Module, input_shape) -> torch.Tensor:
     if not isinstance(input_shape, tuple) or not input_shape:
-        raise ValueError(f"input_shape must be a non-empty tuple such as (batch, features), got {input_shape!r}; "
-                         "pass args= or kwargs= for models that take other inputs")
+        raise ValueError(
+            f"input_shape must be a non-empty tuple such as (batch, features), got {input_shape!r}; "
+            "pass args= or kwargs= for models that take other inputs"
+        )
     param = next(model.parameters(), None)
     if param is None:
         return torch.zeros(input_shape)
     return torch.zeros(input_shape, dtype=param.dtype, device=param.device)
 
 
-def get_model_profile(model, input_shape=None, args=None, kwargs=None, print_profile=True, detailed=True,
-                      module_depth=-1, top_modules=1, warm_up=1, as_string=True, output_file=None,
-                      ignore_modules=None, mode="forward"):
+def get_model_profile(
+    model,
+    input_shape=None,
+    args=None,
+    kwargs=None,
+    print_profile=True,
+    detailed=True,
+    module_depth=-1,
+    top_modules=1,
+    warm_up=1,
+    as_string=True,
+    output_file=None,
+    ignore_modules=None,
+    mode="forward",
+):
     """FLOPs, MACs and parameters of one call of ``model``: ``(flops, macs, params)``.
 
     Contract: puts ``model`` in eval mode, calls it ``warm_up`` times unprofiled (so
@@ -78,8 +92,13 @@ def get_model_profile(model, input_shape=None, args=None, kwargs=None, print_pro
         prof.stop_profile()
         flops, macs, params = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()
         if print_profile:
-            prof.print_model_profile(profile_step=warm_up, module_depth=module_depth, top_modules=top_modules,
-                                     detailed=detailed, output_file=output_file)
+            prof.print_model_profile(
+                profile_step=warm_up,
+                module_depth=module_depth,
+                top_modules=top_modules,
+                detailed=detailed,
+                output_file=output_file,
+            )
     finally:
         prof.end_profile()
     if as_string:

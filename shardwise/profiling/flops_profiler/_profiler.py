@@ -36,8 +36,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardwise.accelerator import get_accelerator
 from shardwise.profiling.flops_profiler._formulas import extra_formulas
 from shardwise.profiling.flops_profiler._report import check_print_args, write_profile
-from shardwise.profiling.flops_profiler._units import (duration_to_string, macs_to_string, number_to_string,
-                                                       params_to_string)
+from shardwise.profiling.flops_profiler._units import (
+    duration_to_string,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
 
 logger = logging.getLogger("shardwise")
 
@@ -165,8 +169,10 @@ class FlopsProfiler:
 
     def reset_profile(self) -> None:
         """Zero every module's counts and latency and re-read the parameter counts."""
-        self._stats = {module: _ModuleStats(params=sum(full_numel(p) for p in module.parameters()))
-                       for module in self.model.modules()}
+        self._stats = {
+            module: _ModuleStats(params=sum(full_numel(p) for p in module.parameters()))
+            for module in self.model.modules()
+        }
 
     def end_profile(self) -> None:
         """Stop profiling and drop the measurements."""
@@ -186,6 +192,7 @@ class FlopsProfiler:
         def hook(module, args):
             sync()
             stats.open_calls.append((self.counted_flops(), time.perf_counter()))
+
         return hook
 
     def _post_hook(self, stats: _ModuleStats, sync):
@@ -197,6 +204,7 @@ class FlopsProfiler:
             stats.duration += time.perf_counter() - start
             stats.flops += self.counted_flops() - flops
             stats.calls += 1
+
         return hook
 
     # -- per-module numbers -----------------------------------------------------------------
@@ -248,8 +256,14 @@ class FlopsProfiler:
         duration = self.module_duration(self.model)
         return duration_to_string(duration) if as_string else duration
 
-    def print_model_profile(self, profile_step: int = 1, module_depth: int = -1, top_modules: int = 1,
-                            detailed: bool = True, output_file: str | None = None) -> None:
+    def print_model_profile(
+        self,
+        profile_step: int = 1,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = True,
+        output_file: str | None = None,
+    ) -> None:
         """Print the summary, the top modules per depth and (when ``detailed``) the module
         tree with each module's numbers, in DeepSpeed's layout. Does nothing unless the
         profile was started.
@@ -268,5 +282,11 @@ class FlopsProfiler:
         check_print_args(module_depth=module_depth, top_modules=top_modules)
         if not self.started:
             return
-        write_profile(self, profile_step=profile_step, module_depth=module_depth, top_modules=top_modules,
-                      detailed=detailed, output_file=output_file)
+        write_profile(
+            self,
+            profile_step=profile_step,
+            module_depth=module_depth,
+            top_modules=top_modules,
+            detailed=detailed,
+            output_file=output_file,
+        )

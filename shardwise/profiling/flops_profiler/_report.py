@@ -19,8 +19,14 @@ import sys
 
 from torch import nn
 
-from shardwise.profiling.flops_profiler._units import (DEFAULT_PRECISION, duration_to_string, flops_to_string,
-                                                       macs_to_string, number_to_string, params_to_string)
+from shardwise.profiling.flops_profiler._units import (
+    DEFAULT_PRECISION,
+    duration_to_string,
+    flops_to_string,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
 
 logger = logging.getLogger("shardwise")
 
@@ -64,34 +70,46 @@ def _ratio(num: float, den: float) -> float:
 
 def _engine_lines(engine) -> list[str]:
     mp_size = getattr(engine, "mp_world_size", 1)
-    return [_LINE.format("world size: ", getattr(engine, "world_size", 1)),
-            _LINE.format("data parallel size: ", getattr(engine, "dp_world_size", 1)),
-            _LINE.format("model parallel size: ", mp_size),
-            _LINE.format("batch size per GPU: ", engine.train_micro_batch_size_per_gpu())]
+    return [
+        _LINE.format("world size: ", getattr(engine, "world_size", 1)),
+        _LINE.format("data parallel size: ", getattr(engine, "dp_world_size", 1)),
+        _LINE.format("model parallel size: ", mp_size),
+        _LINE.format("batch size per GPU: ", engine.train_micro_batch_size_per_gpu()),
+    ]
 
 
 def _step_lines(prof, fwd_flops: int) -> list[str]:
     """The training-step block: backward, fwd+bwd, step and iteration."""
     timing = prof.step_timing
     if prof.recompute_fwd_factor:
-        logger.warning("flops_profiler.recompute_fwd_factor=%g is not used: the backward FLOPs are "
-                       "measured, recomputation included; set it to 0", prof.recompute_fwd_factor)
+        logger.warning(
+            "flops_profiler.recompute_fwd_factor=%g is not used: the backward FLOPs are "
+            "measured, recomputation included; set it to 0",
+            prof.recompute_fwd_factor,
+        )
     both_flops = fwd_flops + timing.bwd_flops
     both_latency = timing.fwd_latency + timing.bwd_latency
     iter_latency = both_latency + timing.step_latency
-    lines = [_LINE.format("bwd latency: ", duration_to_string(timing.bwd_latency)),
-             _LINE.format("bwd flops per GPU: ", number_to_string(timing.bwd_flops)),
-             _LINE.format("bwd FLOPS per GPU = bwd flops per GPU / bwd latency: ",
-                          flops_to_string(_ratio(timing.bwd_flops, timing.bwd_latency))),
-             _LINE.format("fwd+bwd flops per GPU: ", number_to_string(both_flops)),
-             _LINE.format("fwd+bwd latency: ", duration_to_string(both_latency)),
-             _LINE.format("fwd+bwd FLOPS per GPU = fwd+bwd flops per GPU / (fwd+bwd latency): ",
-                          flops_to_string(_ratio(both_flops, both_latency))),
-             _LINE.format("step latency: ", duration_to_string(timing.step_latency)),
-             _LINE.format("iter latency: ", duration_to_string(iter_latency)),
-             _LINE.format("FLOPS per GPU = fwd+bwd flops per GPU / iter latency: ",
-                          flops_to_string(_ratio(both_flops, iter_latency))),
-             _LINE.format("achieved TFLOP/s per GPU: ", f"{_ratio(both_flops, iter_latency) / 1e12:.4g}")]
+    lines = [
+        _LINE.format("bwd latency: ", duration_to_string(timing.bwd_latency)),
+        _LINE.format("bwd flops per GPU: ", number_to_string(timing.bwd_flops)),
+        _LINE.format(
+            "bwd FLOPS per GPU = bwd flops per GPU / bwd latency: ",
+            flops_to_string(_ratio(timing.bwd_flops, timing.bwd_latency)),
+        ),
+        _LINE.format("fwd+bwd flops per GPU: ", number_to_string(both_flops)),
+        _LINE.format("fwd+bwd latency: ", duration_to_string(both_latency)),
+        _LINE.format(
+            "fwd+bwd FLOPS per GPU = fwd+bwd flops per GPU / (fwd+bwd latency): ",
+            flops_to_string(_ratio(both_flops, both_latency)),
+        ),
+        _LINE.format("step latency: ", duration_to_string(timing.step_latency)),
+        _LINE.format("iter latency: ", duration_to_string(iter_latency)),
+        _LINE.format(
+            "FLOPS per GPU = fwd+bwd flops per GPU / iter latency: ", flops_to_string(_ratio(both_flops, iter_latency))
+        ),
+        _LINE.format("achieved TFLOP/s per GPU: ", f"{_ratio(both_flops, iter_latency) / 1e12:.4g}"),
+    ]
     if prof.ds_engine is not None:
         samples = prof.ds_engine.train_micro_batch_size_per_gpu() * getattr(prof.ds_engine, "world_size", 1)
         lines.append(_LINE.format("samples/second: ", round(_ratio(samples, iter_latency), DEFAULT_PRECISION)))
@@ -104,18 +122,25 @@ def _summary_lines(prof, profile_step: int) -> list[str]:
     flops, macs, params = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()
     timing = prof.step_timing
     fwd_latency = timing.fwd_latency if timing is not None else prof.get_total_duration()
-    lines = ["", "-------------------------- DeepSpeed Flops Profiler --------------------------",
-             f"Profile Summary at step {profile_step}:", _NOTATIONS]
+    lines = [
+        "",
+        "-------------------------- DeepSpeed Flops Profiler --------------------------",
+        f"Profile Summary at step {profile_step}:",
+        _NOTATIONS,
+    ]
     if engine is not None:
         lines += _engine_lines(engine)
-    lines += [_LINE.format("params per GPU: ", params_to_string(params)),
-              _LINE.format("params of model = params per GPU * mp_size: ", params_to_string(params * mp_size)),
-              _LINE.format("fwd MACs per GPU: ", macs_to_string(macs)),
-              _LINE.format("fwd flops per GPU: ", number_to_string(flops)),
-              _LINE.format("fwd flops of model = fwd flops per GPU * mp_size: ", number_to_string(flops * mp_size)),
-              _LINE.format("fwd latency: ", duration_to_string(fwd_latency)),
-              _LINE.format("fwd FLOPS per GPU = fwd flops per GPU / fwd latency: ",
-                           flops_to_string(_ratio(flops, fwd_latency)))]
+    lines += [
+        _LINE.format("params per GPU: ", params_to_string(params)),
+        _LINE.format("params of model = params per GPU * mp_size: ", params_to_string(params * mp_size)),
+        _LINE.format("fwd MACs per GPU: ", macs_to_string(macs)),
+        _LINE.format("fwd flops per GPU: ", number_to_string(flops)),
+        _LINE.format("fwd flops of model = fwd flops per GPU * mp_size: ", number_to_string(flops * mp_size)),
+        _LINE.format("fwd latency: ", duration_to_string(fwd_latency)),
+        _LINE.format(
+            "fwd FLOPS per GPU = fwd flops per GPU / fwd latency: ", flops_to_string(_ratio(flops, fwd_latency))
+        ),
+    ]
     if timing is not None:
         lines += _step_lines(prof, flops)
     return lines
@@ -145,10 +170,12 @@ def _aggregated_lines(prof, module_depth: int, top_modules: int) -> list[str]:
             ranked = sorted(rows.items(), key=lambda item: item[1][index], reverse=True)[:top_modules]
             return {name: to_string(values[index]) for name, values in ranked}
 
-        lines += [f"depth {depth}:",
-                  f"    params      - {top(0, params_to_string)}",
-                  f"    MACs        - {top(1, macs_to_string)}",
-                  f"    fwd latency - {top(2, duration_to_string)}"]
+        lines += [
+            f"depth {depth}:",
+            f"    params      - {top(0, params_to_string)}",
+            f"    MACs        - {top(1, macs_to_string)}",
+            f"    fwd latency - {top(2, duration_to_string)}",
+        ]
     return lines
 
 
@@ -159,18 +186,19 @@ def _percent(part: float, whole: float) -> str:
 def _module_items(prof, module: nn.Module, totals: tuple[int, int, float]) -> str:
     params, macs = prof.module_params(module), prof.module_macs(module)
     flops, duration = prof.module_flops(module), prof.module_duration(module)
-    items = [f"{params_to_string(params)} = {_percent(params, totals[0])} Params",
-             f"{macs_to_string(macs)} = {_percent(macs, totals[1])} MACs",
-             f"{duration_to_string(duration)} = {_percent(duration, totals[2])} latency",
-             flops_to_string(round(_ratio(flops, duration), DEFAULT_PRECISION))]
+    items = [
+        f"{params_to_string(params)} = {_percent(params, totals[0])} Params",
+        f"{macs_to_string(macs)} = {_percent(macs, totals[1])} MACs",
+        f"{duration_to_string(duration)} = {_percent(duration, totals[2])} latency",
+        flops_to_string(round(_ratio(flops, duration), DEFAULT_PRECISION)),
+    ]
     own = module.extra_repr()
     if own:
         items.append(own)
     return ", ".join(items)
 
 
-def module_tree(prof, module: nn.Module, *, module_depth: int, totals: tuple[int, int, float],
-                depth: int = 0) -> str:
+def module_tree(prof, module: nn.Module, *, module_depth: int, totals: tuple[int, int, float], depth: int = 0) -> str:
     """``module`` printed as ``nn.Module.__repr__`` does, each module's numbers first in
     its parentheses; children deeper than ``module_depth`` (-1: none) are left out."""
     own = _module_items(prof, module, totals)
@@ -191,17 +219,23 @@ def profile_text(prof, *, profile_step: int, module_depth: int, top_modules: int
     lines += _aggregated_lines(prof, module_depth, top_modules)
     if detailed:
         totals = (prof.get_total_params(), prof.get_total_macs(), prof.get_total_duration())
-        lines += ["", "------------------------------ Detailed Profile per GPU ------------------------------",
-                  _TREE_NOTES, module_tree(prof, prof.model, module_depth=module_depth, totals=totals)]
+        lines += [
+            "",
+            "------------------------------ Detailed Profile per GPU ------------------------------",
+            _TREE_NOTES,
+            module_tree(prof, prof.model, module_depth=module_depth, totals=totals),
+        ]
     lines.append(_RULER)
     return "\n".join(lines) + "\n"
 
 
-def write_profile(prof, *, profile_step: int, module_depth: int, top_modules: int, detailed: bool,
-                  output_file: str | None) -> None:
+def write_profile(
+    prof, *, profile_step: int, module_depth: int, top_modules: int, detailed: bool, output_file: str | None
+) -> None:
     """Print the profile to stdout, or write it to ``output_file`` (folders created)."""
-    text = profile_text(prof, profile_step=profile_step, module_depth=module_depth, top_modules=top_modules,
-                        detailed=detailed)
+    text = profile_text(
+        prof, profile_step=profile_step, module_depth=module_depth, top_modules=top_modules, detailed=detailed
+    )
     if not output_file:
         sys.stdout.write(text)
         return

@@ -111,12 +111,20 @@ class StepProfiler:
 
     def _finish(self) -> None:
         cfg, prof = self.config, self.profiler
-        prof.step_timing = StepTiming(fwd_latency=self._latency["forward"], bwd_latency=self._latency["backward"],
-                                      step_latency=self._latency["step"], bwd_flops=self._bwd_flops)
+        prof.step_timing = StepTiming(
+            fwd_latency=self._latency["forward"],
+            bwd_latency=self._latency["backward"],
+            step_latency=self._latency["step"],
+            bwd_flops=self._bwd_flops,
+        )
         self._state = _State.DONE
         try:
-            prof.print_model_profile(profile_step=self._step, module_depth=cfg.module_depth,
-                                     top_modules=cfg.top_modules, detailed=cfg.detailed,
-                                     output_file=cfg.output_file)
+            prof.print_model_profile(
+                profile_step=self._step,
+                module_depth=cfg.module_depth,
+                top_modules=cfg.top_modules,
+                detailed=cfg.detailed,
+                output_file=cfg.output_file,
+            )
         finally:
             prof.stop_profile()

@@ -21,8 +21,7 @@ import torch
 
 from shardwise.accelerator import get_accelerator
 from shardwise.runtime.activation_checkpointing._rng import RngSnapshot
-from shardwise.runtime.activation_checkpointing._saved_inputs import (StoragePolicy, restore_inputs,
-                                                                      store_inputs)
+from shardwise.runtime.activation_checkpointing._saved_inputs import StoragePolicy, restore_inputs, store_inputs
 from shardwise.utils._logging import log_dist
 
 
@@ -53,8 +52,9 @@ class _Boundary:
         if self.options.synchronize or self.options.profile:
             get_accelerator().synchronize()
         if self.options.profile:
-            log_dist(f"activation checkpoint {self.phase}: {1e3 * (time.perf_counter() - self.start):.3f} ms",
-                     ranks=[0])
+            log_dist(
+                f"activation checkpoint {self.phase}: {1e3 * (time.perf_counter() - self.start):.3f} ms", ranks=[0]
+            )
         return False
 
 
@@ -100,20 +100,27 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("deepspeed.checkpointing.checkpoint (reentrant) is incompatible with "
-                               "torch.autograd.grad() and backward(inputs=...); call .backward() without inputs")
+            raise RuntimeError(
+                "deepspeed.checkpointing.checkpoint (reentrant) is incompatible with "
+                "torch.autograd.grad() and backward(inputs=...); call .backward() without inputs"
+            )
         options = ctx.options
         with _Boundary(options, "backward"):
             if options.storage.buffers is not None:
                 options.storage.buffers.clear()  # later forwards start new buffers
             args = restore_inputs(ctx.records, ctx.saved_tensors, options.storage)
-            with (ctx.rng.replay(), _autocast(ctx.autocast), torch.enable_grad(),
-                  torch.autograd.profiler.record_function("shardwise::activation_checkpointing::recompute")):
+            with (
+                ctx.rng.replay(),
+                _autocast(ctx.autocast),
+                torch.enable_grad(),
+                torch.autograd.profiler.record_function("shardwise::activation_checkpointing::recompute"),
+            ):
                 outputs = ctx.run_function(*args)
             flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
             pairs = [(o, g) for o, g in zip(flat, grads) if torch.is_tensor(o) and o.requires_grad]
             if not pairs:
-                raise RuntimeError("no output of the checkpointed function requires grad in the recompute; "
-                                   "it needs no checkpoint")
+                raise RuntimeError(
+                    "no output of the checkpointed function requires grad in the recompute; it needs no checkpoint"
+                )
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None, *(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args))

@@ -99,7 +99,7 @@ class RngSnapshot:
     tracker: dict
 
     @staticmethod
-    def capture() -> "RngSnapshot":
+    def capture() -> RngSnapshot:
         accelerator = get_accelerator()
         device = accelerator.get_rng_state() if accelerator.device_type != "cpu" else None
         return RngSnapshot(torch.get_rng_state(), device, TRACKER.get_states())

@@ -76,8 +76,9 @@ class ContiguousBuffers:
         self._buffers: list[torch.Tensor] = []
         self._used: list[int] = []
 
-    def take_slot(self, position: int, numel: int, dtype: torch.dtype, device: torch.device, *,
-                  num_slots: int) -> torch.Tensor:
+    def take_slot(
+        self, position: int, numel: int, dtype: torch.dtype, device: torch.device, *, num_slots: int
+    ) -> torch.Tensor:
         """The next free slot (``numel`` elements) of buffer ``position``."""
         if position == len(self._buffers):
             self._buffers.append(torch.empty(num_slots * numel, dtype=dtype, device=device))
@@ -88,14 +89,16 @@ class ContiguousBuffers:
                 f"contiguous_memory_optimization: partitioned input {position} of this checkpoint has a "
                 f"{numel}-element {dtype} slice on {device}, but the buffer was laid out for "
                 f"{buffer.numel() // num_slots} {buffer.dtype} elements on {buffer.device} per checkpoint; "
-                "it needs checkpoints with the same input sizes (turn it off for mixed layers)")
+                "it needs checkpoints with the same input sizes (turn it off for mixed layers)"
+            )
         if used == num_slots:
             raise RuntimeError(
                 f"contiguous_memory_optimization: more than number_checkpoints={num_slots} checkpoint() calls "
                 "before a backward; set number_checkpoints to the checkpoints of one forward, or call "
-                "deepspeed.checkpointing.reset() after forwards that have no backward")
+                "deepspeed.checkpointing.reset() after forwards that have no backward"
+            )
         self._used[position] = used + 1
-        return buffer[used * numel:(used + 1) * numel]
+        return buffer[used * numel : (used + 1) * numel]
 
     def clear(self) -> None:
         """Forget the buffers (slots still saved by checkpoints stay valid)."""
@@ -121,8 +124,12 @@ class StoragePolicy:
 
 
 def _is_activation(arg: Any) -> bool:
-    return (torch.is_tensor(arg) and arg.is_floating_point() and not isinstance(arg, nn.Parameter)
-            and not getattr(arg, "no_checkpointing", False))
+    return (
+        torch.is_tensor(arg)
+        and arg.is_floating_point()
+        and not isinstance(arg, nn.Parameter)
+        and not getattr(arg, "no_checkpointing", False)
+    )
 
 
 def store_inputs(args: tuple, policy: StoragePolicy) -> tuple[list[StoredInput], list[torch.Tensor]]:
@@ -157,8 +164,8 @@ def _slice(arg: torch.Tensor, policy: StoragePolicy, position: int) -> torch.Ten
         kept = policy.buffers.take_slot(position, per_rank, arg.dtype, device, num_slots=policy.num_slots)
     else:
         kept = torch.empty(per_rank, dtype=arg.dtype, device=device)
-    kept[:high - low].copy_(arg.detach().reshape(-1)[low:high])
-    kept[high - low:].zero_()  # padding of the last rank(s)
+    kept[: high - low].copy_(arg.detach().reshape(-1)[low:high])
+    kept[high - low :].zero_()  # padding of the last rank(s)
     return kept
 
 
@@ -184,4 +191,4 @@ def _gather(part: torch.Tensor, record: StoredInput, comm: Communicator) -> torc
     full = torch.empty(part.numel() * comm.world_size, dtype=part.dtype, device=part.device)
     with torch.autograd.profiler.record_function("shardwise::activation_checkpointing::all_gather"):
         comm.all_gather_into_tensor(full, part, tag="activation checkpoint input").wait()
-    return full[:record.shape.numel()].view(record.shape)
+    return full[: record.shape.numel()].view(record.shape)

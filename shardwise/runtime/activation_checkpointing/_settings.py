@@ -23,15 +23,19 @@ from shardwise.utils._logging import log_dist
 def tensor_group_of(mpu: Any) -> tuple[Any, int, int]:
     """``(group, rank, world size)`` of the tensor-parallel group of a Megatron-style
     ``mpu`` (``get_tensor_model_parallel_*``, or the older ``get_model_parallel_*``)."""
-    prefix = ("get_tensor_model_parallel_" if hasattr(mpu, "get_tensor_model_parallel_group")
-              else "get_model_parallel_")
+    prefix = "get_tensor_model_parallel_" if hasattr(mpu, "get_tensor_model_parallel_group") else "get_model_parallel_"
     missing = [name for name in ("group", "rank", "world_size") if not hasattr(mpu, prefix + name)]
     if missing:
-        raise TypeError(f"mpu_ must have get_tensor_model_parallel_group/rank/world_size (or "
-                        f"get_model_parallel_group/rank/world_size); {type(mpu).__name__} lacks "
-                        + ", ".join(prefix + name for name in missing))
-    return getattr(mpu, prefix + "group")(), int(getattr(mpu, prefix + "rank")()), \
-        int(getattr(mpu, prefix + "world_size")())
+        raise TypeError(
+            f"mpu_ must have get_tensor_model_parallel_group/rank/world_size (or "
+            f"get_model_parallel_group/rank/world_size); {type(mpu).__name__} lacks "
+            + ", ".join(prefix + name for name in missing)
+        )
+    return (
+        getattr(mpu, prefix + "group")(),
+        int(getattr(mpu, prefix + "rank")()),
+        int(getattr(mpu, prefix + "world_size")()),
+    )
 
 
 @dataclass
@@ -78,27 +82,40 @@ class CheckpointSettings:
             return
         if self.mpu is None:  # issue 15: "partition_activations without a tensor group" is an error
             self.partition_activations = False
-            raise ValueError("activation checkpointing: partition_activations=True needs a tensor-parallel group to "
-                             "split the checkpointed inputs across; pass mpu_ (your Megatron mpu, or engine.grid) to "
-                             "shardwise.checkpointing.configure(), or set partition_activations to false")
+            raise ValueError(
+                "activation checkpointing: partition_activations=True needs a tensor-parallel group to "
+                "split the checkpointed inputs across; pass mpu_ (your Megatron mpu, or engine.grid) to "
+                "shardwise.checkpointing.configure(), or set partition_activations to false"
+            )
         group, _, world_size = tensor_group_of(self.mpu)
         if world_size > 1:
-            self.tensor_comm = Communicator(group, timeout_s=self.comm_timeout_s, name="tensor-parallel",
-                                            shared_memory=True)
+            self.tensor_comm = Communicator(
+                group, timeout_s=self.comm_timeout_s, name="tensor-parallel", shared_memory=True
+            )
             return
         where = "a tensor-parallel group of 1 rank"
-        layout = (", and contiguous_memory_optimization has no partitions to lay out"
-                  if self.contiguous_memory_optimization else "")
-        log_dist(f"activation checkpointing: partition_activations=True with {where}: each rank keeps its "
-                 f"checkpointed inputs whole, as DeepSpeed does (nothing to divide{layout}); pass an mpu_ whose "
-                 "tensor-parallel world size is > 1 to configure() to partition them", ranks=[0],
-                 level=logging.WARNING)
+        layout = (
+            ", and contiguous_memory_optimization has no partitions to lay out"
+            if self.contiguous_memory_optimization
+            else ""
+        )
+        log_dist(
+            f"activation checkpointing: partition_activations=True with {where}: each rank keeps its "
+            f"checkpointed inputs whole, as DeepSpeed does (nothing to divide{layout}); pass an mpu_ whose "
+            "tensor-parallel world size is > 1 to configure() to partition them",
+            ranks=[0],
+            level=logging.WARNING,
+        )
 
     def options(self) -> CallOptions:
         """The snapshot one ``checkpoint`` call runs with."""
         contiguous = self.contiguous_memory_optimization and self.tensor_comm is not None
-        storage = StoragePolicy(tensor_comm=self.tensor_comm, host=self.cpu_checkpointing,
-                                buffers=self.buffers if contiguous else None, num_slots=self.num_checkpoints or 0)
+        storage = StoragePolicy(
+            tensor_comm=self.tensor_comm,
+            host=self.cpu_checkpointing,
+            buffers=self.buffers if contiguous else None,
+            num_slots=self.num_checkpoints or 0,
+        )
         return CallOptions(storage=storage, synchronize=self.synchronize, profile=self.profile)
 
 

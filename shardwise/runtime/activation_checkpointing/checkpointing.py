@@ -25,19 +25,33 @@ import torch
 import torch.utils.checkpoint
 
 from shardwise.accelerator import get_accelerator
-from shardwise.config import (ActivationCheckpointingConfig, ConfigError, TrainConfig,
-                              activation_checkpointing_config)
+from shardwise.config import ActivationCheckpointingConfig, ConfigError, TrainConfig, activation_checkpointing_config
 from shardwise.runtime.activation_checkpointing._function import CheckpointFunction
-from shardwise.runtime.activation_checkpointing._rng import (MODEL_PARALLEL_RNG, TENSOR_SEED_OFFSET, TRACKER,
-                                                             CudaRNGStatesTracker, seed_model_parallel)
+from shardwise.runtime.activation_checkpointing._rng import (
+    MODEL_PARALLEL_RNG,
+    TENSOR_SEED_OFFSET,
+    TRACKER,
+    CudaRNGStatesTracker,
+    seed_model_parallel,
+)
 from shardwise.runtime.activation_checkpointing._settings import SETTINGS
 from shardwise.utils._logging import log_dist
 
 logger = logging.getLogger("shardwise")
 
-__all__ = ["CudaRNGStatesTracker", "checkpoint", "configure", "get_cuda_rng_tracker", "is_configured",
-           "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint",
-           "partition_activations_in_checkpoint", "reset", "set_num_layers"]
+__all__ = [
+    "CudaRNGStatesTracker",
+    "checkpoint",
+    "configure",
+    "get_cuda_rng_tracker",
+    "is_configured",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_reconfigure_tp_seed",
+    "non_reentrant_checkpoint",
+    "partition_activations_in_checkpoint",
+    "reset",
+    "set_num_layers",
+]
 
 
 def _section(deepspeed_config) -> tuple[ActivationCheckpointingConfig, float | None]:
@@ -56,8 +70,16 @@ def _section(deepspeed_config) -> tuple[ActivationCheckpointingConfig, float | N
     return activation_checkpointing_config(deepspeed_config), None
 
 
-def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
-              num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> None:
+def configure(
+    mpu_=None,
+    deepspeed_config=None,
+    partition_activations=None,
+    contiguous_checkpointing=None,
+    num_checkpoints=None,
+    checkpoint_in_cpu=None,
+    synchronize=None,
+    profile=None,
+) -> None:
     """Set how ``checkpoint`` stores inputs, as DeepSpeed's ``configure``.
 
     Every option starts from its default, then takes the config's
@@ -96,12 +118,16 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
     contiguous = bool(pick(contiguous_checkpointing, section.contiguous_memory_optimization))
     slots = pick(num_checkpoints, section.number_checkpoints)
     if contiguous and not partition:
-        raise ConfigError("activation checkpointing: contiguous_memory_optimization lays out activation "
-                          "partitions and needs partition_activations=true; enable it or turn the option off")
+        raise ConfigError(
+            "activation checkpointing: contiguous_memory_optimization lays out activation "
+            "partitions and needs partition_activations=true; enable it or turn the option off"
+        )
     if contiguous and slots is None:
-        raise ConfigError("activation checkpointing: contiguous_memory_optimization needs number_checkpoints "
-                          "(checkpoint() calls per forward, e.g. the layer count); set it in the config, pass "
-                          "num_checkpoints= to configure() or call set_num_layers()")
+        raise ConfigError(
+            "activation checkpointing: contiguous_memory_optimization needs number_checkpoints "
+            "(checkpoint() calls per forward, e.g. the layer count); set it in the config, pass "
+            "num_checkpoints= to configure() or call set_num_layers()"
+        )
     SETTINGS.reset()
     SETTINGS.mpu, SETTINGS.partition_activations, SETTINGS.contiguous_memory_optimization = mpu, partition, contiguous
     SETTINGS.num_checkpoints = slots
@@ -112,10 +138,13 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
         SETTINGS.comm_timeout_s = timeout_s
     SETTINGS.connect()
     SETTINGS.configured = True
-    log_dist(f"activation checkpointing: partition_activations={partition} (tensor-parallel ranks: "
-             f"{SETTINGS.tensor_comm.world_size if SETTINGS.tensor_comm else 1}), cpu_checkpointing="
-             f"{SETTINGS.cpu_checkpointing}, contiguous_memory_optimization={contiguous} (number_checkpoints="
-             f"{slots}), synchronize={SETTINGS.synchronize}, profile={SETTINGS.profile}", ranks=[0])
+    log_dist(
+        f"activation checkpointing: partition_activations={partition} (tensor-parallel ranks: "
+        f"{SETTINGS.tensor_comm.world_size if SETTINGS.tensor_comm else 1}), cpu_checkpointing="
+        f"{SETTINGS.cpu_checkpointing}, contiguous_memory_optimization={contiguous} (number_checkpoints="
+        f"{slots}), synchronize={SETTINGS.synchronize}, profile={SETTINGS.profile}",
+        ranks=[0],
+    )
 
 
 def is_configured() -> bool:
@@ -159,8 +188,12 @@ def model_parallel_cuda_manual_seed(seed: int, *, tensor_rank: int | None = None
     """
     rank = SETTINGS.tensor_rank() if tensor_rank is None else tensor_rank
     seed_model_parallel(seed, tensor_rank=rank)
-    logger.debug("model-parallel RNG: default seed %d, tracker seed %d (tensor rank %d)",
-                 seed, seed + TENSOR_SEED_OFFSET + rank, rank)
+    logger.debug(
+        "model-parallel RNG: default seed %d, tracker seed %d (tensor rank %d)",
+        seed,
+        seed + TENSOR_SEED_OFFSET + rank,
+        rank,
+    )
 
 
 def model_parallel_reconfigure_tp_seed(seed: int) -> None:
@@ -190,9 +223,12 @@ def checkpoint(function, *args, **kwargs):
     if not torch.is_grad_enabled():
         return function(*args)
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
-        warnings.warn("deepspeed.checkpointing.checkpoint: no input tensor requires grad, so the checkpointed "
-                      "block's parameters get no gradients; make an input require grad (Hugging Face: "
-                      "model.enable_input_require_grads()) or use non_reentrant_checkpoint", stacklevel=2)
+        warnings.warn(
+            "deepspeed.checkpointing.checkpoint: no input tensor requires grad, so the checkpointed "
+            "block's parameters get no gradients; make an input require grad (Hugging Face: "
+            "model.enable_input_require_grads()) or use non_reentrant_checkpoint",
+            stacklevel=2,
+        )
     return CheckpointFunction.apply(function, SETTINGS.options(), *args)
 
 
@@ -201,12 +237,23 @@ def non_reentrant_checkpoint(function, *args):
     non-reentrant form): parameters get gradients even when no input requires grad.
     It keeps inputs as they are, so it refuses partition_activations and
     cpu_checkpointing, and warns that synchronize and profile do not apply to it."""
-    asked = [name for name, on in (("partition_activations", SETTINGS.tensor_comm is not None),
-                                   ("cpu_checkpointing", SETTINGS.cpu_checkpointing)) if on]
+    asked = [
+        name
+        for name, on in (
+            ("partition_activations", SETTINGS.tensor_comm is not None),
+            ("cpu_checkpointing", SETTINGS.cpu_checkpointing),
+        )
+        if on
+    ]
     if asked:
-        raise NotImplementedError(f"non_reentrant_checkpoint does not apply {' and '.join(asked)}; use "
-                                  "deepspeed.checkpointing.checkpoint (reentrant), which does")
+        raise NotImplementedError(
+            f"non_reentrant_checkpoint does not apply {' and '.join(asked)}; use "
+            "deepspeed.checkpointing.checkpoint (reentrant), which does"
+        )
     if SETTINGS.synchronize or SETTINGS.profile:
-        warnings.warn("non_reentrant_checkpoint does not synchronize or profile at checkpoint boundaries; "
-                      "deepspeed.checkpointing.checkpoint does", stacklevel=2)
+        warnings.warn(
+            "non_reentrant_checkpoint does not synchronize or profile at checkpoint boundaries; "
+            "deepspeed.checkpointing.checkpoint does",
+            stacklevel=2,
+        )
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)

@@ -3,5 +3,11 @@
 from shardwise.parallel.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 from shardwise.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
-__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
-           "ProcessTopology", "TiedLayerSpec"]
+__all__ = [
+    "LayerSpec",
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
+    "PipelineModule",
+    "ProcessTopology",
+    "TiedLayerSpec",
+]

@@ -28,5 +28,9 @@ class OffloadStateTypeEnum(str, Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
-__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
-           "OffloadStateTypeEnum"]
+__all__ = [
+    "DeepSpeedZeroOffloadOptimizerConfig",
+    "DeepSpeedZeroOffloadParamConfig",
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
+]

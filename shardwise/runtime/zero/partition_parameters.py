@@ -47,5 +47,10 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, tar
     return wrapped
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",
-           "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "register_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+]

@@ -36,9 +36,13 @@ def _assert_same(a, b, path="<root>"):
 def _model_and_adamw(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
-    optimizer = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-2},
-                                   {"params": model[2].parameters(), "lr": 5e-3, "weight_decay": 0.0}],
-                                  betas=(0.8, 0.9))
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters(), "lr": 1e-2},
+            {"params": model[2].parameters(), "lr": 5e-3, "weight_decay": 0.0},
+        ],
+        betas=(0.8, 0.9),
+    )
     return model, optimizer
 
 
@@ -75,12 +79,25 @@ def test_plain_states_round_trip():
     scheduler = torch.optim.lr_scheduler.StepLR(_model_and_adamw()[1], step_size=3)
     samples = {
         "scheduler": scheduler.state_dict(),
-        "scheduler_like": {"last_epoch": 4, "base_lrs": [0.1, 0.2], "_step_count": 5,
-                           "verbose": False, "name": None, "scale": float("inf"), "nan": float("-inf")},
+        "scheduler_like": {
+            "last_epoch": 4,
+            "base_lrs": [0.1, 0.2],
+            "_step_count": 5,
+            "verbose": False,
+            "name": None,
+            "scale": float("inf"),
+            "nan": float("-inf"),
+        },
         "python_rng": random.getstate(),
         "torch_rng": torch.get_rng_state(),
-        "meta": {"dtype": torch.bfloat16, "size": torch.Size([2, 3]), "device": torch.device("cpu"),
-                 "marker_key": {"__tensor__": "not a reference"}, 3: "int key", True: "bool key"},
+        "meta": {
+            "dtype": torch.bfloat16,
+            "size": torch.Size([2, 3]),
+            "device": torch.device("cpu"),
+            "marker_key": {"__tensor__": "not a reference"},
+            3: "int key",
+            True: "bool key",
+        },
         "scalars": [torch.tensor(3.5), torch.zeros(0), torch.arange(6).view(2, 3).t()],
     }
     tensors, skeleton = ckpt.flatten_state(samples)
@@ -110,12 +127,15 @@ def test_colliding_paths_get_distinct_keys():
     assert torch.equal(restored["a.b"], torch.ones(1)) and torch.equal(restored["a"]["b"], torch.zeros(1))
 
 
-@pytest.mark.parametrize("value, path, type_name", [
-    ({"opt": {"state": [1, object()]}}, "opt.state.1", "object"),
-    ({"fn": lambda x: x}, "fn", "function"),
-    ({"arr": np.zeros(2)}, "arr", "ndarray"),
-    ({(1, 2): 3}, "(1, 2)", "tuple"),
-])
+@pytest.mark.parametrize(
+    "value, path, type_name",
+    [
+        ({"opt": {"state": [1, object()]}}, "opt.state.1", "object"),
+        ({"fn": lambda x: x}, "fn", "function"),
+        ({"arr": np.zeros(2)}, "arr", "ndarray"),
+        ({(1, 2): 3}, "(1, 2)", "tuple"),
+    ],
+)
 def test_unsupported_value_names_its_path(value, path, type_name):
     with pytest.raises(TypeError) as info:
         ckpt.flatten_state(value)
@@ -140,16 +160,20 @@ def _save(save_dir, tag, value, *, save_latest=True):
     model_tensors, model_skeleton = ckpt.flatten_state({"w": torch.full((3,), float(value))})
     extra_tensors, extra_skeleton = ckpt.flatten_state({"step": torch.tensor(value)})
     return ckpt.write_checkpoint(
-        save_dir, tag, files={"model.safetensors": model_tensors, "extra.safetensors": extra_tensors},
+        save_dir,
+        tag,
+        files={"model.safetensors": model_tensors, "extra.safetensors": extra_tensors},
         manifest={"global_steps": value, "skeletons": {"model": model_skeleton, "extra": extra_skeleton}},
-        save_latest=save_latest)
+        save_latest=save_latest,
+    )
 
 
 def _load_value(save_dir, tag=None):
     path = save_dir / ckpt.resolve_tag(save_dir, tag)
     manifest = ckpt.read_manifest(path)
-    model = ckpt.unflatten_state(ckpt.read_tensors(path, "model.safetensors", manifest=manifest),
-                                 manifest["skeletons"]["model"])
+    model = ckpt.unflatten_state(
+        ckpt.read_tensors(path, "model.safetensors", manifest=manifest), manifest["skeletons"]["model"]
+    )
     return manifest["global_steps"], model["w"]
 
 
@@ -169,8 +193,7 @@ def test_write_then_read_round_trip(tmp_path):
     assert manifest["files"]["model.safetensors"]["bytes"] == (path / "model.safetensors").stat().st_size
     steps, weight = _load_value(save_dir)
     assert steps == 5 and torch.equal(weight, torch.full((3,), 5.0))
-    assert sorted(p.name for p in path.iterdir()) == ["extra.safetensors", "manifest.json",
-                                                       "model.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == ["extra.safetensors", "manifest.json", "model.safetensors"]
     assert _hidden(save_dir) == []
 
 
@@ -228,8 +251,14 @@ def test_multi_writer_pieces(tmp_path):
         tensors, _ = ckpt.flatten_state({"rank": torch.tensor(rank)})
         records.update(ckpt.write_files(staging, {f"rng_rank{rank}.safetensors": tensors}))
     with pytest.raises(CheckpointError, match="no record"):
-        ckpt.finalize_checkpoint(save_dir, "t", staging, manifest={}, save_latest=True,
-                                 file_records={"rng_rank0.safetensors": records["rng_rank0.safetensors"]})
+        ckpt.finalize_checkpoint(
+            save_dir,
+            "t",
+            staging,
+            manifest={},
+            save_latest=True,
+            file_records={"rng_rank0.safetensors": records["rng_rank0.safetensors"]},
+        )
     assert not staging.exists() and not (save_dir / "latest").exists()
 
     staging = ckpt.begin_checkpoint(save_dir, "t", clean=True)
@@ -238,8 +267,7 @@ def test_multi_writer_pieces(tmp_path):
         ckpt.write_files(staging, {f"rng_rank{rank}.safetensors": tensors})
     with pytest.raises(CheckpointError, match="already exists"):
         ckpt.write_files(staging, {"rng_rank1.safetensors": {}})
-    path = ckpt.finalize_checkpoint(save_dir, "t", staging, manifest={"n": 2}, file_records=records,
-                                    save_latest=True)
+    path = ckpt.finalize_checkpoint(save_dir, "t", staging, manifest={"n": 2}, file_records=records, save_latest=True)
     assert ckpt.read_tensors(path, "rng_rank1.safetensors")["rank"].item() == 1
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "t"]
 
@@ -301,11 +329,18 @@ def test_unparsable_safetensors_with_matching_record(tmp_path):
 
 
 def test_mapped_read_matches_a_full_read_and_never_writes_the_file(tmp_path):
-    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5, dtype=torch.bfloat16),
-               "i64": torch.arange(3), "flags": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
-               "empty": torch.empty(0, 2), "f16": torch.randn(2, 2, dtype=torch.float16)}
-    path = ckpt.write_checkpoint(tmp_path, "t", files={"x.safetensors": tensors},
-                                 manifest={"skeletons": {}}, save_latest=False)
+    tensors = {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(5, dtype=torch.bfloat16),
+        "i64": torch.arange(3),
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 2),
+        "f16": torch.randn(2, 2, dtype=torch.float16),
+    }
+    path = ckpt.write_checkpoint(
+        tmp_path, "t", files={"x.safetensors": tensors}, manifest={"skeletons": {}}, save_latest=False
+    )
     before = (path / "x.safetensors").read_bytes()
     full = ckpt.read_tensors(path, "x.safetensors")
     mapped = ckpt.read_tensors(path, "x.safetensors", mmap=True)
@@ -322,12 +357,12 @@ def test_mapped_read_refuses_offsets_outside_the_file(tmp_path):
     path = _save(tmp_path, "one", 1) / "model.safetensors"
     data = path.read_bytes()
     header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + header_len])
+    header = json.loads(data[8 : 8 + header_len])
     key = next(k for k in header if k != "__metadata__")
     header[key]["data_offsets"][1] += 4096
     text = json.dumps(header, separators=(",", ":")).encode().ljust(header_len)
     assert len(text) == header_len
-    path.write_bytes(data[:8] + text + data[8 + header_len:])
+    path.write_bytes(data[:8] + text + data[8 + header_len :])
     with pytest.raises(CheckpointError, match="do not hold"):
         ckpt.read_tensors(path.parent, "model.safetensors", verify=False, mmap=True)
 
@@ -403,8 +438,7 @@ def test_deepspeed_directory(tmp_path):
 
 
 def _draws():
-    return (random.gauss(0, 1), random.random(), float(np.random.randn()), float(np.random.rand()),
-            torch.rand(3))
+    return (random.gauss(0, 1), random.random(), float(np.random.randn()), float(np.random.rand()), torch.rand(3))
 
 
 def test_rng_capture_restore(tmp_path):
@@ -416,12 +450,10 @@ def test_rng_capture_restore(tmp_path):
     tensors, skeleton = ckpt.flatten_state(ckpt.capture_rng_state())
     assert len(json.dumps(skeleton)) < 1000, "large RNG parts belong in tensors, not the manifest"
     expected = _draws()
-    ckpt.write_checkpoint(tmp_path, "rng", files={"rng_rank0.safetensors": tensors},
-                          manifest={"rng": skeleton})
+    ckpt.write_checkpoint(tmp_path, "rng", files={"rng_rank0.safetensors": tensors}, manifest={"rng": skeleton})
     _draws()
     manifest = ckpt.read_manifest(tmp_path / "rng")
-    state = ckpt.unflatten_state(ckpt.read_tensors(tmp_path / "rng", "rng_rank0.safetensors"),
-                                 manifest["rng"])
+    state = ckpt.unflatten_state(ckpt.read_tensors(tmp_path / "rng", "rng_rank0.safetensors"), manifest["rng"])
     ckpt.restore_rng_state(state)
     again = _draws()
     assert expected[:4] == again[:4] and torch.equal(expected[4], again[4])
@@ -433,8 +465,12 @@ def test_malformed_rng_state():
 
 
 def test_a_file_written_in_place_in_pieces_is_plain_safetensors(tmp_path):
-    tensors = {"a": torch.randn(6, 5), "b": torch.randn(7, dtype=torch.bfloat16), "c": torch.arange(4),
-               "pad": torch.zeros(0)}
+    tensors = {
+        "a": torch.randn(6, 5),
+        "b": torch.randn(7, dtype=torch.bfloat16),
+        "c": torch.arange(4),
+        "pad": torch.zeros(0),
+    }
     entries = [(k, v.dtype, list(v.shape)) for k, v in tensors.items()]
     path = tmp_path / "part.safetensors"
     offsets = ckpt.create_tensor_file(path, entries)

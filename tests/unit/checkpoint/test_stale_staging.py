@@ -22,8 +22,7 @@ def _staging(save_dir, tag, *, files=("model.safetensors",), age=HOUR_AGO):
 
 def test_only_old_staging_directories_of_other_tags_are_removed(tmp_path):
     save_dir = tmp_path / "ckpt"
-    ckpt.write_checkpoint(save_dir, "global_step1", files={"model.safetensors": {"w": torch.ones(2)}},
-                          manifest={})
+    ckpt.write_checkpoint(save_dir, "global_step1", files={"model.safetensors": {"w": torch.ones(2)}}, manifest={})
     complete = {p: p.read_bytes() for p in (save_dir / "global_step1").iterdir()}
     stale = _staging(save_dir, "global_step3")
     current = _staging(save_dir, "global_step9")  # begin_checkpoint's to clean, not ours

@@ -8,8 +8,16 @@ import torch
 from shardwise.checkpoint import TensorSplit, create_tensor_file, read_tensors, seal_tensor_file, write_slice_into
 from shardwise.tensor_parallel.autotp import _interleave_blocks
 
-CASES = [((8, 6), 0, 1, False), ((8, 6), 1, 1, False), ((12, 4), 0, 3, False), ((12, 4), 0, 3, True),
-         ((6, 8), 1, 1, True), ((8, 6), 0, 1, True), ((16,), 0, 2, False), ((4, 6, 8), 2, 2, False)]
+CASES = [
+    ((8, 6), 0, 1, False),
+    ((8, 6), 1, 1, False),
+    ((12, 4), 0, 3, False),
+    ((12, 4), 0, 3, True),
+    ((6, 8), 1, 1, True),
+    ((8, 6), 0, 1, True),
+    ((16,), 0, 2, False),
+    ((4, 6, 8), 2, 2, False),
+]
 
 
 @pytest.mark.parametrize("shape,dim,stride,transposed", CASES)
@@ -24,7 +32,7 @@ def test_slice_join_and_positions_agree(shape, dim, stride, transposed):
     for split, held in zip(splits, slices):
         n = held.numel()
         assert torch.equal(split.positions(0, n), held.reshape(-1))  # stored holds its own flat index
-        assert torch.equal(split.positions(3, n - 1), held.reshape(-1)[3:n - 1])
+        assert torch.equal(split.positions(3, n - 1), held.reshape(-1)[3 : n - 1])
 
 
 def test_slice_matches_autotp_interleave_and_transpose():
@@ -34,7 +42,7 @@ def test_slice_matches_autotp_interleave_and_transpose():
     weight, _ = _interleave_blocks(hf.t(), None, blocks=3, tp=2, name="c_attn")
     for r in range(2):
         split = TensorSplit((12, 4), 0, r, 2, stride=3, transposed=True)
-        assert torch.equal(split.slice_of(hf), weight[r * 6:(r + 1) * 6])
+        assert torch.equal(split.slice_of(hf), weight[r * 6 : (r + 1) * 6])
 
 
 def test_ranks_write_their_ranges_in_place(tmp_path):

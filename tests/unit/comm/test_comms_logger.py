@@ -33,21 +33,24 @@ def _logger(**settings) -> CommsLogger:
     return log
 
 
-@pytest.mark.parametrize("op, size, world, tput, busbw", [
-    # 4000 bytes in 1 ms = 0.032 Gbit/s
-    ("all_reduce", 4000, 2, 0.064, 0.032),             # tput 2S/t, busbw S/t * 2(n-1)/n
-    ("all_reduce", 4000, 4, 0.064, 0.048),
-    ("inference_all_reduce", 4000, 4, 0.064, 0.048),
-    ("all_gather_into_tensor", 4000, 4, 0.128, 0.096),  # n inputs arrive: nS/t, * (n-1)/n
-    ("all_gather", 4000, 2, 0.064, 0.032),
-    ("reduce_scatter_tensor", 16000, 4, 0.128, 0.096),  # the whole input: S/t, * (n-1)/n
-    ("reduce_scatter", 16000, 4, 0.128, 0.096),
-    ("all_to_all_single", 4000, 4, 0.032, 0.024),
-    ("broadcast", 4000, 4, 0.032, 0.032),
-    ("send", 4000, 2, 0.032, 0.032),
-    ("recv", 4000, 2, 0.032, 0.032),
-    ("barrier", 0, 2, 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "op, size, world, tput, busbw",
+    [
+        # 4000 bytes in 1 ms = 0.032 Gbit/s
+        ("all_reduce", 4000, 2, 0.064, 0.032),  # tput 2S/t, busbw S/t * 2(n-1)/n
+        ("all_reduce", 4000, 4, 0.064, 0.048),
+        ("inference_all_reduce", 4000, 4, 0.064, 0.048),
+        ("all_gather_into_tensor", 4000, 4, 0.128, 0.096),  # n inputs arrive: nS/t, * (n-1)/n
+        ("all_gather", 4000, 2, 0.064, 0.032),
+        ("reduce_scatter_tensor", 16000, 4, 0.128, 0.096),  # the whole input: S/t, * (n-1)/n
+        ("reduce_scatter", 16000, 4, 0.128, 0.096),
+        ("all_to_all_single", 4000, 4, 0.032, 0.024),
+        ("broadcast", 4000, 4, 0.032, 0.032),
+        ("send", 4000, 2, 0.032, 0.032),
+        ("recv", 4000, 2, 0.032, 0.032),
+        ("barrier", 0, 2, 0.0, 0.0),
+    ],
+)
 def test_bandwidth_formulas(op, size, world, tput, busbw):
     assert bandwidth_gbps(op, size, 1.0, world) == pytest.approx((tput, busbw))
     assert bandwidth_gbps(op, size, 2.0, world) == pytest.approx((tput / 2, busbw / 2))
@@ -60,8 +63,16 @@ def test_bandwidth_of_an_unknown_op_names_it():
 
 
 def test_sizes_and_trimmed_mean():
-    assert [format_size(n) for n in (0, 1, 1023, 1024, 4000, 1024 ** 2, 3 * 1024 ** 2, 1024 ** 6)] == [
-        "0B", "1.0 B", "1023.0 B", "1.0 KB", "3.91 KB", "1.0 MB", "3.0 MB", "1024.0 PB"]
+    assert [format_size(n) for n in (0, 1, 1023, 1024, 4000, 1024**2, 3 * 1024**2, 1024**6)] == [
+        "0B",
+        "1.0 B",
+        "1023.0 B",
+        "1.0 KB",
+        "3.91 KB",
+        "1.0 MB",
+        "3.0 MB",
+        "1024.0 PB",
+    ]
     assert trimmed_mean([]) == 0.0
     assert trimmed_mean([5.0]) == 5.0
     # ten values: the smallest and the largest are dropped
@@ -101,16 +112,23 @@ def _parse_table(text: str) -> dict[str, dict[str, list[str]]]:
     """{op: {size string: [count, total, avg, tput, busbw]}} from the printed table, cut at
     the fixed 20-character columns."""
     lines = text.splitlines()
-    header = [lines[0][i:i + WIDTH].strip() for i in range(0, 7 * WIDTH, WIDTH)]
-    assert header == ["Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)",
-                      "tput_avg (Gbps)", "busbw_avg (Gbps)"]
+    header = [lines[0][i : i + WIDTH].strip() for i in range(0, 7 * WIDTH, WIDTH)]
+    assert header == [
+        "Comm. Op",
+        "Message Size",
+        "Count",
+        "Total Latency(ms)",
+        "Avg Latency(ms)",
+        "tput_avg (Gbps)",
+        "busbw_avg (Gbps)",
+    ]
     table, op = {}, None
     for line in lines[1:]:
         if not line.startswith(" "):
             op = line
             table[op] = {}
             continue
-        cells = [line[i:i + WIDTH].strip() for i in range(WIDTH, 7 * WIDTH, WIDTH)]
+        cells = [line[i : i + WIDTH].strip() for i in range(WIDTH, 7 * WIDTH, WIDTH)]
         table[op][cells[0]] = cells[1:]
     return table
 
@@ -149,7 +167,8 @@ def test_verbose_logs_each_call(caplog):
     with caplog.at_level(logging.INFO, logger="shardwise.comm._logger"):
         log.append("all_reduce", "grads", 1.0, 4000, 2)
     assert caplog.messages == [
-        "comm op: grads | time (ms): 1.00 | msg size: 3.91 KB | algbw (Gbps): 0.06 | busbw (Gbps): 0.03"]
+        "comm op: grads | time (ms): 1.00 | msg size: 3.91 KB | algbw (Gbps): 0.06 | busbw (Gbps): 0.03"
+    ]
 
 
 def test_configure_as_deepspeed(global_logger):
@@ -157,8 +176,9 @@ def test_configure_as_deepspeed(global_logger):
     dist.configure(enabled=True)
     assert global_logger.enabled and global_logger.config.prof_all
     dist.configure(prof_all=False, prof_ops=["all_reduce"], verbose=True, debug=True)
-    assert global_logger.config == CommsLoggerConfig(enabled=True, prof_all=False, prof_ops=("all_reduce",),
-                                                     verbose=True, debug=True)
+    assert global_logger.config == CommsLoggerConfig(
+        enabled=True, prof_all=False, prof_ops=("all_reduce",), verbose=True, debug=True
+    )
     dist.configure(deepspeed_config={"train_batch_size": 8, "comms_logger": {"enabled": False}})
     assert not global_logger.enabled and global_logger.config.prof_all
     dist.configure(deepspeed_config={"train_batch_size": 8})  # no section: unchanged
@@ -174,8 +194,9 @@ def test_comms_logger_from_config(global_logger):
     comms_logger_from_config(CommsLoggerConfig(enabled=False))
     assert not global_logger.enabled
     typed = SimpleNamespace(enabled=True, prof_all=False, prof_ops=("all_reduce",), verbose=False, debug=True)
-    assert comms_logger_from_config(typed) == CommsLoggerConfig(enabled=True, prof_all=False,
-                                                                  prof_ops=("all_reduce",), debug=True)
+    assert comms_logger_from_config(typed) == CommsLoggerConfig(
+        enabled=True, prof_all=False, prof_ops=("all_reduce",), debug=True
+    )
     dist.configure(deepspeed_config=SimpleNamespace(comms_logger={"enabled": False}))
     assert not global_logger.enabled
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['prof_op'\]"):
@@ -194,6 +215,9 @@ def test_nothing_logged_reports_empty(global_logger, capsys):
     assert (dist.has_comm_data(), dist.get_comm_operation_count(), dist.get_logged_comm_ops()) == (False, 0, [])
     global_logger.append("broadcast", "broadcast", 1.0, 4, 2)
     assert (dist.has_comm_data(), dist.get_comm_operation_count(), dist.get_logged_comm_ops()) == (
-        True, 1, ["broadcast"])
+        True,
+        1,
+        ["broadcast"],
+    )
     dist.reset_log()
     assert not dist.has_comm_data()

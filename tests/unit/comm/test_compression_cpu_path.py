@@ -31,8 +31,13 @@ def test_cpu_and_torch_paths_agree_bit_for_bit(monkeypatch, rows, width):
         if name == "torch":
             _torch_path(monkeypatch)
         message = compress(values, error)
-        outs[name] = (pack_signs(values), pack_bits(bits), unpack_bits(pack_bits(bits)), message,
-                      decompress(message).view(torch.int32))
+        outs[name] = (
+            pack_signs(values),
+            pack_bits(bits),
+            unpack_bits(pack_bits(bits)),
+            message,
+            decompress(message).view(torch.int32),
+        )
     for got, want in zip(outs["cpu"], outs["torch"]):
         assert torch.equal(got, want)
     assert torch.equal(error_cpu.view(torch.int32), error_torch.view(torch.int32))

@@ -9,7 +9,7 @@ the case at the driver's top level and reports what the exit hook would decide."
 import subprocess
 import sys
 
-_DRIVER = '''
+_DRIVER = """
 import atexit, os, sys, threading
 from shardwise.comm import _exit
 
@@ -32,7 +32,7 @@ for name, body in CASES.items():
         break  # the case ended normally: so does this child's top level
     _, wait_status = os.waitpid(pid, 0)
     print(f"{name}: exit code {os.waitstatus_to_exitcode(wait_status)}", flush=True)
-'''
+"""
 
 _EXPECTED = {  # exit code, failure status seen by the exit hook
     "top level": (3, 3),

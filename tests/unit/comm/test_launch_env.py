@@ -3,10 +3,24 @@ import pytest
 from shardwise.comm import discover_launch_env
 from shardwise.comm._init import first_slurm_host
 
-_LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
-                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
-                "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE"]
+_LAUNCH_VARS = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+]
 
 
 @pytest.fixture
@@ -28,8 +42,7 @@ def test_torchrun_env(clean_env):
     clean_env.setenv("MASTER_ADDR", "10.0.0.1")
     clean_env.setenv("MASTER_PORT", "1234")
     env = discover_launch_env()
-    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == \
-        (3, 4, 1, "10.0.0.1", 1234)
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == (3, 4, 1, "10.0.0.1", 1234)
 
 
 def test_slurm_env(clean_env):
@@ -38,12 +51,10 @@ def test_slurm_env(clean_env):
     clean_env.setenv("SLURM_LOCALID", "1")
     clean_env.setenv("SLURM_JOB_NODELIST", "gpu[07-09,12]")
     env = discover_launch_env()
-    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.source) == \
-        (5, 8, 1, "gpu07", "slurm")
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.source) == (5, 8, 1, "gpu07", "slurm")
 
 
-@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("a[3-5],b1", "a3"),
-                                             ("n[010,2]", "n010")])
+@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("a[3-5],b1", "a3"), ("n[010,2]", "n010")])
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
 

@@ -11,29 +11,65 @@ import torch
 from shardwise.ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer
 
 # DeepSpeed 0.19.8: names and shapes of DeepSpeedTransformerLayer's parameters (H hidden, I intermediate)
-DEEPSPEED_PARAMS = {"attn_qkvw": ("3H", "H"), "attn_qkvb": ("3H",), "attn_ow": ("H", "H"), "attn_ob": ("H",),
-                    "attn_nw": ("H",), "attn_nb": ("H",), "inter_w": ("I", "H"), "inter_b": ("I",),
-                    "output_w": ("H", "I"), "output_b": ("H",), "norm_w": ("H",), "norm_b": ("H",)}
+DEEPSPEED_PARAMS = {
+    "attn_qkvw": ("3H", "H"),
+    "attn_qkvb": ("3H",),
+    "attn_ow": ("H", "H"),
+    "attn_ob": ("H",),
+    "attn_nw": ("H",),
+    "attn_nb": ("H",),
+    "inter_w": ("I", "H"),
+    "inter_b": ("I",),
+    "output_w": ("H", "I"),
+    "output_b": ("H",),
+    "norm_w": ("H",),
+    "norm_b": ("H",),
+}
 # DeepSpeed 0.19.8: DeepSpeedTransformerConfig's arguments, in order, with their defaults
 DEEPSPEED_CONFIG_DEFAULTS = [
-    ("batch_size", -1), ("hidden_size", -1), ("intermediate_size", -1), ("heads", -1), ("attn_dropout_ratio", -1),
-    ("hidden_dropout_ratio", -1), ("num_hidden_layers", -1), ("initializer_range", -1), ("layer_norm_eps", 1e-12),
-    ("local_rank", -1), ("seed", -1), ("fp16", False), ("pre_layer_norm", True), ("normalize_invertible", False),
-    ("gelu_checkpoint", False), ("adjust_init_range", True), ("attn_dropout_checkpoint", False),
-    ("stochastic_mode", False), ("return_tuple", False), ("training", True)]
+    ("batch_size", -1),
+    ("hidden_size", -1),
+    ("intermediate_size", -1),
+    ("heads", -1),
+    ("attn_dropout_ratio", -1),
+    ("hidden_dropout_ratio", -1),
+    ("num_hidden_layers", -1),
+    ("initializer_range", -1),
+    ("layer_norm_eps", 1e-12),
+    ("local_rank", -1),
+    ("seed", -1),
+    ("fp16", False),
+    ("pre_layer_norm", True),
+    ("normalize_invertible", False),
+    ("gelu_checkpoint", False),
+    ("adjust_init_range", True),
+    ("attn_dropout_checkpoint", False),
+    ("stochastic_mode", False),
+    ("return_tuple", False),
+    ("training", True),
+]
 
 HIDDEN, HEADS, INTER, BATCH, SEQ = 16, 4, 24, 2, 5
 
 
 def _config(**overrides):
-    values = dict(batch_size=BATCH, hidden_size=HIDDEN, intermediate_size=INTER, heads=HEADS, attn_dropout_ratio=0.1,
-                  hidden_dropout_ratio=0.1, num_hidden_layers=2, initializer_range=0.02)
+    values = dict(
+        batch_size=BATCH,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        heads=HEADS,
+        attn_dropout_ratio=0.1,
+        hidden_dropout_ratio=0.1,
+        num_hidden_layers=2,
+        initializer_range=0.02,
+    )
     return DeepSpeedTransformerConfig(**{**values, **overrides})
 
 
 def _reference_bert_layer(x, mask, w, *, pre_layer_norm, eps=1e-12):
     """BERT's layer written out: separate query/key/value projections, an explicit
     softmax over masked scores, GELU (tanh form, as DeepSpeed's kernel) and the two norms."""
+
     def norm(t, name):
         mean = t.mean(-1, keepdim=True)
         var = ((t - mean) ** 2).mean(-1, keepdim=True)
@@ -43,15 +79,16 @@ def _reference_bert_layer(x, mask, w, *, pre_layer_norm, eps=1e-12):
         q_w, k_w, v_w = w["attn_qkvw"].chunk(3)
         q_b, k_b, v_b = w["attn_qkvb"].chunk(3)
         d = HIDDEN // HEADS
-        heads = [(t @ m.T + b).view(BATCH, SEQ, HEADS, d).transpose(1, 2)
-                 for m, b in ((q_w, q_b), (k_w, k_b), (v_w, v_b))]
+        heads = [
+            (t @ m.T + b).view(BATCH, SEQ, HEADS, d).transpose(1, 2) for m, b in ((q_w, q_b), (k_w, k_b), (v_w, v_b))
+        ]
         scores = heads[0] @ heads[1].transpose(-1, -2) / math.sqrt(d) + mask
         context = torch.softmax(scores, dim=-1) @ heads[2]
         return context.transpose(1, 2).reshape(BATCH, SEQ, HIDDEN) @ w["attn_ow"].T + w["attn_ob"]
 
     def feed_forward(t):
         inner = t @ w["inter_w"].T + w["inter_b"]
-        inner = 0.5 * inner * (1 + torch.tanh(math.sqrt(2 / math.pi) * (inner + 0.044715 * inner ** 3)))
+        inner = 0.5 * inner * (1 + torch.tanh(math.sqrt(2 / math.pi) * (inner + 0.044715 * inner**3)))
         return inner @ w["output_w"].T + w["output_b"]
 
     if pre_layer_norm:

@@ -34,7 +34,7 @@ DEEPSPEED_0_19_8_DEFAULTS = {
     "bf16.immediate_grad_update": False,
     "checkpoint.load_universal": False,
     "checkpoint.parallel_write.pipeline_stage": False,
-    "checkpoint.tag_validation": 'WARN',
+    "checkpoint.tag_validation": "WARN",
     "checkpoint.use_node_local_storage": False,
     "comet.api_key": None,
     "comet.enabled": False,
@@ -52,8 +52,8 @@ DEEPSPEED_0_19_8_DEFAULTS = {
     "comms_logger.verbose": False,
     "communication_data_type": None,
     "csv_monitor.enabled": False,
-    "csv_monitor.job_name": 'DeepSpeedJobName',
-    "csv_monitor.output_path": '',
+    "csv_monitor.job_name": "DeepSpeedJobName",
+    "csv_monitor.output_path": "",
     "data_types.buffer_dtype": None,
     "data_types.grad_accum_dtype": None,
     "data_types.param_dtype": None,
@@ -82,12 +82,12 @@ DEEPSPEED_0_19_8_DEFAULTS = {
     "prescale_gradients": False,
     "steps_per_print": None,
     "tensorboard.enabled": False,
-    "tensorboard.job_name": 'DeepSpeedJobName',
-    "tensorboard.output_path": '',
+    "tensorboard.job_name": "DeepSpeedJobName",
+    "tensorboard.output_path": "",
     "wall_clock_breakdown": False,
     "wandb.enabled": False,
     "wandb.group": None,
-    "wandb.project": 'deepspeed',
+    "wandb.project": "deepspeed",
     "wandb.team": None,
     "zero_allow_untested_optimizer": False,
     "zero_force_ds_cpu_optimizer": True,
@@ -102,7 +102,7 @@ DEEPSPEED_0_19_8_DEFAULTS = {
     "zero_optimization.log_trace_cache_warnings": False,
     "zero_optimization.memory_efficient_linear": True,
     "zero_optimization.offload_optimizer.buffer_count": 4,
-    "zero_optimization.offload_optimizer.device": 'none',
+    "zero_optimization.offload_optimizer.device": "none",
     "zero_optimization.offload_optimizer.fast_init": False,
     "zero_optimization.offload_optimizer.nvme_path": None,
     "zero_optimization.offload_optimizer.pin_memory": True,
@@ -111,7 +111,7 @@ DEEPSPEED_0_19_8_DEFAULTS = {
     "zero_optimization.offload_optimizer.ratio": 1.0,
     "zero_optimization.offload_param.buffer_count": 5,
     "zero_optimization.offload_param.buffer_size": 100000000,
-    "zero_optimization.offload_param.device": 'none',
+    "zero_optimization.offload_param.device": "none",
     "zero_optimization.offload_param.max_in_cpu": 1000000000,
     "zero_optimization.offload_param.nvme_path": None,
     "zero_optimization.offload_param.pin_memory": True,
@@ -136,9 +136,9 @@ DEEPSPEED_0_19_8_DEFAULTS = {
 
 KEPT_DIFFERENCES = {
     "zero_optimization.overlap_comm": "DeepSpeed resolves it per stage (False below 3); shardwise always overlaps "
-                                      "the reduction with backward and keeps None (the stage's default)",
+    "the reduction with backward and keeps None (the stage's default)",
     "zero_optimization.offload_optimizer.nvme_path": "0.19.8's code default is None (device nvme then fails on first "
-                                                     "use); shardwise keeps DeepSpeed's documented /local_nvme",
+    "use); shardwise keeps DeepSpeed's documented /local_nvme",
     "zero_optimization.offload_param.nvme_path": "as offload_optimizer.nvme_path",
 }
 """Keys whose default differs on purpose, with the reason."""
@@ -150,12 +150,23 @@ _SAME_MEANING = {
     "checkpoint.tag_validation": str.lower,  # DeepSpeed stores "WARN", shardwise "Warn": one choice
     "zero_optimization.cpu_offload": bool,  # DeepSpeed's None (deprecated key unset) is "not offloaded"
 }
-_SECTIONS = {"fp16": "fp16", "bf16": "bf16", "zero_optimization": "zero", "aio": "aio", "checkpoint": "checkpoint",
-             "data_types": "data_types", "activation_checkpointing": "activation_checkpointing",
-             "tensorboard": "monitor.tensorboard", "wandb": "monitor.wandb", "csv_monitor": "monitor.csv_monitor",
-             "comet": "monitor.comet", "flops_profiler": "monitor.flops_profiler",
-             "comms_logger": "monitor.comms_logger", "gradient_accumulation_steps": "batch",
-             "memory_breakdown": "monitor"}
+_SECTIONS = {
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "zero_optimization": "zero",
+    "aio": "aio",
+    "checkpoint": "checkpoint",
+    "data_types": "data_types",
+    "activation_checkpointing": "activation_checkpointing",
+    "tensorboard": "monitor.tensorboard",
+    "wandb": "monitor.wandb",
+    "csv_monitor": "monitor.csv_monitor",
+    "comet": "monitor.comet",
+    "flops_profiler": "monitor.flops_profiler",
+    "comms_logger": "monitor.comms_logger",
+    "gradient_accumulation_steps": "batch",
+    "memory_breakdown": "monitor",
+}
 _MISSING = object()
 
 
@@ -197,8 +208,13 @@ def test_the_table_names_keys_of_the_schema():
 
 def test_every_key_with_a_resolved_default_is_in_the_table(defaults):
     resolved = {key for key in _leaves(SCHEMA) if _resolved(defaults, key) is not _MISSING}
-    sections = {"optimizer", "scheduler", "checkpoint.parallel_write", "zero_optimization.offload_optimizer",
-                "zero_optimization.offload_param"}
+    sections = {
+        "optimizer",
+        "scheduler",
+        "checkpoint.parallel_write",
+        "zero_optimization.offload_optimizer",
+        "zero_optimization.offload_param",
+    }
     assert sorted(resolved - sections - set(DEEPSPEED_0_19_8_DEFAULTS) - REMOVED_IN_0_19_8) == []
 
 

@@ -91,8 +91,11 @@ def test_activation_checkpoint_passes_keyword_tensors_through_autograd():
 def test_checkpoint_configure_refuses_an_inconsistent_request():
     configure(None, deepspeed_config={"activation_checkpointing": {"number_checkpoints": 4}})
     with pytest.raises(ConfigError, match="needs partition_activations=true"):
-        configure(None, deepspeed_config={"activation_checkpointing": {"contiguous_memory_optimization": True}},
-                  num_checkpoints=2)
+        configure(
+            None,
+            deepspeed_config={"activation_checkpointing": {"contiguous_memory_optimization": True}},
+            num_checkpoints=2,
+        )
     configure(None)
 
 

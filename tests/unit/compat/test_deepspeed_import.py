@@ -48,8 +48,14 @@ print(json.dumps({"missing": [p for p in paths if has_file(p) and not reachable(
 def bare_import():
     """What a fresh interpreter sees after ``import shardwise`` and nothing else."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(REACHABLE)], capture_output=True, text=True,
-                          env=env, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(REACHABLE)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

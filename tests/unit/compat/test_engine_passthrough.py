@@ -25,9 +25,15 @@ class _Wrapped(TinyMLP):
 @pytest.fixture
 def engine(one_rank_group):
     """A one-rank engine (the process group is destroyed after the test)."""
-    built, *_ = shardwise.initialize(model=_Wrapped(), dist_init_required=False, config={
-        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    built, *_ = shardwise.initialize(
+        model=_Wrapped(),
+        dist_init_required=False,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
     return built
 
 
@@ -44,8 +50,11 @@ def test_engine_attributes_are_not_hidden(engine):
 
 
 def test_missing_everywhere_names_the_engine_and_the_module(engine):
-    with pytest.raises(AttributeError, match=r"neither the Engine nor its wrapped module \(_Wrapped\) has an "
-                                             r"attribute 'no_such_thing'"):
+    with pytest.raises(
+        AttributeError,
+        match=r"neither the Engine nor its wrapped module \(_Wrapped\) has an "
+        r"attribute 'no_such_thing'",
+    ):
         engine.no_such_thing
     assert not hasattr(engine, "no_such_thing")
 

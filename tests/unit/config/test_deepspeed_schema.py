@@ -47,14 +47,23 @@ def test_the_whole_schema_loads():
     assert config.zero.stage == 3 and config.batch.train_batch_size == 8
 
 
-_TYPED_HOME = {"zero_optimization": "zero", "memory_breakdown": "monitor.memory_breakdown",
-               **{name: f"monitor.{name}" for name in ("tensorboard", "csv_monitor", "wandb", "comet",
-                                                       "flops_profiler", "comms_logger")},
-               **{name: f"batch.{name}" for name in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                                     "gradient_accumulation_steps")}}
+_TYPED_HOME = {
+    "zero_optimization": "zero",
+    "memory_breakdown": "monitor.memory_breakdown",
+    **{
+        name: f"monitor.{name}"
+        for name in ("tensorboard", "csv_monitor", "wandb", "comet", "flops_profiler", "comms_logger")
+    },
+    **{
+        name: f"batch.{name}"
+        for name in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    },
+}
 """Where a top-level key lives in the TrainConfig, when not under its own name."""
-_OFF_MEANS_UNSET = {"zero_optimization.cpu_offload_param": lambda config: config.zero.offload_param.device == "none",
-                    "checkpoint.parallel_write.pipeline_stage": lambda config: config.checkpoint.parallel_write is None}
+_OFF_MEANS_UNSET = {
+    "zero_optimization.cpu_offload_param": lambda config: config.zero.offload_param.device == "none",
+    "checkpoint.parallel_write.pipeline_stage": lambda config: config.checkpoint.parallel_write is None,
+}
 """Keys whose off value leaves nothing to hold (the deprecated switch, the disabled writer)."""
 _ABSENT = object()
 
@@ -114,25 +123,28 @@ def test_each_key_loads_on_its_own(path, caplog):
         assert _same(got, want), f"{path}: loaded {got!r}, given {want!r}"
 
 
-@pytest.mark.parametrize("section,typo,suggestion", [
-    ("", "zero_optimisation", "zero_optimization"),
-    ("fp16", "fp16_master_weight_and_grads", "fp16.fp16_master_weights_and_grads"),
-    ("bf16", "check_grad_overflw", "bf16.check_grad_overflow"),
-    ("zero_optimization", "round_robin_gradient", "zero_optimization.round_robin_gradients"),
-    ("zero_optimization.offload_param", "max_in_cpus", "zero_optimization.offload_param.max_in_cpu"),
-    ("zero_optimization.offload_optimizer", "super_offlod", "zero_optimization.offload_optimizer.super_offload"),
-    ("zero_optimization.leaf_module", "class", "zero_optimization.leaf_module.classes"),
-    ("aio", "queue_dept", "aio.queue_depth"),
-    ("checkpoint", "load_universl", "checkpoint.load_universal"),
-    ("checkpoint.writer", "io_multiplyer", "checkpoint.writer.io_multiplier"),
-    ("checkpoint.parallel_write", "pipeline_stages", "checkpoint.parallel_write.pipeline_stage"),
-    ("data_types", "param_dtpye", "data_types.param_dtype"),
-    ("comms_logger", "prof_op", "comms_logger.prof_ops"),
-    ("flops_profiler", "profile_steps", "flops_profiler.profile_step"),
-    ("activation_checkpointing", "number_checkpoint", "activation_checkpointing.number_checkpoints"),
-    ("wandb", "projct", "wandb.project"),
-    ("comet", "experiment_nam", "comet.experiment_name"),
-])
+@pytest.mark.parametrize(
+    "section,typo,suggestion",
+    [
+        ("", "zero_optimisation", "zero_optimization"),
+        ("fp16", "fp16_master_weight_and_grads", "fp16.fp16_master_weights_and_grads"),
+        ("bf16", "check_grad_overflw", "bf16.check_grad_overflow"),
+        ("zero_optimization", "round_robin_gradient", "zero_optimization.round_robin_gradients"),
+        ("zero_optimization.offload_param", "max_in_cpus", "zero_optimization.offload_param.max_in_cpu"),
+        ("zero_optimization.offload_optimizer", "super_offlod", "zero_optimization.offload_optimizer.super_offload"),
+        ("zero_optimization.leaf_module", "class", "zero_optimization.leaf_module.classes"),
+        ("aio", "queue_dept", "aio.queue_depth"),
+        ("checkpoint", "load_universl", "checkpoint.load_universal"),
+        ("checkpoint.writer", "io_multiplyer", "checkpoint.writer.io_multiplier"),
+        ("checkpoint.parallel_write", "pipeline_stages", "checkpoint.parallel_write.pipeline_stage"),
+        ("data_types", "param_dtpye", "data_types.param_dtype"),
+        ("comms_logger", "prof_op", "comms_logger.prof_ops"),
+        ("flops_profiler", "profile_steps", "flops_profiler.profile_step"),
+        ("activation_checkpointing", "number_checkpoint", "activation_checkpointing.number_checkpoints"),
+        ("wandb", "projct", "wandb.project"),
+        ("comet", "experiment_nam", "comet.experiment_name"),
+    ],
+)
 def test_a_misspelt_key_still_gets_did_you_mean(section, typo, suggestion):
     config = {typo: 1}
     for key in reversed(section.split(".") if section else []):
@@ -141,17 +153,24 @@ def test_a_misspelt_key_still_gets_did_you_mean(section, typo, suggestion):
         _load(**config)
 
 
-@pytest.mark.parametrize("config,named", [
-    ({"zero_optimization": {"stage": 2, "round_robin_gradients": True}}, "zero_optimization.round_robin_gradients"),
-    ({"zero_optimization": {"stage": 3, "memory_efficient_linear": False}},
-     "zero_optimization.memory_efficient_linear"),
-    ({"zero_optimization": {"ignore_unused_parameters": False}}, "zero_optimization.ignore_unused_parameters"),
-    ({"zero_optimization": {"load_from_fp32_weights": False}}, "zero_optimization.load_from_fp32_weights"),
-    ({"zero_optimization": {"stage": 3, "max_reuse_distance": 0, "allgather_sequential": True}},
-     "zero_optimization.stage3_allgather_sequential"),
-    ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
-    ({"dump_state": True}, "dump_state"),
-])
+@pytest.mark.parametrize(
+    "config,named",
+    [
+        ({"zero_optimization": {"stage": 2, "round_robin_gradients": True}}, "zero_optimization.round_robin_gradients"),
+        (
+            {"zero_optimization": {"stage": 3, "memory_efficient_linear": False}},
+            "zero_optimization.memory_efficient_linear",
+        ),
+        ({"zero_optimization": {"ignore_unused_parameters": False}}, "zero_optimization.ignore_unused_parameters"),
+        ({"zero_optimization": {"load_from_fp32_weights": False}}, "zero_optimization.load_from_fp32_weights"),
+        (
+            {"zero_optimization": {"stage": 3, "max_reuse_distance": 0, "allgather_sequential": True}},
+            "zero_optimization.stage3_allgather_sequential",
+        ),
+        ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
+        ({"dump_state": True}, "dump_state"),
+    ],
+)
 def test_a_no_effect_key_is_named_in_exactly_one_line(config, named, caplog):
     with caplog.at_level(logging.WARNING, logger="shardwise"):
         _load(**config)
@@ -161,8 +180,9 @@ def test_a_no_effect_key_is_named_in_exactly_one_line(config, named, caplog):
 
 def test_several_no_effect_keys_share_one_line(caplog):
     with caplog.at_level(logging.WARNING, logger="shardwise"):
-        _load(dump_state=True, aio={"single_submit": True},
-              zero_optimization={"stage": 2, "round_robin_gradients": True})
+        _load(
+            dump_state=True, aio={"single_submit": True}, zero_optimization={"stage": 2, "round_robin_gradients": True}
+        )
     lines = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
     assert len(lines) == 1
     assert all(k in lines[0] for k in ("dump_state", "aio.single_submit", "zero_optimization.round_robin_gradients"))
@@ -170,9 +190,15 @@ def test_several_no_effect_keys_share_one_line(caplog):
 
 def test_used_and_unbuilt_off_keys_log_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="shardwise"):
-        _load(zero_optimization={"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
-                                 "prefetch_bucket_size": 10},
-              fp16={"enabled": True, "fp16_master_weights_and_grads": False})
+        _load(
+            zero_optimization={
+                "stage": 3,
+                "zero_hpz_partition_size": 1,
+                "zero_quantized_weights": False,
+                "prefetch_bucket_size": 10,
+            },
+            fp16={"enabled": True, "fp16_master_weights_and_grads": False},
+        )
     assert not caplog.records
 
 
@@ -184,41 +210,61 @@ def test_no_effect_keys_are_not_logged_off_rank_0(caplog, monkeypatch):
 
 
 def test_field_names_of_stage3_keys_are_read():
-    config = _load(zero_optimization={"stage": 3, "prefetch_bucket_size": 7, "param_persistence_threshold": 0,
-                                      "max_live_parameters": 5, "max_reuse_distance": 6})
+    config = _load(
+        zero_optimization={
+            "stage": 3,
+            "prefetch_bucket_size": 7,
+            "param_persistence_threshold": 0,
+            "max_live_parameters": 5,
+            "max_reuse_distance": 6,
+        }
+    )
     zero = config.zero
-    assert (zero.stage3_prefetch_bucket_size, zero.stage3_param_persistence_threshold,
-            zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance) == (7, 0, 5, 6)
+    assert (
+        zero.stage3_prefetch_bucket_size,
+        zero.stage3_param_persistence_threshold,
+        zero.stage3_max_live_parameters,
+        zero.stage3_max_reuse_distance,
+    ) == (7, 0, 5, 6)
     with pytest.raises(ConfigError, match="both 'zero_optimization.prefetch_bucket_size' and"):
         _load(zero_optimization={"prefetch_bucket_size": 7, "stage3_prefetch_bucket_size": 8})
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
-     "fp16.fp16_master_weights_and_grads=true asks for fp16 master weights"),
-    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
-     "bf16.bf16_master_weights_and_grads=true asks for bf16 master weights"),
-    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16 optimizer states"),
-    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO++ hierarchical partitioning"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "ZeRO++ quantized gradients"),
-    ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "MiCS"),
-    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
-     "SuperOffload"),
-    ({"managed_gradient_accumulation": False}, "client-managed accumulation"),
-    ({"gradient_allreduce_op": "sum"}, "summed (unaveraged) gradients"),
-    ({"datastates_ckpt": {"host_cache_size": 16}}, "DataStates"),
-    ({"use_data_before_expert_parallelism": True}, "expert parallelism"),
-    ({"graph_harvesting": True}, "graph_harvesting=true"),
-    ({"expert_parallel": {"enabled": True, "autoep_size": 4}}, "expert parallelism (AutoEP)"),
-    ({"tensor_parallel": {"autotp_size": 4, "tp": {"tp_grain_size": 64}}}, "uneven splits are not available"),
-    ({"compile": {"deepcompile": True}}, "DeepCompile"),
-    ({"weight_quantization": {"post_init_quant": {}}}, "weight quantization"),
-    ({"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}}}, "compression"),
-    ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype='bf16' differs"),
-    ({"data_types": {"buffer_dtype": "fp32"}}, "data_types.buffer_dtype='fp32' (casting module buffers)"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (
+            {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+            "fp16.fp16_master_weights_and_grads=true asks for fp16 master weights",
+        ),
+        (
+            {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+            "bf16.bf16_master_weights_and_grads=true asks for bf16 master weights",
+        ),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16 optimizer states"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO++ hierarchical partitioning"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "ZeRO++ quantized gradients"),
+        ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "MiCS"),
+        ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+            "SuperOffload",
+        ),
+        ({"managed_gradient_accumulation": False}, "client-managed accumulation"),
+        ({"gradient_allreduce_op": "sum"}, "summed (unaveraged) gradients"),
+        ({"datastates_ckpt": {"host_cache_size": 16}}, "DataStates"),
+        ({"use_data_before_expert_parallelism": True}, "expert parallelism"),
+        ({"graph_harvesting": True}, "graph_harvesting=true"),
+        ({"expert_parallel": {"enabled": True, "autoep_size": 4}}, "expert parallelism (AutoEP)"),
+        ({"tensor_parallel": {"autotp_size": 4, "tp": {"tp_grain_size": 64}}}, "uneven splits are not available"),
+        ({"compile": {"deepcompile": True}}, "DeepCompile"),
+        ({"weight_quantization": {"post_init_quant": {}}}, "weight quantization"),
+        ({"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}}}, "compression"),
+        ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype='bf16' differs"),
+        ({"data_types": {"buffer_dtype": "fp32"}}, "data_types.buffer_dtype='fp32' (casting module buffers)"),
+    ],
+)
 def test_a_newly_accepted_key_that_turns_on_an_unbuilt_feature_is_refused(config, message):
     with pytest.raises(ConfigError) as info:
         _load(**config)
@@ -226,8 +272,10 @@ def test_a_newly_accepted_key_that_turns_on_an_unbuilt_feature_is_refused(config
 
 
 def test_unbuilt_keys_of_a_disabled_precision_section_ask_for_nothing():
-    config = _load(fp16={"enabled": False, "fp16_master_weights_and_grads": True},
-                   bf16={"bf16_master_weights_and_grads": True, "check_grad_overflow": True})
+    config = _load(
+        fp16={"enabled": False, "fp16_master_weights_and_grads": True},
+        bf16={"bf16_master_weights_and_grads": True, "check_grad_overflow": True},
+    )
     assert not config.fp16.enabled and not config.bf16.enabled
 
 
@@ -238,6 +286,8 @@ def test_deprecated_cpu_offload_param_maps_to_offload_param():
 
 
 def test_disabled_parallel_write_and_null_nvme_path_are_accepted():
-    config = _load(checkpoint={"parallel_write": {"pipeline_stage": False}},
-                   zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "nvme_path": None}})
+    config = _load(
+        checkpoint={"parallel_write": {"pipeline_stage": False}},
+        zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "nvme_path": None}},
+    )
     assert config.checkpoint.parallel_write is None and config.zero.offload_param.device == "cpu"

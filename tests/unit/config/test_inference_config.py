@@ -44,21 +44,24 @@ def test_quant_section_means_int8_weights():
         inference_config(quant={"enabled": True, "activation": {"enabled": True}})
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("replace_with_kernal_inject", True, "did you mean 'replace_with_kernel_inject'"),
-    ("max_out_token", 10, "did you mean 'max_out_tokens'"),
-    ("use_triton", True, "without Triton kernels"),
-    ("zero", {"stage": 3}, "ZeRO-Inference"),
-    ("moe", True, "expert-parallel inference"),
-    ("save_mp_checkpoint_path", "/tmp/x", "saving the tensor-parallel shards"),
-    ("dtype", "fp8", "dtype must be a torch dtype or one of"),
-    ("dtype", torch.int32, "dtype must be float32, float16, bfloat16 or int8"),
-    ("max_out_tokens", 0, "max_out_tokens must be a positive integer"),
-    ("tensor_parallel", {"tp_sise": 2}, "did you mean 'tensor_parallel.tp_size'"),
-    ("triangular_masking", False, "causal"),
-    ("training_mp_size", 2, "checkpoints split by model parallelism"),
-    ("ckpt_config", {"checkpoint_dir": "/ckpt"}, "name the checkpoint with checkpoint="),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("replace_with_kernal_inject", True, "did you mean 'replace_with_kernel_inject'"),
+        ("max_out_token", 10, "did you mean 'max_out_tokens'"),
+        ("use_triton", True, "without Triton kernels"),
+        ("zero", {"stage": 3}, "ZeRO-Inference"),
+        ("moe", True, "expert-parallel inference"),
+        ("save_mp_checkpoint_path", "/tmp/x", "saving the tensor-parallel shards"),
+        ("dtype", "fp8", "dtype must be a torch dtype or one of"),
+        ("dtype", torch.int32, "dtype must be float32, float16, bfloat16 or int8"),
+        ("max_out_tokens", 0, "max_out_tokens must be a positive integer"),
+        ("tensor_parallel", {"tp_sise": 2}, "did you mean 'tensor_parallel.tp_size'"),
+        ("triangular_masking", False, "causal"),
+        ("training_mp_size", 2, "checkpoints split by model parallelism"),
+        ("ckpt_config", {"checkpoint_dir": "/ckpt"}, "name the checkpoint with checkpoint="),
+    ],
+)
 def test_bad_input_is_refused_by_name(key, value, message):
     with pytest.raises(ConfigError, match=message):
         inference_config(**{key: value})
@@ -94,4 +97,3 @@ def test_deepspeeds_config_class_takes_its_keywords():
         DeepSpeedInferenceConfig(max_out_token=8)
     assert inference_config(cfg) is cfg  # what init_inference(model, config=cfg) reads
     assert inference_config(triangular_masking=True, training_mp_size=1, ckpt_config={}).tp_size == 1
-

@@ -19,8 +19,7 @@ NEW = 32
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_generates_what_the_model_generates(family, inject):
     reference = tiny_lm(family)
-    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                      replace_with_kernel_inject=inject)
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32, replace_with_kernel_inject=inject)
     assert engine.fast_path == inject
     single, (batch, mask) = prompts()
     out = engine(batch, attention_mask=mask)
@@ -49,16 +48,27 @@ def test_fast_path_of_opt_with_norms_after_the_blocks_and_a_narrow_embedding():
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=8,
-                                    max_position_embeddings=128, word_embed_proj_dim=32, do_layer_norm_before=False,
-                                    vocab_size=128, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
-                                    eos_token_id=2)
+    config = transformers.OPTConfig(
+        hidden_size=64,
+        ffn_dim=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        max_position_embeddings=128,
+        word_embed_proj_dim=32,
+        do_layer_norm_before=False,
+        vocab_size=128,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()
     engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32, replace_with_kernel_inject=True)
     assert engine.fast_path
     _, (batch, mask) = prompts()
-    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
-                  output_logits=True)
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True
+    )
     want, got = reference.generate(batch, **kwargs), engine.generate(batch, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
@@ -73,7 +83,7 @@ def test_generation_stops_at_eos_and_pads_finished_rows_like_generate():
     want = reference.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
     got = engine.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
     assert torch.equal(got, want)
-    assert (got[1, batch.shape[1] + 4:] == 0).all()  # padded after its end
+    assert (got[1, batch.shape[1] + 4 :] == 0).all()  # padded after its end
 
 
 def test_arguments_outside_the_fast_path_use_the_models_generate():
@@ -86,8 +96,9 @@ def test_arguments_outside_the_fast_path_use_the_models_generate():
 
 
 def test_generation_past_max_out_tokens_is_refused():
-    engine = shardwise.init_inference(tiny_lm("llama"), dtype=torch.float32, replace_with_kernel_inject=True,
-                                      max_tokens=16)
+    engine = shardwise.init_inference(
+        tiny_lm("llama"), dtype=torch.float32, replace_with_kernel_inject=True, max_tokens=16
+    )
     single, _ = prompts()
     with pytest.raises(ValueError, match=r"reach 27 tokens \(7 prompt \+ 20 new\), more than max_out_tokens=16"):
         engine.generate(single, max_new_tokens=20)

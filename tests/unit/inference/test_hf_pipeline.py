@@ -21,8 +21,9 @@ def _tokenizer():
     backend = tokenizers.Tokenizer(WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = WhitespaceSplit()
     backend.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
 
 
 @pytest.mark.parametrize("inject", [False, True], ids=["plain", "kernel_inject"])

@@ -48,8 +48,10 @@ def _outputs(reference):
         single, (batch, mask) = prompts()
         with torch.no_grad():
             logits = reference(batch, attention_mask=mask).logits
-        tokens = [reference.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
-                  for ids, kwargs in ((single, {}), (batch, {"attention_mask": mask}))]
+        tokens = [
+            reference.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+            for ids, kwargs in ((single, {}), (batch, {"attention_mask": mask}))
+        ]
         _EXPECTED[reference] = (logits, tokens)
     return _EXPECTED[reference]
 
@@ -91,8 +93,12 @@ def test_deepspeed_checkpoint_json(tmp_path, family):
     elsewhere = tmp_path / "configs" / "checkpoint.json"  # names relative to base_dir
     elsewhere.parent.mkdir()
     elsewhere.write_text(json.dumps(spec))
-    _assert_same_model(shardwise.init_inference(_meta(reference), {"dtype": "fp32", "checkpoint": str(elsewhere),
-                                                                   "base_dir": str(saved)}), reference)
+    _assert_same_model(
+        shardwise.init_inference(
+            _meta(reference), {"dtype": "fp32", "checkpoint": str(elsewhere), "base_dir": str(saved)}
+        ),
+        reference,
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -137,7 +143,8 @@ def test_a_real_model_is_overwritten_in_place(tmp_path):
     other = tiny_lm("llama", seed=5)
     before = dict(other.named_parameters())
     assert not torch.equal(before["model.norm.weight"], reference.model.norm.weight) or not torch.equal(
-        before["lm_head.weight"], reference.lm_head.weight)
+        before["lm_head.weight"], reference.lm_head.weight
+    )
     engine = shardwise.init_inference(other, dtype=torch.float32, checkpoint=str(tmp_path))
     assert all(engine.module.get_parameter(n) is p for n, p in before.items())  # same tensors, new values
     _assert_same_model(engine, reference)
@@ -147,9 +154,15 @@ def _save_training_checkpoints(rank, world_size, root):
     """One process: a gpt2 engine in fp32 (untrained) and a llama engine in bf16 after one
     step, so its fp32 masters differ from its bf16 module weights."""
     for family, precision, steps in (("gpt2", {}, 0), ("llama", {"bf16": {"enabled": True}}, 1)):
-        engine, *_ = shardwise.initialize(model=tiny_lm(family), config={
-            "gradient_clipping": 0.0,
-            "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **precision})
+        engine, *_ = shardwise.initialize(
+            model=tiny_lm(family),
+            config={
+                "gradient_clipping": 0.0,
+                "train_batch_size": 1,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                **precision,
+            },
+        )
         single, _ = prompts()
         for _ in range(steps):
             engine.backward(engine(single, labels=single).loss)
@@ -184,6 +197,7 @@ def test_shardwise_training_checkpoint(training_checkpoints, family):
 
 # -- refusals -----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
@@ -197,10 +211,16 @@ def test_missing_checkpoint_path_is_refused(tmp_path):
 
 
 def test_json_naming_missing_files_lists_them(llama_dir):
-    spec = {"type": "ds_model", "checkpoints": [*_shard_files(llama_dir), "gone-1.safetensors", "gone-2.safetensors"],
-            "version": 1.0}
-    with pytest.raises(ValueError, match=r"names 2 file\(s\) that do not exist: .*gone-1.safetensors, "
-                                         r".*gone-2.safetensors; .*set base_dir="):
+    spec = {
+        "type": "ds_model",
+        "checkpoints": [*_shard_files(llama_dir), "gone-1.safetensors", "gone-2.safetensors"],
+        "version": 1.0,
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"names 2 file\(s\) that do not exist: .*gone-1.safetensors, "
+        r".*gone-2.safetensors; .*set base_dir=",
+    ):
         _load(tiny_lm("llama"), spec, base_dir=str(llama_dir))
 
 
@@ -215,8 +235,11 @@ def test_shape_mismatch_names_both_shapes(llama_dir):
     config.vocab_size = 256
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' is \[128, 64\] in .* but the model's "
-                                         r"'model.embed_tokens.weight' is \[256, 64\].*checkpoint's own config"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model.embed_tokens.weight' is \[128, 64\] in .* but the model's "
+        r"'model.embed_tokens.weight' is \[256, 64\].*checkpoint's own config",
+    ):
         shardwise.init_inference(model, dtype=torch.float32, checkpoint=str(llama_dir))
 
 
@@ -224,8 +247,11 @@ def test_parameters_absent_from_the_checkpoint_are_listed(tmp_path):
     reference = tiny_lm("llama")
     state = {k: v for k, v in reference.state_dict().items() if k not in ("model.norm.weight", "lm_head.weight")}
     safetensors.torch.save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"no tensor for 2 parameter\(s\) of the model: model.norm.weight, "
-                                         r"lm_head.weight \(it holds e.g."):
+    with pytest.raises(
+        ValueError,
+        match=r"no tensor for 2 parameter\(s\) of the model: model.norm.weight, "
+        r"lm_head.weight \(it holds e.g.",
+    ):
         _load(reference, tmp_path)
 
 
@@ -259,6 +285,9 @@ def test_buffers_left_on_meta_are_named(tmp_path):
     safetensors.torch.save_file(_Scaled().state_dict(), str(tmp_path / "model.safetensors"))
     with torch.device("meta"):
         model = _Scaled()
-    with pytest.raises(ValueError, match=r"1 tensor\(s\) are still on the meta device \(scale\).*build the model "
-                                         r"on the CPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 tensor\(s\) are still on the meta device \(scale\).*build the model "
+        r"on the CPU",
+    ):
         load_checkpoint(model, str(tmp_path))

@@ -55,8 +55,9 @@ def test_each_rank_reads_the_conv1d_slices_the_full_model_is_cut_into(gpt2_dir, 
     load_checkpoint(meta, path)
     got = dict(meta.named_parameters())
     assert got.keys() == want.keys()
-    square = [name for name, p in got.items() if getattr(p, "tensor_parallel_transposed", False)
-              and p.shape[0] == p.shape[1]]
+    square = [
+        name for name, p in got.items() if getattr(p, "tensor_parallel_transposed", False) and p.shape[0] == p.shape[1]
+    ]
     assert len(square) == 4, square  # c_fc and mlp.c_proj of both blocks
     for name in [*square, *got]:  # the square slices first: only their values can be wrong
         assert torch.equal(got[name], want[name]), name

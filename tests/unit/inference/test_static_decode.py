@@ -18,8 +18,7 @@ NEW = 24
 
 
 def _static_engine(reference):
-    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                      replace_with_kernel_inject=True)
+    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32, replace_with_kernel_inject=True)
     assert engine.fast_path and not engine.cuda_graph  # no graphs on the CPU
     engine._steps = StaticSteps(engine._decoder, graph=False)
     return engine
@@ -50,10 +49,19 @@ def test_static_steps_with_a_sliding_window_that_binds():
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
-                                        sliding_window=6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-                                        pad_token_id=0)
+    config = transformers.MistralConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=128,
+        sliding_window=6,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()
     single, (batch, mask) = prompts()
     eager = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32, replace_with_kernel_inject=True)
@@ -74,10 +82,13 @@ def test_kept_steps_are_bounded_and_reused():
     assert len(steps._steps) == _graphs._KEEP and (1, 16) not in steps._steps
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"replace_with_kernel_inject": True}, "needs a CUDA device"),
-    ({}, "needs a CUDA device"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"replace_with_kernel_inject": True}, "needs a CUDA device"),
+        ({}, "needs a CUDA device"),
+    ],
+)
 def test_cuda_graph_required_where_it_cannot_run_is_refused(kwargs, message):
     with pytest.raises(ConfigError, match=f"enable_cuda_graph=True: it {message}"):
         shardwise.init_inference(tiny_lm("llama"), dtype=torch.float32, enable_cuda_graph=True, **kwargs)
@@ -85,6 +96,7 @@ def test_cuda_graph_required_where_it_cannot_run_is_refused(kwargs, message):
 
 def test_cuda_graph_off_or_unset_on_the_cpu():
     for value in (None, False):
-        engine = shardwise.init_inference(tiny_lm("gpt2"), dtype=torch.float32, replace_with_kernel_inject=True,
-                                          enable_cuda_graph=value)
+        engine = shardwise.init_inference(
+            tiny_lm("gpt2"), dtype=torch.float32, replace_with_kernel_inject=True, enable_cuda_graph=value
+        )
         assert not engine.cuda_graph and engine._steps is None

@@ -16,12 +16,15 @@ def test_parse_hostfile_with_comments_and_blank_lines(tmp_path):
     assert parse_hostfile(path) == {"worker-0": 4, "worker-1": 2}
 
 
-@pytest.mark.parametrize("text,message", [
-    ("worker-0 slots=4\nworker-1 slot=2\n", "line 2: expected 'hostname slots=N', got 'worker-1 slot=2'"),
-    ("worker-0 slots=4\nworker-0 slots=4\n", "line 2: host 'worker-0' is listed twice"),
-    ("worker-0 slots=0\n", "line 1: worker-0 must have at least 1 slot"),
-    ("# nothing\n", "lists no hosts"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("worker-0 slots=4\nworker-1 slot=2\n", "line 2: expected 'hostname slots=N', got 'worker-1 slot=2'"),
+        ("worker-0 slots=4\nworker-0 slots=4\n", "line 2: host 'worker-0' is listed twice"),
+        ("worker-0 slots=0\n", "line 1: worker-0 must have at least 1 slot"),
+        ("# nothing\n", "lists no hosts"),
+    ],
+)
 def test_malformed_hostfile_names_the_line(tmp_path, text, message):
     with pytest.raises(HostfileError, match=message):
         parse_hostfile(_hostfile(tmp_path, text))
@@ -48,15 +51,18 @@ def test_include_exclude_num_nodes_num_gpus():
     assert select_resources(HOSTS, num_slots=2) == {"a": [0, 1], "b": [0, 1], "c": [0, 1]}
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"include": "a@zz"}, "host 'zz' in --include is not in the hostfile"),
-    ({"exclude": "q"}, "host 'q' in --exclude is not in the hostfile"),
-    ({"include": "a", "exclude": "b"}, "mutually exclusive"),
-    ({"include": "c:5"}, "c has 2 slots .* slot 5 does not exist"),
-    ({"num_nodes": 5}, "--num_nodes 5 but only 3 host"),
-    ({"num_slots": 3}, "--num_gpus 3 but c has only 2"),
-    ({"exclude": "a@b@c"}, "leaves no hosts"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"include": "a@zz"}, "host 'zz' in --include is not in the hostfile"),
+        ({"exclude": "q"}, "host 'q' in --exclude is not in the hostfile"),
+        ({"include": "a", "exclude": "b"}, "mutually exclusive"),
+        ({"include": "c:5"}, "c has 2 slots .* slot 5 does not exist"),
+        ({"num_nodes": 5}, "--num_nodes 5 but only 3 host"),
+        ({"num_slots": 3}, "--num_gpus 3 but c has only 2"),
+        ({"exclude": "a@b@c"}, "leaves no hosts"),
+    ],
+)
 def test_selection_errors(kwargs, message):
     with pytest.raises(HostfileError, match=message):
         select_resources(HOSTS, **kwargs)
@@ -79,12 +85,18 @@ def test_env_files_and_exports(tmp_path):
 
 
 def test_commands_per_launcher():
-    spec = JobSpec(script="train.py", script_args=["--x", "1"], nproc_per_node=2, num_nodes=2,
-                   master_addr="a", master_port=1234, python="python")
+    spec = JobSpec(
+        script="train.py",
+        script_args=["--x", "1"],
+        nproc_per_node=2,
+        num_nodes=2,
+        master_addr="a",
+        master_port=1234,
+        python="python",
+    )
     cmd = torchrun_command(spec, node_rank=1)
     assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
-    assert {"--nnodes=2", "--node_rank=1", "--nproc_per_node=2", "--master_addr=a",
-            "--master_port=1234"} <= set(cmd)
+    assert {"--nnodes=2", "--node_rank=1", "--nproc_per_node=2", "--master_addr=a", "--master_port=1234"} <= set(cmd)
     assert cmd[-4:] == ["shardwise.launcher._entry", "train.py", "--x", "1"]
     resources = {"a": [0, 1], "b": [0, 1]}
     ssh = multinode_commands(spec, resources, "ssh", ssh=["ssh"], cuda=True)

@@ -38,8 +38,9 @@ def test_several_machines_keep_deepspeeds_default():
 
 
 def test_a_busy_port_is_an_error_naming_it_where_the_store_opens(busy_port):
-    with pytest.raises(PortInUseError, match=f"--master_port {busy_port} is already in use on this "
-                                             "machine.*leave --master_port out") as caught:
+    with pytest.raises(
+        PortInUseError, match=f"--master_port {busy_port} is already in use on this machine.*leave --master_port out"
+    ) as caught:
         master_port(busy_port, one_machine=True, store_here=True)
     assert caught.value.port == busy_port
     with pytest.raises(PortInUseError, match="give every node the same free --master_port"):

@@ -10,7 +10,8 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.config._errors import ConfigError
-from shardwise.monitor import MonitorMaster, monitor as monitor_module
+from shardwise.monitor import MonitorMaster
+from shardwise.monitor import monitor as monitor_module
 
 
 def _monitor_config(**sections):
@@ -25,8 +26,9 @@ def test_disabled_monitors_build_nothing_and_ignore_events():
 
 def test_a_missing_package_names_the_extra(monkeypatch):
     real = monitor_module.importlib.util.find_spec
-    monkeypatch.setattr(monitor_module.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(
+        monitor_module.importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a)
+    )
     with pytest.raises(ImportError, match=r"TensorBoard monitor .*pip install 'shardwise\[monitor\]'"):
         MonitorMaster(_monitor_config(tensorboard={"enabled": True}))
 
@@ -38,13 +40,16 @@ def test_an_unwritable_output_path_fails_at_construction(tmp_path):
         MonitorMaster(_monitor_config(csv_monitor={"enabled": True, "output_path": str(blocker)}))
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"tensorboard": {"enabled": True, "output_dir": "x"}}, "did you mean 'tensorboard.output_path'"),
-    ({"csv_monitor": {"enabled": "yes"}}, "csv_monitor.enabled must be true or false"),
-    ({"flops_profiler": {"enabled": True, "module_depth": -2}}, "module_depth must be an integer >= -1"),
-    ({"comms_logger": {"enabled": True, "prof_ops": "all_reduce"}}, "prof_ops must be a list"),
-    ({"comet": {"enabled": True, "mode": "append"}}, "comet.mode must be one of"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"tensorboard": {"enabled": True, "output_dir": "x"}}, "did you mean 'tensorboard.output_path'"),
+        ({"csv_monitor": {"enabled": "yes"}}, "csv_monitor.enabled must be true or false"),
+        ({"flops_profiler": {"enabled": True, "module_depth": -2}}, "module_depth must be an integer >= -1"),
+        ({"comms_logger": {"enabled": True, "prof_ops": "all_reduce"}}, "prof_ops must be a list"),
+        ({"comet": {"enabled": True, "mode": "append"}}, "comet.mode must be one of"),
+    ],
+)
 def test_bad_sections_are_refused_by_name(section, message):
     with pytest.raises(ConfigError, match=message):
         _monitor_config(**section)
@@ -62,8 +67,9 @@ def test_a_failing_monitor_is_logged_once_and_switched_off(tmp_path, caplog):
 
 
 def test_csv_files_one_per_tag(tmp_path):
-    master = MonitorMaster(_monitor_config(csv_monitor={"enabled": True, "output_path": str(tmp_path),
-                                                        "job_name": "job"}))
+    master = MonitorMaster(
+        _monitor_config(csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "job"})
+    )
     master.write_events([("Train/Samples/lr", 0.1, 4), ("My tag", 2, 4), ("Train/Samples/lr", 0.2, 8)])
     assert (tmp_path / "job" / "Train_Samples_lr.csv").read_text().splitlines() == ["step,lr", "4,0.1", "8,0.2"]
     assert (tmp_path / "job" / "My_tag.csv").read_text().splitlines() == ["step,My tag", "4,2.0"]
@@ -88,9 +94,18 @@ def test_comet_logs_each_tag_once_per_sample_interval(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "comet_ml", types.SimpleNamespace(start=start))
     monkeypatch.setattr(monitor_module.importlib.util, "find_spec", lambda name, *a: object())
-    master = MonitorMaster(_monitor_config(comet={"enabled": True, "project": "p", "online": False,
-                                                  "experiment_name": "e", "samples_log_interval": 10}))
+    master = MonitorMaster(
+        _monitor_config(
+            comet={"enabled": True, "project": "p", "online": False, "experiment_name": "e", "samples_log_interval": 10}
+        )
+    )
     master.write_events([("loss", 1.0, 0), ("loss", 2.0, 5), ("lr", 0.1, 5), ("loss", 3.0, 10)])
     master.close()
-    assert calls == [("start", "p", False), ("name", "e"), ("loss", 1.0, 0), ("lr", 0.1, 5), ("loss", 3.0, 10),
-                     ("end",)]
+    assert calls == [
+        ("start", "p", False),
+        ("name", "e"),
+        ("loss", 1.0, 0),
+        ("lr", 0.1, 5),
+        ("loss", 3.0, 10),
+        ("end",),
+    ]

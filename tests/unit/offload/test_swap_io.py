@@ -57,8 +57,9 @@ def test_swapper_steps_sub_groups_like_one_optimizer_step(tmp_path):
     optimizer = torch.optim.AdamW(swapped, lr=0.1, fused=True)
     for m in swapped:
         m.grad = torch.zeros_like(m)
-    swapper = OptimizerSwapper(optimizer, swapped, folder=tmp_path, io=SwapIO(threads=2), sub_group_size=400,
-                               buffer_count=2, swap_masters=True)
+    swapper = OptimizerSwapper(
+        optimizer, swapped, folder=tmp_path, io=SwapIO(threads=2), sub_group_size=400, buffer_count=2, swap_masters=True
+    )
     swapper.swap_out_all()
     assert [len(g) for g in swapper.sub_groups] == [2, 1, 1, 1] and swapper.resident_bytes() == 0
     for step in grads:
@@ -74,7 +75,9 @@ def test_swapper_steps_sub_groups_like_one_optimizer_step(tmp_path):
     assert swapper.swapped_bytes() == sum(sizes) * 4 * 3  # master + two moments
     with swapper.resident(list(range(len(sizes)))):
         assert all(torch.equal(a, b) for a, b in zip(plain, swapped))
-        assert all(torch.equal(reference.state[a]["exp_avg_sq"], optimizer.state[b]["exp_avg_sq"])
-                   for a, b in zip(plain, swapped))
+        assert all(
+            torch.equal(reference.state[a]["exp_avg_sq"], optimizer.state[b]["exp_avg_sq"])
+            for a, b in zip(plain, swapped)
+        )
     swapper.close()
     assert not tmp_path.exists() or not list(tmp_path.glob("*.bin"))

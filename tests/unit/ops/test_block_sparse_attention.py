@@ -53,15 +53,19 @@ def _reference(q, k, v, layout, block, kpm=None, kpm_mode="add", am=None, am_mod
 
 def _inputs(seq, dtype=torch.float32, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(BATCH, HEADS, seq, DIM, generator=generator).to(dtype).requires_grad_()
-            for _ in range(3)]
+    return [torch.randn(BATCH, HEADS, seq, DIM, generator=generator).to(dtype).requires_grad_() for _ in range(3)]
 
 
 def _check(seq, layout, dtype=torch.float32, tol=1e-5, **masks):
     q, k, v = _inputs(seq, dtype)
     out = block_sparse_attention(q, k, v, layout, BLOCK, **masks)
-    names = {"key_padding_mask": "kpm", "key_padding_mask_mode": "kpm_mode", "attn_mask": "am",
-             "attn_mask_mode": "am_mode", "rpe": "rpe"}
+    names = {
+        "key_padding_mask": "kpm",
+        "key_padding_mask_mode": "kpm_mode",
+        "attn_mask": "am",
+        "attn_mask_mode": "am_mode",
+        "rpe": "rpe",
+    }
     ref = _reference(q, k, v, layout, BLOCK, **{names[key]: value for key, value in masks.items()})
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
@@ -82,7 +86,7 @@ def _kpm(seq, mode):
     if mode == "add":
         return torch.randn(BATCH, seq, generator=generator)
     mask = torch.ones(BATCH, seq)
-    mask[0, seq - 12:] = 0  # batch 0 pads its last 12 tokens
+    mask[0, seq - 12 :] = 0  # batch 0 pads its last 12 tokens
     mask[1, 5:9] = 0
     return mask
 
@@ -100,8 +104,14 @@ def test_masks_match_dense_attention(kind, mode):
     layout = _layout(kind, seq // BLOCK, seed=1)
     _check(seq, layout, key_padding_mask=_kpm(seq, mode), key_padding_mask_mode=mode)
     _check(seq, layout, attn_mask=_attn_mask(seq, mode), attn_mask_mode=mode)
-    _check(seq, layout, key_padding_mask=_kpm(seq, mode), key_padding_mask_mode=mode,
-           attn_mask=_attn_mask(seq, "mul"), attn_mask_mode="mul")
+    _check(
+        seq,
+        layout,
+        key_padding_mask=_kpm(seq, mode),
+        key_padding_mask_mode=mode,
+        attn_mask=_attn_mask(seq, "mul"),
+        attn_mask_mode="mul",
+    )
 
 
 @pytest.mark.parametrize("heads", [1, HEADS])
@@ -120,8 +130,7 @@ def test_rpe_matches_dense_attention_and_gets_gradients(heads):
 def test_bf16_matches_dense_attention():
     seq = 128
     layout = _layout("window_global", seq // BLOCK)
-    _check(seq, layout, dtype=torch.bfloat16, tol=3e-2,
-           key_padding_mask=_kpm(seq, "mul"), key_padding_mask_mode="mul")
+    _check(seq, layout, dtype=torch.bfloat16, tol=3e-2, key_padding_mask=_kpm(seq, "mul"), key_padding_mask_mode="mul")
 
 
 def test_single_block_uses_the_whole_sequence():
@@ -131,8 +140,9 @@ def test_single_block_uses_the_whole_sequence():
 def test_fully_masked_query_gets_zeros():
     layout = _layout("window_global", 4)
     q, k, v = _inputs(64)
-    out = block_sparse_attention(q, k, v, layout, BLOCK, key_padding_mask=torch.zeros(BATCH, 64),
-                                 key_padding_mask_mode="mul")
+    out = block_sparse_attention(
+        q, k, v, layout, BLOCK, key_padding_mask=torch.zeros(BATCH, 64), key_padding_mask_mode="mul"
+    )
     assert out.eq(0).all()
     assert all(g.isfinite().all() for g in torch.autograd.grad(out.sum(), (q, k, v)))
 
@@ -152,10 +162,21 @@ def test_flex_block_mask_and_score_mod_match_the_gather_path():
     rpe = torch.randn(1, HEADS, seq, seq, generator=torch.Generator().manual_seed(9))
     for masks in [(None, None, None), (_block_sparse._additive(kpm, "mul"), am, rpe)]:
         kpm_add, attn, pos = masks
-        out = _block_sparse._flex_call(q, k, v, block_mask, None, kpm_add, attn,
-                                       None if pos is None else pos.expand(BATCH, -1, -1, -1))
-        ref = _reference(q, k, v, layout, BLOCK, kpm=None if kpm_add is None else kpm, kpm_mode="mul",
-                         am=attn, am_mode="add", rpe=pos)
+        out = _block_sparse._flex_call(
+            q, k, v, block_mask, None, kpm_add, attn, None if pos is None else pos.expand(BATCH, -1, -1, -1)
+        )
+        ref = _reference(
+            q,
+            k,
+            v,
+            layout,
+            BLOCK,
+            kpm=None if kpm_add is None else kpm,
+            kpm_mode="mul",
+            am=attn,
+            am_mode="add",
+            rpe=pos,
+        )
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -195,8 +216,7 @@ def test_no_seq_by_seq_tensor_in_forward_or_backward():
     kpm = torch.ones(1, seq)
     largest = _LargestTensor()
     with largest:
-        out = block_sparse_attention(q, k, v, layout, block, key_padding_mask=kpm,
-                                     key_padding_mask_mode="mul")
+        out = block_sparse_attention(q, k, v, layout, block, key_padding_mask=kpm, key_padding_mask_mode="mul")
         out.sum().backward()
     # The largest pieces are the gathered keys (126 rows x 5 blocks x block x DIM) and the
     # global rows' scores (2 blocks x seq); dense scores would be seq * seq = 4M elements.
@@ -226,7 +246,7 @@ def test_sparse_self_attention_slices_the_master_layout():
     attention = SparseSelfAttention(config, key_padding_mask_mode="mul", max_seq_length=256)
     seq = 128
     layout = attention.get_layout(seq)
-    assert layout.equal(config.make_layout(256)[:, :seq // BLOCK, :seq // BLOCK])
+    assert layout.equal(config.make_layout(256)[:, : seq // BLOCK, : seq // BLOCK])
     assert attention.get_layout(seq) is layout
     q, k, v = _inputs(seq)
     kpm = _kpm(seq, "mul")
@@ -251,32 +271,47 @@ def test_sparse_self_attention_rejects_bad_inputs():
 
 
 def _every_config(attention):
-    from shardwise.ops.sparse_attention import (BigBirdSparsityConfig, DenseSparsityConfig,
-                                                FixedSparsityConfig, VariableSparsityConfig)
+    from shardwise.ops.sparse_attention import (
+        BigBirdSparsityConfig,
+        DenseSparsityConfig,
+        FixedSparsityConfig,
+        VariableSparsityConfig,
+    )
 
     common = {"num_heads": HEADS, "block": BLOCK}
     directed = {"attention": attention}
     return [
         DenseSparsityConfig(**common),
-        FixedSparsityConfig(**common, num_local_blocks=2, num_global_blocks=1, different_layout_per_head=True,
-                            num_different_global_patterns=2, **directed),
-        VariableSparsityConfig(**common, num_random_blocks=1, local_window_blocks=[1, 2],
-                               global_block_indices=[0], **directed),
-        BigBirdSparsityConfig(**common, num_random_blocks=1, num_sliding_window_blocks=3, num_global_blocks=1,
-                              **directed),
+        FixedSparsityConfig(
+            **common,
+            num_local_blocks=2,
+            num_global_blocks=1,
+            different_layout_per_head=True,
+            num_different_global_patterns=2,
+            **directed,
+        ),
+        VariableSparsityConfig(
+            **common, num_random_blocks=1, local_window_blocks=[1, 2], global_block_indices=[0], **directed
+        ),
+        BigBirdSparsityConfig(
+            **common, num_random_blocks=1, num_sliding_window_blocks=3, num_global_blocks=1, **directed
+        ),
         BSLongformerSparsityConfig(**common, num_sliding_window_blocks=3, global_block_indices=[1], **directed),
         LocalSlidingWindowSparsityConfig(**common, num_sliding_window_blocks=3, **directed),
     ]
 
 
 _CONFIG_NAMES = ["Dense", "Fixed", "Variable", "BigBird", "BSLongformer", "LocalSlidingWindow"]
-_CONFIG_CASES = [(index, attention) for index in range(6) for attention in ("bidirectional", "unidirectional")
-                 if index > 0 or attention == "bidirectional"]  # Dense has no attention argument
+_CONFIG_CASES = [
+    (index, attention)
+    for index in range(6)
+    for attention in ("bidirectional", "unidirectional")
+    if index > 0 or attention == "bidirectional"
+]  # Dense has no attention argument
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "padding"])
-@pytest.mark.parametrize("index, attention", _CONFIG_CASES,
-                         ids=[f"{_CONFIG_NAMES[i]}-{a}" for i, a in _CONFIG_CASES])
+@pytest.mark.parametrize("index, attention", _CONFIG_CASES, ids=[f"{_CONFIG_NAMES[i]}-{a}" for i, a in _CONFIG_CASES])
 def test_every_config_class_matches_dense_masked_attention(index, attention, padded):
     """SparseSelfAttention over each config class equals dense attention masked by the expanded
     layout (outputs and q/k/v gradients, fp32 to 1e-5), causal and bidirectional, with and
@@ -310,10 +345,23 @@ def test_gather_path_matches_dense_attention(kind):
     relative position scores and devices without that kernel use, masks included."""
     seq = 128
     layout = _layout(kind, seq // BLOCK, seed=1)
-    _check(seq, layout, dtype=torch.float64, key_padding_mask=_kpm(seq, "mul"), key_padding_mask_mode="mul",
-           attn_mask=_attn_mask(seq, "mul"), attn_mask_mode="mul")
-    _check(seq, layout, dtype=torch.float64, key_padding_mask=_kpm(seq, "add"), attn_mask=_attn_mask(seq, "add"),
-           attn_mask_mode="add")
+    _check(
+        seq,
+        layout,
+        dtype=torch.float64,
+        key_padding_mask=_kpm(seq, "mul"),
+        key_padding_mask_mode="mul",
+        attn_mask=_attn_mask(seq, "mul"),
+        attn_mask_mode="mul",
+    )
+    _check(
+        seq,
+        layout,
+        dtype=torch.float64,
+        key_padding_mask=_kpm(seq, "add"),
+        attn_mask=_attn_mask(seq, "add"),
+        attn_mask_mode="add",
+    )
 
 
 @pytest.mark.parametrize("kind", ["fixed", "longformer", "causal_fixed"])
@@ -321,8 +369,7 @@ def test_split_path_prefixes_and_remainders(kind, monkeypatch):
     """The CPU path splits shared columns (a prefix of the column order) from the gathered
     remainder; every combination of the two, a reordered key copy, several head layouts and
     chunked remainders equals dense attention."""
-    from shardwise.ops.sparse_attention import FixedSparsityConfig
-    from shardwise.ops.sparse_attention import _split_attention
+    from shardwise.ops.sparse_attention import FixedSparsityConfig, _split_attention
 
     monkeypatch.setattr(_split_attention, "_CHUNK_TOKENS", 16 * BLOCK)  # several chunks per group
     seq = 1024
@@ -331,9 +378,15 @@ def test_split_path_prefixes_and_remainders(kind, monkeypatch):
         layout = _window_global(n)
     else:
         attention = "unidirectional" if kind == "causal_fixed" else "bidirectional"
-        config = FixedSparsityConfig(num_heads=HEADS, block=BLOCK, num_local_blocks=4, num_global_blocks=1,
-                                     different_layout_per_head=True, num_different_global_patterns=2,
-                                     attention=attention)
+        config = FixedSparsityConfig(
+            num_heads=HEADS,
+            block=BLOCK,
+            num_local_blocks=4,
+            num_global_blocks=1,
+            different_layout_per_head=True,
+            num_different_global_patterns=2,
+            attention=attention,
+        )
         layout = config.make_layout(seq)
     plan = _split_attention.build_split_plan(layout.bool(), BLOCK, torch.device("cpu"))
     assert plan.prefixes and plan.chunks

@@ -14,8 +14,8 @@ def _reference_step(p, grad, state, group):
     m, v = state["m"], state["v"]
     m.mul_(beta1).add_(grad, alpha=1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    c1 = 1 - beta1 ** t if group["bias_correction"] else 1.0
-    c2 = 1 - beta2 ** t if group["bias_correction"] else 1.0
+    c1 = 1 - beta1**t if group["bias_correction"] else 1.0
+    c2 = 1 - beta2**t if group["bias_correction"] else 1.0
     if group["eps_inside_sqrt"]:
         denom = (v / c2 + group["eps"]).sqrt()
     else:
@@ -42,8 +42,9 @@ def _run_against_reference(groups, steps, grad_mask=None, seed=0):
                 p.grad = grad
                 if has_grad:
                     r = reference[gi][pi]
-                    state = ref_state.setdefault((gi, pi), {"step": 0, "m": torch.zeros_like(r),
-                                                            "v": torch.zeros_like(r)})
+                    state = ref_state.setdefault(
+                        (gi, pi), {"step": 0, "m": torch.zeros_like(r), "v": torch.zeros_like(r)}
+                    )
                     _reference_step(r, grad, state, group)
         opt.step()
     return opt, reference
@@ -55,17 +56,24 @@ def _assert_matches(opt, reference):
             torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"weight_decay": 0.01, "betas": (0.8, 0.99), "eps": 1e-6},
-    {"eps_inside_sqrt": True, "eps": 1e-4},
-    {"bias_correction": False, "weight_decay": 0.1},
-    {"min_coeff": 0.5, "max_coeff": 0.8},          # the trust ratio is clamped both ways
-    {"min_coeff": 2.0, "max_coeff": 3.0},
-], ids=["defaults", "decay", "eps_inside_sqrt", "no_bias_correction", "clamp_low", "clamp_high"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"weight_decay": 0.01, "betas": (0.8, 0.99), "eps": 1e-6},
+        {"eps_inside_sqrt": True, "eps": 1e-4},
+        {"bias_correction": False, "weight_decay": 0.1},
+        {"min_coeff": 0.5, "max_coeff": 0.8},  # the trust ratio is clamped both ways
+        {"min_coeff": 2.0, "max_coeff": 3.0},
+    ],
+    ids=["defaults", "decay", "eps_inside_sqrt", "no_bias_correction", "clamp_low", "clamp_high"],
+)
 def test_matches_reference_implementation(options):
-    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(7)),
-              torch.nn.Parameter(torch.randn(2, 2, 2))]
+    params = [
+        torch.nn.Parameter(torch.randn(4, 3)),
+        torch.nn.Parameter(torch.randn(7)),
+        torch.nn.Parameter(torch.randn(2, 2, 2)),
+    ]
     opt, reference = _run_against_reference([{"params": params, "lr": 0.05, **options}], steps=5)
     _assert_matches(opt, reference)
 
@@ -75,15 +83,17 @@ def test_zero_norm_gives_an_unclamped_trust_ratio_of_one():
     params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.randn(5))]
     opt, reference = _run_against_reference([{"params": params, "lr": 0.1, "max_coeff": 0.5}], steps=1)
     _assert_matches(opt, reference)
-    assert params[0].detach().abs().max() > 0.09   # moved by lr * 1.0 * ~1, not by lr * 0.5
+    assert params[0].detach().abs().max() > 0.09  # moved by lr * 1.0 * ~1, not by lr * 0.5
 
 
 def test_groups_and_parameters_that_skip_steps_keep_their_own_step_counts():
-    groups = [{"params": [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, 2))],
-               "lr": 0.02},
-              {"params": [torch.nn.Parameter(torch.randn(6))], "lr": 0.1, "weight_decay": 0.05}]
-    opt, reference = _run_against_reference(groups, steps=6,
-                                            grad_mask=lambda step, g, p: not (g == 0 and p == 1 and step % 2))
+    groups = [
+        {"params": [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, 2))], "lr": 0.02},
+        {"params": [torch.nn.Parameter(torch.randn(6))], "lr": 0.1, "weight_decay": 0.05},
+    ]
+    opt, reference = _run_against_reference(
+        groups, steps=6, grad_mask=lambda step, g, p: not (g == 0 and p == 1 and step % 2)
+    )
     _assert_matches(opt, reference)
     assert opt.state[groups[0]["params"][1]]["step"].item() == 3
     assert opt.state[groups[0]["params"][0]]["step"].item() == 6
@@ -155,9 +165,15 @@ def test_closure_and_parameters_without_gradients():
     assert (p.detach() < 1).all()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"amsgrad": True}, "amsgrad"), ({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"),
-    ({"min_coeff": 2.0, "max_coeff": 1.0}, "min_coeff")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"amsgrad": True}, "amsgrad"),
+        ({"lr": -1.0}, "lr"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"min_coeff": 2.0, "max_coeff": 1.0}, "min_coeff"),
+    ],
+)
 def test_invalid_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Lamb([torch.nn.Parameter(torch.ones(1))], **kwargs)

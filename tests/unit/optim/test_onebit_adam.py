@@ -13,7 +13,10 @@ from shardwise.runtime.fp16.onebit.adam import OnebitAdam
 
 def _params(seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(5, 3, generator=generator)), torch.nn.Parameter(torch.randn(3, generator=generator))]
+    return [
+        torch.nn.Parameter(torch.randn(5, 3, generator=generator)),
+        torch.nn.Parameter(torch.randn(3, generator=generator)),
+    ]
 
 
 def test_deepspeed_name_and_defaults():
@@ -24,14 +27,17 @@ def test_deepspeed_name_and_defaults():
     assert opt.defaults["weight_decay"] == 0.0 and not opt.averages_gradients_itself()
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"freeze_step": -1}, "freeze_step must be an integer >= 1"),
-    ({"freeze_step": 0}, "freeze_step must be an integer >= 1"),
-    ({"amsgrad": True}, "amsgrad"),
-    ({"comm_backend_name": "gloo2"}, "comm_backend_name 'gloo2' is not one of nccl, mpi, hccl, compressed"),
-    ({"max_grad_norm": 1.0}, "gradient_clipping"),
-    ({"betas": (0.9, 1.5)}, "betas in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"freeze_step": -1}, "freeze_step must be an integer >= 1"),
+        ({"freeze_step": 0}, "freeze_step must be an integer >= 1"),
+        ({"amsgrad": True}, "amsgrad"),
+        ({"comm_backend_name": "gloo2"}, "comm_backend_name 'gloo2' is not one of nccl, mpi, hccl, compressed"),
+        ({"max_grad_norm": 1.0}, "gradient_clipping"),
+        ({"betas": (0.9, 1.5)}, "betas in [0, 1)"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         OneBitAdam(_params(), **kwargs)
@@ -41,29 +47,51 @@ def test_bad_arguments(kwargs, message):
 def test_deepspeeds_backend_names_are_accepted(backend):
     opt = OneBitAdam(_params(), comm_backend_name=backend, cuda_aware=True)
     assert (opt.comm_backend_name, opt.cuda_aware) == (backend, True)
-    config = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
-        "type": "OneBitAdam", "params": {"comm_backend_name": backend, "cuda_aware": True}}})
+    config = load_config(
+        world_size=1,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": backend, "cuda_aware": True}},
+        },
+    )
     built = build_optimizer(config.optimizer, _params())
     assert (type(built), built.comm_backend_name, built.cuda_aware) == (OneBitAdam, backend, True)
 
 
 def test_config_builds_it_and_names_misspelt_keys():
-    config = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
-        "type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 7, "cuda_aware": False,
-                                         "comm_backend_name": "nccl"}}})
+    config = load_config(
+        world_size=1,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {
+                "type": "OneBitAdam",
+                "params": {"lr": 1e-3, "freeze_step": 7, "cuda_aware": False, "comm_backend_name": "nccl"},
+            },
+        },
+    )
     opt = build_optimizer(config.optimizer, _params())
     assert isinstance(opt, OneBitAdam) and opt.freeze_step == 7
-    bad = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
-        "type": "OneBitAdam", "params": {"freeze_stp": 7}}})
+    bad = load_config(
+        world_size=1,
+        config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "OneBitAdam", "params": {"freeze_stp": 7}}},
+    )
     with pytest.raises(ValueError, match="did you mean 'freeze_step'"):
         build_optimizer(bad.optimizer, _params())
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_config_refuses_zero_stages_that_partition(stage):
-    with pytest.raises(ConfigError, match=f"optimizer.type .onebitadam. runs with ZeRO stage 0 only \\(zero_optimization.stage {stage}"):
-        load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-                     "optimizer": {"type": "OneBitAdam", "params": {}}})
+    with pytest.raises(
+        ConfigError, match=f"optimizer.type .onebitadam. runs with ZeRO stage 0 only \\(zero_optimization.stage {stage}"
+    ):
+        load_config(
+            world_size=1,
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "zero_optimization": {"stage": stage},
+                "optimizer": {"type": "OneBitAdam", "params": {}},
+            },
+        )
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -100,8 +128,9 @@ def test_rank_state_from_another_world_size_starts_from_zero(caplog):
     opt = OneBitAdam(_params(), freeze_step=1)
     assert opt.rank_state_dict() == {}  # nothing before the first compressed step
     with caplog.at_level(logging.INFO, logger="shardwise"):
-        opt.load_rank_state_dict({"world_size": 4, "exchanges": {
-            "own": {"worker_error": torch.ones(8), "server_error": torch.ones(2)}}})
+        opt.load_rank_state_dict(
+            {"world_size": 4, "exchanges": {"own": {"worker_error": torch.ones(8), "server_error": torch.ones(2)}}}
+        )
     assert "error-feedback buffers are from 4 data-parallel ranks, this run has 1" in caplog.text
 
 
@@ -169,10 +198,12 @@ def test_exp_avg_mask_param_group_survives_a_checkpoint(tmp_path):
         model = TinyMLP(seed=seed)
         params = list(model.parameters())
         mask = torch.full_like(params[0], fill)
-        optimizer = OneBitAdam([{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}],
-                               lr=1e-2, freeze_step=2)
-        engine, *_ = shardwise.initialize(model=model, optimizer=optimizer,
-                                          config={"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4})
+        optimizer = OneBitAdam(
+            [{"params": params[:1], "exp_avg_mask": mask}, {"params": params[1:]}], lr=1e-2, freeze_step=2
+        )
+        engine, *_ = shardwise.initialize(
+            model=model, optimizer=optimizer, config={"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4}
+        )
         return engine
 
     engine = engine_with_mask(1, 1.0)
@@ -183,6 +214,10 @@ def test_exp_avg_mask_param_group_survives_a_checkpoint(tmp_path):
     engine.save_checkpoint(str(tmp_path))
     resumed = engine_with_mask(3, 0.5)
     resumed.load_checkpoint(str(tmp_path))
-    torch.testing.assert_close(resumed.optimizer.param_groups[0]["exp_avg_mask"],
-                               engine.optimizer.param_groups[0]["exp_avg_mask"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        resumed.optimizer.param_groups[0]["exp_avg_mask"],
+        engine.optimizer.param_groups[0]["exp_avg_mask"],
+        rtol=0,
+        atol=0,
+    )
     assert all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), resumed.module.parameters()))

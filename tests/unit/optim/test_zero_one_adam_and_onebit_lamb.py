@@ -19,8 +19,10 @@ from shardwise.runtime.fp16.onebit.zoadam import ZeroOneAdam as AliasedZeroOneAd
 
 def _params(seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(5, 3, generator=generator)),
-            torch.nn.Parameter(torch.randn(3, generator=generator))]
+    return [
+        torch.nn.Parameter(torch.randn(5, 3, generator=generator)),
+        torch.nn.Parameter(torch.randn(3, generator=generator)),
+    ]
 
 
 def _set_grads(params, generator):
@@ -31,35 +33,46 @@ def _set_grads(params, generator):
 def test_deepspeed_names_and_defaults():
     assert OnebitLamb is OneBitLamb and AliasedZeroOneAdam is ZeroOneAdam
     zo = ZeroOneAdam(_params())
-    assert (zo.var_freeze_step, zo.var_update_scaler, zo.local_step_scaler, zo.local_step_clipper) == \
-        (100000, 16, 32678, 16)
+    assert (zo.var_freeze_step, zo.var_update_scaler, zo.local_step_scaler, zo.local_step_clipper) == (
+        100000,
+        16,
+        32678,
+        16,
+    )
     assert zo.defaults["lr"] == 1e-3 and zo.defaults["bias_correction"] and not zo.averages_gradients_itself()
     lamb = OneBitLamb(_params())
-    assert lamb.freeze_step == 100000 and (lamb.coeff_beta, lamb.factor_max, lamb.factor_min,
-                                          lamb.factor_threshold) == (0.9, 4.0, 0.5, 0.1)
+    assert lamb.freeze_step == 100000 and (
+        lamb.coeff_beta,
+        lamb.factor_max,
+        lamb.factor_min,
+        lamb.factor_threshold,
+    ) == (0.9, 4.0, 0.5, 0.1)
     assert lamb.defaults["max_coeff"] == 10.0 and lamb.defaults["min_coeff"] == 0.01
     assert not lamb.averages_gradients_itself()
 
 
-@pytest.mark.parametrize("cls,kwargs,message", [
-    (ZeroOneAdam, {"var_freeze_step": 0}, "var_freeze_step must be an integer >= 1"),
-    (ZeroOneAdam, {"var_freeze_step": -3}, "var_freeze_step must be an integer >= 1"),
-    (ZeroOneAdam, {"var_update_scaler": 0}, "var_update_scaler must be an integer >= 1"),
-    (ZeroOneAdam, {"local_step_scaler": 0}, "local_step_scaler must be an integer >= 1"),
-    (ZeroOneAdam, {"local_step_clipper": 0}, "local_step_clipper must be an integer >= 1"),
-    (ZeroOneAdam, {"amsgrad": True}, "amsgrad"),
-    (ZeroOneAdam, {"comm_backend_name": "gloo2"}, "comm_backend_name 'gloo2' is not one of"),
-    (ZeroOneAdam, {"max_grad_norm": 1.0}, "gradient_clipping"),
-    (ZeroOneAdam, {"betas": (0.9, 1.0)}, "betas in [0, 1)"),
-    (OneBitLamb, {"freeze_step": 0}, "freeze_step must be an integer >= 1"),
-    (OneBitLamb, {"amsgrad": True}, "amsgrad"),
-    (OneBitLamb, {"comm_backend_name": "gloo2"}, "comm_backend_name 'gloo2' is not one of"),
-    (OneBitLamb, {"max_grad_norm": 1.0}, "gradient_clipping"),
-    (OneBitLamb, {"min_coeff": 2.0, "max_coeff": 1.0}, "min_coeff <= max_coeff"),
-    (OneBitLamb, {"coeff_beta": 1.0}, "coeff_beta must be in [0, 1)"),
-    (OneBitLamb, {"factor_min": 0.0}, "0 < factor_min <= factor_max"),
-    (OneBitLamb, {"factor_threshold": -0.1}, "factor_threshold >= 0"),
-])
+@pytest.mark.parametrize(
+    "cls,kwargs,message",
+    [
+        (ZeroOneAdam, {"var_freeze_step": 0}, "var_freeze_step must be an integer >= 1"),
+        (ZeroOneAdam, {"var_freeze_step": -3}, "var_freeze_step must be an integer >= 1"),
+        (ZeroOneAdam, {"var_update_scaler": 0}, "var_update_scaler must be an integer >= 1"),
+        (ZeroOneAdam, {"local_step_scaler": 0}, "local_step_scaler must be an integer >= 1"),
+        (ZeroOneAdam, {"local_step_clipper": 0}, "local_step_clipper must be an integer >= 1"),
+        (ZeroOneAdam, {"amsgrad": True}, "amsgrad"),
+        (ZeroOneAdam, {"comm_backend_name": "gloo2"}, "comm_backend_name 'gloo2' is not one of"),
+        (ZeroOneAdam, {"max_grad_norm": 1.0}, "gradient_clipping"),
+        (ZeroOneAdam, {"betas": (0.9, 1.0)}, "betas in [0, 1)"),
+        (OneBitLamb, {"freeze_step": 0}, "freeze_step must be an integer >= 1"),
+        (OneBitLamb, {"amsgrad": True}, "amsgrad"),
+        (OneBitLamb, {"comm_backend_name": "gloo2"}, "comm_backend_name 'gloo2' is not one of"),
+        (OneBitLamb, {"max_grad_norm": 1.0}, "gradient_clipping"),
+        (OneBitLamb, {"min_coeff": 2.0, "max_coeff": 1.0}, "min_coeff <= max_coeff"),
+        (OneBitLamb, {"coeff_beta": 1.0}, "coeff_beta must be in [0, 1)"),
+        (OneBitLamb, {"factor_min": 0.0}, "0 < factor_min <= factor_max"),
+        (OneBitLamb, {"factor_threshold": -0.1}, "factor_threshold >= 0"),
+    ],
+)
 def test_bad_arguments(cls, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         cls(_params(), **kwargs)
@@ -70,20 +83,46 @@ def test_deepspeeds_backend_names_are_accepted(backend):
     for cls in (ZeroOneAdam, OneBitLamb):
         opt = cls(_params(), comm_backend_name=backend, cuda_aware=True)
         assert (opt.comm_backend_name, opt.cuda_aware) == (backend, True), cls.__name__
-        config = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
-            "type": cls.__name__, "params": {"comm_backend_name": backend, "cuda_aware": True}}})
+        config = load_config(
+            world_size=1,
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": cls.__name__, "params": {"comm_backend_name": backend, "cuda_aware": True}},
+            },
+        )
         built = build_optimizer(config.optimizer, _params())
         assert (type(built), built.comm_backend_name, built.cuda_aware) == (cls, backend, True)
 
 
 def test_config_builds_them():
-    config = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
-        "type": "ZeroOneAdam", "params": {"lr": 1e-3, "var_freeze_step": 7, "var_update_scaler": 2,
-                                          "local_step_scaler": 3, "local_step_clipper": 4}}})
+    config = load_config(
+        world_size=1,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {
+                "type": "ZeroOneAdam",
+                "params": {
+                    "lr": 1e-3,
+                    "var_freeze_step": 7,
+                    "var_update_scaler": 2,
+                    "local_step_scaler": 3,
+                    "local_step_clipper": 4,
+                },
+            },
+        },
+    )
     opt = build_optimizer(config.optimizer, _params())
     assert isinstance(opt, ZeroOneAdam) and (opt.var_freeze_step, opt.local_step_clipper) == (7, 4)
-    config = load_config(world_size=1, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {
-        "type": "OneBitLamb", "params": {"freeze_step": 5, "coeff_beta": 0.8, "factor_threshold": 0.2}}})
+    config = load_config(
+        world_size=1,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {
+                "type": "OneBitLamb",
+                "params": {"freeze_step": 5, "coeff_beta": 0.8, "factor_threshold": 0.2},
+            },
+        },
+    )
     opt = build_optimizer(config.optimizer, _params())
     assert isinstance(opt, OneBitLamb) and (opt.freeze_step, opt.coeff_beta, opt.factor_threshold) == (5, 0.8, 0.2)
 
@@ -93,17 +132,20 @@ def test_config_builds_them():
 # var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4:
 # "var": variance step on gradients the engine averaged; "grad": gradients averaged
 # compressed inside step(); "local": no communication; "sync": local, then the exchange.
-SCHEDULE = (["var", "var", "grad", "var", "grad", "var"]  # var_interval 1, 1, 2, 2, 2, 2 -> 4
-            + ["sync", "sync"]  # local_step_interval 1 (doubles after 2 frozen steps)
-            + ["local", "sync"] * 2  # 2 (doubles after step 10) -> 4
-            + ["local", "local", "local", "sync"] * 3)  # 4 = the clipper
+SCHEDULE = (
+    ["var", "var", "grad", "var", "grad", "var"]  # var_interval 1, 1, 2, 2, 2, 2 -> 4
+    + ["sync", "sync"]  # local_step_interval 1 (doubles after 2 frozen steps)
+    + ["local", "sync"] * 2  # 2 (doubles after step 10) -> 4
+    + ["local", "local", "local", "sync"] * 3
+)  # 4 = the clipper
 VAR_INTERVALS = [1, 2, 2, 2, 2, 4] + [4] * 18  # after each step
 LOCAL_INTERVALS = [1] * 6 + [1, 2, 2, 4] + [4] * 14
 
 
 def _zero_one_adam(params, **kwargs):
-    return ZeroOneAdam(params, lr=0.05, var_freeze_step=6, var_update_scaler=2, local_step_scaler=2,
-                       local_step_clipper=4, **kwargs)
+    return ZeroOneAdam(
+        params, lr=0.05, var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4, **kwargs
+    )
 
 
 def test_zero_one_adam_schedule_step_by_step():
@@ -130,8 +172,9 @@ def test_zero_one_adam_schedule_step_by_step():
     assert state["var_updates"] == SCHEDULE.count("var")
     # every parameter carries the same schedule
     other = opt.state[params[1]]
-    assert {k: other[k] for k in ("var_interval", "local_step_interval", "var_updates")} == \
-        {k: state[k] for k in ("var_interval", "local_step_interval", "var_updates")}
+    assert {k: other[k] for k in ("var_interval", "local_step_interval", "var_updates")} == {
+        k: state[k] for k in ("var_interval", "local_step_interval", "var_updates")
+    }
 
 
 def test_zero_one_adam_is_adamw_while_every_step_updates_the_variance():
@@ -166,7 +209,7 @@ def test_zero_one_adam_sync_with_one_rank_keeps_the_local_parameter():
     denom = (state["exp_avg_sq"].sqrt() / (1 - 0.999 ** state["var_updates"]) ** 0.5).add_(1e-8)
     _set_grads(params, generator)
     m12 = m11.lerp(params[0].grad, 1 - beta1)
-    c11, c12 = 1 - beta1 ** 11, 1 - beta1 ** 12
+    c11, c12 = 1 - beta1**11, 1 - beta1**12
     local = params[0].detach() - lr * m12 / c12 / denom
     opt.step()
     torch.testing.assert_close(params[0].detach(), local, rtol=0, atol=1e-6)
@@ -202,11 +245,15 @@ def test_zero_one_adam_resumes_from_its_state_dict():
 
 # -- 1-bit LAMB ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("options", [
-    {"weight_decay": 0.0},
-    {"weight_decay": 0.1, "eps_inside_sqrt": True},
-    {"weight_decay": 0.01, "bias_correction": False, "max_coeff": 0.5},
-])
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"weight_decay": 0.0},
+        {"weight_decay": 0.1, "eps_inside_sqrt": True},
+        {"weight_decay": 0.01, "bias_correction": False, "max_coeff": 0.5},
+    ],
+)
 def test_onebit_lamb_warm_up_is_lamb(options):
     ours, theirs = _params(), _params()
     opt = OneBitLamb(ours, lr=0.05, freeze_step=10, **options)
@@ -246,9 +293,9 @@ def test_onebit_lamb_freezes_variance_and_trust_ratio():
     for ratios in warm_up:
         expected = 0.5 * expected + 0.5 * ratios[0]
     assert float(state["lamb_coeff_freeze"]) == pytest.approx(expected, rel=1e-6)
-    frozen = expected / (1 - 0.5 ** 3)
+    frozen = expected / (1 - 0.5**3)
     # five compressed steps: the factor moved at most 10% a step from 1
     factor = float(state["last_factor"])
-    assert 0.9 ** 5 - 1e-6 <= factor <= 1.1 ** 5 + 1e-6
+    assert 0.9**5 - 1e-6 <= factor <= 1.1**5 + 1e-6
     assert opt.get_lamb_coeffs()[0] == pytest.approx(frozen * factor, rel=1e-6)
     assert all(torch.isfinite(p).all() for p in params)

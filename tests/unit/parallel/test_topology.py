@@ -43,11 +43,14 @@ def test_grid_sizes_accept_model_or_tensor_axis():
     assert _sizes_of(ProcessTopology(["data", "tensor"], [2, 2])) == {"pipe": 1, "data": 2, "tensor": 2}
 
 
-@pytest.mark.parametrize("axes, dims, match", [
-    (["x", "y"], [2], "one size per axis"),
-    (["x", "x"], [2, 2], "unique"),
-    (["x"], [0], "size >= 1"),
-])
+@pytest.mark.parametrize(
+    "axes, dims, match",
+    [
+        (["x", "y"], [2], "one size per axis"),
+        (["x", "x"], [2, 2], "unique"),
+        (["x"], [0], "size >= 1"),
+    ],
+)
 def test_bad_topologies_are_named(axes, dims, match):
     with pytest.raises(ValueError, match=match):
         ProcessTopology(axes, dims)

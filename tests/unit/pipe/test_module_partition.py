@@ -12,12 +12,15 @@ def test_uniform_partition_spreads_the_remainder_first():
     assert partition_uniform(4, 4) == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("weights, parts, expected", [
-    ([1] * 8, 2, [0, 4, 8]),
-    ([10, 1, 1, 1, 1, 1, 1, 1], 2, [0, 1, 8]),
-    ([0, 5, 5, 5, 5, 0], 4, [0, 2, 3, 4, 6]),
-    ([3, 3, 3], 3, [0, 1, 2, 3]),
-])
+@pytest.mark.parametrize(
+    "weights, parts, expected",
+    [
+        ([1] * 8, 2, [0, 4, 8]),
+        ([10, 1, 1, 1, 1, 1, 1, 1], 2, [0, 1, 8]),
+        ([0, 5, 5, 5, 5, 0], 4, [0, 2, 3, 4, 6]),
+        ([3, 3, 3], 3, [0, 1, 2, 3]),
+    ],
+)
 def test_balanced_partition_minimises_the_heaviest_stage(weights, parts, expected):
     assert partition_balanced(weights, parts) == expected
 

@@ -11,8 +11,11 @@ from shardwise.pipe.module import PipelineError
 
 
 def _defined_actions() -> set[type]:
-    return {value for value in vars(_actions).values()
-            if isinstance(value, type) and is_dataclass(value) and value.__module__ == _actions.__name__}
+    return {
+        value
+        for value in vars(_actions).values()
+        if isinstance(value, type) and is_dataclass(value) and value.__module__ == _actions.__name__
+    }
 
 
 def test_every_action_type_in_actions_has_a_handler():

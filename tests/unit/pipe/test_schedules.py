@@ -96,13 +96,19 @@ def test_sends_match_receives(name, p, m, opts):
                 assert a.from_stage == (a.chunk - 1) % p and at[a] < at[Forward(a.micro_batch, a.chunk)], a
                 received[("act", a.micro_batch, a.chunk - 1, a.from_stage, s)] += 1
             elif isinstance(a, SendGrad):
-                produced = next(b for b in plan if isinstance(b, (Backward, BackwardInput)) and
-                                (b.micro_batch, b.chunk) == (a.micro_batch, a.chunk))
+                produced = next(
+                    b
+                    for b in plan
+                    if isinstance(b, (Backward, BackwardInput)) and (b.micro_batch, b.chunk) == (a.micro_batch, a.chunk)
+                )
                 assert a.to_stage == (a.chunk - 1) % p and at[produced] < at[a], a
                 sent[("grad", a.micro_batch, a.chunk, s, a.to_stage)] += 1
             elif isinstance(a, RecvGrad):
-                consumer = next(b for b in plan if isinstance(b, (Backward, BackwardInput)) and
-                                (b.micro_batch, b.chunk) == (a.micro_batch, a.chunk))
+                consumer = next(
+                    b
+                    for b in plan
+                    if isinstance(b, (Backward, BackwardInput)) and (b.micro_batch, b.chunk) == (a.micro_batch, a.chunk)
+                )
                 assert a.from_stage == (a.chunk + 1) % p and at[a] < at[consumer], a
                 received[("grad", a.micro_batch, a.chunk + 1, a.from_stage, s)] += 1
     assert sent == received, f"unmatched: sent only {sent - received}, received only {received - sent}"
@@ -129,8 +135,9 @@ def test_reduce_grads_per_chunk_after_its_weight_gradients_then_one_step(name, p
         for chunk in chunks_of_stage(p, s, virtual_stages=_virtual(opts)):
             reduces = [i for i, a in enumerate(plan) if a == ReduceGrads(chunk)]
             assert len(reduces) == 1, f"stage {s} reduces chunk {chunk} {len(reduces)} times"
-            last_grad = max(i for i, a in enumerate(plan)
-                            if isinstance(a, (Backward, BackwardWeight)) and a.chunk == chunk)
+            last_grad = max(
+                i for i, a in enumerate(plan) if isinstance(a, (Backward, BackwardWeight)) and a.chunk == chunk
+            )
             assert last_grad < reduces[0], f"stage {s} reduces chunk {chunk} before its last weight gradient"
         assert sum(isinstance(a, ReduceGrads) for a in plan) == _virtual(opts)
 
@@ -227,7 +234,8 @@ def test_eval_schedule_runs_forwards_only(p, m, v):
     for s, plan in enumerate(plans):
         forwards = [a for a in plan if isinstance(a, Forward)]
         assert sorted((a.micro_batch, a.chunk) for a in forwards) == sorted(
-            (mb, c) for mb in range(m) for c in chunks_of_stage(p, s, virtual_stages=v))
+            (mb, c) for mb in range(m) for c in chunks_of_stage(p, s, virtual_stages=v)
+        )
         assert all(isinstance(a, (Forward, SendActivation, RecvActivation)) for a in plan)
     result = simulate(eval_schedule, p, m, virtual_stages=v)
     assert result.busy == pytest.approx([m * v * 1.0] * p)
@@ -268,9 +276,18 @@ def test_simulator_reports_a_deadlock_with_the_stuck_actions():
     def broken(p, m, s):
         if s == 1:
             return gpipe(p, m, s)
-        return [Forward(0, 0), SendActivation(0, 0, 1), RecvGrad(0, 0, 1), Backward(0, 0),
-                Forward(1, 0), SendActivation(1, 0, 1), RecvGrad(1, 0, 1), Backward(1, 0),
-                ReduceGrads(0), OptimizerStep()]
+        return [
+            Forward(0, 0),
+            SendActivation(0, 0, 1),
+            RecvGrad(0, 0, 1),
+            Backward(0, 0),
+            Forward(1, 0),
+            SendActivation(1, 0, 1),
+            RecvGrad(1, 0, 1),
+            Backward(1, 0),
+            ReduceGrads(0),
+            OptimizerStep(),
+        ]
 
     with pytest.raises(ScheduleDeadlock) as err:
         simulate(broken, 2, 2)
@@ -304,7 +321,9 @@ def test_per_stage_durations_give_the_slow_stages_bound(m):
     assert result.makespan == f[0] + m * (f[1] + b[1]) + b[0]
     assert result.busy == (m * (f[0] + b[0]), m * (f[1] + b[1]))
     # one number for all stages is the same as that number per stage
-    assert simulate("zero_bubble", 2, m, t_forward=2.0).makespan == \
-        simulate("zero_bubble", 2, m, t_forward=(2.0, 2.0)).makespan
+    assert (
+        simulate("zero_bubble", 2, m, t_forward=2.0).makespan
+        == simulate("zero_bubble", 2, m, t_forward=(2.0, 2.0)).makespan
+    )
     with pytest.raises(ValueError, match="one value per stage"):
         simulate("1f1b", 2, m, t_forward=(1.0, 2.0, 3.0))

@@ -64,10 +64,20 @@ def test_pytrees_of_changing_shapes_arrive_in_order_through_a_small_ring():
     g = torch.Generator().manual_seed(0)
     messages = []
     for seq in (3, 9, 1, 40, 7):  # 40 x 33 fp32 rows are 5280 bytes: larger than the 4096-byte ring
-        messages.append((torch.randn(seq, 33, generator=g).requires_grad_(),
-                         {"mask": torch.rand(seq, generator=g) > 0.5, "pos": torch.arange(seq),
-                          "half": torch.randn(2, seq, generator=g).to(torch.bfloat16)},
-                         None, "text", seq, torch.empty(0, 4)))
+        messages.append(
+            (
+                torch.randn(seq, 33, generator=g).requires_grad_(),
+                {
+                    "mask": torch.rand(seq, generator=g) > 0.5,
+                    "pos": torch.arange(seq),
+                    "half": torch.randn(2, seq, generator=g).to(torch.bfloat16),
+                },
+                None,
+                "text",
+                seq,
+                torch.empty(0, 4),
+            )
+        )
     messages.append(torch.randn(1000, generator=g))
     sender, receiver, comm = _pair()
     for message in messages:  # queued: far more bytes than the ring holds
@@ -94,8 +104,11 @@ def test_both_directions_queue_without_deadlock():
 
 def test_a_wait_ends_at_the_deadline_naming_the_peer_and_the_transfer():
     _, receiver, _ = _pair(timeout_s=0.3)
-    with pytest.raises(RuntimeError, match=r"waited in recv \[from rank 4, stage 1 <-> stage 0 activation "
-                                           r"micro-batch 3 \(shared memory\)\]: timed out"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"waited in recv \[from rank 4, stage 1 <-> stage 0 activation "
+        r"micro-batch 3 \(shared memory\)\]: timed out",
+    ):
         receiver.recv(tag="micro-batch 3")
 
 

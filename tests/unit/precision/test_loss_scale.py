@@ -7,14 +7,13 @@ from shardwise.precision import LossScaler, PrecisionPolicy
 
 
 def _scaler(**fp16):
-    config = load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, **fp16}},
-                         world_size=1)
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, **fp16}}, world_size=1)
     return LossScaler.from_config(config.fp16)
 
 
 def test_defaults_match_deepspeed():
     scaler = _scaler()
-    assert scaler.dynamic and scaler.scale == 2.0 ** 16
+    assert scaler.dynamic and scaler.scale == 2.0**16
     assert (scaler.window, scaler.hysteresis, scaler.min_scale) == (1000, 2, 1.0)
 
 
@@ -30,14 +29,14 @@ def test_hysteresis_delays_the_halving():
 
 def test_window_of_clean_steps_doubles_and_refills_hysteresis():
     scaler = _scaler(initial_scale_power=4, loss_scale_window=3, hysteresis=2)
-    scaler.update(overflow=True)   # iteration 0: uses one unit of hysteresis
+    scaler.update(overflow=True)  # iteration 0: uses one unit of hysteresis
     assert scaler.scale == 16.0
     for _ in range(2):
         scaler.update(overflow=False)
     assert scaler.scale == 16.0
     scaler.update(overflow=False)  # 3 clean steps since the overflow
     assert scaler.scale == 32.0
-    scaler.update(overflow=True)   # hysteresis refilled: tolerated
+    scaler.update(overflow=True)  # hysteresis refilled: tolerated
     assert scaler.scale == 32.0
 
 
@@ -82,11 +81,12 @@ def test_state_round_trip_continues_identically():
         assert a.scale == b.scale
 
 
-@pytest.mark.parametrize("section,dtype", [({}, "float32"), ({"bf16": {"enabled": True}}, "bfloat16"),
-                                           ({"fp16": {"enabled": True}}, "float16")])
+@pytest.mark.parametrize(
+    "section,dtype",
+    [({}, "float32"), ({"bf16": {"enabled": True}}, "bfloat16"), ({"fp16": {"enabled": True}}, "float16")],
+)
 def test_policy_from_config(section, dtype):
-    policy = PrecisionPolicy.from_config(load_config({"train_micro_batch_size_per_gpu": 1, **section},
-                                                     world_size=1))
+    policy = PrecisionPolicy.from_config(load_config({"train_micro_batch_size_per_gpu": 1, **section}, world_size=1))
     assert str(policy.param_dtype) == f"torch.{dtype}"
     assert policy.loss_scaling == (dtype == "float16")
     assert policy.needs_master_copy == (dtype != "float32")

@@ -8,9 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.profiling.flops_profiler import (FlopsProfiler, FlopsProfilerConfig, StepProfiler, duration_to_string,
-                                                flops_to_string, get_model_profile, macs_to_string, number_to_string,
-                                                params_to_string)
+from shardwise.profiling.flops_profiler import (
+    FlopsProfiler,
+    FlopsProfilerConfig,
+    StepProfiler,
+    duration_to_string,
+    flops_to_string,
+    get_model_profile,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
 
 BATCH = 4
 
@@ -148,11 +156,21 @@ def test_printed_profile_has_deepspeed_labels_and_module_tree(tmp_path, capsys):
     x = torch.randn(BATCH, 5, 16)
     get_model_profile(model, args=[x], warm_up=2, top_modules=2)
     text = capsys.readouterr().out
-    for label in ("Profile Summary at step 2:", "params per GPU:", "fwd MACs per GPU:", "fwd flops per GPU:",
-                  "fwd latency:", "fwd FLOPS per GPU = fwd flops per GPU / fwd latency:",
-                  "Top 2 modules in terms of params, MACs or fwd latency at different model depths:",
-                  "depth 0:", "depth 3:", "    params      - {", "    MACs        - {", "    fwd latency - {",
-                  "Detailed Profile per GPU"):
+    for label in (
+        "Profile Summary at step 2:",
+        "params per GPU:",
+        "fwd MACs per GPU:",
+        "fwd flops per GPU:",
+        "fwd latency:",
+        "fwd FLOPS per GPU = fwd flops per GPU / fwd latency:",
+        "Top 2 modules in terms of params, MACs or fwd latency at different model depths:",
+        "depth 0:",
+        "depth 3:",
+        "    params      - {",
+        "    MACs        - {",
+        "    fwd latency - {",
+        "Detailed Profile per GPU",
+    ):
         assert label in text, label
     assert "\n  (0): Block(\n" in text
     assert "\n      (qkv): Linear(" in text and "% Params, " in text and "in_features=16, out_features=48" in text
@@ -183,8 +201,9 @@ def test_training_step_counts_backward(tmp_path):
     model = _mlp()
     output = tmp_path / "profile.txt"
     config = FlopsProfilerConfig(enabled=True, profile_step=1, output_file=str(output))
-    engine = types.SimpleNamespace(world_size=1, dp_world_size=1, mp_world_size=1,
-                                   train_micro_batch_size_per_gpu=lambda: BATCH)
+    engine = types.SimpleNamespace(
+        world_size=1, dp_world_size=1, mp_world_size=1, train_micro_batch_size_per_gpu=lambda: BATCH
+    )
     step_profiler = StepProfiler(model, config, engine=engine)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
@@ -203,10 +222,19 @@ def test_training_step_counts_backward(tmp_path):
     assert prof.step_timing.step_latency > 0
     text = output.read_text()
     assert "Profile Summary at step 1:" in text
-    for label in ("world size:", "batch size per GPU:", "bwd latency:", "bwd flops per GPU:",
-                  "fwd+bwd flops per GPU:", "fwd+bwd latency:", "step latency:", "iter latency:",
-                  "FLOPS per GPU = fwd+bwd flops per GPU / iter latency:", "achieved TFLOP/s per GPU:",
-                  "samples/second:"):
+    for label in (
+        "world size:",
+        "batch size per GPU:",
+        "bwd latency:",
+        "bwd flops per GPU:",
+        "fwd+bwd flops per GPU:",
+        "fwd+bwd latency:",
+        "step latency:",
+        "iter latency:",
+        "FLOPS per GPU = fwd+bwd flops per GPU / iter latency:",
+        "achieved TFLOP/s per GPU:",
+        "samples/second:",
+    ):
         assert label in text, label
     bwd_line = next(line for line in text.splitlines() if line.startswith("bwd flops per GPU:"))
     assert bwd_line.split()[-2:] == number_to_string(2 * MLP_FLOPS).split()

@@ -162,22 +162,35 @@ def test_partition_activations_needs_a_tensor_group_and_keeps_inputs_whole_on_on
 
 
 def test_configure_arguments_override_the_config_section(tmp_path):
-    section = {"partition_activations": False, "cpu_checkpointing": True, "number_checkpoints": 4,
-               "synchronize_checkpoint_boundary": True, "profile": False}
+    section = {
+        "partition_activations": False,
+        "cpu_checkpointing": True,
+        "number_checkpoints": 4,
+        "synchronize_checkpoint_boundary": True,
+        "profile": False,
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, "activation_checkpointing": section}))
-    train_config = load_config({"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": section},
-                               world_size=1)
+    train_config = load_config({"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": section}, world_size=1)
     assert not checkpointing.is_configured()
     for source in (path, str(path), {"activation_checkpointing": section}, train_config):
         checkpointing.configure(None, deepspeed_config=source)
         assert checkpointing.is_configured()
-        assert (SETTINGS.cpu_checkpointing, SETTINGS.num_checkpoints, SETTINGS.synchronize, SETTINGS.profile) == \
-            (True, 4, True, False)
-    checkpointing.configure(None, deepspeed_config=path, checkpoint_in_cpu=False, num_checkpoints=2,
-                            synchronize=False, profile=True)
-    assert (SETTINGS.cpu_checkpointing, SETTINGS.num_checkpoints, SETTINGS.synchronize, SETTINGS.profile) == \
-        (False, 2, False, True)
+        assert (SETTINGS.cpu_checkpointing, SETTINGS.num_checkpoints, SETTINGS.synchronize, SETTINGS.profile) == (
+            True,
+            4,
+            True,
+            False,
+        )
+    checkpointing.configure(
+        None, deepspeed_config=path, checkpoint_in_cpu=False, num_checkpoints=2, synchronize=False, profile=True
+    )
+    assert (SETTINGS.cpu_checkpointing, SETTINGS.num_checkpoints, SETTINGS.synchronize, SETTINGS.profile) == (
+        False,
+        2,
+        False,
+        True,
+    )
     checkpointing.configure(None)  # options start from the defaults again
     assert (SETTINGS.cpu_checkpointing, SETTINGS.num_checkpoints, SETTINGS.synchronize) == (False, None, False)
     checkpointing.set_num_layers(6)
@@ -188,8 +201,12 @@ def test_configure_errors_name_the_fix():
     with pytest.raises(ConfigError, match="needs partition_activations=true"):
         checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=2)
     with pytest.raises(ConfigError, match="needs number_checkpoints"):
-        checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {
-            "partition_activations": True, "contiguous_memory_optimization": True}})
+        checkpointing.configure(
+            None,
+            deepspeed_config={
+                "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True}
+            },
+        )
     with pytest.raises(ConfigError, match="did you mean 'activation_checkpointing.cpu_checkpointing'"):
         checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
     with pytest.raises(TypeError, match="get_tensor_model_parallel_group"):

@@ -16,8 +16,17 @@ from shardwise.runtime._placement import placement
 def _grid(*, tensor=1, tensor_rank=0, pipe=1, stage=0, global_rank=0, data=1):
     def comm(size, rank):
         return SimpleNamespace(world_size=size, rank=rank)
-    return SimpleNamespace(tensor=tensor, tensor_rank=tensor_rank, pipe=pipe, stage_id=stage, global_rank=global_rank,
-                           data_comm=comm(data, 0), tensor_comm=comm(tensor, tensor_rank), pipe_comm=comm(pipe, stage))
+
+    return SimpleNamespace(
+        tensor=tensor,
+        tensor_rank=tensor_rank,
+        pipe=pipe,
+        stage_id=stage,
+        global_rank=global_rank,
+        data_comm=comm(data, 0),
+        tensor_comm=comm(tensor, tensor_rank),
+        pipe_comm=comm(pipe, stage),
+    )
 
 
 class _Tied(nn.Module):
@@ -39,8 +48,11 @@ def test_tied_keys_name_one_parameter_and_an_earlier_stage_writes_it():
     first = placement(_Tied(), _grid(pipe=2, global_rank=0), zero_stage=1)
     assert first.aliases == {"head.weight": "embed.weight"}
     assert first.name_of_key == {"embed.weight": "embed.weight", "head.weight": "embed.weight"}
-    assert first.keys == {"embed.weight": (torch.float32, (8, 4)), "head.weight": (torch.float32, (8, 4)),
-                          "scale": (torch.float32, (4,))}
+    assert first.keys == {
+        "embed.weight": (torch.float32, (8, 4)),
+        "head.weight": (torch.float32, (8, 4)),
+        "scale": (torch.float32, (4,)),
+    }
     assert first.tied_elsewhere == frozenset()
     later = placement(_Tied(), _grid(pipe=2, stage=1, global_rank=2), zero_stage=1)
     assert later.tied_elsewhere == {"embed.weight"}
@@ -51,11 +63,16 @@ def test_a_stage_keeps_only_its_own_names_of_a_whole_model():
     place = placement(_Tied(), _grid(pipe=2, global_rank=0), zero_stage=2)
     whole = {"embed.weight": 1, "head.weight": 2, "scale": 3, "5.fc.weight": 4}
     assert place.stage_module_state(whole) == {"embed.weight": 1, "head.weight": 2, "scale": 3}
-    optimizer = {"state": {"embed.weight": {"step": 1}, "5.fc.weight": {"step": 1}},
-                 "master": {"5.fc.weight": 0}, "param_groups": [{"lr": 0.1, "params": ["embed.weight", "5.fc.weight"]}]}
+    optimizer = {
+        "state": {"embed.weight": {"step": 1}, "5.fc.weight": {"step": 1}},
+        "master": {"5.fc.weight": 0},
+        "param_groups": [{"lr": 0.1, "params": ["embed.weight", "5.fc.weight"]}],
+    }
     assert place.stage_optimizer_state(optimizer) == {
-        "state": {"embed.weight": {"step": 1}}, "master": {},
-        "param_groups": [{"lr": 0.1, "params": ["embed.weight"]}]}
+        "state": {"embed.weight": {"step": 1}},
+        "master": {},
+        "param_groups": [{"lr": 0.1, "params": ["embed.weight"]}],
+    }
     alone = placement(_Tied(), _grid(), zero_stage=2)
     assert alone.stage_module_state(whole) is whole and alone.stage_optimizer_state(optimizer) is optimizer
 
@@ -70,8 +87,13 @@ def test_a_tensor_parallel_slice_is_stored_whole_and_named_by_every_key():
     assert place.split_by_key == {"embed.weight": split, "head.weight": split}
     assert place.keys["head.weight"] == (torch.float32, (16, 4))
     assert place.keys["scale"] == (torch.float32, (4,))
-    assert place.layout(torch.bfloat16) == {"zero_stage": 0, "dp_world_size": 1, "tp_degree": 2, "pp_degree": 1,
-                                            "param_dtype": "bfloat16"}
+    assert place.layout(torch.bfloat16) == {
+        "zero_stage": 0,
+        "dp_world_size": 1,
+        "tp_degree": 2,
+        "pp_degree": 1,
+        "param_dtype": "bfloat16",
+    }
     assert place.describe() == "ZeRO stage 0, data 1 x tensor 2"
     model.embed.weight.partition_dim = None
     with pytest.raises(NotImplementedError, match="embed.weight is marked tensor-parallel but has no partition_dim"):
@@ -80,10 +102,12 @@ def test_a_tensor_parallel_slice_is_stored_whole_and_named_by_every_key():
 
 def test_a_load_restores_the_counters_and_restarts_the_accumulation_window():
     counters = StepCounters(global_steps=1, global_samples=2, micro_steps=3, skipped_steps=0)
-    parts = Stateful(module=None, optimizer=None, lr_scheduler=None, loss_scaler=None, counters=counters,
-                     accumulation_steps=4)
+    parts = Stateful(
+        module=None, optimizer=None, lr_scheduler=None, loss_scaler=None, counters=counters, accumulation_steps=4
+    )
     # saved at another accumulation count: 7 steps of 2 micro-batches, one left over
-    _load_counters(parts, {"global_steps": 7, "global_samples": 112, "micro_steps": 15, "skipped_steps": 2,
-                           "layout": {}})
+    _load_counters(
+        parts, {"global_steps": 7, "global_samples": 112, "micro_steps": 15, "skipped_steps": 2, "layout": {}}
+    )
     assert counters == StepCounters(global_steps=7, global_samples=112, micro_steps=28, skipped_steps=2)
     assert counters.state_dict() == {"global_steps": 7, "global_samples": 112, "micro_steps": 28, "skipped_steps": 2}

@@ -10,12 +10,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm import Communicator
-from shardwise.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                       VocabParallelEmbedding, as_tensor_comm, copy_to_tensor_region,
-                                       gather_from_sequence_region, gather_from_tensor_region,
-                                       reduce_from_tensor_region, reduce_scatter_to_sequence_region,
-                                       scatter_to_sequence_region, scatter_to_tensor_region, shard_info,
-                                       vocab_parallel_cross_entropy)
+from shardwise.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    VocabParallelEmbedding,
+    as_tensor_comm,
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    gather_from_tensor_region,
+    reduce_from_tensor_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tensor_region,
+    shard_info,
+    vocab_parallel_cross_entropy,
+)
 
 
 class _StandIn(Communicator):
@@ -43,8 +53,15 @@ class _Done:
         pass
 
 
-MAPPINGS = [copy_to_tensor_region, reduce_from_tensor_region, scatter_to_tensor_region, gather_from_tensor_region,
-            scatter_to_sequence_region, gather_from_sequence_region, reduce_scatter_to_sequence_region]
+MAPPINGS = [
+    copy_to_tensor_region,
+    reduce_from_tensor_region,
+    scatter_to_tensor_region,
+    gather_from_tensor_region,
+    scatter_to_sequence_region,
+    gather_from_sequence_region,
+    reduce_scatter_to_sequence_region,
+]
 
 
 @pytest.mark.parametrize("mapping", MAPPINGS, ids=lambda f: f.__name__)
@@ -84,8 +101,9 @@ def test_one_rank_cross_entropy_matches_torch(label_smoothing):
     target = torch.randint(0, 11, (3, 4))
     loss = vocab_parallel_cross_entropy(logits, target, _StandIn(), label_smoothing)
     ref_logits = logits.detach().clone().requires_grad_()
-    ref = F.cross_entropy(ref_logits.view(-1, 11), target.view(-1), reduction="none",
-                          label_smoothing=label_smoothing).view(3, 4)
+    ref = F.cross_entropy(
+        ref_logits.view(-1, 11), target.view(-1), reduction="none", label_smoothing=label_smoothing
+    ).view(3, 4)
     torch.testing.assert_close(loss, ref)
     weights = torch.rand(3, 4)
     (loss * weights).sum().backward()
@@ -106,8 +124,12 @@ def test_shards_are_slices_of_the_seeded_full_layer_and_carry_their_place():
     assert torch.equal(row.weight, full_row.weight[:, 8:12]) and torch.equal(row.bias, full_row.bias)
     assert torch.equal(embedding.weight, full_embedding.weight[10:15])
     assert (embedding.vocab_start, embedding.vocab_end) == (10, 15)
-    for param, full_shape, dim in ((column.weight, (16, 8), 0), (column.bias, (16,), 0), (row.weight, (8, 16), 1),
-                                   (embedding.weight, (20, 8), 0)):
+    for param, full_shape, dim in (
+        (column.weight, (16, 8), 0),
+        (column.bias, (16,), 0),
+        (row.weight, (8, 16), 1),
+        (embedding.weight, (20, 8), 0),
+    ):
         assert (param.tensor_model_parallel, param.partition_dim, param.partition_stride) == (True, dim, 1)
         assert param.tensor_parallel_full_shape == full_shape
         assert shard_info(param) == (torch.Size(full_shape), dim, 2, 4)

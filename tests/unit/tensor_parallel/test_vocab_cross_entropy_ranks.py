@@ -50,7 +50,7 @@ def _run_ranks(logits, target, label_smoothing):
 
     def rank_body(rank):
         try:
-            chunk = logits.detach()[..., rank * LOCAL:(rank + 1) * LOCAL].clone().requires_grad_()
+            chunk = logits.detach()[..., rank * LOCAL : (rank + 1) * LOCAL].clone().requires_grad_()
             loss = vocab_parallel_cross_entropy(chunk, target, _ThreadRank(group, rank), label_smoothing)
             loss.sum().backward()
             results[rank] = (loss.detach(), chunk.grad)
@@ -74,11 +74,15 @@ def test_every_rank_finds_its_targets_at_its_chunks_offset():
     logits = torch.randn(2, 8, VOCAB, generator=torch.Generator().manual_seed(1)) * 4
     for smoothing in (0.0, 0.1):
         reference = logits.clone().requires_grad_()
-        want = F.cross_entropy(reference.view(-1, VOCAB), target.view(-1), reduction="none",
-                               label_smoothing=smoothing).view(2, 8)
+        want = F.cross_entropy(
+            reference.view(-1, VOCAB), target.view(-1), reduction="none", label_smoothing=smoothing
+        ).view(2, 8)
         want.sum().backward()
         results = _run_ranks(logits, target, smoothing)
         for rank, (loss, grad) in sorted(results.items()):
             torch.testing.assert_close(loss, want.detach(), msg=f"rank {rank} eps={smoothing}: loss")
-            torch.testing.assert_close(grad, reference.grad[..., rank * LOCAL:(rank + 1) * LOCAL],
-                                       msg=f"rank {rank} eps={smoothing}: gradient of its chunk")
+            torch.testing.assert_close(
+                grad,
+                reference.grad[..., rank * LOCAL : (rank + 1) * LOCAL],
+                msg=f"rank {rank} eps={smoothing}: gradient of its chunk",
+            )

@@ -21,7 +21,8 @@ def test_the_bench_folder_has_scripts():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_script_help_runs(script):
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
-                          timeout=120, cwd=BENCH.parent)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120, cwd=BENCH.parent
+    )
     assert proc.returncode == 0, f"bench/{script} --help failed:\n{proc.stderr[-2000:]}"
     assert "usage" in proc.stdout.lower()

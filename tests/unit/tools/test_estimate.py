@@ -10,6 +10,7 @@ PSI, N = 1_000_000, 8
 def test_stages_match_the_closed_form(dtype, p, g, o):
     def device(stage):
         return estimate(PSI, devices_per_node=4, num_nodes=2, dtype=dtype, stage=stage).device_bytes
+
     assert device(0) == (p + g + o) * PSI
     assert device(1) == (p + g) * PSI + o * PSI / N
     assert device(2) == p * PSI + (g + o) * PSI / N
@@ -22,8 +23,9 @@ def test_offload_moves_states_to_cpu():
     off = estimate(PSI, devices_per_node=4, num_nodes=2, dtype="fp16", stage=2, offload_optimizer=True)
     assert off.device_bytes == plain.device_bytes - 12 * PSI / N
     assert off.cpu_bytes_per_node == 12 * PSI / N * 4
-    full = estimate(PSI, devices_per_node=4, num_nodes=2, dtype="fp16", stage=3, offload_optimizer=True,
-                    offload_param=True)
+    full = estimate(
+        PSI, devices_per_node=4, num_nodes=2, dtype="fp16", stage=3, offload_optimizer=True, offload_param=True
+    )
     assert full.device_bytes == 0 and full.cpu_bytes_per_node == pytest.approx(16 * PSI / N * 4)
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
         estimate(PSI, stage=2, offload_param=True)
@@ -31,8 +33,9 @@ def test_offload_moves_states_to_cpu():
 
 
 def test_count_params_on_meta_device_counts_tied_weights_once():
-    assert count_params("shardwise.testing.models:TinyMLP", {"vocab": 10, "width": 4}) == \
-        10 * 4 + 2 * 4 + (4 * 8 + 8) + (8 * 4 + 4)
+    assert count_params("shardwise.testing.models:TinyMLP", {"vocab": 10, "width": 4}) == 10 * 4 + 2 * 4 + (
+        4 * 8 + 8
+    ) + (8 * 4 + 4)
 
 
 def test_cli_estimate_and_report(capsys):

@@ -39,18 +39,40 @@ def _gatherer(**limits) -> tuple[UnitGatherer, nn.Sequential, nn.Sequential]:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     reference = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     reference.load_state_dict(model.state_dict())
-    strategy = SimpleNamespace(module=model, comm=_WorldOfOne(), timer=no_timer, swapper=None, offload=None,
-                               buckets=[], _ensure_layout=lambda: None)
-    gatherer = UnitGatherer(strategy, param_offload=None, prefetch_numel=limits.get("prefetch_numel", 10**9),
-                            max_live_numel=limits.get("max_live_numel", 10**9), max_reuse_distance=0)
+    strategy = SimpleNamespace(
+        module=model,
+        comm=_WorldOfOne(),
+        timer=no_timer,
+        swapper=None,
+        offload=None,
+        buckets=[],
+        _ensure_layout=lambda: None,
+    )
+    gatherer = UnitGatherer(
+        strategy,
+        param_offload=None,
+        prefetch_numel=limits.get("prefetch_numel", 10**9),
+        max_live_numel=limits.get("max_live_numel", 10**9),
+        max_reuse_distance=0,
+    )
     for index, layer in enumerate(model):
         params = [layer.weight, layer.bias]
         padded, shard = partition(6, 1)
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         for p, off, shape in zip(params, (0, 4), (layer.weight.shape, layer.bias.shape)):
-            p.data = flat[off:off + shape.numel()].view(shape)
-        unit = Stage3Unit(index, 0, params, [0, 4], 6, padded, shard, flat,
-                          shapes=[layer.weight.shape, layer.bias.shape], module=layer)
+            p.data = flat[off : off + shape.numel()].view(shape)
+        unit = Stage3Unit(
+            index,
+            0,
+            params,
+            [0, 4],
+            6,
+            padded,
+            shard,
+            flat,
+            shapes=[layer.weight.shape, layer.bias.shape],
+            module=layer,
+        )
         unit.master = nn.Parameter(flat.detach().clone())
         strategy.buckets.append(unit)
         gatherer.count_live(unit, +1)

@@ -96,8 +96,12 @@ def test_freeing_a_unit_in_flight_completes_what_was_started(begun):
 
 def test_illegal_transitions_raise_and_leave_the_state_alone():
     unit, full = _unit()
-    cases = [(unit.begin_read, (Future(),)), (unit.begin_gather, (_Gather(full),)), (unit.finish_gather, ()),
-             (unit.take_read, ())]
+    cases = [
+        (unit.begin_read, (Future(),)),
+        (unit.begin_gather, (_Gather(full),)),
+        (unit.finish_gather, ()),
+        (unit.take_read, ()),
+    ]
     for transition, args in cases:  # GATHERED: only free is allowed
         with pytest.raises(RuntimeError, match="stage 3 unit 0"):
             transition(*args)
