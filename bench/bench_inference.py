@@ -699,7 +699,8 @@ def report(args, results: dict[str, dict[str, dict]], wall: float) -> tuple[str,
                     same += " steps"
                 lines.append(
                     f"| {row} | {procs} | {1000 * ttft:.1f} | {int(batch) * args.new_tokens / total:.1f} | "
-                    f"{1000 * step:.2f} | {total:.3f} ({min(totals):.3f}-{max(totals):.3f}) | {_ratio(total, base_t)} | "
+                    f"{1000 * step:.2f} | {total:.3f} ({min(totals):.3f}-{max(totals):.3f}) "
+                    f"| {_ratio(total, base_t)} | "
                     f"{_ratio(total, ds_t)} | {same} | {max(r['other'] for r in entry['runs']):.0%} / "
                     f"{max(r['stall'] for r in entry['runs']):.0%} "
                     f"({sum(r['attempts'] - 1 for r in entry['runs'])}) |"

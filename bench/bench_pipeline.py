@@ -18,15 +18,16 @@ stage, ``PipelineModule(virtual_stages=2)``: layers cut uniformly into 4 chunks)
 (``"pipeline": {"schedule": ...}``; a suffix ``@gloo`` sends stage-to-stage transfers through gloo
 instead of shared memory, ``SHARDWISE_SHM_P2P=0``), ``torch-1f1b`` and ``torch-gpipe``
 (``torch.distributed.pipelining``'s ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe`` on
-the same layers, not timed per action) and ``deepspeed`` (``deepspeed.pipe``, its own interpreter ``--ds-python``; its only schedule,
-``TrainSchedule``, is 1F1B). Each is launched under ``torch.distributed.run`` (the launcher and
-report helpers are bench_tensor_parallel.py's).
+the same layers, not timed per action) and ``deepspeed`` (``deepspeed.pipe``, its own interpreter
+``--ds-python``; its only schedule, ``TrainSchedule``, is 1F1B). Each is launched under
+``torch.distributed.run`` (the launcher and report helpers are bench_tensor_parallel.py's).
 
 Idle time: the bench wraps each engine's per-action handlers (shardwise's ``_runner.HANDLERS``
 entries for Forward/Backward/BackwardInput/BackwardWeight/Recv*/Send*; DeepSpeed's
-``_INSTRUCTION_MAP`` entries) with timers. Per stage and step: "wait" = time inside receives and sends, "compute" = time inside
-forwards and backwards; measured idle = 1 - compute / step time (everything that is not model
-compute: waiting, loading, the optimizer step and the loss broadcast), next to the wait fraction.
+``_INSTRUCTION_MAP`` entries) with timers. Per stage and step: "wait" = time inside receives and
+sends, "compute" = time inside forwards and backwards; measured idle = 1 - compute / step time
+(everything that is not model compute: waiting, loading, the optimizer step and the loss
+broadcast), next to the wait fraction.
 The simulator (``shardwise.pipe.schedules.simulate(name, 2, M, t_forward=..., t_backward=...)``)
 gets each stage's measured per-micro-batch forward and backward times (for the zero-bubble
 schedule the input and weight halves separately; for the interleaved one half of each, per chunk),
@@ -162,12 +163,12 @@ def worker(args) -> None:
         import shardwise
         from shardwise.pipe import LayerSpec, PipelineModule
         from shardwise.pipe import _actions as sw_actions
-        from shardwise.pipe._runner import HANDLERS as sw_handlers
+        from shardwise.pipe._runner import HANDLERS
 
         dist.init_process_group("gloo")
         for name in WAIT + COMPUTE:
             kind = getattr(sw_actions, name)
-            sw_handlers[kind] = _timed(sw_handlers[kind], name, acc)
+            HANDLERS[kind] = _timed(HANDLERS[kind], name, acc)
         config["pipeline"] = {"schedule": schedule}
         library = shardwise
     if system != "torch":
@@ -465,7 +466,7 @@ def main() -> None:
                 "  "
                 + (
                     out.get("error")
-                    or "%.3f s/step (run %.0f s), losses %s" % (out["median"], out["wall_s"], out["losses"][:3])
+                    or f"{out['median']:.3f} s/step (run {out['wall_s']:.0f} s), losses {out['losses'][:3]}"
                 ),
                 file=sys.stderr,
                 flush=True,

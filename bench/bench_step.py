@@ -128,7 +128,8 @@ def _build(args, variant: str, model):
 
 def _monitoring(folder: Path) -> dict:
     """The ``shardwise<stage>m`` variants' config: every monitor that writes locally, the
-    wall-clock and memory breakdowns, the comms logger, and the FLOPs profiler on the second step (global_steps 1, inside the warm-up)."""
+    wall-clock and memory breakdowns, the comms logger, and the FLOPs profiler on the second
+    step (global_steps 1, inside the warm-up)."""
     files = {"enabled": True, "output_path": str(folder), "job_name": "bench"}
     return {
         "tensorboard": files,
@@ -438,7 +439,10 @@ def table(args, results: list[tuple[str, dict]]) -> str:
         for variant, r in results:
             if "save" not in r:
                 continue
-            ratio = lambda op: f"{r[op]['anon_mb'] / ddp[op]['anon_mb']:.2f}" if ddp and ddp[op]["anon_mb"] > 0 else "-"
+
+            def ratio(op, r=r):
+                return f"{r[op]['anon_mb'] / ddp[op]['anon_mb']:.2f}" if ddp and ddp[op]["anon_mb"] > 0 else "-"
+
             lines.append(
                 f"| {variant} | {r['save']['s']:.2f} | {r['save']['anon_mb']:.0f} | {r['save']['hwm_mb']:.0f} "
                 f"| {r['load']['s']:.2f} | {r['load']['anon_mb']:.0f} | {r['load']['hwm_mb']:.0f} | "

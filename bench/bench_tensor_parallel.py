@@ -428,14 +428,17 @@ def tp_report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
             lines.append(f"| {variant} | error: {rs[0].get('error')} | | | | | | | | |")
             continue
         info = good[0]["info"][0]
-        rel = lambda other: (
-            f"{med[variant] / med[other]:.3f}" if med.get(other) == med.get(other) and other in med else "-"
-        )  # noqa: E731
+
+        def rel(other, variant=variant, med=med):
+            return f"{med[variant] / med[other]:.3f}" if med.get(other) == med.get(other) and other in med else "-"
+
         rss = median_or_nan([max(r["rss_mb"]) for r in good])
         lines.append(
             f"| {variant} | {len(good)} | {med[variant]:.3f} | {min(r['median'] for r in good):.3f}-"
-            f"{max(r['median'] for r in good):.3f} | {min(r['min'] for r in good):.3f}-{max(r['max'] for r in good):.3f} "
-            f"| {rel(base)} | {rel('ddp')} | {info['split_bytes'] / 2**20:.1f} ({info['split_params'] / info['split_full']:.3f}) "
+            f"{max(r['median'] for r in good):.3f} "
+            f"| {min(r['min'] for r in good):.3f}-{max(r['max'] for r in good):.3f} "
+            f"| {rel(base)} | {rel('ddp')} "
+            f"| {info['split_bytes'] / 2**20:.1f} ({info['split_params'] / info['split_full']:.3f}) "
             f"| {info['param_bytes'] / 2**20:.1f} | {rss:.0f} |"
         )
     # paired ratios: shardwise / DeepSpeed within each round
@@ -749,10 +752,8 @@ def main() -> None:
                 print(f"round {r + 1}: {variant} ...", file=sys.stderr, flush=True)
                 out = run_variant(args, variant)
                 runs[variant].append(out)
-                summary = out.get("error") or "%.3f s/step (run %.0f s), losses %s" % (
-                    out["median"],
-                    out["wall_s"],
-                    out["losses"][:3],
+                summary = out.get("error") or (
+                    f"{out['median']:.3f} s/step (run {out['wall_s']:.0f} s), losses {out['losses'][:3]}"
                 )
                 print(f"  {summary}", file=sys.stderr, flush=True)
         sections.append(tp_report(args, runs, order))

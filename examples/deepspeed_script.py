@@ -49,7 +49,7 @@ def main():
 
     loss_fn = nn.MSELoss()
     first = last = None
-    for epoch in range(args.epochs):
+    for _epoch in range(args.epochs):
         for x, y in trainloader:
             x, y = x.to(model_engine.local_rank if torch.cuda.is_available() else "cpu"), y.to(x.device)
             loss = loss_fn(model_engine(x), y)

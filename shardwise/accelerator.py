@@ -262,12 +262,12 @@ class Accelerator:
     # -- streams, events, profiler ranges -------------------------------------------
 
     @property
-    def Stream(self):
+    def Stream(self):  # noqa: N802 - DeepSpeed's accelerator API
         """``torch.cuda.Stream``; None on CPU, which has no streams."""
         return torch.cuda.Stream if self._cuda else None
 
     @property
-    def Event(self):
+    def Event(self):  # noqa: N802 - DeepSpeed's accelerator API
         """``torch.cuda.Event``; None on CPU."""
         return torch.cuda.Event if self._cuda else None
 

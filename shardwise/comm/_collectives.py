@@ -450,7 +450,7 @@ class Communicator:
         )
         reason = str(exc).splitlines()[0][:300] if exc is not None else ""
         if exc is None or "timed out" in reason.lower():
-            cause = "did not complete within %g s" % self.timeout.total_seconds()
+            cause = f"did not complete within {self.timeout.total_seconds():g} s"
         else:
             cause = f"failed: {reason}"
         lines = [f"rank {global_rank} waited in {mine} which {cause}."]
@@ -470,7 +470,7 @@ def _exchange_diagnosis(rank: int, world_size: int, mine: str, *, grace_s: float
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"{_DIAG_PREFIX}/{rank}", mine)
-    except Exception:  # the store may be gone with the dead peer; diagnose without it
+    except Exception:  # noqa: BLE001 - the store may be gone with the dead peer; diagnose without it
         return {}
     found: dict[int, str | None] = {}
     deadline = time.monotonic() + grace_s
@@ -482,6 +482,6 @@ def _exchange_diagnosis(rank: int, world_size: int, mine: str, *, grace_s: float
         try:
             store.wait([key], timedelta(seconds=remaining))
             found[peer] = store.get(key).decode()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a peer that never wrote is reported as silent
             found[peer] = None
     return found

@@ -99,7 +99,7 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         work, done = jobs.get()
         try:
             work.wait()
-        except BaseException as exc:  # handed to the caller's thread, which raises it
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
             done.error = exc
         done.set()
         del work, done  # hold no tensor between waits

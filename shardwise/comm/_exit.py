@@ -147,7 +147,7 @@ def shutdown_at_exit() -> None:
             else:
                 dist.barrier()
         dist.destroy_process_group()
-    except Exception as exc:  # a peer that died already: nothing left to coordinate with
+    except Exception as exc:  # noqa: BLE001 - a peer that died already: nothing left to coordinate with
         logger.debug("process group shutdown at exit: %s", exc)
 
 
@@ -156,11 +156,11 @@ def exit_now(status: int) -> None:
     for handler in logging.getLogger().handlers + logger.handlers:
         try:
             handler.flush()
-        except Exception:  # a closed stream: nothing to flush
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
             pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
             pass
     os._exit(status)

@@ -9,8 +9,9 @@ stream right after the wait (so it passes when the collective has finished; hold
 event rather than the work object keeps no tensor alive), and a daemon thread polls the
 events (a query never blocks). One still running ``timeout`` after it was waited for
 gets the same diagnosis as a blocking wait (see [Note: hang diagnosis]): which
-collective this rank waited in, and what every peer published. The diagnosis is logged and the process ends with exit status 1, as PyTorch's
-own NCCL watchdog ends it, but within ``comm.timeout_s`` and naming the bucket or module.
+collective this rank waited in, and what every peer published. The diagnosis is logged and the
+process ends with exit status 1, as PyTorch's own NCCL watchdog ends it, but within
+``comm.timeout_s`` and naming the bucket or module.
 """
 
 from __future__ import annotations

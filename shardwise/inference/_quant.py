@@ -74,7 +74,7 @@ def quantize_linears(model: nn.Module, *, dtype: torch.dtype, skip: tuple[nn.Mod
         q, scale = quantize_weight(weight, out_dim=out_dim)
         before += weight.numel() * weight.element_size()
         after += q.numel() + scale.numel() * scale.element_size()
-        marks = {k: v for k, v in vars(weight).items()}  # tensor-parallel shard marks
+        marks = dict(vars(weight))  # tensor-parallel shard marks
         module.weight = nn.Parameter(q, requires_grad=False)
         for key, value in marks.items():
             setattr(module.weight, key, value)

@@ -72,7 +72,7 @@ def _cuda_count() -> int:
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
+    except Exception:  # noqa: BLE001 - no usable CUDA build: count no GPUs
         return 0
 
 

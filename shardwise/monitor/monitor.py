@@ -79,7 +79,7 @@ class MonitorMaster(Monitor):
             ("csv_monitor", monitor_config.csv_monitor, csvMonitor),
             ("comet_monitor", monitor_config.comet, CometMonitor),
         )
-        for attribute, section, cls in kinds:
+        for _, section, cls in kinds:
             if section.enabled:
                 cls.check_available()
         if _global_rank() != 0:

@@ -327,7 +327,7 @@ def build_optimizer_swapper(
     try:
         folder = make_swap_dir(nvme_path, key=key, rank=comm.rank, need_bytes=need)
         reserve(folder / "reserved", need, key=key)
-    except Exception as exc:  # any failure here must reach the other ranks, or they would wait forever
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, or they would wait forever
         error = str(exc) if isinstance(exc, SwapPathError) else f"{type(exc).__name__}: {exc} (nvme_path {nvme_path!r})"
     errors = [(rank, e) for rank, e in enumerate(comm.all_gather_object(error)) if e]
     if errors:

@@ -152,7 +152,8 @@ def build_optimizer(config, params) -> torch.optim.Optimizer:
     ``adam`` and ``adamw`` follow DeepSpeed's engine: weight decay is decoupled
     (torch.optim.AdamW) unless the type is ``adam`` with ``adam_w_mode: false``
     (torch.optim.Adam, L2 decay); ``torch_adam`` only changes the default weight decay to
-    torch's. ``lamb`` builds :class:`~shardwise.optim.Lamb`, ``lion`` :class:`~shardwise.optim.Lion`. When every tensor is on CUDA,
+    torch's. ``lamb`` builds :class:`~shardwise.optim.Lamb`, ``lion``
+    :class:`~shardwise.optim.Lion`. When every tensor is on CUDA,
     or every tensor is on the CPU (as with offload_optimizer), Adam/AdamW/SGD/Adagrad use
     torch's fused kernels, otherwise the multi-tensor (foreach) ones, unless ``fused`` or
     ``foreach`` is given. ``onebitadam``, ``zerooneadam`` and ``onebitlamb`` build the 1-bit

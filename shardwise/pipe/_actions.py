@@ -21,7 +21,6 @@ send/receive actions are emitted for them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -151,18 +150,18 @@ class OptimizerStep:
         return "OptimizerStep()"
 
 
-Action = Union[
-    Forward,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    SendActivation,
-    RecvActivation,
-    SendGrad,
-    RecvGrad,
-    ReduceGrads,
-    OptimizerStep,
-]
+Action = (
+    Forward
+    | Backward
+    | BackwardInput
+    | BackwardWeight
+    | SendActivation
+    | RecvActivation
+    | SendGrad
+    | RecvGrad
+    | ReduceGrads
+    | OptimizerStep
+)
 """Any schedule action."""
 
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)

@@ -364,7 +364,7 @@ class PipelineModule(nn.Module):
         from shardwise.comm import Communicator
 
         self._tied_comms = {}
-        for key, (_, (ranks, group)) in self._tied_groups.items():
+        for key, (_, (_ranks, group)) in self._tied_groups.items():
             comm = self._tied_comms[key] = Communicator(group, name=f"tied weight {key}")
             with torch.no_grad():
                 for attr in self.tied_weight_attrs[key]:

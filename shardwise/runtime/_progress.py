@@ -120,9 +120,11 @@ class ProgressReporter:
 
     @contextlib.contextmanager
     def _profiled(self, name: str):
-        with self._flops.phase(name, step=self.engine.global_steps):
-            with self._timed(name) if self.breakdown else contextlib.nullcontext():
-                yield
+        with (
+            self._flops.phase(name, step=self.engine.global_steps),
+            self._timed(name) if self.breakdown else contextlib.nullcontext(),
+        ):
+            yield
         if self._flops.finished:
             self._flops = None  # printed; its hooks are gone and so is its cost
 

@@ -119,7 +119,7 @@ class Engine(DeepSpeedNames, nn.Module):
                 "'optimizer' section; keep only one of them"
             )
         params = model_parameters if model_parameters is not None else self.module.parameters()
-        params = [p for p in params] if not isinstance(params, list) else params
+        params = list(params) if not isinstance(params, list) else params
         if client_optimizer is None and self.train_config.optimizer is None:
             return None
         if isinstance(client_optimizer, torch.optim.Optimizer):

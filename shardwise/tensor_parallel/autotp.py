@@ -243,7 +243,7 @@ class _SameBatchCheck:
         self.handle = None
 
     def __call__(self, module, args, kwargs):
-        tensors = [t for t in _tensors((args, kwargs))]
+        tensors = list(_tensors((args, kwargs)))
         summary = torch.tensor(
             [
                 float(sum(t.numel() for t in tensors)),

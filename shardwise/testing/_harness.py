@@ -52,7 +52,7 @@ def _worker(fn, rank: int, world_size: int, init_file: str, collective_timeout_s
         # plain pickle copies tensor data; the queue's default would share memory with a
         # process that is about to exit
         results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
         # Report before tearing down: destroying a group with a stuck collective blocks.
         results.put((rank, "error", traceback.format_exc()))
         return

@@ -16,7 +16,7 @@ def _version(module: str) -> str | None:
         return None
     try:
         return getattr(importlib.import_module(module), "__version__", "installed")
-    except Exception as exc:  # a broken install is worth reporting, not crashing on
+    except Exception as exc:  # noqa: BLE001 - a broken install is worth reporting, not crashing on
         return f"broken ({type(exc).__name__}: {exc})"
 
 

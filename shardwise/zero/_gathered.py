@@ -10,7 +10,7 @@ from shardwise.zero._init import gather_init_params, init_shard, release_init_pa
 
 
 @contextlib.contextmanager
-def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):  # noqa: N802
     """Make partitioned (stage 3) parameters whole inside the ``with`` block.
 
     Collective: every rank must enter it with the same parameters. Outside stage 3

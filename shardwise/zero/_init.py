@@ -276,7 +276,7 @@ class Init:
             original = cls.__dict__["__init__"]
 
             @functools.wraps(original)
-            def __init__(module, *args, **kwargs):
+            def __init__(module, *args, **kwargs):  # noqa: N807 - replaces the class's __init__
                 depth = module.__dict__.get("_shardwise_init_depth", 0)
                 module.__dict__["_shardwise_init_depth"] = depth + 1
                 try:
@@ -296,7 +296,7 @@ class Init:
                 wrap(cls)
         original_init_subclass = nn.Module.__dict__.get("__init_subclass__")
 
-        def __init_subclass__(cls, **kwargs):  # classes defined inside the context
+        def __init_subclass__(cls, **kwargs):  # noqa: N807 - classes defined inside the context
             super(nn.Module, cls).__init_subclass__(**kwargs)
             if "__init__" in cls.__dict__:
                 wrap(cls)
@@ -384,7 +384,7 @@ def load_state_dict(module: nn.Module, state_dict: dict | None, *, strict: bool 
     problems: list[str] = []
     for prefix, sub in module.named_modules():
         prefix = f"{prefix}." if prefix else ""
-        own = [p for p in sub.parameters(recurse=False)]
+        own = list(sub.parameters(recurse=False))
         names = [prefix + n for n, _ in sub.named_parameters(recurse=False)]
         buffers = [
             (prefix + n, b) for n, b in sub.named_buffers(recurse=False) if n not in sub._non_persistent_buffers_set

@@ -293,7 +293,7 @@ class ZeroOneAdam(CompressedOptimizer):
         accumulated = [p.detach() - state["param_at_sync"] * state["decay"] for _, p, state, _ in work]
         torch._foreach_mul_(accumulated, [denom for _, denom in denoms])
         self._balanced_average_(work, accumulated, tag="accumulated update")
-        for (group, p, state, _), (c1, denom), update in zip(work, denoms, accumulated):
+        for (_, p, state, _), (c1, denom), update in zip(work, denoms, accumulated):
             lrs = state["lrs"]
             if lrs > 0:
                 # the lr-weighted mean of the corrected momenta, stored uncorrected

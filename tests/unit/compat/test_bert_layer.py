@@ -110,7 +110,7 @@ def test_matches_a_hand_written_bert_layer(pre_layer_norm):
     torch.manual_seed(0)
     layer = DeepSpeedTransformerLayer(_config(pre_layer_norm=pre_layer_norm)).double().eval()
     with torch.no_grad():  # non-trivial norms and biases, so each is checked in its place
-        for name, param in layer.named_parameters():
+        for param in layer.parameters():
             param.add_(torch.randn_like(param) * 0.3)
     x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64)
     mask = _padding_mask()

@@ -54,7 +54,7 @@ def _run_ranks(logits, target, label_smoothing):
             loss = vocab_parallel_cross_entropy(chunk, target, _ThreadRank(group, rank), label_smoothing)
             loss.sum().backward()
             results[rank] = (loss.detach(), chunk.grad)
-        except BaseException as exc:  # reported by the test's thread
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
             errors.append(exc)
             group.barrier.abort()
 
