@@ -17,7 +17,7 @@ Hugging Face checks ``importlib.metadata.version("deepspeed")`` against minimum 
 versions (``deepspeed>=0.9.3``, ``>=0.14.4``, ...). The alias distribution reports
 ``DEEPSPEED_API_VERSION`` (the DeepSpeed release whose API and config schema shardwise
 follows) with shardwise's version as a PEP 440 local label, e.g.
-``0.19.6+shardwise.0.1.0``: version checks compare as against that DeepSpeed release,
+``0.19.8+shardwise.0.1.0``: version checks compare as against that DeepSpeed release,
 and the label says what is really installed. ``deepspeed.__version__`` is the module
 attribute ``shardwise.__version__`` (one module object), not this string.
 """
@@ -33,7 +33,7 @@ import pathlib
 import re
 import sys
 
-DEEPSPEED_API_VERSION = "0.19.6"
+DEEPSPEED_API_VERSION = "0.19.8"
 """The DeepSpeed release whose API shardwise follows; see [Note: the alias's distribution version]."""
 
 _ALIAS, _TARGET = "deepspeed", "shardwise"
