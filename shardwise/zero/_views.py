@@ -6,8 +6,8 @@ apart from the step lifecycle the strategies implement. A strategy holds its vie
 :class:`ShardedViews` reads the layout stages 1 to 3 share (``ShardedBucket``: a flat
 buffer per bucket or unit, each rank's shard the ``shard`` elements from ``rank * shard``)
 and the strategy's gatherer; :class:`Stage3Views` differs only where stage 3's
-parameters are not whole (the module's state is gathered a unit at a time, and its
-shards come from the fp32 masters). :class:`Stage0Views` reads stage 0's replicated
+parameters are not whole (the module's state is gathered a unit at a time, and is
+loaded into the shards). :class:`Stage0Views` reads stage 0's replicated
 layout.
 """
 
@@ -212,9 +212,10 @@ class ShardedViews:
 
     @contextlib.contextmanager
     def module_shards(self, bucket: int) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's slice of bucket ``bucket``'s parameters (they are whole here)."""
-        b = self.strategy.buckets[bucket]
-        yield {PARAM_KEY: b.local(b.flat_param, self.strategy.comm.rank)}
+        """This rank's shard of bucket ``bucket``'s parameters in their training dtype (where
+        it lives is the gatherer's answer: a slice of the whole parameters at stages 1-2, the
+        fp32 master at stage 3)."""
+        yield {PARAM_KEY: self.strategy.gatherer.param_shard(self.strategy.buckets[bucket])}
 
     def load_optimizer_state_by_name(self, saved: dict) -> None:
         """Cut this rank's shards out of a named optimizer state (from any stage or world
@@ -389,17 +390,6 @@ class Stage3Views(ShardedViews):
             yield {key: p.detach() for p in unit.params for key in keys_of.get(id(p), [])}
             if not was_gathered:
                 self.strategy.gatherer.reshard(unit, force=True)
-
-    @contextlib.contextmanager
-    def module_shards(self, bucket: int):
-        """This rank's shard of a unit's parameters in their training dtype, from its fp32
-        shard (read from its swap file when there)."""
-        unit = self.strategy.buckets[bucket]
-        if self.strategy.swapper is not None and self.strategy.swapper.master_swapped(unit.index):
-            shard = self.strategy.swapper.read_master(unit.index).result()
-        else:
-            shard = unit.master.detach()
-        yield {PARAM_KEY: shard.to(unit.flat_param.dtype)}
 
     def load_module_state_dict(self, state: dict, *, strict: bool):
         """Load full weights into the shards a unit at a time: each rank copies out of the
