@@ -153,7 +153,7 @@ def block_key(key: str, name: str) -> str:
 
 def block_groups(blocks: list[ShardBlock], open_shards, splits: dict[str, TensorSplit]) -> list[PartGroup]:
     """One group per ZeRO bucket; ``open_shards(bucket)`` yields this rank's shards by
-    block key (``strategy.module_shards`` / ``optimizer_shards``)."""
+    block key (``strategy.views.module_shards`` / ``optimizer_shards``)."""
     by_bucket: dict[int, list[ShardBlock]] = {}
     for block in blocks:
         by_bucket.setdefault(block.bucket, []).append(block)

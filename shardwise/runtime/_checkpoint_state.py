@@ -6,7 +6,8 @@ Scheduler, loss scaler, counters, RNG and client state are whole on every rank a
 plain ``state_dict`` / ``load_state_dict``. The module and the optimizer are held as the
 ZeRO strategy shards them, so their parts also give the strategy's checkpoint views
 (what every rank holds alike, the ZeRO blocks, a bucket's shards): ``ModuleState`` and
-``OptimizerState`` are the one place checkpoint code calls the strategy.
+``OptimizerState`` hold the strategy's ``views`` (``ZeroViews``) and are the one place
+checkpoint code calls them.
 """
 
 from __future__ import annotations
@@ -24,35 +25,35 @@ from shardwise.zero._strategy import ShardBlock
 
 
 class ModuleState:
-    """The module's state as the ZeRO strategy holds it."""
+    """The module's state as the ZeRO strategy holds it, read through its ``views``."""
 
-    def __init__(self, strategy, *, param_dtype: torch.dtype):
-        self._strategy = strategy
+    def __init__(self, views, *, param_dtype: torch.dtype):
+        self._views = views
         self.param_dtype = param_dtype
         """The dtype the module trains in (the manifest records it)."""
 
     def replicated(self) -> dict:
         """The entries every data rank holds alike (outside ZeRO buckets), by state-dict key."""
-        return self._strategy.module_state_replicated()
+        return self._views.module_state_replicated()
 
     def blocks(self) -> list[ShardBlock]:
-        return self._strategy.module_state_blocks()
+        return self._views.module_state_blocks()
 
     def shards(self, bucket: int) -> AbstractContextManager[dict[str, torch.Tensor]]:
         """This rank's shards of ``bucket``, by block key."""
-        return self._strategy.module_shards(bucket)
+        return self._views.module_shards(bucket)
 
     def pieces(self) -> Iterator[dict[str, torch.Tensor]]:
         """The full state dict a piece at a time (collective at stage 3: one unit gathered at a time)."""
-        return self._strategy.module_state_pieces()
+        return self._views.module_state_pieces()
 
     def state_dict(self) -> dict:
         """This rank's full state dict (collective at stage 3)."""
-        return self._strategy.module_state_dict()
+        return self._views.module_state_dict()
 
     def load_state_dict(self, state: dict, *, strict: bool):
         """Load full tensors (tensor-parallel slices already cut); torch's result."""
-        return self._strategy.load_module_state_dict(state, strict=strict)
+        return self._views.load_module_state_dict(state, strict=strict)
 
 
 class OptimizerState:
@@ -60,23 +61,23 @@ class OptimizerState:
     state that differs between ranks (``rank_state_dict``: the 1-bit optimizers' error
     buffers) for an optimizer that has some."""
 
-    def __init__(self, strategy, optimizer):
-        self._strategy = strategy
+    def __init__(self, views, optimizer):
+        self._views = views
         self._optimizer = optimizer
 
     def replicated(self) -> dict:
         """The named state with the ZeRO-sharded tensors left out (a new dict)."""
-        return self._strategy.optimizer_state_replicated()
+        return self._views.optimizer_state_replicated()
 
     def blocks(self) -> list[ShardBlock]:
-        return self._strategy.optimizer_state_blocks()
+        return self._views.optimizer_state_blocks()
 
     def shards(self, bucket: int) -> AbstractContextManager[dict[str, torch.Tensor]]:
-        return self._strategy.optimizer_shards(bucket)
+        return self._views.optimizer_shards(bucket)
 
     def load_state_dict(self, named: dict) -> None:
         """Load the whole named state (tensor-parallel slices already cut, this stage's only)."""
-        self._strategy.load_optimizer_state_by_name(named)
+        self._views.load_optimizer_state_by_name(named)
 
     @property
     def has_rank_state(self) -> bool:

@@ -188,7 +188,7 @@ class DeepSpeedNames:
         rank0 = self.global_rank == 0
         first_key: dict[int, str] = {}
         consolidated = {}
-        for piece in self.strategy.module_state_pieces():  # every rank takes every piece
+        for piece in self.strategy.views.module_state_pieces():  # every rank takes every piece
             for key, tensor in piece.items() if rank0 else ():
                 if key in frozen:
                     continue

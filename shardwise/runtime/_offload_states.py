@@ -61,7 +61,7 @@ class StateOffloader:
         seen = {m.storage.data_ptr() for m in self.moved}
         pin = pin_memory and self.compute_device.type == "cuda"
         for kind in _kinds(include):
-            for tensor in self.strategy.state_tensors(kind):
+            for tensor in self.strategy.views.state_tensors(kind):
                 storage = tensor.untyped_storage()
                 if storage.nbytes() == 0 or storage.data_ptr() in seen or self._stays(storage):
                     continue

@@ -270,7 +270,7 @@ class Engine(DeepSpeedNames, nn.Module):
 
     def model_state_bytes(self) -> ModelStateBytes:
         """Exact bytes of parameters, gradients, master weights and optimizer state here."""
-        return self.strategy.model_state_bytes()
+        return self.strategy.views.model_state_bytes()
 
     @property
     def global_rank(self) -> int:
@@ -355,9 +355,9 @@ class Engine(DeepSpeedNames, nn.Module):
 
     def _stateful(self, client_state: dict | None = None) -> Stateful:
         """What a checkpoint saves and restores (see ``runtime/_checkpoint_state.py``)."""
-        optimizer = OptimizerState(self.strategy, self.optimizer) if self.optimizer is not None else None
+        optimizer = OptimizerState(self.strategy.views, self.optimizer) if self.optimizer is not None else None
         return Stateful(
-            ModuleState(self.strategy, param_dtype=self.policy.param_dtype),
+            ModuleState(self.strategy.views, param_dtype=self.policy.param_dtype),
             optimizer,
             self.lr_scheduler,
             self.loss_scaler,
@@ -384,7 +384,7 @@ class Engine(DeepSpeedNames, nn.Module):
         tensor parallelism, whose slices are gathered into the full tensors, as in the model
         without it)."""
         del destination, keep_vars
-        state = _full_state.full_module_state(self.strategy.module_state_dict(), self._placement())
+        state = _full_state.full_module_state(self.strategy.views.module_state_dict(), self._placement())
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
@@ -407,7 +407,7 @@ class Engine(DeepSpeedNames, nn.Module):
         None, as DeepSpeed's does."""
         state = _checkpointing.module_state_for_layout(checkpoint["module"], self._placement())
         if custom_load_fn is None:
-            result = self.strategy.load_module_state_dict(state, strict=strict and allowed_missing_keys is None)
+            result = self.strategy.views.load_module_state_dict(state, strict=strict and allowed_missing_keys is None)
             unexpected_missing = set(result.missing_keys) - set(allowed_missing_keys or ())
             if strict and allowed_missing_keys is not None and (unexpected_missing or result.unexpected_keys):
                 raise RuntimeError(
@@ -426,7 +426,7 @@ class Engine(DeepSpeedNames, nn.Module):
         )
         with GatheredParameters(fetch, modifier_rank=0):
             custom_load_fn(src=state, dst=self.module)
-        self.strategy.reset_master_from_params()
+        self.strategy.views.reset_master_from_params()
         return None
 
     # -- moving state off the device ------------------------------------------------------

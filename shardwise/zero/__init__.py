@@ -14,7 +14,9 @@ Glossary (used with these meanings throughout the package):
   (``_gatherer.py``: every bucket after the step at stages 1-2, each unit around its
   module's forward and backward at stage 3).
 
-Stages are implementations of :class:`ZeroStrategy`; the engine calls only that interface.
+Stages are implementations of :class:`ZeroStrategy` (the step) and hold their state and
+checkpoint views as ``strategy.views`` (:class:`ZeroViews`, ``_views.py``); the engine calls
+only those interfaces.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from shardwise.zero._param_state import (
 from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._stage0 import Stage0Strategy
 from shardwise.zero._stage3 import Stage3Strategy
-from shardwise.zero._strategy import ModelParallel, ModelStateBytes, StepResult, ZeroStrategy
+from shardwise.zero._strategy import ModelParallel, ModelStateBytes, StepResult, ZeroStrategy, ZeroViews
 
 logger = logging.getLogger("shardwise")
 
@@ -58,6 +60,7 @@ __all__ = [
     "Stage3Strategy",
     "StepResult",
     "ZeroStrategy",
+    "ZeroViews",
     "build_strategy",
     "get_z3_leaf_modules",
     "register_external_parameter",

@@ -73,6 +73,11 @@ class BucketGatherer:
         """Buckets whose masters never go to swap files."""
         return frozenset()
 
+    def param_shard(self, bucket: ShardedBucket) -> torch.Tensor:
+        """This rank's shard of ``bucket``'s parameters in their training dtype: its slice
+        of the whole parameters."""
+        return bucket.local(bucket.flat_param, self.strategy.comm.rank)
+
     def grad_ready(self, param: nn.Parameter) -> None:
         """Nothing: the parameters stay whole."""
 
@@ -401,6 +406,16 @@ class UnitGatherer:
                 budget -= unit.master.numel()
                 pinned.add(unit.index)
         return frozenset(pinned)
+
+    def param_shard(self, unit: Stage3Unit) -> torch.Tensor:
+        """This rank's shard of ``unit``'s parameters in their training dtype, from its fp32
+        master (read from its swap file when there)."""
+        swapper = self.strategy.swapper
+        if swapper is not None and swapper.master_swapped(unit.index):
+            shard = swapper.read_master(unit.index).result()
+        else:
+            shard = unit.master.detach()
+        return shard.to(unit.flat_param.dtype)
 
     def copy_masters_to_params(self, units) -> None:
         """Nothing to copy: units are gathered from the masters when used."""

@@ -3,7 +3,7 @@ DeepSpeed's ``safe_get_full_*`` / ``safe_set_full_*`` / ``safe_*_local_*`` funct
 
 Each trainable parameter points to the strategy that holds its state
 (``param._shardwise_strategy``, a weakref set by every stage); the strategy does the
-work (see ``ZeroStrategy.full_param_state``). The ``full`` functions are collective at
+work (see ``ZeroViews.full_param_state``). The ``full`` functions are collective at
 stages 1-3 (the state is gathered from every rank's shard): call them on every rank with
 the same parameter. A parameter no engine trains gives None, as in DeepSpeed.
 """
@@ -24,7 +24,7 @@ def _get(param, key: str, *, local: bool) -> torch.Tensor | None:
     strategy = _strategy(param)
     if strategy is None:
         return None
-    return strategy.local_param_state(param, key) if local else strategy.full_param_state(param, key)
+    return strategy.views.local_param_state(param, key) if local else strategy.views.full_param_state(param, key)
 
 
 def _set(param, value: torch.Tensor, key: str, *, local: bool) -> None:
@@ -34,7 +34,7 @@ def _set(param, value: torch.Tensor, key: str, *, local: bool) -> None:
             "this parameter is not trained by a shardwise engine; "
             "pass a parameter of the model given to shardwise.initialize()"
         )
-    strategy.set_param_state(param, key, value, local=local)
+    strategy.views.set_param_state(param, key, value, local=local)
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:

@@ -23,7 +23,6 @@ import collections
 import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -31,22 +30,17 @@ from torch import nn
 from shardwise.comm import Communicator
 from shardwise.offload import HostCopies
 from shardwise.precision import PrecisionPolicy
-from shardwise.zero._bucket import ShardedBucket, master_is_copy, same_storage
+from shardwise.zero._bucket import ShardedBucket, same_storage
 from shardwise.zero._gatherer import BucketGatherer
-from shardwise.zero._named_state import check_groups
 from shardwise.zero._partition import partition
-from shardwise.zero._stage0 import broadcast_module_state, optimizer_state_bytes, optimizer_state_tensors
+from shardwise.zero._stage0 import broadcast_module_state
 from shardwise.zero._strategy import (
-    GRAD_KEY,
-    MASTER_KEY,
-    PARAM_KEY,
     ModelParallel,
-    ModelStateBytes,
-    ShardBlock,
     StepResult,
     clip_by_total_norm_,
     no_timer,
 )
+from shardwise.zero._views import ShardedViews
 
 _MAX_IN_FLIGHT = 2
 
@@ -102,6 +96,8 @@ class ShardedStrategy:
         self.gatherer = BucketGatherer(self)
         """When parameters are gathered and where the shards live (stage 3 holds a
         ``UnitGatherer`` instead)."""
+        self.views = ShardedViews(self)
+        """The state and checkpoint views (``ZeroViews``; stage 3 holds ``Stage3Views``)."""
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
         broadcast_module_state(module, comm)
@@ -432,306 +428,11 @@ class ShardedStrategy:
         with self.swapper.resident([b.index for b in buckets]):
             yield
 
-    def sync_params_from_master(self) -> None:
-        """Bring the parameters in line with the masters (see the gatherer's)."""
-        self.gatherer.sync_params_from_master()
-
-    def module_state_dict(self) -> dict:
-        """The module's full state dict (parameters are whole on every rank here)."""
-        return self.module.state_dict()
-
-    def load_module_state_dict(self, state: dict, *, strict: bool):
-        """Load full weights into the module and refresh the master copies."""
-        result = self.module.load_state_dict(state, strict=strict)
-        self.reset_master_from_params()
-        return result
-
-    def reset_master_from_params(self) -> None:
-        """Bring the masters in line with the parameters (see the gatherer's)."""
-        self.gatherer.reset_master_from_params()
-
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.grad_shard.zero_()
             if bucket.grad_full is not None:
                 bucket.grad_full.zero_()
-
-    def model_state_bytes(self) -> ModelStateBytes:
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-
-        untouched = [p for p in self.module.parameters() if p not in self._bucket_of]
-        params = sum(size(b.flat_param) for b in self.buckets) + sum(size(p) for p in untouched)
-        grads = sum(size(b.grad_full) for b in self.buckets)
-        grads += sum(
-            size(b.grad_shard)
-            for b in self.buckets
-            if b.grad_full is None or not same_storage(b.grad_shard, b.grad_full)
-        )
-        master = sum(size(b.master) for b in self.buckets if master_is_copy(b))
-        return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
-
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def _gather(self, bucket: ShardedBucket, shard: torch.Tensor) -> torch.Tensor:
-        device = bucket.flat_param.device  # where collectives run (shards may be offloaded)
-        full = torch.empty(bucket.padded, dtype=shard.dtype, device=device)
-        self.comm.all_gather_into_tensor(full, shard.to(device).contiguous(), tag="checkpoint gather").wait()
-        return full
-
-    def optimizer_state_by_name(self) -> dict:
-        """Gather the sharded optimizer state into full tensors per parameter name (collective;
-        every rank gets all of it: checkpoints use the blocks below instead)."""
-        state: dict[str, dict] = {}
-        master: dict[str, torch.Tensor] = {}
-        for bucket in self.buckets:
-            with self._resident([bucket]):
-                per_key = {}
-                held = self.optimizer.state.get(bucket.master, {})
-                for key, value in sorted(held.items()):  # one collective per key: same order on every rank
-                    per_key[key] = self._gather(bucket, value) if self._is_shard_state(bucket, key, value) else value
-                full_master = self._gather(bucket, bucket.master.detach()) if self.policy.needs_master_copy else None
-            for p, off, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
-                name = self.names[p]
-                state[name] = {
-                    k: (
-                        v[off : off + shape.numel()].view(shape).clone()
-                        if isinstance(v, torch.Tensor) and v.numel() == bucket.padded
-                        else v
-                    )
-                    for k, v in per_key.items()
-                }
-                if full_master is not None:
-                    master[name] = full_master[off : off + shape.numel()].view(shape).clone()
-        replicated = self.optimizer_state_replicated()
-        return {
-            "state": {n: s for n, s in state.items() if s},
-            "param_groups": replicated["param_groups"],
-            "master": master,
-        }
-
-    @staticmethod
-    def _is_shard_state(bucket: ShardedBucket, key: str, value) -> bool:
-        """Whether an optimizer state value is this rank's shard of a per-element tensor."""
-        return key != "step" and isinstance(value, torch.Tensor) and value.numel() == bucket.shard
-
-    def optimizer_state_replicated(self) -> dict:
-        """The part of the named optimizer state that every rank holds alike: the parameter
-        groups and the per-bucket scalars (``step``). The shards are in
-        ``optimizer_state_blocks``."""
-        state: dict[str, dict] = {}
-        for bucket in self.buckets:
-            held = self.optimizer.state.get(bucket.master, {})
-            small = {k: v for k, v in held.items() if not self._is_shard_state(bucket, k, v)}
-            if small:
-                state.update({self.names[p]: dict(small) for p in bucket.params})
-        groups = [
-            {**options, "params": [self.names[p] for b in self.buckets if b.group == g for p in b.params]}
-            for g, options in enumerate(self._optimizer_group_options())
-        ]
-        return {"state": state, "param_groups": groups, "master": {}}
-
-    def optimizer_state_blocks(self) -> list[ShardBlock]:
-        """Every sharded optimizer tensor, bucket by bucket, keys sorted (the same list on
-        every rank; swapped-out state is described from its swap records, not read)."""
-        blocks = []
-        for bucket in self.buckets:
-            held = self.optimizer.state.get(bucket.master, {})
-            dtypes = {k: v.dtype for k, v in held.items() if self._is_shard_state(bucket, k, v)}
-            if self.swapper is not None:
-                dtypes.update(self.swapper.swapped_state_dtypes(bucket.index))
-            if self.policy.needs_master_copy:
-                dtypes[MASTER_KEY] = torch.float32
-            names = tuple(self.names[p] for p in bucket.params)
-            blocks += [
-                ShardBlock(bucket.index, key, dtype, names, tuple(bucket.shapes), bucket.padded, bucket.shard)
-                for key, dtype in sorted(dtypes.items())
-            ]
-        return blocks
-
-    @contextlib.contextmanager
-    def optimizer_shards(self, bucket: int) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's shards of bucket ``bucket``'s optimizer state (and fp32 master, under
-        ``MASTER_KEY``), in memory for the block."""
-        b = self.buckets[bucket]
-        with self._resident([b]):
-            held = self.optimizer.state.get(b.master, {})
-            shards = {k: v for k, v in held.items() if self._is_shard_state(b, k, v)}
-            if self.policy.needs_master_copy:
-                shards[MASTER_KEY] = b.master.detach()
-            yield shards
-
-    def _optimizer_group_options(self) -> list[dict]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-
-    def module_state_replicated(self) -> dict:
-        """State-dict entries no bucket covers (buffers, parameters outside the buckets):
-        every rank holds them alike. The bucketed parameters are in ``module_state_blocks``."""
-        bucketed = {id(p) for p in self._bucket_of}
-        return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items() if id(v) not in bucketed}
-
-    def module_state_pieces(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The state dict in pieces whose tensors are valid until the next piece (collective
-        at stage 3, which gathers a unit per piece); here one piece, parameters being whole."""
-        yield self.module.state_dict()
-
-    def module_state_blocks(self) -> list[ShardBlock]:
-        """Each bucket's parameters in their training dtype, named by ``named_parameters``."""
-        return [
-            ShardBlock(
-                b.index,
-                PARAM_KEY,
-                b.flat_param.dtype,
-                tuple(self.names[p] for p in b.params),
-                tuple(b.shapes),
-                b.padded,
-                b.shard,
-            )
-            for b in self.buckets
-        ]
-
-    @contextlib.contextmanager
-    def module_shards(self, bucket: int) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's slice of bucket ``bucket``'s parameters (they are whole here)."""
-        b = self.buckets[bucket]
-        yield {PARAM_KEY: b.local(b.flat_param, self.comm.rank)}
-
-    def load_optimizer_state_by_name(self, saved: dict) -> None:
-        """Cut this rank's shards out of a named optimizer state (from any stage or world
-        size). With nvme offload each bucket's state goes to its swap files before the next
-        bucket's is cut, so the rank's whole state is never in memory at once."""
-        check_groups(saved, self.optimizer, set(self.names.values()))
-        index = {id(b.master): i for i, b in enumerate(self.buckets)}
-        masters = saved.get("master", {})
-        groups = [
-            {**saved_group, "params": [index[id(p)] for p in group["params"]]}
-            for saved_group, group in zip(saved["param_groups"], self.optimizer.param_groups)
-        ]
-        state: dict[int, dict] = {}
-        for bucket in self.buckets:
-            if self.policy.needs_master_copy and all(self.names[p] in masters for p in bucket.params):
-                with torch.no_grad(), self._resident([bucket]):
-                    bucket.master.copy_(
-                        self._local_slice(bucket, [masters[self.names[p]] for p in bucket.params], torch.float32)
-                    )
-            entry = self._saved_entry(bucket, saved["state"])
-            if self.swapper is None:
-                if entry:
-                    state[index[id(bucket.master)]] = entry
-                continue
-            # what stays in memory (``step``) through the optimizer's own loading; the rest
-            # straight to the swap files
-            swapped = {
-                k: v.to(torch.float32) for k, v in entry.items() if self._is_shard_state(bucket, k, v) and v.numel() > 1
-            }
-            kept = {k: v for k, v in entry.items() if k not in swapped}
-            if kept:
-                state[index[id(bucket.master)]] = kept
-            self.swapper.replace_state(bucket.index, swapped)
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        self.sync_params_from_master()
-
-    def _saved_entry(self, bucket: ShardedBucket, saved_state: dict) -> dict:
-        """This rank's shard of the saved optimizer state of ``bucket``'s parameters."""
-        named = [saved_state.get(self.names[p], {}) for p in bucket.params]
-        entry = {}
-        for key in set().union(*named):
-            values = [s.get(key) for s in named]
-            first = next(v for v in values if v is not None)
-            if key == "step" or not isinstance(first, torch.Tensor):
-                entry[key] = first
-            else:
-                entry[key] = self._local_slice(bucket, values, first.dtype)
-        return entry
-
-    def _local_slice(self, bucket: ShardedBucket, values, dtype) -> torch.Tensor:
-        """This rank's shard of ``bucket`` cut from full per-parameter ``values`` (None: zeros),
-        copying only the overlapping ranges (a mapped checkpoint file is read only there)."""
-        out = torch.zeros(bucket.shard, dtype=dtype, device=bucket.master.device)
-        low, high = self.comm.rank * bucket.shard, (self.comm.rank + 1) * bucket.shard
-        for shape, off, value in zip(bucket.shapes, bucket.offsets, values):
-            start, end = max(off, low), min(off + shape.numel(), high)
-            if value is not None and start < end:
-                out[start - low : end - low].copy_(value.reshape(-1)[start - off : end - off])
-        return out
-
-    # -- one parameter's state (see ZeroStrategy) -----------------------------------------------
-
-    def _state_shard(self, bucket: ShardedBucket, key: str) -> torch.Tensor | None:
-        """This rank's shard of ``key`` for ``bucket`` (call inside ``_resident``)."""
-        if key == MASTER_KEY:
-            return bucket.master.detach()
-        if key == GRAD_KEY:
-            self._zero_new_grads()
-            return bucket.grad_shard
-        value = self.optimizer.state.get(bucket.master, {}).get(key) if self.optimizer is not None else None
-        return value if self._is_shard_state(bucket, key, value) else None
-
-    def _overlap(self, bucket: ShardedBucket, param: nn.Parameter) -> tuple[int, int, int, torch.Size]:
-        """``(param offset, start, end)`` of the part of ``param`` in this rank's shard, and its shape."""
-        index = next(i for i, p in enumerate(bucket.params) if p is param)
-        off, shape = bucket.offsets[index], bucket.shapes[index]
-        low, high = self.comm.rank * bucket.shard, (self.comm.rank + 1) * bucket.shard
-        start, end = max(off, low), min(off + shape.numel(), high)
-        return off, start, max(start, end), shape
-
-    def full_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
-        """The whole tensor of ``key`` for ``param`` (see ZeroStrategy); collective."""
-        self._ensure_layout()
-        bucket = self._bucket_of.get(param)
-        if bucket is None:
-            return None
-        with self._resident([bucket]):
-            shard = self._state_shard(bucket, key)
-            full = None if shard is None else self._gather(bucket, shard)
-        if full is None:
-            return None
-        off, _, _, shape = self._overlap(bucket, param)
-        return full[off : off + shape.numel()].view(shape).clone()
-
-    def local_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
-        """The part of ``param``'s ``key`` in this rank's shard, flattened (maybe empty)."""
-        self._ensure_layout()
-        bucket = self._bucket_of.get(param)
-        if bucket is None:
-            return None
-        _, start, end, _ = self._overlap(bucket, param)
-        low = self.comm.rank * bucket.shard
-        with self._resident([bucket]):
-            shard = self._state_shard(bucket, key)
-            return None if shard is None else shard[start - low : end - low].clone()
-
-    def set_param_state(self, param: nn.Parameter, key: str, value: torch.Tensor, *, local: bool) -> None:
-        """Write ``value`` (whole, or this rank's part when ``local``) into ``param``'s
-        ``key``; a new master also updates the parameters (collective then)."""
-        self._ensure_layout()
-        bucket = self._bucket_of.get(param)
-        if bucket is None:
-            raise ValueError(f"parameter {self.names.get(param, '?')} is not trained by this ZeRO strategy")
-        off, start, end, _ = self._overlap(bucket, param)
-        low = self.comm.rank * bucket.shard
-        part = value.reshape(-1) if local else value.reshape(-1)[start - off : end - off]
-        with torch.no_grad(), self._resident([bucket]):
-            shard = self._state_shard(bucket, key)
-            if shard is None:
-                raise KeyError(f"the optimizer holds no state {key!r} for this parameter")
-            shard[start - low : end - low].copy_(part)
-            if key == MASTER_KEY:
-                self.gatherer.copy_masters_to_params([bucket])
-        if key == MASTER_KEY:
-            self.gatherer.gather_params()
-
-    def state_tensors(self, kind: str) -> list[torch.Tensor]:
-        """The tensors holding ``kind`` of state (see ZeroStrategy)."""
-        self._ensure_layout()
-        tensors = {
-            "optim_states": optimizer_state_tensors(self.optimizer),
-            "hp_params": [b.master for b in self.buckets if master_is_copy(b)],
-            "lp_params": [b.flat_param for b in self.buckets],
-            "lp_grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard) if t is not None],
-            "contiguous_grad_buffer": [b.staging for b in self.buckets if b.staging is not None],
-        }
-        return tensors[kind]
 
     def release_gathered(self) -> None:
         """Free parameters held gathered beyond their use (see the gatherer's)."""

@@ -24,17 +24,14 @@ from torch import nn
 
 from shardwise.comm import Communicator, Handle
 from shardwise.precision import PrecisionPolicy
-from shardwise.zero._named_state import load_per_param_state_by_name, per_param_state_by_name
 from shardwise.zero._strategy import (
-    GRAD_KEY,
-    MASTER_KEY,
     ModelParallel,
-    ModelStateBytes,
     StepResult,
     clip_by_total_norm_,
     is_tensor_parallel,
     no_timer,
 )
+from shardwise.zero._views import Stage0Views
 
 logger = logging.getLogger(__name__)
 
@@ -50,26 +47,6 @@ class _AllReduceBucket:
     ready: set[int] = field(default_factory=set)
     handle: Handle | None = None
     launched: bool = False
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    if optimizer is None:
-        return 0
-    return sum(
-        v.numel() * v.element_size()
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    )
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """The optimizer's per-element state tensors (not its scalar ``step`` counters)."""
-    if optimizer is None:
-        return []
-    return [
-        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1
-    ]
 
 
 def broadcast_module_state(module: nn.Module, comm: Communicator) -> None:
@@ -133,6 +110,8 @@ class Stage0Strategy:
         exchanges data itself (see [Note: optimizers that exchange data themselves] in
         ``optim/onebit/_base.py``)."""
         self._next_launch = 0
+        self.views = Stage0Views(self)
+        """The state and checkpoint views (``ZeroViews``)."""
         self._attach_grad_views()
         for p in self.trainable:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -212,43 +191,6 @@ class Stage0Strategy:
         if self.model_parallel.tensor > 1 and not is_tensor_parallel(param):
             return "tensor-replicated"
         return "own"
-
-    def named_optimizer_params(self) -> dict[torch.Tensor, str]:
-        """The tensor the optimizer updates for each parameter, keyed to its module name."""
-        return {self._master.get(p, p): name for name, p in self.module.named_parameters() if p.requires_grad}
-
-    def optimizer_state_by_name(self) -> dict:
-        """The optimizer state keyed by parameter name (see ``_named_state``)."""
-        return per_param_state_by_name(self.optimizer, self.named_optimizer_params(), masters=bool(self._master))
-
-    def optimizer_state_replicated(self) -> dict:
-        """All of the named optimizer state: every rank holds all of it at stage 0."""
-        return self.optimizer_state_by_name()
-
-    def optimizer_state_blocks(self) -> list:
-        """None: nothing is sharded at stage 0."""
-        return []
-
-    def optimizer_shards(self, bucket: int):
-        raise RuntimeError("stage 0 has no optimizer shards")
-
-    def module_state_replicated(self) -> dict:
-        """The whole state dict: every rank holds all of it at stage 0."""
-        return self.module_state_dict()
-
-    def module_state_blocks(self) -> list:
-        return []
-
-    def module_state_pieces(self):
-        """The state dict in one piece (parameters are whole here)."""
-        yield self.module.state_dict()
-
-    def module_shards(self, bucket: int):
-        raise RuntimeError("stage 0 has no parameter shards")
-
-    def load_optimizer_state_by_name(self, saved: dict) -> None:
-        load_per_param_state_by_name(self.optimizer, self.named_optimizer_params(), saved)
-        self.sync_params_from_master()
 
     # -- backward -----------------------------------------------------------------------
 
@@ -339,85 +281,13 @@ class Stage0Strategy:
         if max_grad_norm > 0:
             clip_by_total_norm_(grads, max_grad_norm, norm_value)
         self.optimizer.step()
-        self.sync_params_from_master()
+        self.views.sync_params_from_master()
         self.zero_grad()
         return StepResult(True, norm_value)
-
-    def sync_params_from_master(self) -> None:
-        """Copy the fp32 master weights into the low-precision module parameters."""
-        if self._master:
-            with torch.no_grad():
-                torch._foreach_copy_([p.data for p in self.trainable], [self._master[p] for p in self.trainable])
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()
-
-    def model_state_bytes(self) -> ModelStateBytes:
-        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        grads = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
-        master = sum(2 * m.numel() * m.element_size() for m in self._master.values())
-        return ModelStateBytes(params, grads, master, optimizer_state_bytes(self.optimizer))
-
-    def module_state_dict(self) -> dict:
-        """The module's full state dict (parameters are whole on every rank here)."""
-        return self.module.state_dict()
-
-    def load_module_state_dict(self, state: dict, *, strict: bool):
-        """Load full weights into the module and refresh the master copies."""
-        result = self.module.load_state_dict(state, strict=strict)
-        self.reset_master_from_params()
-        return result
-
-    def reset_master_from_params(self) -> None:
-        """Refresh the fp32 master copies from the module (after loading module weights)."""
-        with torch.no_grad():
-            for p, master in self._master.items():
-                master.copy_(p)
-
-    # -- one parameter's state (see ZeroStrategy; nothing is sharded here) --------------
-
-    def _param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
-        if param not in self._bucket_of:
-            return None
-        master = self._master.get(param, param)
-        if key == MASTER_KEY:
-            return master.detach()
-        if key == GRAD_KEY:
-            return param.grad
-        return self.optimizer.state.get(master, {}).get(key) if self.optimizer is not None else None
-
-    def full_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
-        """``param``'s ``key``, whole (a copy; fp32 for the master)."""
-        value = self._param_state(param, key)
-        return None if value is None else value.detach().clone()
-
-    def local_param_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
-        """This rank holds all of ``param``: its ``key`` flattened."""
-        value = self.full_param_state(param, key)
-        return None if value is None else value.reshape(-1)
-
-    def set_param_state(self, param: nn.Parameter, key: str, value: torch.Tensor, *, local: bool) -> None:
-        """Write ``value`` into ``param``'s ``key`` (a new master also updates ``param``)."""
-        del local  # the local part is the whole parameter
-        target = self._param_state(param, key)
-        if target is None:
-            raise KeyError(f"no {key!r} is held for this parameter (not trained, or no optimizer state yet)")
-        with torch.no_grad():
-            target.copy_(value.reshape(target.shape))
-            if key == MASTER_KEY and param in self._master:
-                param.copy_(target)
-
-    def state_tensors(self, kind: str) -> list[torch.Tensor]:
-        """The tensors holding ``kind`` of state (see ZeroStrategy)."""
-        tensors = {
-            "optim_states": optimizer_state_tensors(self.optimizer),
-            "hp_params": [t for m in self._master.values() for t in (m, m.grad) if t is not None],
-            "lp_params": list(self.module.parameters()),
-            "lp_grads": [b.buffer for b in self.buckets],
-            "contiguous_grad_buffer": [],
-        }
-        return tensors[kind]
 
     def release_gathered(self) -> None:
         """Nothing is gathered beyond use at stage 0."""

@@ -40,9 +40,8 @@ from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._leaf import unit_roots
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy
-from shardwise.zero._stage0 import optimizer_state_bytes
-from shardwise.zero._strategy import PARAM_KEY, ModelStateBytes
-from shardwise.zero._unit import Stage3Unit, UnitState
+from shardwise.zero._unit import Stage3Unit
+from shardwise.zero._views import Stage3Views
 
 
 class Stage3Strategy(ShardedStrategy):
@@ -74,6 +73,7 @@ class Stage3Strategy(ShardedStrategy):
             max_live_numel=max_live_numel,
             max_reuse_distance=max_reuse_distance,
         )
+        self.views = Stage3Views(self)
         self.persistence_threshold = persistence_threshold
         self._owner, self._sharers = self._owners(module)
         self._persistent_params: dict[int, list[nn.Parameter]] = {}
@@ -208,102 +208,6 @@ class Stage3Strategy(ShardedStrategy):
                 f"{unit.shard} elements per rank); raise buffer_size to at least {unit.shard}, use more "
                 "ranks, or keep those parameters in CPU memory with offload_param.max_in_cpu"
             )
-
-    # -- module state ---------------------------------------------------------------------------
-
-    def module_state_dict(self) -> dict:
-        """The full module state (collective: every unit is gathered, copied, released)."""
-        self._ensure_layout()
-        for unit in self.buckets:
-            self.gatherer.unshard(unit)
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for unit in self.buckets:
-            self.gatherer.reshard(unit, force=True)
-        return state
-
-    def module_state_pieces(self):
-        """The state dict a unit at a time: first what no unit holds, then each unit's
-        parameters under every key that names them (tied ones twice), gathered for the
-        piece and released after it. Collective: every rank must take every piece."""
-        self._ensure_layout()
-        current = self.module.state_dict(keep_vars=True)
-        keys_of: dict[int, list[str]] = {}
-        for key, tensor in current.items():
-            keys_of.setdefault(id(tensor), []).append(key)
-        yield {k: v.detach() for k, v in current.items() if v not in self._bucket_of}
-        for unit in self.buckets:
-            was_gathered = unit.state is UnitState.GATHERED
-            self.gatherer.unshard(unit)
-            yield {key: p.detach() for p in unit.params for key in keys_of.get(id(p), [])}
-            if not was_gathered:
-                self.gatherer.reshard(unit, force=True)
-
-    @contextlib.contextmanager
-    def module_shards(self, bucket: int):
-        """This rank's shard of a unit's parameters in their training dtype, from its fp32
-        shard (read from its swap file when there)."""
-        unit = self.buckets[bucket]
-        if self.swapper is not None and self.swapper.master_swapped(unit.index):
-            shard = self.swapper.read_master(unit.index).result()
-        else:
-            shard = unit.master.detach()
-        yield {PARAM_KEY: shard.to(unit.flat_param.dtype)}
-
-    def load_module_state_dict(self, state: dict, *, strict: bool):
-        """Load full weights into the shards a unit at a time: each rank copies out of the
-        (possibly mapped) full tensors only its shard, so nothing is gathered. Keys are
-        checked as ``nn.Module.load_state_dict`` checks them."""
-        self._ensure_layout()
-        current = self.module.state_dict(keep_vars=True)
-        key_of: dict[int, str] = {}  # a unit parameter -> a key that holds it (tied: the first given)
-        for key, tensor in current.items():
-            if tensor in self._bucket_of and key in state and id(tensor) not in key_of:
-                key_of[id(tensor)] = key
-        mismatched = [
-            f"size mismatch for {key}: copying a param with shape {tuple(state[key].shape)} from "
-            f"checkpoint, the shape in current model is {tuple(tensor.ds_shape)}"
-            for key, tensor in current.items()
-            if tensor in self._bucket_of and key in state and state[key].shape != tensor.ds_shape
-        ]
-        if mismatched:
-            raise RuntimeError("Error(s) in loading state_dict: " + "; ".join(mismatched))
-        rest = {k: v for k, v in state.items() if not (k in current and current[k] in self._bucket_of)}
-        result = self.module.load_state_dict(rest, strict=False)
-        missing = [k for k in result.missing_keys if k not in state]
-        unexpected = list(result.unexpected_keys)
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys "
-                f"{unexpected}; load with load_module_strict=False to skip them"
-            )
-        with torch.no_grad():
-            for unit in self.buckets:
-                present = [key_of.get(id(p)) for p in unit.params]
-                if not any(present):
-                    continue
-                if unit.state is UnitState.GATHERED and not unit.persistent:
-                    self.gatherer.reshard(unit, force=True)
-                with self._resident([unit]):
-                    if all(present):
-                        unit.master.copy_(self._local_slice(unit, [state[k] for k in present], torch.float32))
-                    else:  # some of the unit's parameters keep their values: gather, fill, cut
-                        self.gatherer.unshard(unit)
-                        for p, key in zip(unit.params, present):
-                            if key is not None:
-                                p.copy_(state[key])
-                        unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
-                        self.gatherer.reshard(unit, force=True)
-        self.sync_params_from_master()  # persistent units are whole: refresh them
-        return result._replace(missing_keys=missing, unexpected_keys=unexpected)
-
-    def model_state_bytes(self) -> ModelStateBytes:
-        live = sum(u.flat_param.untyped_storage().nbytes() for u in self.buckets)
-        masters = sum(u.master.numel() * 4 for u in self.buckets)
-        mixed = self.policy.needs_master_copy
-        grads = sum(u.grad_shard.numel() * 4 for u in self.buckets)
-        return ModelStateBytes(
-            live + (0 if mixed else masters), grads, masters if mixed else 0, optimizer_state_bytes(self.optimizer)
-        )
 
     def add_external_user(self, module: nn.Module, unit: Stage3Unit) -> None:
         """Gather ``unit`` for ``module``'s forward and backward too (its owner is elsewhere)."""

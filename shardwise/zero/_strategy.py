@@ -130,12 +130,15 @@ GRAD_KEY = "__grad__"
 """For ``full_param_state``: a parameter's reduced gradient."""
 
 
-class ZeroStrategy(Protocol):
-    """How parameters, gradients and optimizer state are held and reduced across ranks.
+class ZeroViews(Protocol):
+    """The state and checkpoint views of a ZeRO strategy (``strategy.views``; implemented
+    over the shared layout in ``_views.py``): what checkpoints, the engine's state
+    accessors and ``engine.offload_states`` read and write, apart from the step.
 
-    Lifecycle per micro-step: ``pre_backward(boundary=..., sync=...)`` before the loss's
-    backward, gradient hooks fire during it, ``finalize_backward()`` after it; at the
-    accumulation boundary ``step()`` updates the parameters.
+    Checkpoints read the state in two parts: what every rank holds alike
+    (``*_replicated``) and the ZeRO-sharded tensors as ``ShardBlock`` lists with each
+    bucket's shards (``*_blocks``, ``*_shards``); ``module_state_pieces`` gives the full
+    module state a piece at a time (collective at stage 3).
 
     One parameter's state (``shardwise.zero.safe_get_full_fp32_param`` and friends):
     ``full_param_state(param, key)`` gives the whole tensor of ``key`` (``MASTER_KEY``: the
@@ -147,25 +150,8 @@ class ZeroStrategy(Protocol):
     ``state_tensors(kind)`` lists the tensors holding one kind of state, by DeepSpeed's
     ``OffloadStateTypeEnum`` names (``optim_states``, ``hp_params``: fp32 masters that are
     copies, ``lp_params``: the module's parameters, ``lp_grads``, ``contiguous_grad_buffer``),
-    for ``engine.offload_states``. ``release_gathered()`` frees parameters held gathered
-    beyond their use (stage 3; nothing elsewhere).
+    for ``engine.offload_states``.
     """
-
-    optimizer: torch.optim.Optimizer
-    timer: Callable[[str], AbstractContextManager]
-    """Times the waits the strategy adds to a step (``gather_params``,
-    ``optimizer_swap_in_state``, ``optimizer_swap_out_state``): the engine sets it to its
-    wall-clock timer; :func:`no_timer` until then."""
-
-    def optimizer_params(self, model_parameters) -> list: ...
-
-    def pre_backward(self, *, boundary: bool, sync: bool) -> None: ...
-
-    def finalize_backward(self) -> None: ...
-
-    def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult: ...
-
-    def zero_grad(self) -> None: ...
 
     def model_state_bytes(self) -> ModelStateBytes: ...
 
@@ -202,6 +188,34 @@ class ZeroStrategy(Protocol):
     def set_param_state(self, param, key: str, value: torch.Tensor, *, local: bool) -> None: ...
 
     def state_tensors(self, kind: str) -> list[torch.Tensor]: ...
+
+
+class ZeroStrategy(Protocol):
+    """How parameters, gradients and optimizer state are held and reduced across ranks:
+    the step lifecycle. The state and checkpoint views are ``views`` (:class:`ZeroViews`).
+
+    Lifecycle per micro-step: ``pre_backward(boundary=..., sync=...)`` before the loss's
+    backward, gradient hooks fire during it, ``finalize_backward()`` after it; at the
+    accumulation boundary ``step()`` updates the parameters. ``release_gathered()`` frees
+    parameters held gathered beyond their use (stage 3; nothing elsewhere).
+    """
+
+    optimizer: torch.optim.Optimizer
+    views: ZeroViews
+    timer: Callable[[str], AbstractContextManager]
+    """Times the waits the strategy adds to a step (``gather_params``,
+    ``optimizer_swap_in_state``, ``optimizer_swap_out_state``): the engine sets it to its
+    wall-clock timer; :func:`no_timer` until then."""
+
+    def optimizer_params(self, model_parameters) -> list: ...
+
+    def pre_backward(self, *, boundary: bool, sync: bool) -> None: ...
+
+    def finalize_backward(self) -> None: ...
+
+    def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult: ...
+
+    def zero_grad(self) -> None: ...
 
     def release_gathered(self) -> None: ...
 

@@ -327,7 +327,7 @@ def _built_on_nvme(rank, world_size, nvme_root):
     slices_on_cpu = all(p.ds_tensor.device.type == "cpu" and p.numel() == 0 for p in model.parameters())
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
     engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
-    state = engine.strategy.model_state_bytes()
+    state = engine.strategy.views.model_state_bytes()
     same = all(torch.equal(a, b) for a, b in zip(_params(plain.module), _params(engine.module)))
     return slices_on_cpu, same, state.params + state.master_params
 

@@ -117,7 +117,7 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
         losses.append(float(engine.train_batch(iter(micro))))
     # what this rank holds between batches: under stage 3 only shards (the layers are empty)
     resident = (sum(p.numel() for p in engine.module.parameters()),
-                engine.strategy.model_state_bytes().params // 4,  # fp32 shards, masters included
+                engine.strategy.views.model_state_bytes().params // 4,  # fp32 shards, masters included
                 sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()))
     # evaluation of the trained model on the first batch, against the reference's
     tokens, labels = batches[0]

@@ -136,7 +136,7 @@ def _offload(rank, world_size, stage):
         engine.backward(engine(*_micro(batch, rank)))
         engine.step()
         if step == 1:
-            kinds = engine.strategy.state_tensors
+            kinds = engine.strategy.views.state_tensors
             held = [t for kind in ("optim_states", "lp_grads", "lp_params") for t in kinds(kind)
                     if t.untyped_storage().nbytes() > 0]  # stage 3's sharded units hold none
             engine.offload_states()

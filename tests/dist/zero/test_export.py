@@ -26,10 +26,10 @@ def _train_and_save(rank, world_size, save_dir, stage, dtype):
     tokens, targets = token_batches(num_steps=1, batch=4, seed=9)[0]
     with torch.no_grad():
         loss = engine(tokens, targets).item()
-    module_state = engine.strategy.module_state_dict()
+    module_state = engine.strategy.views.module_state_dict()
     master = None
     if dtype != "fp32":  # the fp32 weights the optimizer holds, gathered per parameter name
-        master = engine.strategy.optimizer_state_by_name()["master"]
+        master = engine.strategy.views.optimizer_state_by_name()["master"]
     return loss, {k: v.detach().clone() for k, v in module_state.items()}, master
 
 

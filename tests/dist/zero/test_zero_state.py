@@ -32,7 +32,7 @@ def _memory(rank, world_size):
         engine.backward(engine(tokens[:MICRO], targets[:MICRO]))  # gradients as they stand after backward
         # the live tensors, not only the strategy's own count: a .grad the strategy does not
         # know about (a full gradient left on a parameter) is memory too
-        outside = grad_bytes_outside(engine.module, engine.strategy.state_tensors("lp_grads"))
+        outside = grad_bytes_outside(engine.module, engine.strategy.views.state_tensors("lp_grads"))
         out[stage] = (engine.model_state_bytes(), len(getattr(engine.strategy, "buckets", [])),
                       sum(p.numel() for p in engine.module.parameters()),
                       len(list(engine.module.parameters())), outside)
@@ -141,7 +141,7 @@ def _stage3_loads(rank, world_size):
     with GatheredParameters(list(engine.module.parameters())):
         reference.load_state_dict({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
     partial = {k: v for k, v in full.items() if k != "fc1.bias"}  # fc1's unit is filled in part
-    outcome = engine.strategy.load_module_state_dict(partial, strict=False)
+    outcome = engine.strategy.views.load_module_state_dict(partial, strict=False)
     expected = reference.load_state_dict(partial, strict=False)
     results["missing"] = (outcome.missing_keys, expected.missing_keys)
     with GatheredParameters(list(engine.module.parameters())):
@@ -152,7 +152,7 @@ def _stage3_loads(rank, world_size):
     for name, bad in (("missing", partial), ("unexpected", {**full, "extra.weight": torch.zeros(2)}),
                       ("size", {**full, "fc1.weight": torch.zeros(3, 3)})):
         try:
-            engine.strategy.load_module_state_dict(bad, strict=True)
+            engine.strategy.views.load_module_state_dict(bad, strict=True)
             results[f"error {name}"] = None
         except RuntimeError as exc:
             results[f"error {name}"] = str(exc)

@@ -57,15 +57,15 @@ def _flat(model: nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("rank", [0, 1])
 def test_module_blocks_and_shards_are_the_ranks_range_of_the_flat_layout(rank):
     strategy, model = _strategy(rank)
-    assert strategy.module_state_blocks() == [ShardBlock(0, PARAM_KEY, torch.float32, NAMES, SHAPES, 12, 6)]
-    with strategy.module_shards(0) as shards:
+    assert strategy.views.module_state_blocks() == [ShardBlock(0, PARAM_KEY, torch.float32, NAMES, SHAPES, 12, 6)]
+    with strategy.views.module_shards(0) as shards:
         assert torch.equal(shards[PARAM_KEY], _flat(model)[rank * 6 : (rank + 1) * 6])
 
 
 def test_each_parameter_element_is_in_exactly_one_ranks_local_state():
     strategies = [_strategy(rank)[0] for rank in (0, 1)]
     for name, param in strategies[0].module.named_parameters():
-        parts = [s.local_param_state(dict(s.module.named_parameters())[name], MASTER_KEY) for s in strategies]
+        parts = [s.views.local_param_state(dict(s.module.named_parameters())[name], MASTER_KEY) for s in strategies]
         assert torch.equal(torch.cat(parts), param.detach().reshape(-1)), name
 
 
@@ -73,18 +73,18 @@ def test_each_parameter_element_is_in_exactly_one_ranks_local_state():
 def test_a_named_optimizer_state_loads_as_this_ranks_slice(rank):
     strategy, model = _strategy(rank)
     strategy.step(max_grad_norm=0.0, loss_scale=1.0)  # creates exp_avg / exp_avg_sq (zero gradients)
-    blocks = strategy.optimizer_state_blocks()
+    blocks = strategy.views.optimizer_state_blocks()
     assert [(b.key, b.names, b.padded, b.shard) for b in blocks] == [
         ("exp_avg", NAMES, 12, 6),
         ("exp_avg_sq", NAMES, 12, 6),
     ]
     full = {n: torch.arange(float(s.numel())).view(s) + 10 * i for i, (n, s) in enumerate(zip(NAMES, SHAPES))}
-    saved = strategy.optimizer_state_replicated()
+    saved = strategy.views.optimizer_state_replicated()
     saved["state"] = {
         n: {"step": saved["state"][n]["step"], "exp_avg": full[n], "exp_avg_sq": 2 * full[n]} for n in NAMES
     }
-    strategy.load_optimizer_state_by_name(saved)
+    strategy.views.load_optimizer_state_by_name(saved)
     flat = torch.cat([full[n].reshape(-1) for n in NAMES] + [torch.zeros(1)])
-    with strategy.optimizer_shards(0) as shards:
+    with strategy.views.optimizer_shards(0) as shards:
         assert torch.equal(shards["exp_avg"], flat[rank * 6 : (rank + 1) * 6])
         assert torch.equal(shards["exp_avg_sq"], 2 * flat[rank * 6 : (rank + 1) * 6])
