@@ -10,6 +10,7 @@ import torch.distributed as dist
 from shardwise.comm import init_distributed
 from shardwise.config import load_config
 from shardwise.config._tensor_parallel import check_tensor_parallel
+from shardwise.moe._bind import bind_moe_layers
 from shardwise.parallel import ParallelGrid
 from shardwise.tensor_parallel.autotp import apply_autotp, resolve_policy
 from shardwise.utils import groups
@@ -124,6 +125,7 @@ def initialize(
         grid = ParallelGrid.from_mpu(mpu) if mpu is not None else ParallelGrid.build(tensor=max(tp_size, 1))
     cfg = load_config(source, world_size=grid.data)
     grid.configure_comms(timeout_s=cfg.comm.timeout_s, check_hangs=cfg.comm.check_hangs)
+    bind_moe_layers(model, grid, cfg, pipeline=pipeline)
     if tp_size > 1:
         replaced = apply_autotp(model, grid.tensor_comm, policy=resolve_policy(model, tp_section))
         model_parameters = _remap_parameters(replaced, optimizer, model_parameters)

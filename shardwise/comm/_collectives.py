@@ -303,14 +303,30 @@ class Communicator:
         work = _all_gather_single(output, input, group=self.group, async_op=True)
         return Handle(self, work, record, honours_timeout=self.gloo_waits_natively)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "") -> Handle:
-        """Start sending slice ``j`` of ``input`` (``world_size`` equal slices along dim 0)
-        to rank ``j``; slice ``r`` of ``output`` receives rank ``r``'s."""
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        tag: str = "",
+    ) -> Handle:
+        """Start sending slice ``j`` of ``input`` (``world_size`` slices along dim 0, equal
+        or of ``input_split_sizes`` rows) to rank ``j``; slice ``r`` of ``output`` (equal or
+        of ``output_split_sizes`` rows) receives rank ``r``'s."""
         if self.world_size == 1:
             output.copy_(input)
             return _DONE
         record = self._record("all_to_all", input, tag)
-        work = dist.all_to_all_single(output, input, group=self.group, async_op=True)
+        work = dist.all_to_all_single(
+            output,
+            input,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            group=self.group,
+            async_op=True,
+        )
         return Handle(self, work, record, honours_timeout=self.gloo_waits_natively)
 
     def reduce_scatter_tensor(

@@ -47,7 +47,7 @@ LATER_SCALARS = {
     "graph_harvesting",
     "sequence_parallel_size",
     "seq_parallel_communication_data_type",
-    "use_data_before_expert_parallel_",
+    "use_data_before_expert_parallelism",
     "memory_breakpoint_",
     "zero_quantized_weights",
 }
@@ -142,6 +142,8 @@ def check_later_scalar(key: str, value: Any) -> None:
             "graph_harvesting=true (CUDA-graph capture of DeepSpeed's kernels) is not available "
             "in this version of shardwise yet; remove it"
         )
+    if key == "use_data_before_expert_parallelism" and not isinstance(value, bool):
+        raise ConfigError(f"use_data_before_expert_parallelism must be true or false, got {value!r}")
     if key == "sequence_parallel_size" and value not in (None, 1):
         raise ConfigError(
             f"sequence_parallel_size={value!r} is not available in this version of "

@@ -117,7 +117,6 @@ UNBUILT: dict[str, dict[str, tuple[Any, tuple, str]]] = {
     "": {
         "managed_gradient_accumulation": ("bool", (True,), "client-managed accumulation boundaries"),
         "gradient_allreduce_op": ("str", ("mean",), "summed (unaveraged) gradients"),
-        "use_data_before_expert_parallelism": ("bool", (False,), "expert parallelism"),
         "datastates_ckpt": ("any", (False, None), "DataStates asynchronous checkpointing"),
     },
     "zero_optimization": {

@@ -1,10 +1,13 @@
-"""DeepSpeed's ``deepspeed.moe`` names. Mixture-of-experts layers are not built in this
-version of shardwise: the helpers that only inspect parameters work (a model without
-expert parameters passes through them unchanged), and building an ``MoE`` layer raises
-``NotImplementedError`` when called, never at import, so scripts that import these
-names without using MoE run."""
+"""DeepSpeed's ``deepspeed.moe``: the mixture-of-experts layer and its helpers.
 
-from shardwise.moe import layer, utils
+``MoE`` (``layer.py``) routes each token to ``k`` of ``num_experts`` experts
+(``_gating.py``) and moves only the routed tokens (``_dispatch.py``); with ``ep_size > 1``
+the experts are split over ranks of the data-parallel group (the grid's expert groups,
+``parallel/_expert.py``), and ``shardwise.initialize`` reduces expert gradients over the
+ranks holding the same experts (see [Note: expert groups]).
+"""
+
+from shardwise.moe import experts, layer, sharded_moe, utils
 from shardwise.moe.layer import MoE
 
-__all__ = ["MoE", "layer", "utils"]
+__all__ = ["MoE", "experts", "layer", "sharded_moe", "utils"]

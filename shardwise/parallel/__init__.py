@@ -3,7 +3,14 @@
 See [Note: the grid is the spine] in ``grid.py``.
 """
 
+from shardwise.parallel._expert import ExpertGroups
 from shardwise.parallel.grid import ParallelGrid
 from shardwise.parallel.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
-__all__ = ["ParallelGrid", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "ProcessTopology"]
+__all__ = [
+    "ExpertGroups",
+    "ParallelGrid",
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
+    "ProcessTopology",
+]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from shardwise.comm import Communicator
+from shardwise.parallel._expert import ExpertGroups, check_ep_size, expert_rank_lists
 from shardwise.parallel.topology import ProcessTopology, tensor_axis
 
 _ORDER = ("pipe", "data", "tensor")
@@ -89,6 +90,7 @@ class ParallelGrid:
         self._groups = groups
         self._comm_options = {"timeout_s": timeout_s, "check_hangs": check_hangs}
         self._comms: dict[str, Communicator] = {}
+        self._experts: dict[int, tuple[bool, ExpertGroups]] = {}
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         coord = self.topology_.get_coord(self.global_rank)
@@ -264,6 +266,56 @@ class ParallelGrid:
     def pipe_comm(self) -> Communicator:
         """Collectives over this rank's pipeline group (one rank per stage)."""
         return self._comm("pipe", "pipeline")
+
+    def expert_groups(self, ep_size: int, *, data_before_expert: bool = False) -> ExpertGroups:
+        """The expert-parallel and expert-data-parallel groups splitting this rank's data
+        group for MoE layers of ``ep_size`` (see [Note: expert groups] in ``_expert.py``).
+        Collective the first time a size is asked for: every rank asks for the same sizes
+        in the same order (``shardwise.initialize`` does, walking the model's layers)."""
+        check_ep_size(ep_size, self.data)
+        cached = self._experts.get(ep_size)
+        if cached is not None:
+            if cached[0] != data_before_expert:
+                raise ValueError(
+                    f"expert groups of ep_size {ep_size} already exist with use_data_before_expert_parallel_"
+                    f"={cached[0]}; one job uses one layout"
+                )
+            return cached[1]
+        mine: dict[str, list[int]] = {}
+        for stage in range(self.pipe):
+            for t in range(self.tensor):
+                data_ranks = self.topology_.filter_match(pipe=stage, model=t)
+                ep_lists, edp_lists = expert_rank_lists(data_ranks, ep_size, data_before_expert=data_before_expert)
+                for kind, lists in (("ep", ep_lists), ("edp", edp_lists)):
+                    for ranks in lists:
+                        group = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+                        if self.global_rank in ranks:
+                            mine[kind], mine[kind + "_group"] = ranks, group
+        alone = None
+        if mine["ep_group"] is None or mine["edp_group"] is None:
+            alone = _own_group([[r] for r in range(self.world_size)])
+        name = f"ep_size_{ep_size}"
+        groups = ExpertGroups(
+            name=name,
+            ep_size=ep_size,
+            ep_comm=Communicator(mine["ep_group"] or alone, name=f"expert-parallel ({name})", **self._comm_options),
+            edp_comm=Communicator(
+                mine["edp_group"] or alone,
+                name=f"expert-data-parallel ({name})",
+                shared_memory=True,
+                **self._comm_options,
+            ),
+            ep_ranks=tuple(mine["ep"]),
+            edp_ranks=tuple(mine["edp"]),
+            data_size=self.data,
+        )
+        self._experts[ep_size] = (data_before_expert, groups)
+        return groups
+
+    @property
+    def expert_group_dict(self) -> dict[str, ExpertGroups]:
+        """The expert groups built so far, by DeepSpeed's group name (``ep_size_<n>``)."""
+        return {groups.name: groups for _, groups in self._experts.values()}
 
     @property
     def model_parallel_size(self) -> int:

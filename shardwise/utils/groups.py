@@ -114,3 +114,104 @@ def _get_sequence_parallel_group():
 
 def _get_broadcast_src_rank() -> int:
     return 0
+
+
+# -- expert parallelism (see [Note: expert groups] in parallel/_expert.py) ---------------
+
+_default_grid = None  # the data-parallel grid built when MoE groups are asked for before any engine
+
+
+def _grid_or_default():
+    """The recorded grid, or a data-parallel grid over the world (built once, collective)."""
+    global _default_grid
+    grid = _grid()
+    if grid is None:
+        if _default_grid is None:
+            from shardwise.parallel import ParallelGrid
+
+            _default_grid = ParallelGrid.build()
+        grid = _default_grid
+    return grid
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_, *args, use_data_before_expert_parallel_=False, **kwargs):
+    """Build the expert groups of ``expert_parallel_size_`` on the grid (collective)."""
+    _grid_or_default().expert_groups(expert_parallel_size_, data_before_expert=use_data_before_expert_parallel_)
+
+
+def _expert_groups(group_name: str):
+    groups = _grid_or_default().expert_group_dict
+    if group_name not in groups:
+        raise KeyError(
+            f"no expert groups named {group_name!r} (built: {sorted(groups) or 'none'}); they are built by "
+            "shardwise.initialize for the model's MoE layers"
+        )
+    return groups[group_name]
+
+
+def _get_expert_parallel_group_dict() -> dict:
+    return {name: g.ep_comm.group for name, g in _grid_or_default().expert_group_dict.items()}
+
+
+def _get_expert_data_parallel_group_dict() -> dict:
+    return {name: g.edp_comm.group for name, g in _grid_or_default().expert_group_dict.items()}
+
+
+def _get_expert_parallel_group(group_name: str):
+    return _expert_groups(group_name).ep_comm.group
+
+
+def _get_expert_data_parallel_group(group_name: str):
+    return _expert_groups(group_name).edp_comm.group
+
+
+def _get_expert_parallel_group_ranks(group_name: str) -> list[int]:
+    return list(_expert_groups(group_name).ep_ranks)
+
+
+def _get_expert_data_parallel_group_ranks(group_name: str) -> list[int]:
+    return list(_expert_groups(group_name).edp_ranks)
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return _expert_groups(group_name).ep_size
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return _expert_groups(group_name).edp_size
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return _expert_groups(group_name).ep_comm.rank
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return _expert_groups(group_name).edp_comm.rank
+
+
+def _get_expert_parallel_src_rank(group_name: str) -> int:
+    """The global rank of the first rank of this rank's expert-parallel group."""
+    return _expert_groups(group_name).ep_ranks[0]
+
+
+def _get_expert_broadcast_src_rank(group_name: str) -> int:
+    """The global rank of the first rank of this rank's expert-data-parallel group."""
+    return _expert_groups(group_name).edp_ranks[0]
+
+
+def _get_max_expert_size() -> int:
+    sizes = [g.ep_size for g in _grid_or_default().expert_group_dict.values()]
+    return max(sizes) if sizes else 1
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_max_expert_parallel_group():
+    return _get_expert_parallel_group(_get_max_expert_size_name())
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    """1: experts are not split over the tensor-parallel group in this version."""
+    return 1

@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from shardwise.moe._bind import expert_comms
 from shardwise.zero._gathered import GatheredParameters, register_external_parameter
 from shardwise.zero._init import Init, load_state_dict, materialize
 from shardwise.zero._leaf import (
@@ -141,6 +142,7 @@ def build_strategy(module, *, config, comm, policy, grid=None) -> ZeroStrategy:
     element_size = policy.param_dtype.itemsize
     bucket_numel = zero.reduce_bucket_size if user_set else DEFAULT_DP_BUCKET_BYTES // element_size
     predivide = comm.world_size if config.prescale_gradients else config.gradient_predivide_factor
+    experts = expert_comms(module, grid)
     offload = dict(
         offload=zero.offload_optimizer,
         aio=config.aio,
@@ -170,6 +172,7 @@ def build_strategy(module, *, config, comm, policy, grid=None) -> ZeroStrategy:
             **offload,
             bucket_numel=bucket_numel,
             predivide_factor=predivide,
+            expert_comms=experts,
         )
     return Stage0Strategy(
         module,
@@ -178,4 +181,5 @@ def build_strategy(module, *, config, comm, policy, grid=None) -> ZeroStrategy:
         bucket_numel=bucket_numel,
         predivide_factor=predivide,
         model_parallel=ModelParallel.from_grid(grid),
+        expert_comms=experts,
     )

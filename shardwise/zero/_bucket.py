@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardwise.comm import Handle
+from shardwise.comm import Communicator, Handle
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -39,6 +39,10 @@ class ShardedBucket:
     ready: set[int] = field(default_factory=set)
     shapes: list[torch.Size] = field(default_factory=list)
     """Parameter shapes (stage 3 empties the parameters themselves while sharded)."""
+    comm: Communicator | None = None
+    """The ranks the bucket is sharded over and reduced across: the data-parallel group,
+    or for expert parameters their expert-data-parallel group (see [Note: expert groups]
+    in ``parallel/_expert.py``)."""
 
     def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard : (rank + 1) * self.shard]

@@ -76,7 +76,7 @@ class BucketGatherer:
     def param_shard(self, bucket: ShardedBucket) -> torch.Tensor:
         """This rank's shard of ``bucket``'s parameters in their training dtype: its slice
         of the whole parameters."""
-        return bucket.local(bucket.flat_param, self.strategy.comm.rank)
+        return bucket.local(bucket.flat_param, bucket.comm.rank)
 
     def grad_ready(self, param: nn.Parameter) -> None:
         """Nothing: the parameters stay whole."""
@@ -86,17 +86,15 @@ class BucketGatherer:
 
     def copy_masters_to_params(self, buckets: list[ShardedBucket]) -> None:
         """Write updated masters into this rank's slice of the parameters (when they are copies)."""
-        rank = self.strategy.comm.rank
         with torch.no_grad():
             for bucket in buckets:
                 if master_is_copy(bucket):
-                    copy_from_host_(bucket.local(bucket.flat_param, rank), bucket.master)
+                    copy_from_host_(bucket.local(bucket.flat_param, bucket.comm.rank), bucket.master)
 
     def gather_params(self) -> None:
         """All-gather every bucket from each rank's slice."""
-        comm = self.strategy.comm
         handles = [
-            comm.all_gather_scratch(bucket.flat_param, tag=f"parameter bucket {bucket.index}")
+            bucket.comm.all_gather_scratch(bucket.flat_param, tag=f"parameter bucket {bucket.index}")
             for bucket in self.strategy.buckets
         ]
         for handle in handles:
@@ -111,12 +109,11 @@ class BucketGatherer:
 
     def reset_master_from_params(self) -> None:
         """Copy this rank's slice of the parameters into the masters that are copies."""
-        rank = self.strategy.comm.rank
         with torch.no_grad():
             for bucket in self.strategy.buckets:
                 with self.strategy._resident([bucket]):
                     if master_is_copy(bucket):
-                        bucket.master.copy_(bucket.local(bucket.flat_param, rank))
+                        bucket.master.copy_(bucket.local(bucket.flat_param, bucket.comm.rank))
 
     def release_gathered(self) -> None:
         """Parameters are whole by design at stages 1 and 2: nothing to release."""

@@ -69,6 +69,9 @@ class ShardedStrategy:
             swapping] in ``offload/_optimizer.py``.
         aio: the ``aio`` config (swap-file I/O), for offload to nvme.
         sub_group_size: elements stepped at once when offloading to nvme.
+        expert_comms: expert parameters -> the communicator of the ranks holding the same
+            experts; their buckets are sharded and reduced there (see [Note: expert groups]
+            in ``parallel/_expert.py``), every other bucket over ``comm``.
     """
 
     def __init__(
@@ -84,8 +87,10 @@ class ShardedStrategy:
         aio=None,
         sub_group_size: int = 1_000_000_000,
         model_parallel: ModelParallel = ModelParallel(),
+        expert_comms: dict | None = None,
     ):
         self.module, self.comm, self.policy, self.stage = module, comm, policy, stage
+        self.expert_comms = expert_comms or {}
         self.model_parallel = model_parallel
         self.bucket_numel, self.predivide_factor = bucket_numel, predivide_factor
         self.offload = offload if offload is not None and offload.enabled else None
@@ -100,7 +105,7 @@ class ShardedStrategy:
         """The state and checkpoint views (``ZeroViews``; stage 3 holds ``Stage3Views``)."""
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
-        broadcast_module_state(module, comm)
+        broadcast_module_state(module, comm, self.expert_comms)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self.names = {p: n for n, p in module.named_parameters()}
         self.buckets: list[ShardedBucket] = []
@@ -149,13 +154,20 @@ class ShardedStrategy:
         pending: list[nn.Parameter] = []
         for p in params:
             if pending and (
-                sum(q.numel() for q in pending) + p.numel() > self.bucket_numel or pending[0].dtype != p.dtype
+                sum(q.numel() for q in pending) + p.numel() > self.bucket_numel
+                or pending[0].dtype != p.dtype
+                or self._comm_of(pending[0]) is not self._comm_of(p)
             ):
                 self._add_bucket(pending, group)
                 pending = []
             pending.append(p)
         if pending:
             self._add_bucket(pending, group)
+
+    def _comm_of(self, param: nn.Parameter) -> Communicator:
+        """The ranks ``param``'s bucket is sharded over (its expert-data-parallel group for
+        an expert parameter)."""
+        return self.expert_comms.get(param, self.comm)
 
     def _master_device(self, device: torch.device) -> torch.device:
         """Where masters, gradient shards and optimizer state live: the CPU when offloaded."""
@@ -168,20 +180,30 @@ class ShardedStrategy:
         return tensor
 
     def _add_bucket(self, params: list[nn.Parameter], group: int) -> None:
-        rank, dtype, device = self.comm.rank, params[0].dtype, params[0].device
+        comm = self._comm_of(params[0])
+        rank, dtype, device = comm.rank, params[0].dtype, params[0].device
         host = self._master_device(device)
         offsets, numel = [], 0
         for p in params:
             offsets.append(numel)
             numel += p.numel()
-        padded, shard = partition(numel, self.comm.world_size)
+        padded, shard = partition(numel, comm.world_size)
         flat = torch.zeros(padded, dtype=dtype, device=device)
         with torch.no_grad():
             for p, off in zip(params, offsets):
                 flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = flat[off : off + p.numel()].view_as(p)
         bucket = ShardedBucket(
-            len(self.buckets), group, params, offsets, numel, padded, shard, flat, shapes=[p.shape for p in params]
+            len(self.buckets),
+            group,
+            params,
+            offsets,
+            numel,
+            padded,
+            shard,
+            flat,
+            shapes=[p.shape for p in params],
+            comm=comm,
         )
         local = bucket.local(flat, rank)
         separate = self.policy.needs_master_copy or host != device
@@ -316,19 +338,20 @@ class ShardedStrategy:
             source.div_(self.predivide_factor)
         # the source is scratch: the staging buffer is dropped after, and at stage 1 the
         # full gradients are zeroed at the step (only this rank's slice is read)
-        bucket.handle, bucket.out = self.comm.reduce_scatter_scratch(source, tag=f"gradient bucket {bucket.index}")
+        bucket.handle, bucket.out = bucket.comm.reduce_scatter_scratch(source, tag=f"gradient bucket {bucket.index}")
         self._in_flight.append(bucket)
         if self.stage >= 2 and len(self._in_flight) > _MAX_IN_FLIGHT:
             self._complete(self._in_flight.popleft())
 
     def _complete(self, bucket: ShardedBucket) -> None:
         bucket.handle.wait()
+        # the data-parallel size for expert buckets too: see [Note: expert groups]
         out = bucket.out.div_(self.comm.world_size / self.predivide_factor)
         if self.stage >= 2:
             self._into_grad_shard(bucket, out, accumulate=True)
             bucket.staging = None
         else:
-            bucket.local(bucket.grad_full, self.comm.rank).copy_(out)
+            bucket.local(bucket.grad_full, bucket.comm.rank).copy_(out)
             if not same_storage(bucket.grad_shard, bucket.grad_full):
                 self._into_grad_shard(bucket, out, accumulate=False)
         bucket.out = bucket.handle = None
@@ -410,9 +433,9 @@ class ShardedStrategy:
         parallelism or tied pipeline weights."""
         if not self.model_parallel.comms:
             return []
-        views, rank = [], self.comm.rank
+        views = []
         for bucket in self.buckets:
-            low = rank * bucket.shard
+            low = bucket.comm.rank * bucket.shard
             for p, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 start, end = max(offset, low), min(offset + shape.numel(), low + bucket.shard)
                 if start < end and (weight := self.model_parallel.weight(p)) != 1.0:

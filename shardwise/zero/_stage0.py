@@ -44,14 +44,29 @@ class _AllReduceBucket:
     index: int
     params: list[nn.Parameter]
     buffer: torch.Tensor
+    comm: Communicator
+    """The data-parallel group, or an expert bucket's expert-data-parallel group."""
     ready: set[int] = field(default_factory=set)
     handle: Handle | None = None
     launched: bool = False
 
 
-def broadcast_module_state(module: nn.Module, comm: Communicator) -> None:
-    """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
-    tensors = list(module.parameters()) + list(module.buffers())
+def broadcast_module_state(module: nn.Module, comm: Communicator, expert_comms: dict | None = None) -> None:
+    """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype);
+    expert parameters (keys of ``expert_comms``) from the first rank of their
+    expert-data-parallel group instead, since each expert-parallel rank holds other experts."""
+    expert_comms = expert_comms or {}
+    shared = [p for p in module.parameters() if p not in expert_comms] + list(module.buffers())
+    _broadcast(shared, comm)
+    by_comm: dict[int, tuple[Communicator, list[torch.Tensor]]] = {}
+    for p in module.parameters():
+        if p in expert_comms:
+            by_comm.setdefault(id(expert_comms[p]), (expert_comms[p], []))[1].append(p)
+    for expert_comm, params in by_comm.values():
+        _broadcast(params, expert_comm)
+
+
+def _broadcast(tensors: list[torch.Tensor], comm: Communicator) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -80,6 +95,9 @@ class Stage0Strategy:
             issues fewer collectives).
         predivide_factor: divide gradients by this before the all-reduce and by
             ``world_size / predivide_factor`` after it (1.0 = average after).
+        expert_comms: expert parameters -> the communicator of the ranks holding the same
+            experts, over which their buckets are all-reduced (see [Note: expert groups] in
+            ``parallel/_expert.py``).
     """
 
     def __init__(
@@ -91,14 +109,16 @@ class Stage0Strategy:
         bucket_numel: int,
         predivide_factor: float = 1.0,
         model_parallel: ModelParallel = ModelParallel(),
+        expert_comms: dict | None = None,
     ):
         self.module, self.comm, self.policy = module, comm, policy
+        self.expert_comms = expert_comms or {}
         self.timer = no_timer  # nothing of its own to time: its all-reduces are the backward's
         self.model_parallel = model_parallel
         self.predivide_factor = predivide_factor
         self.optimizer: torch.optim.Optimizer | None = None
         module.to(policy.param_dtype)
-        broadcast_module_state(module, comm)
+        broadcast_module_state(module, comm, self.expert_comms)
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self._master = {p: self._make_master(p) for p in self.trainable} if policy.needs_master_copy else {}
         self._param_of_master = {id(master): p for p, master in self._master.items()}
@@ -130,7 +150,11 @@ class Stage0Strategy:
         buckets: list[_AllReduceBucket] = []
         pending: list[nn.Parameter] = []
         for p in reversed(self.trainable):
-            if pending and (sum(q.numel() for q in pending) + p.numel() > bucket_numel or pending[0].dtype != p.dtype):
+            if pending and (
+                sum(q.numel() for q in pending) + p.numel() > bucket_numel
+                or pending[0].dtype != p.dtype
+                or self._comm_of(pending[0]) is not self._comm_of(p)
+            ):
                 buckets.append(self._new_bucket(len(buckets), pending))
                 pending = []
             pending.append(p)
@@ -138,11 +162,13 @@ class Stage0Strategy:
             buckets.append(self._new_bucket(len(buckets), pending))
         return buckets
 
-    @staticmethod
-    def _new_bucket(index: int, params: list[nn.Parameter]) -> _AllReduceBucket:
+    def _comm_of(self, param: nn.Parameter) -> Communicator:
+        return self.expert_comms.get(param, self.comm)
+
+    def _new_bucket(self, index: int, params: list[nn.Parameter]) -> _AllReduceBucket:
         numel = sum(p.numel() for p in params)
         buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        return _AllReduceBucket(index, params, buffer)
+        return _AllReduceBucket(index, params, buffer, self._comm_of(params[0]))
 
     def _attach_grad_views(self) -> None:
         """Point every ``.grad`` at its slice of the bucket buffer (re-run after user code
@@ -225,7 +251,7 @@ class Stage0Strategy:
     def _launch(self, bucket: _AllReduceBucket) -> None:
         if self.predivide_factor != 1.0:
             bucket.buffer.div_(self.predivide_factor)
-        bucket.handle = self.comm.all_reduce(bucket.buffer, tag=f"gradient bucket {bucket.index}")
+        bucket.handle = bucket.comm.all_reduce(bucket.buffer, tag=f"gradient bucket {bucket.index}")
         bucket.launched = True
 
     def finalize_backward(self) -> None:
@@ -233,6 +259,7 @@ class Stage0Strategy:
         if not self._sync:
             return
         self._launch_ready_buckets(force=True)
+        # the data-parallel size for expert buckets too: see [Note: expert groups]
         post = self.comm.world_size / self.predivide_factor
         for bucket in self.buckets:
             bucket.handle.wait()
@@ -261,15 +288,16 @@ class Stage0Strategy:
         # local gradients: the ranks still agree on overflow and on the clipping norm (the
         # root mean square of the ranks' norms), one scalar; nothing when neither is used
         agree = self._grads_local and (self.policy.skip_nonfinite or max_grad_norm > 0)
-        if self.model_parallel.comms or agree:  # see [Note: the global norm over the grid] in _strategy.py
-            mp = self.model_parallel
-            square = mp.local_square(
-                grads, [(g, w) for p, g in zip(self.trainable, grads) if (w := mp.weight(p)) != 1.0]
-            )
-            square = square.to(grads[0].device if grads else square.device).reshape(1)
+        if self.model_parallel.comms or agree or self.expert_comms:
+            # see [Note: the global norm over the grid] in _strategy.py
+            square = self._local_square(grads)
             if agree:
                 self.comm.all_reduce(square, tag="local gradient norm").wait()
                 square.div_(self.comm.world_size)
+            elif self.expert_comms:  # each element once: every data rank holds a copy of
+                # a shared gradient, every expert-data-parallel rank one of an expert's
+                self.comm.all_reduce(square, tag="gradient norm").wait()
+            mp = self.model_parallel
             mp.reduce_(square)
             norm = square.clamp_min(0).sqrt()[0]
         else:
@@ -284,6 +312,17 @@ class Stage0Strategy:
         self.views.sync_params_from_master()
         self.zero_grad()
         return StepResult(True, norm_value)
+
+    def _local_square(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's weighted sum of squares (one element tensor): copies on other
+        tensor or pipeline ranks weighted by ``ModelParallel.weight``; with experts, also
+        by one over the number of data ranks holding the same gradient."""
+        mp = self.model_parallel
+        weights = [mp.weight(p) for p in self.trainable]
+        if self.expert_comms:
+            weights = [w / self._comm_of(p).world_size for w, p in zip(weights, self.trainable)]
+        square = mp.local_square(grads, [(g, w) for g, w in zip(grads, weights) if w != 1.0])
+        return square.to(grads[0].device if grads else square.device).reshape(1)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

@@ -175,6 +175,7 @@ class Stage3Strategy(ShardedStrategy):
             shard,
             flat,
             shapes=shapes,
+            comm=self.comm,
             module=module,
             persistent=persistent,
         )

@@ -89,7 +89,7 @@ class ShardedViews:
     def _gather(self, bucket: ShardedBucket, shard: torch.Tensor) -> torch.Tensor:
         device = bucket.flat_param.device  # where collectives run (shards may be offloaded)
         full = torch.empty(bucket.padded, dtype=shard.dtype, device=device)
-        self.strategy.comm.all_gather_into_tensor(full, shard.to(device).contiguous(), tag="checkpoint gather").wait()
+        bucket.comm.all_gather_into_tensor(full, shard.to(device).contiguous(), tag="checkpoint gather").wait()
         return full
 
     def optimizer_state_by_name(self) -> dict:
@@ -271,7 +271,7 @@ class ShardedViews:
         """This rank's shard of ``bucket`` cut from full per-parameter ``values`` (None: zeros),
         copying only the overlapping ranges (a mapped checkpoint file is read only there)."""
         out = torch.zeros(bucket.shard, dtype=dtype, device=bucket.master.device)
-        low, high = self.strategy.comm.rank * bucket.shard, (self.strategy.comm.rank + 1) * bucket.shard
+        low, high = bucket.comm.rank * bucket.shard, (bucket.comm.rank + 1) * bucket.shard
         for shape, off, value in zip(bucket.shapes, bucket.offsets, values):
             start, end = max(off, low), min(off + shape.numel(), high)
             if value is not None and start < end:
@@ -298,7 +298,7 @@ class ShardedViews:
         """``(param offset, start, end)`` of the part of ``param`` in this rank's shard, and its shape."""
         index = next(i for i, p in enumerate(bucket.params) if p is param)
         off, shape = bucket.offsets[index], bucket.shapes[index]
-        low, high = self.strategy.comm.rank * bucket.shard, (self.strategy.comm.rank + 1) * bucket.shard
+        low, high = bucket.comm.rank * bucket.shard, (bucket.comm.rank + 1) * bucket.shard
         start, end = max(off, low), min(off + shape.numel(), high)
         return off, start, max(start, end), shape
 
@@ -323,7 +323,7 @@ class ShardedViews:
         if bucket is None:
             return None
         _, start, end, _ = self._overlap(bucket, param)
-        low = self.strategy.comm.rank * bucket.shard
+        low = bucket.comm.rank * bucket.shard
         with self.strategy._resident([bucket]):
             shard = self._state_shard(bucket, key)
             return None if shard is None else shard[start - low : end - low].clone()
@@ -336,7 +336,7 @@ class ShardedViews:
         if bucket is None:
             raise ValueError(f"parameter {self.strategy.names.get(param, '?')} is not trained by this ZeRO strategy")
         off, start, end, _ = self._overlap(bucket, param)
-        low = self.strategy.comm.rank * bucket.shard
+        low = bucket.comm.rank * bucket.shard
         part = value.reshape(-1) if local else value.reshape(-1)[start - off : end - off]
         with torch.no_grad(), self.strategy._resident([bucket]):
             shard = self._state_shard(bucket, key)

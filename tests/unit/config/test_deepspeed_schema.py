@@ -254,7 +254,7 @@ def test_field_names_of_stage3_keys_are_read():
         ({"managed_gradient_accumulation": False}, "client-managed accumulation"),
         ({"gradient_allreduce_op": "sum"}, "summed (unaveraged) gradients"),
         ({"datastates_ckpt": {"host_cache_size": 16}}, "DataStates"),
-        ({"use_data_before_expert_parallelism": True}, "expert parallelism"),
+        ({"use_data_before_expert_parallelism": "yes"}, "use_data_before_expert_parallelism must be true or false"),
         ({"graph_harvesting": True}, "graph_harvesting=true"),
         ({"expert_parallel": {"enabled": True, "autoep_size": 4}}, "expert parallelism (AutoEP)"),
         ({"tensor_parallel": {"autotp_size": 4, "tp": {"tp_grain_size": 64}}}, "uneven splits are not available"),

@@ -1,0 +1,102 @@
+"""Moving routed tokens to their experts and back, with nothing padded.
+
+[Note: sorted dispatch]
+The kept routes of a rank's tokens are sorted by expert (stably, so an expert sees its
+tokens in token order) and the token rows gathered in that order: each expert's tokens are
+one contiguous slice. Without expert parallelism every expert runs on its slice. With
+``ep_size`` ranks, experts ``r * E_local .. (r + 1) * E_local - 1`` live on expert rank
+``r``, so the sorted rows are already grouped by destination: the ranks exchange their
+per-expert counts (one small all-to-all), then the rows (an all-to-all with split sizes).
+A rank receives, from each source in turn, that source's rows for each of its experts;
+a stable sort by local expert makes each expert's rows contiguous again. The outputs go
+back the same way, reversed, and each token's output is the weighted sum of its routes'.
+
+Capacity only decides which routes are kept (``_gating.py``); a dropped route costs
+nothing, and ``drop_tokens=False`` (dropless) is the same path with every route kept.
+The all-to-alls run through the expert-parallel Communicator (deadline, names in errors);
+their backward is the reverse exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.moe._gating import Routes
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all of rows with split sizes; the backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, comm, send: list[int], recv: list[int], tag: str):
+        ctx.comm, ctx.send, ctx.recv, ctx.tag = comm, send, recv, tag
+        return _exchange(comm, x, send, recv, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(ctx.comm, grad, ctx.recv, ctx.send, ctx.tag + " (backward)"), None, None, None, None
+
+
+def _exchange(comm, x: torch.Tensor, send: list[int], recv: list[int], tag: str) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    comm.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, tag=tag).wait()
+    return out
+
+
+def _run_experts(experts: list[nn.Module], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert on its contiguous slice of ``rows`` (every expert runs, also on no
+    rows, so each of its parameters gets a gradient on every rank and step)."""
+    outputs = []
+    for expert, piece in zip(experts, rows.split(counts)):
+        out = expert(piece)
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+    return torch.cat(outputs)
+
+
+def dispatch_combine(
+    x: torch.Tensor,
+    routes: Routes,
+    experts: list[nn.Module],
+    *,
+    num_experts: int,
+    ep_comm=None,
+    tag: str = "moe",
+) -> torch.Tensor:
+    """The layer's output for tokens ``x`` [S, M] routed by ``routes`` to ``num_experts``
+    experts, of which ``experts`` are this rank's (see [Note: sorted dispatch])."""
+    s = x.shape[0]
+    k = routes.expert.shape[1]
+    kept = routes.kept.reshape(-1)
+    expert_of = routes.expert.reshape(-1)[kept]
+    token_of = torch.arange(s, device=x.device).repeat_interleave(k)[kept]
+    weight_of = routes.weight.reshape(-1)[kept]
+    order = torch.argsort(expert_of, stable=True)
+    tokens = token_of[order]
+    counts = torch.bincount(expert_of, minlength=num_experts)
+    rows = x.index_select(0, tokens)
+    ep_size = 1 if ep_comm is None else ep_comm.world_size
+    if ep_size == 1:
+        out = _run_experts(experts, rows, counts.tolist())
+    else:
+        out = _remote_experts(rows, counts, experts, ep_comm, tag)
+    weighted = out.float() * weight_of[order].unsqueeze(1)
+    combined = torch.zeros(s, out.shape[1], dtype=torch.float32, device=x.device).index_add(0, tokens, weighted)
+    return combined.to(out.dtype)
+
+
+def _remote_experts(rows, counts, experts, comm, tag: str) -> torch.Tensor:
+    """Send ``rows`` (sorted by global expert) to the ranks holding their experts, run the
+    local experts on what arrives, and return the outputs in ``rows``' order."""
+    ep_size, local = comm.world_size, len(experts)
+    by_rank = counts.view(ep_size, local)
+    arriving = torch.empty_like(by_rank)
+    comm.all_to_all_single(arriving, by_rank.contiguous(), tag=f"{tag}: expert counts").wait()
+    send, recv = by_rank.sum(1).tolist(), arriving.sum(1).tolist()
+    received = _Exchange.apply(rows, comm, send, recv, f"{tag}: tokens to experts")
+    # rows arrive by source rank, then local expert: group them by local expert
+    local_of_row = torch.arange(local, device=rows.device).repeat(ep_size).repeat_interleave(arriving.reshape(-1))
+    regroup = torch.argsort(local_of_row, stable=True)
+    out = _run_experts(experts, received.index_select(0, regroup), arriving.sum(0).tolist())
+    out = out.index_select(0, torch.argsort(regroup))
+    return _Exchange.apply(out, comm, recv, send, f"{tag}: expert outputs back")
