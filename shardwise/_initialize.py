@@ -10,6 +10,7 @@ import torch.distributed as dist
 from shardwise.comm import init_distributed
 from shardwise.config import load_config
 from shardwise.config._tensor_parallel import check_tensor_parallel
+from shardwise.moe._autoep import apply_autoep
 from shardwise.moe._bind import bind_moe_layers
 from shardwise.parallel import ParallelGrid
 from shardwise.tensor_parallel.autotp import apply_autotp, resolve_policy
@@ -126,6 +127,10 @@ def initialize(
     cfg = load_config(source, world_size=grid.data)
     grid.configure_comms(timeout_s=cfg.comm.timeout_s, check_hangs=cfg.comm.check_hangs)
     bind_moe_layers(model, grid, cfg, pipeline=pipeline)
+    split_experts = apply_autoep(model, grid, cfg, pipeline=pipeline)
+    model_parameters = (
+        _remap_parameters(split_experts, optimizer, model_parameters) if split_experts else model_parameters
+    )
     if tp_size > 1:
         replaced = apply_autotp(model, grid.tensor_comm, policy=resolve_policy(model, tp_section))
         model_parameters = _remap_parameters(replaced, optimizer, model_parameters)
@@ -167,9 +172,9 @@ def _remap_parameters(replaced: dict, optimizer, model_parameters):
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
             raise ValueError(
-                "tensor_parallel.autotp_size: the optimizer passed to initialize() already has state "
-                "for the full parameters AutoTP splits; build it before its first step, or pass it as "
-                "a callable (params -> optimizer)"
+                "tensor_parallel.autotp_size / expert_parallel: the optimizer passed to initialize() already "
+                "has state for the full parameters AutoTP / AutoEP split; build it before its first step, or "
+                "pass it as a callable (params -> optimizer)"
             )
         for group in optimizer.param_groups:
             group["params"] = swap(group["params"])

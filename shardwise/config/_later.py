@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from shardwise.config._errors import ConfigError, check_keys
+from shardwise.config._expert_parallel import check_expert_parallel
 from shardwise.config._pipeline import check_pipeline
 from shardwise.config._sparse_attention import sparse_attention_section
 from shardwise.config._tensor_parallel import check_tensor_parallel
@@ -105,6 +106,9 @@ def check_later_section(key: str, value: Any) -> None:
         return
     if key == "pipeline":  # built: the pipeline engine (pipe/engine.py) reads it
         check_pipeline(value)
+        return
+    if key == "expert_parallel":  # built: AutoEP (moe/_autoep.py)
+        check_expert_parallel(value)
         return
     if key == "compression_training":
         if _any_enabled(value):

@@ -22,7 +22,10 @@ def bind_moe_layers(module: nn.Module, grid, config, *, pipeline: bool = False) 
     layers = moe_layers(module)
     if not layers:
         return
-    _refuse_unsupported(layers, grid, config, pipeline=pipeline)
+    names = ", ".join(sorted({f"ep_size={layer.ep_size}" for layer in layers}))
+    refuse_unsupported(
+        [layer.ep_size for layer in layers], grid, config, pipeline=pipeline, what=f"MoE layers ({names})"
+    )
     data_before_expert = bool(config.raw.get("use_data_before_expert_parallelism", False))
     for size in sorted({layer.ep_size for layer in layers}):
         grid.expert_groups(size, data_before_expert=data_before_expert)
@@ -53,9 +56,10 @@ def expert_comms(module: nn.Module, grid) -> dict:
     return out
 
 
-def _refuse_unsupported(layers: list[MoE], grid, config, *, pipeline: bool) -> None:
-    """Combinations this version cannot train with expert parallelism are errors, with the reason."""
-    split = [layer for layer in layers if layer.ep_size > 1]
+def refuse_unsupported(ep_sizes: list[int], grid, config, *, pipeline: bool, what: str) -> None:
+    """Combinations this version cannot train with expert parallelism are errors, with the
+    reason (``what``: the model's experts, in words)."""
+    split = [size for size in ep_sizes if size > 1]
     zero = config.zero
     problems = []
     if zero.stage == 3:
@@ -72,8 +76,6 @@ def _refuse_unsupported(layers: list[MoE], grid, config, *, pipeline: bool) -> N
     if config.optimizer is not None and config.optimizer.type in ONEBIT_OPTIMIZERS:
         problems.append(f"the {config.optimizer.type} optimizer (its compressed exchange is over the data group)")
     if problems:
-        names = ", ".join(sorted({f"ep_size={layer.ep_size}" for layer in layers}))
         raise NotImplementedError(
-            f"the model has MoE layers ({names}); this version of shardwise cannot train them with "
-            + "; nor with ".join(problems)
+            f"the model has {what}; this version of shardwise cannot train them with " + "; nor with ".join(problems)
         )

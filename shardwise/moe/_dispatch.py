@@ -19,10 +19,16 @@ their backward is the reverse exchange.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from shardwise.moe._gating import Routes
+
+RunLocal = Callable[[torch.Tensor, list[int]], torch.Tensor]
+"""Computes this rank's experts on rows grouped by local expert (``counts[i]`` rows for
+local expert ``i``, in order) and returns their outputs in the same order."""
 
 
 class _Exchange(torch.autograd.Function):
@@ -44,9 +50,9 @@ def _exchange(comm, x: torch.Tensor, send: list[int], recv: list[int], tag: str)
     return out
 
 
-def _run_experts(experts: list[nn.Module], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Each expert on its contiguous slice of ``rows`` (every expert runs, also on no
-    rows, so each of its parameters gets a gradient on every rank and step)."""
+def run_each(experts: list[nn.Module], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert module on its contiguous slice of ``rows`` (every expert runs, also on
+    no rows, so each of its parameters gets a gradient on every rank and step)."""
     outputs = []
     for expert, piece in zip(experts, rows.split(counts)):
         out = expert(piece)
@@ -57,14 +63,14 @@ def _run_experts(experts: list[nn.Module], rows: torch.Tensor, counts: list[int]
 def dispatch_combine(
     x: torch.Tensor,
     routes: Routes,
-    experts: list[nn.Module],
+    run_local: RunLocal,
     *,
     num_experts: int,
     ep_comm=None,
     tag: str = "moe",
 ) -> torch.Tensor:
     """The layer's output for tokens ``x`` [S, M] routed by ``routes`` to ``num_experts``
-    experts, of which ``experts`` are this rank's (see [Note: sorted dispatch])."""
+    experts, of which ``run_local`` computes this rank's (see [Note: sorted dispatch])."""
     s = x.shape[0]
     k = routes.expert.shape[1]
     kept = routes.kept.reshape(-1)
@@ -77,18 +83,19 @@ def dispatch_combine(
     rows = x.index_select(0, tokens)
     ep_size = 1 if ep_comm is None else ep_comm.world_size
     if ep_size == 1:
-        out = _run_experts(experts, rows, counts.tolist())
+        out = run_local(rows, counts.tolist())
     else:
-        out = _remote_experts(rows, counts, experts, ep_comm, tag)
+        out = _remote_experts(rows, counts, run_local, ep_comm, tag)
     weighted = out.float() * weight_of[order].unsqueeze(1)
     combined = torch.zeros(s, out.shape[1], dtype=torch.float32, device=x.device).index_add(0, tokens, weighted)
     return combined.to(out.dtype)
 
 
-def _remote_experts(rows, counts, experts, comm, tag: str) -> torch.Tensor:
+def _remote_experts(rows, counts, run_local: RunLocal, comm, tag: str) -> torch.Tensor:
     """Send ``rows`` (sorted by global expert) to the ranks holding their experts, run the
     local experts on what arrives, and return the outputs in ``rows``' order."""
-    ep_size, local = comm.world_size, len(experts)
+    ep_size = comm.world_size
+    local = counts.numel() // ep_size
     by_rank = counts.view(ep_size, local)
     arriving = torch.empty_like(by_rank)
     comm.all_to_all_single(arriving, by_rank.contiguous(), tag=f"{tag}: expert counts").wait()
@@ -97,6 +104,6 @@ def _remote_experts(rows, counts, experts, comm, tag: str) -> torch.Tensor:
     # rows arrive by source rank, then local expert: group them by local expert
     local_of_row = torch.arange(local, device=rows.device).repeat(ep_size).repeat_interleave(arriving.reshape(-1))
     regroup = torch.argsort(local_of_row, stable=True)
-    out = _run_experts(experts, received.index_select(0, regroup), arriving.sum(0).tolist())
+    out = run_local(received.index_select(0, regroup), arriving.sum(0).tolist())
     out = out.index_select(0, torch.argsort(regroup))
     return _Exchange.apply(out, comm, recv, send, f"{tag}: expert outputs back")

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from shardwise.moe import _gating
-from shardwise.moe._dispatch import dispatch_combine
+from shardwise.moe._dispatch import dispatch_combine, run_each
 
 logger = logging.getLogger("shardwise")
 
@@ -230,10 +230,11 @@ class MOELayer(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        experts = list(self.experts.deepspeed_experts)
         out = dispatch_combine(
             tokens,
             routes,
-            list(self.experts.deepspeed_experts),
+            lambda rows, counts: run_each(experts, rows, counts),
             num_experts=self.ep_size * self.num_local_experts,
             ep_comm=self.ep_comm if self.ep_size > 1 else None,
             tag=f"moe ({self.ep_group_name})",

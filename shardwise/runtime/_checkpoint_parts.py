@@ -22,6 +22,10 @@ grid creates the files with their headers; every rank computes the same offsets
   weight by the first stage holding it); the stages' lists of tensors are all-gathered
   over the pipe group and merged in stage order, so every rank computes the same files
   and offsets, and the parts hold one model's tensors, whatever the number of stages.
+- experts split over expert-parallel ranks are written by the ranks holding them, under
+  their global names (see [Note: experts in checkpoints] in ``_checkpointing.py``): rank
+  ``r`` of an expert's expert-data-parallel group (``holder_rank``) plays the data rank's
+  part above, and the lists of tensors are merged over the data group as over stages.
 
 Rank ``r`` starts ``r / N`` of the way through the sources, so ranks mostly write
 different files at once; rank ``k % N`` then hashes part ``k``. The parts are ordinary
@@ -32,6 +36,7 @@ of the layout that wrote them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -96,18 +101,26 @@ class Writers:
             return by_data
         return [obj for stage in self.pipe.all_gather_object(by_data, tag=tag) for obj in stage]
 
-    def stage_lists(self, items: list, *, tag: str) -> list:
+    def stage_lists(self, items: list, *, tag: str, across_data: bool = False) -> list:
         """``items`` of every stage, merged in stage order, the first of equal ones kept
-        (collective over the pipe group; every rank of a stage passes the same list)."""
+        (collective over the pipe group; every rank of a stage passes the same list, or
+        with ``across_data`` the lists of the data ranks are merged first, in rank order)."""
+        if across_data:
+            items = _merged(self.data.all_gather_object(items, tag=tag))
         if self.pipe is None:
             return list(items)
-        merged, seen = [], set()
-        for stage_items in self.pipe.all_gather_object(items, tag=tag):
-            for item in stage_items:
-                if item[0] not in seen:
-                    seen.add(item[0])
-                    merged.append(item)
-        return merged
+        return _merged(self.pipe.all_gather_object(items, tag=tag))
+
+
+def _merged(lists: list[list]) -> list:
+    """The items of ``lists`` in order, the first of those with an equal key (``item[0]``) kept."""
+    merged, seen = [], set()
+    for items in lists:
+        for item in items:
+            if item[0] not in seen:
+                seen.add(item[0])
+                merged.append(item)
+    return merged
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,9 @@ class PartGroup:
     open: Callable[[], AbstractContextManager[dict[str, torch.Tensor]]]
     whole: bool
     """Whether the source tensors are whole on every data rank (else each holds its shard)."""
+    holder_rank: int | None = None
+    """This rank's place among the ranks holding the source when they are not the data
+    group (experts: their expert-data-parallel group); None: its data rank."""
 
 
 def block_key(key: str, name: str) -> str:
@@ -172,32 +188,51 @@ def block_groups(blocks: list[ShardBlock], open_shards, splits: dict[str, Tensor
                 )
                 offset += shape.numel()
         groups.append(
-            PartGroup(tuple(tensors), bucket_blocks[0].shard, lambda bucket=bucket: open_shards(bucket), whole=False)
+            PartGroup(
+                tuple(tensors),
+                bucket_blocks[0].shard,
+                lambda bucket=bucket: open_shards(bucket),
+                whole=False,
+                holder_rank=bucket_blocks[0].holder_rank,
+            )
         )
     return groups
 
 
 def whole_group(
-    key: str, tensor: torch.Tensor, split: TensorSplit | None, data_size: int, *, name: str | None = None
+    key: str,
+    tensor: torch.Tensor,
+    split: TensorSplit | None,
+    data_size: int,
+    *,
+    name: str | None = None,
+    holders: tuple[int, int] | None = None,
 ) -> PartGroup:
-    """A tensor every data rank holds whole, written ``1 / data_size`` by each."""
+    """A tensor every data rank holds whole, written ``1 / data_size`` by each (or, given
+    ``holders`` = (this rank's place, their number), by the ranks holding it)."""
     stored = split.stored_shape if split is not None else tuple(tensor.shape)
     flat = tensor.detach().reshape(-1)
     entry = PartTensor(key, tensor.dtype, stored, split, "whole", 0, flat.numel(), name or key)
+    rank, size = holders if holders is not None else (None, data_size)
     return PartGroup(
-        (entry,), partition(flat.numel(), data_size)[1], lambda: contextlib.nullcontext({"whole": flat}), whole=True
+        (entry,),
+        partition(flat.numel(), size)[1],
+        lambda: contextlib.nullcontext({"whole": flat}),
+        whole=True,
+        holder_rank=rank,
     )
 
 
 def write_parts(
-    writers: Writers, staging, stem: str, groups: list[PartGroup], *, part_bytes: int
+    writers: Writers, staging, stem: str, groups: list[PartGroup], *, part_bytes: int, across_data: bool = False
 ) -> tuple[dict, list[str]]:
     """Write ``groups`` into ``<stem>-00001.safetensors``... of about ``part_bytes`` each
-    (collective; see [Note: shards written in place]). Returns this rank's file records
-    and the part names."""
+    (collective; see [Note: shards written in place]). ``across_data``: the data ranks
+    write different tensors (experts). Returns this rank's file records and the part names."""
     entries = writers.stage_lists(
         [(t.key, t.dtype, list(t.shape)) for group in groups for t in group.tensors],
         tag=f"{stem} checkpoint tensors of every stage",
+        across_data=across_data,
     )
     if not entries:
         return {}, []
@@ -231,11 +266,11 @@ def without_names(groups: list[PartGroup], names: set[str]) -> list[PartGroup]:
     """``groups`` without the tensors of ``names`` (a tied weight another stage writes)."""
     if not names:
         return groups
-    return [PartGroup(tuple(t for t in g.tensors if t.name not in names), g.shard, g.open, g.whole) for g in groups]
+    return [dataclasses.replace(g, tensors=tuple(t for t in g.tensors if t.name not in names)) for g in groups]
 
 
 def _write_group(writers: Writers, staging, group: PartGroup, where: dict[str, tuple[str, int]]) -> None:
-    low = writers.data.rank * group.shard
+    low = (writers.data.rank if group.holder_rank is None else group.holder_rank) * group.shard
     high = low + group.shard
     mine = [
         t

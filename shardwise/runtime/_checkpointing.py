@@ -42,10 +42,23 @@ load at any number of stages reads the names its stage now holds (every copy of 
 weight reads the one stored tensor) and ignores the rest; consolidation sees one model.
 ``engine.module_state_dict()`` and ``save_16bit_model`` all-gather the stages' state
 dicts over the pipe group, so every rank gets the whole model's (in host memory).
+
+[Note: experts in checkpoints]
+An MoE layer with ``ep_size > 1`` holds experts ``r * L .. r * L + L - 1`` on expert rank
+``r`` as its local experts ``0 .. L - 1``. A checkpoint stores every expert under its
+global id (``...deepspeed_experts.<global>...``), its optimizer state and fp32 master
+likewise: the checkpoint of the same model with every expert local (``ep_size=1``), so
+consolidation sees one model, and a load at any ``ep_size`` (and world size) takes its
+experts by global id and renames them to its local ids (``ExpertNames`` in
+``_placement.py``). The ranks holding one expert (its expert-data-parallel group) write
+it together, as data ranks write a shared tensor: each its shard of a ZeRO bucket, or its
+``1 / n`` of a tensor they all hold whole (stage 0), always into the part files; the lists
+of tensors and the skeletons are merged over the data group as they are over stages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -104,18 +117,17 @@ def save(parts: Stateful, place: Placement, save_dir, *, tag, save_latest: bool,
     skeletons["aliases"] = place.aliases
     rank_records, rank_skeletons = _write_rank_files(parts, place, staging, skeletons)
     records.update(rank_records)
-    stage_first = writers.data.rank == 0 and writers.tensor_rank == 0
+    merge = writers.stages > 1 or place.experts is not None  # skeletons differ between ranks
+    shares = writers.tensor_rank == 0 and (writers.data.rank == 0 or place.experts is not None)
     all_records = writers.all_gather_object(
-        (place.global_rank, records, rank_skeletons, skeletons if stage_first and writers.stages > 1 else None),
+        (place.global_rank, records, rank_skeletons, skeletons if merge and shares else None),
         tag="checkpoint records",
     )
     if writers.rank == 0:
         manifest = {
             **parts.counters.state_dict(),
             "layout": place.layout(parts.module.param_dtype),
-            "skeletons": _manifest_skeletons(
-                skeletons, all_records, writers.stages, rank_state=rank_skeletons[1] is not None
-            ),
+            "skeletons": _manifest_skeletons(skeletons, all_records, merge, rank_state=rank_skeletons[1] is not None),
         }
         merged = {name: rec for _, recs, _, _ in all_records for name, rec in recs.items()}
         ckpt.finalize_checkpoint(
@@ -146,10 +158,10 @@ def _write_rank_files(parts: Stateful, place: Placement, staging, skeletons: dic
     return ckpt.write_files(staging, files), (rng_skeleton, rank_skeleton)
 
 
-def _manifest_skeletons(skeletons: dict, all_records: list, stages: int, *, rank_state: bool) -> dict:
-    """The manifest's skeletons: the stages' merged (rank 0's, i.e. stage 0's, first),
-    with every rank's RNG and optimizer-rank skeletons by global rank."""
-    if stages > 1:
+def _manifest_skeletons(skeletons: dict, all_records: list, merge: bool, *, rank_state: bool) -> dict:
+    """The manifest's skeletons: the stages' (and expert ranks') merged when ``merge``
+    (rank 0's first), with every rank's RNG and optimizer-rank skeletons by global rank."""
+    if merge:
         skeletons = _merge_stage_skeletons([skel for *_, skel in all_records if skel is not None])
     by_rank = sorted(all_records, key=lambda r: r[0])
     skeletons["rng"] = {str(rank): skel for rank, _, (skel, _), _ in by_rank}
@@ -240,17 +252,21 @@ def _write_optimizer(optimizer: OptimizerState, place: Placement, staging) -> tu
     ``optimizer.safetensors``; ZeRO shards and the per-element state of tensor-parallel
     parameters go into parts (see [Note: shards written in place]). Returns this rank's
     file records, the state's skeleton and the file names."""
-    writers, splits = place.writers, place.splits
+    writers, splits, experts = place.writers, place.splits, place.experts
     records: dict = {}
     named = optimizer.replicated()
     sliced = _take_split_state(named, splits)
     if writers.stages > 1:
         sliced += _take_per_param_state(named)
+    elif experts is not None:
+        sliced += _take_per_param_state(named, only=experts.stored)
+    named = _stored_names(named, place)
     tensors, skeleton = ckpt.flatten_state(named)
     if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_OPTIMIZER: tensors}))
-    blocks = optimizer.blocks()
-    refs = [(block.key, name) for block in blocks for name in block.names] + [(k, n) for k, n, _ in sliced]
+    blocks = [_stored_block(block, place) for block in optimizer.blocks()]
+    refs = [(block.key, name) for block in blocks for name in block.names]
+    refs += [(k, place.store(n)) for k, n, _ in sliced]
     for key, name in refs:
         ref = {"__tensor__": block_key(key, name)}
         if key == MASTER_KEY:
@@ -259,11 +275,20 @@ def _write_optimizer(optimizer: OptimizerState, place: Placement, staging) -> tu
             skeleton["state"].setdefault(name, {})[key] = ref
     groups = block_groups(blocks, optimizer.shards, splits)
     groups += [
-        whole_group(block_key(key, name), tensor, splits.get(name), writers.data.world_size, name=name)
+        whole_group(
+            block_key(key, place.store(name)),
+            tensor,
+            splits.get(name),
+            writers.data.world_size,
+            name=name,
+            holders=experts.holders.get(name) if experts is not None else None,
+        )
         for key, name, tensor in sliced
     ]
     groups = without_names(groups, place.tied_elsewhere)
-    part_records, parts = write_parts(writers, staging, "optimizer", groups, part_bytes=CHECKPOINT_PART_BYTES)
+    part_records, parts = write_parts(
+        writers, staging, "optimizer", groups, part_bytes=CHECKPOINT_PART_BYTES, across_data=experts is not None
+    )
     records.update(part_records)
     return records, skeleton, [_OPTIMIZER] + parts
 
@@ -292,21 +317,43 @@ def _take_split_state(named: dict, splits: dict[str, TensorSplit]) -> list[tuple
     return taken
 
 
-def _take_per_param_state(named: dict) -> list[tuple[str, str, torch.Tensor]]:
-    """Under pipeline parallelism: remove every tensor left in the named state (the
-    per-parameter state and masters a rank holds whole) for the parts, returned as
-    ``_take_split_state`` returns them, since each stage holds other parameters' state
-    and only one rank writes ``optimizer.safetensors``."""
+def _take_per_param_state(named: dict, only=None) -> list[tuple[str, str, torch.Tensor]]:
+    """Under pipeline parallelism (or for the experts, ``only`` their names): remove every
+    tensor left in the named state (the per-parameter state and masters a rank holds
+    whole) for the parts, returned as ``_take_split_state`` returns them, since each stage
+    (expert rank) holds other parameters' state and only one rank writes
+    ``optimizer.safetensors``."""
     taken = []
     named["state"] = {name: dict(entry) for name, entry in named["state"].items()}
     named["master"] = dict(named.get("master", {}))
     for name, entry in named["state"].items():
         for key, value in list(entry.items()):
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and (only is None or name in only):
                 taken.append((key, name, entry.pop(key)))
     for name in list(named["master"]):
-        taken.append((MASTER_KEY, name, named["master"].pop(name)))
+        if only is None or name in only:
+            taken.append((MASTER_KEY, name, named["master"].pop(name)))
     return taken
+
+
+def _stored_names(named: dict, place: Placement) -> dict:
+    """The named optimizer state under the names the checkpoint stores (experts by global id)."""
+    if place.experts is None:
+        return named
+    store = place.store
+    return {
+        **named,
+        "state": {store(n): v for n, v in named["state"].items()},
+        "master": {store(n): v for n, v in named.get("master", {}).items()},
+        "param_groups": [dict(g, params=[store(n) for n in g["params"]]) for g in named["param_groups"]],
+    }
+
+
+def _stored_block(block, place: Placement):
+    """``block`` with its parameters' stored names."""
+    if place.experts is None:
+        return block
+    return dataclasses.replace(block, names=tuple(place.store(n) for n in block.names))
 
 
 def _write_module(module: ModuleState, place: Placement, staging) -> tuple[dict, dict, list[str]]:
@@ -314,22 +361,38 @@ def _write_module(module: ModuleState, place: Placement, staging) -> tuple[dict,
     parameters outside ZeRO buckets) by rank 0 in ``model.safetensors``, the bucketed and
     tensor-parallel parameters by every rank into ``model-00001.safetensors``... under
     their own names (tied names refer to one tensor). Collective."""
-    writers, splits, name_of = place.writers, place.splits, place.name_of_key
+    writers, splits, name_of, experts = place.writers, place.splits, place.name_of_key, place.experts
     replicated = module.replicated()
     piped = writers.stages > 1  # every stage's tensors go to the parts
-    sliced = {name_of.get(k, k): v for k, v in replicated.items() if piped or name_of.get(k) in splits}
-    plain = {k: v for k, v in replicated.items() if not piped and name_of.get(k) not in splits}
+
+    def to_parts(key: str) -> bool:  # see [Note: experts in checkpoints]
+        return piped or name_of.get(key) in splits or (experts is not None and key in experts.stored)
+
+    sliced = {name_of.get(k, k): v for k, v in replicated.items() if to_parts(k)}
+    plain = {k: v for k, v in replicated.items() if not to_parts(k)}
     tensors, flat_skeleton = ckpt.flatten_state(plain)
     records: dict = {}
     if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_MODEL: tensors}))
     skeleton = {
-        key: flat_skeleton[key] if key in plain else {"__tensor__": name_of.get(key, key)} for key in place.keys
+        place.store(key): flat_skeleton[key] if key in plain else {"__tensor__": place.store(name_of.get(key, key))}
+        for key in place.keys
     }
-    groups = block_groups(module.blocks(), module.shards, splits)
-    groups += [whole_group(name, tensor, splits.get(name), writers.data.world_size) for name, tensor in sliced.items()]
+    groups = block_groups([_stored_block(b, place) for b in module.blocks()], module.shards, splits)
+    groups += [
+        whole_group(
+            place.store(name),
+            tensor,
+            splits.get(name),
+            writers.data.world_size,
+            holders=experts.holders.get(name) if experts is not None else None,
+        )
+        for name, tensor in sliced.items()
+    ]
     groups = without_names(groups, place.tied_elsewhere)
-    part_records, parts = write_parts(writers, staging, "model", groups, part_bytes=CHECKPOINT_PART_BYTES)
+    part_records, parts = write_parts(
+        writers, staging, "model", groups, part_bytes=CHECKPOINT_PART_BYTES, across_data=experts is not None
+    )
     records.update(part_records)
     return records, skeleton, [_MODEL] + parts
 

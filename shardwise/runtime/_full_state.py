@@ -35,7 +35,7 @@ def save_16bit_model(module: ModuleState, place: Placement, save_dir, save_filen
     writer = writers.rank == 0
     if writer:
         path.parent.mkdir(parents=True, exist_ok=True)
-    if writers.stages > 1:
+    if writers.stages > 1 or place.experts is not None:
         state = full_module_state(module.state_dict(), place)
         if writer:
             _save_whole({k: v.detach().cpu().clone() for k, v in state.items()}, tmp, path.suffix)
@@ -96,13 +96,46 @@ def _gather_slices(writers: Writers, state: dict, by_key: dict[str, TensorSplit]
     return out
 
 
+def _with_every_expert(state: dict, place: Placement) -> dict:
+    """``state`` with this rank's experts replaced by every expert under its global id
+    (all-gathered over the data group, in host memory; see [Note: experts in checkpoints])."""
+    experts, splits = place.experts, place.split_by_key
+    mine = {experts.store(k): v.detach().cpu() for k, v in state.items() if k in experts.stored}
+    rows = {k: (splits[k].index, v.detach().cpu()) for k, v in state.items() if k in experts.split_keys}
+    every: dict = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for rank_experts, rank_rows in place.writers.data.all_gather_object((mine, rows), tag="experts of every rank"):
+        for key, value in rank_experts.items():
+            every.setdefault(key, value)
+        for key, (index, value) in rank_rows.items():
+            stacked.setdefault(key, {})[index] = value
+    out, placed = {}, False
+    for key, value in state.items():
+        if key in experts.split_keys:  # an AutoEP stacked weight: every expert rank's rows
+            out[key] = torch.cat([stacked[key][i] for i in sorted(stacked[key])])
+        elif key not in experts.stored:
+            out[key] = value
+        elif not placed:  # every expert where the first local one was, by global id
+            out.update(sorted(every.items(), key=lambda item: _by_number(item[0])))
+            placed = True
+    return out
+
+
+def _by_number(key: str) -> tuple:
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split("."))
+
+
 def full_module_state(state: dict, place: Placement) -> dict:
     """A module state dict (``ModuleState.state_dict()``'s) with full tensors for
     tensor-parallel parameters (collective over the tensor group) and, in a pipeline,
     every stage's layers in stage order (all-gathered over the pipe group, on every rank,
     in host memory; a tied weight once)."""
     writers = place.writers
-    state = _gather_slices(writers, state, place.split_by_key)
+    experts = place.experts
+    tensor_splits = {k: s for k, s in place.split_by_key.items() if experts is None or k not in experts.split_keys}
+    state = _gather_slices(writers, state, tensor_splits)
+    if experts is not None:
+        state = _with_every_expert(state, place)
     if writers.pipe is None:
         return state
     mine = {k: v.detach().cpu() for k, v in state.items()}

@@ -11,15 +11,45 @@ stateful parts (``_checkpoint_state.py``), never the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
 
 from shardwise.checkpoint import TensorSplit
-from shardwise.moe._bind import moe_layers
+from shardwise.moe._autoep import ExpertParallel, stacked_names
+from shardwise.moe.layer import MoE
 from shardwise.runtime._checkpoint_parts import Writers
 from shardwise.zero._strategy import is_tensor_parallel
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where the experts split over ranks sit in a checkpoint: stored under their global
+    id (see [Note: experts in checkpoints] in ``_checkpointing.py``)."""
+
+    stored: dict[str, str]
+    """This rank's expert state-dict keys (also their parameter names) -> stored names."""
+    others: frozenset[str]
+    """Stored names of the experts the other expert-parallel ranks hold."""
+    holders: dict[str, tuple[int, int]]
+    """This rank's expert keys -> (its rank, their number) among the ranks holding the
+    same expert (the expert-data-parallel group): who writes which part of it."""
+    split_keys: frozenset[str] = frozenset()
+    """Stacked expert weights of AutoEP (``moe/_autoep.py``): this rank holds rows of the
+    stored tensor, described by a ``TensorSplit`` along dim 0 in ``Placement.splits``."""
+
+    def store(self, name: str) -> str:
+        return self.stored.get(name, name)
+
+    @cached_property
+    def local(self) -> dict[str, str]:
+        return {stored: local for local, stored in self.stored.items()}
+
+    def own(self, state: dict) -> dict:
+        """Of entries by stored name, this rank's, by its own names (the others' dropped)."""
+        return {self.local.get(k, k): v for k, v in state.items() if k not in self.others}
 
 
 @dataclass(frozen=True)
@@ -46,6 +76,12 @@ class Placement:
     """Tied weights this stage holds but an earlier stage writes."""
     aliases: dict[str, str]
     """State-dict keys naming a tensor an earlier key already names (tied weights)."""
+    experts: ExpertNames | None = field(default=None)
+    """How this rank's experts are stored; None when no MoE layer splits its experts."""
+
+    def store(self, name: str) -> str:
+        """The name ``name`` (a state-dict key or parameter name) is stored under."""
+        return name if self.experts is None else self.experts.store(name)
 
     @property
     def split_by_key(self) -> dict[str, TensorSplit]:
@@ -53,13 +89,25 @@ class Placement:
         return {key: self.splits[name] for key, name in self.name_of_key.items() if name in self.splits}
 
     def stage_module_state(self, state: dict) -> dict:
-        """Of a whole model's module state, what this stage's layers hold."""
+        """Of a whole model's module state, what this stage's layers (and this rank's
+        experts, by their local names) hold."""
+        if self.experts is not None:
+            state = self.experts.own(state)
         if self.writers.stages == 1:
             return state
         return {k: v for k, v in state.items() if k in self.keys}
 
     def stage_optimizer_state(self, state: dict) -> dict:
-        """Of a whole model's named optimizer state, what this stage's parameters hold."""
+        """Of a whole model's named optimizer state, what this stage's parameters (and this
+        rank's experts, by their local names) hold."""
+        if self.experts is not None:
+            own = self.experts.own
+            state = {
+                **state,
+                "state": own(state["state"]),
+                "master": own(state.get("master", {})),
+                "param_groups": [dict(g, params=list(own(dict.fromkeys(g["params"])))) for g in state["param_groups"]],
+            }
         if self.writers.stages == 1:
             return state
         names = self.params
@@ -92,10 +140,10 @@ class Placement:
 def placement(module: nn.Module, grid, *, zero_stage: int) -> Placement:
     """Where this rank's part of ``module``'s checkpoint is, on ``grid`` (the engine's
     ``ParallelGrid``) at ``zero_stage``."""
-    _refuse_split_experts(module)
     name_of = {id(p): name for name, p in module.named_parameters()}
     current = module.state_dict(keep_vars=True)
-    splits = tensor_splits(module, grid)
+    experts = expert_names(module)
+    splits = {**tensor_splits(module, grid), **expert_splits(module)}
     name_of_key = {key: name_of[id(t)] for key, t in current.items() if id(t) in name_of}
     keys = {}
     for key, tensor in current.items():
@@ -112,20 +160,59 @@ def placement(module: nn.Module, grid, *, zero_stage: int) -> Placement:
         splits,
         _tied_elsewhere(module, grid, name_of),
         _aliases(current),
+        experts,
     )
 
 
-def _refuse_split_experts(module: nn.Module) -> None:
-    """Experts split over ranks are not stored by global expert id yet: a checkpoint (or
-    whole-model state) would hold only one rank's experts, so it is refused."""
-    split = sorted({m.ep_size for m in moe_layers(module) if m.ep_size > 1})
-    if split:
-        raise NotImplementedError(
-            f"the model's MoE layers split their experts over ranks (ep_size {split}); checkpoints and "
-            "whole-model state dicts of such models are not available in this version of shardwise yet "
-            "(each rank holds different experts); save with ep_size=1 layers, or save each rank's "
-            "engine.module.state_dict() yourself"
+def expert_names(module: nn.Module) -> ExpertNames | None:
+    """The stored names of the experts of ``module``'s MoE layers that split them over
+    ranks (local expert ``i`` of expert rank ``r`` is global expert ``r * local + i``)."""
+    stored, others, holders = {}, set(), {}
+    state_keys = list(module.state_dict(keep_vars=True))
+    split_keys = set()
+    for path, layer in module.named_modules():
+        if isinstance(layer, ExpertParallel):
+            for key in _stacked_keys(path, layer):
+                split_keys.add(key)
+                holders[key] = (layer.expert_groups.edp_comm.rank, layer.expert_groups.edp_comm.world_size)
+            continue
+        if not isinstance(layer, MoE) or layer.ep_size == 1:
+            continue
+        groups = layer.expert_groups
+        prefix = (
+            f"{path}.deepspeed_moe.experts.deepspeed_experts." if path else "deepspeed_moe.experts.deepspeed_experts."
         )
+        local = layer.num_local_experts
+        for key in state_keys:
+            if not key.startswith(prefix):
+                continue
+            index, rest = key[len(prefix) :].split(".", 1)
+            stored[key] = f"{prefix}{groups.ep_rank * local + int(index)}.{rest}"
+            holders[key] = (groups.edp_comm.rank, groups.edp_comm.world_size)
+            others.update(
+                f"{prefix}{r * local + int(index)}.{rest}" for r in range(layer.ep_size) if r != groups.ep_rank
+            )
+    return ExpertNames(stored, frozenset(others), holders, frozenset(split_keys)) if holders else None
+
+
+def _stacked_keys(path: str, experts: nn.Module) -> list[str]:
+    """State-dict keys of an AutoEP experts module's stacked (row-split) weights."""
+    prefix = f"{path}." if path else ""
+    return [prefix + name for name in stacked_names(experts, experts.num_experts)]
+
+
+def expert_splits(module: nn.Module) -> dict[str, TensorSplit]:
+    """Each AutoEP stacked expert weight's rows, as a split along dim 0 of the stored
+    tensor (see [Note: experts in checkpoints] in ``_checkpointing.py``)."""
+    splits = {}
+    for path, layer in module.named_modules():
+        if isinstance(layer, ExpertParallel):
+            groups = layer.expert_groups
+            for key in _stacked_keys(path, layer):
+                held = layer.get_parameter(key.rsplit(".", 1)[-1])
+                full = (held.shape[0] * groups.ep_size, *held.shape[1:])
+                splits[key] = TensorSplit(full, 0, groups.ep_rank, groups.ep_size)
+    return splits
 
 
 def _aliases(current: dict) -> dict[str, str]:

@@ -120,6 +120,9 @@ class ShardBlock:
     shapes: tuple[torch.Size, ...]
     padded: int
     shard: int
+    holder_rank: int | None = None
+    """This rank's place among the ranks the bucket is sharded over, when that is not the
+    data-parallel group (an expert bucket's expert-data-parallel group); None: its data rank."""
 
 
 MASTER_KEY = "__master__"

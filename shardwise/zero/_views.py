@@ -51,6 +51,10 @@ class ShardedViews:
     def __init__(self, strategy):
         self.strategy = strategy
 
+    def _holder_rank(self, bucket: ShardedBucket) -> int | None:
+        """``ShardBlock.holder_rank`` of ``bucket``."""
+        return None if bucket.comm is self.strategy.comm else bucket.comm.rank
+
     def sync_params_from_master(self) -> None:
         """Bring the parameters in line with the masters (see the gatherer's)."""
         self.strategy.gatherer.sync_params_from_master()
@@ -162,7 +166,16 @@ class ShardedViews:
                 dtypes[MASTER_KEY] = torch.float32
             names = tuple(self.strategy.names[p] for p in bucket.params)
             blocks += [
-                ShardBlock(bucket.index, key, dtype, names, tuple(bucket.shapes), bucket.padded, bucket.shard)
+                ShardBlock(
+                    bucket.index,
+                    key,
+                    dtype,
+                    names,
+                    tuple(bucket.shapes),
+                    bucket.padded,
+                    bucket.shard,
+                    self._holder_rank(bucket),
+                )
                 for key, dtype in sorted(dtypes.items())
             ]
         return blocks
@@ -206,6 +219,7 @@ class ShardedViews:
                 tuple(b.shapes),
                 b.padded,
                 b.shard,
+                self._holder_rank(b),
             )
             for b in self.strategy.buckets
         ]

@@ -256,7 +256,11 @@ def test_field_names_of_stage3_keys_are_read():
         ({"datastates_ckpt": {"host_cache_size": 16}}, "DataStates"),
         ({"use_data_before_expert_parallelism": "yes"}, "use_data_before_expert_parallelism must be true or false"),
         ({"graph_harvesting": True}, "graph_harvesting=true"),
-        ({"expert_parallel": {"enabled": True, "autoep_size": 4}}, "expert parallelism (AutoEP)"),
+        (
+            {"expert_parallel": {"enabled": True, "autoep_size": 4, "score_func": "sigmoid"}},
+            "['score_func'] would change the model's routing",
+        ),
+        ({"expert_parallel": {"enabled": True, "preset_model": "llama4"}}, "preset_model='llama4' is not one"),
         ({"tensor_parallel": {"autotp_size": 4, "tp": {"tp_grain_size": 64}}}, "uneven splits are not available"),
         ({"compile": {"deepcompile": True}}, "DeepCompile"),
         ({"weight_quantization": {"post_init_quant": {}}}, "weight quantization"),
