@@ -119,11 +119,15 @@ class InferenceConfig:
     quant: dict = field(default_factory=dict)
     """DeepSpeed's ``quant`` section: ``{"enabled": true, "weight": {"num_bits": 8}}`` is
     the same as ``dtype=torch.int8`` for the weights."""
+    ep_size: int = 1
+    """Ranks the experts of the model's MoE blocks are split over (``moe.ep_size``, or the
+    top-level ``ep_size``); see [Note: experts at inference] in ``inference/engine.py``."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
             raise ConfigError(f"dtype must be float32, float16, bfloat16 or int8, got {self.dtype!r}")
         as_int("tensor_parallel.tp_size", self.tp_size, minimum=1)
+        as_int("moe.ep_size", self.ep_size, minimum=1)
         as_int("max_out_tokens", self.max_out_tokens, minimum=1)
         as_bool("replace_with_kernel_inject", self.replace_with_kernel_inject)
         if self.enable_cuda_graph is not None:
@@ -212,6 +216,7 @@ def _build(values: dict) -> InferenceConfig:
     options = dict(
         dtype=_dtype(values.get("dtype", torch.float16)),
         tp_size=tp_size,
+        ep_size=_ep_size(values),
         tp_group=group,
         injection_policy=policy,
         quant=quant,
@@ -257,20 +262,32 @@ def _refuse_unsupported(values: dict) -> None:
             "available; use tensor_parallel.tp_size to split the model"
         )
     moe = values.get("moe")
-    if (
-        moe
-        and (moe is True or (isinstance(moe, dict) and moe.get("enabled", True) and moe != {}))
-        or values.get("ep_size", 1) != 1
-    ):
+    if isinstance(moe, dict):
+        check_keys("moe", moe, {"enabled", "ep_size", "moe_experts", "type", "ep_mp_group", "ep_group"})
+        if moe.get("type", "standard") != "standard":
+            raise ConfigError(f"moe.type={moe['type']!r}: only 'standard' MoE layers are served (no residual MoE)")
+    groups = [k for k in ("ep_group", "ep_mp_group") if values.get(k) is not None]
+    groups += [f"moe.{k}" for k in ("ep_group", "ep_mp_group") if isinstance(moe, dict) and moe.get(k) is not None]
+    if groups:
         raise ConfigError(
-            "moe / ep_size: expert-parallel inference is not available; remove the moe section "
-            "(the model's experts run on every rank)"
+            f"{groups}: shardwise builds the expert groups itself from ep_size (consecutive ranks of the "
+            "world); pass moe={'ep_size': N} instead of process groups"
         )
     if values.get("save_mp_checkpoint_path"):
         raise ConfigError(
             "save_mp_checkpoint_path: saving the tensor-parallel shards is not available; load "
             "from the original checkpoint on every start (each rank reads only its slices)"
         )
+
+
+def _ep_size(values: dict) -> int:
+    """``moe.ep_size`` (DeepSpeed's MoE config) or the legacy top-level ``ep_size``; 1 when
+    ``moe`` is off."""
+    moe = values.get("moe")
+    if moe is False or (isinstance(moe, dict) and not moe.get("enabled", True)):
+        return 1
+    size = moe.get("ep_size", values.get("ep_size", 1)) if isinstance(moe, dict) else values.get("ep_size", 1)
+    return as_int("moe.ep_size", size, minimum=1)
 
 
 def _dtype(value: Any) -> torch.dtype:

@@ -11,6 +11,16 @@ previous one:
    rank's scales are those of its own shard;
 5. build the fast decoder (``replace_with_kernel_inject``), which fuses the layers'
    final weights.
+Experts are split (``moe.ep_size``) after step 2, so the checkpoint is read whole.
+
+[Note: experts at inference]
+At inference every rank is given the same inputs. With ``ep_size`` ranks, the experts of
+a Hugging Face MoE block keep their rows of the stacked weights on each rank (as AutoEP
+splits them, ``moe/_autoep.py``), and since each rank already has every token, no token
+moves: a rank computes its experts' share of each token's output and the shares are
+summed by one all-reduce over the expert-parallel group. DeepSpeed's ``MoE`` layers,
+built with their own ``ep_size``, are given their expert groups and exchange tokens as in
+training (each rank then computes the same result).
 """
 
 from __future__ import annotations
@@ -147,6 +157,10 @@ def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = N
         load_checkpoint(model, cfg.checkpoint, base_dir=cfg.base_dir, dtype=float_dtype)  # checks for meta left
     else:
         _check_materialised(model)
+    if cfg.ep_size > 1:
+        from shardwise.moe._autoep import split_for_inference
+
+        split_for_inference(model, cfg.ep_size, tp=cfg.tp_size)
     model.to(device=device, dtype=float_dtype)
     int8_report = None
     if cfg.int8_weights:

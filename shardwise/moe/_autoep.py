@@ -34,11 +34,15 @@ class ExpertParallel:
 
     ep_comm = None
     global_num_experts = 0
+    replicated_tokens = False
+    """Every rank has every token (inference): see [Note: experts at inference] in
+    ``inference/engine.py``."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        s, k = top_k_index.shape
         expert = top_k_index.long()
         kept = expert >= 0
+        if self.replicated_tokens:
+            return self._local_share(hidden_states, expert, kept, top_k_weights)
         routes = Routes(
             expert.clamp_min(0),
             top_k_weights.float() * kept,
@@ -48,18 +52,39 @@ class ExpertParallel:
             torch.zeros(()),
             torch.zeros(self.global_num_experts, dtype=torch.long),
         )
-        own_forward = super().forward
-
-        def run_local(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-            ids = torch.repeat_interleave(
-                torch.arange(len(counts), device=rows.device), torch.tensor(counts, device=rows.device)
-            )
-            ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-            return own_forward(rows, ids.unsqueeze(1), ones)
-
         return dispatch_combine(
-            hidden_states, routes, run_local, num_experts=self.global_num_experts, ep_comm=self.ep_comm, tag="autoep"
+            hidden_states,
+            routes,
+            self._run_local,
+            num_experts=self.global_num_experts,
+            ep_comm=self.ep_comm,
+            tag="autoep",
         )
+
+    def _run_local(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The model's own experts forward on ``rows`` grouped by local expert, weight 1 each."""
+        ids = torch.repeat_interleave(
+            torch.arange(len(counts), device=rows.device), torch.tensor(counts, device=rows.device)
+        )
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return super().forward(rows, ids.unsqueeze(1), ones)
+
+    def _local_share(self, hidden_states, expert, kept, top_k_weights) -> torch.Tensor:
+        """This rank's experts' share of every token's output, summed over the ranks."""
+        low = self.ep_comm.rank * self.num_experts
+        mine = kept & (expert >= low) & (expert < low + self.num_experts)
+        routes = Routes(
+            (expert - low).clamp(0, self.num_experts - 1),
+            top_k_weights.float() * mine,
+            mine,
+            torch.zeros_like(expert),
+            0,
+            torch.zeros(()),
+            torch.zeros(self.num_experts, dtype=torch.long),
+        )
+        out = dispatch_combine(hidden_states, routes, self._run_local, num_experts=self.num_experts)
+        self.ep_comm.all_reduce(out, tag="expert outputs").wait()
+        return out
 
 
 def stacked_names(module: nn.Module, num_experts: int) -> list[str]:
@@ -140,3 +165,34 @@ def apply_autoep(model: nn.Module, grid, config, *, pipeline: bool = False) -> d
     for _, experts in found:
         replaced.update(split(experts, groups))
     return replaced
+
+
+def split_for_inference(model: nn.Module, ep_size: int, *, tp: int = 1) -> None:
+    """Split the experts of ``model`` over ``ep_size`` ranks for ``init_inference`` (see
+    [Note: experts at inference] in ``inference/engine.py``; collective)."""
+    import torch.distributed as dist
+
+    from shardwise.comm import init_distributed
+    from shardwise.moe.layer import MoE
+    from shardwise.parallel import ParallelGrid
+
+    if not dist.is_initialized():
+        init_distributed()
+    grid = ParallelGrid.build(tensor=tp)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    found = find_experts(model, check_expert_parallel({}))
+    if not layers and not found:
+        raise ValueError(
+            f"moe.ep_size={ep_size}: the model has no MoE block with stacked experts (transformers' Mixtral, "
+            "Qwen2-MoE, Qwen3-MoE...) and no shardwise.moe.layer.MoE layer to split"
+        )
+    for size in sorted({layer.ep_size for layer in layers}):
+        grid.expert_groups(size)
+    for layer in layers:
+        layer.bind(grid.expert_groups(layer.ep_size))
+    if found:
+        groups = grid.expert_groups(ep_size)
+        with torch.no_grad():
+            for _, experts in found:
+                split(experts, groups)
+                experts.replicated_tokens = True

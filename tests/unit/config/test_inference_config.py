@@ -51,7 +51,9 @@ def test_quant_section_means_int8_weights():
         ("max_out_token", 10, "did you mean 'max_out_tokens'"),
         ("use_triton", True, "without Triton kernels"),
         ("zero", {"stage": 3}, "ZeRO-Inference"),
-        ("moe", True, "expert-parallel inference"),
+        ("moe", {"ep_size": 2, "type": "residual"}, "only 'standard' MoE layers"),
+        ("ep_group", object(), "shardwise builds the expert groups itself"),
+        ("moe", {"ep_size": 0}, "moe.ep_size must be a positive integer"),
         ("save_mp_checkpoint_path", "/tmp/x", "saving the tensor-parallel shards"),
         ("dtype", "fp8", "dtype must be a torch dtype or one of"),
         ("dtype", torch.int32, "dtype must be float32, float16, bfloat16 or int8"),
@@ -65,6 +67,13 @@ def test_quant_section_means_int8_weights():
 def test_bad_input_is_refused_by_name(key, value, message):
     with pytest.raises(ConfigError, match=message):
         inference_config(**{key: value})
+
+
+def test_moe_ep_size_is_read_from_deepspeeds_places():
+    assert inference_config(moe={"enabled": True, "ep_size": 2}).ep_size == 2
+    assert inference_config(ep_size=4).ep_size == 4  # the legacy top-level key
+    assert inference_config(moe={"enabled": False, "ep_size": 2}).ep_size == 1
+    assert inference_config(moe=True).ep_size == 1
 
 
 def test_alias_and_name_with_different_values_is_refused():
