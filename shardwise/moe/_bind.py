@@ -67,8 +67,6 @@ def refuse_unsupported(ep_sizes: list[int], grid, config, *, pipeline: bool, wha
             "ZeRO stage 3 (its units gather whole modules over the data-parallel group, but each "
             "expert-parallel rank holds other experts); use ZeRO stage 0, 1 or 2"
         )
-    if split and (zero.offload_optimizer.enabled or zero.offload_param.enabled):
-        problems.append("optimizer or parameter offload with ep_size > 1; remove the offload sections")
     if pipeline:
         problems.append("a PipelineModule; build the model as one nn.Module")
     if split and grid.tensor > 1:

@@ -100,7 +100,7 @@ def reference_run(model, batches, opt, clip):
     return losses, norms
 
 
-def moe_config(stage, opt, clip, dtype):
+def moe_config(stage, opt, clip, dtype, offload=None):
     out = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": clip,
@@ -113,4 +113,6 @@ def moe_config(stage, opt, clip, dtype):
     }
     if dtype == "bf16":
         out["bf16"] = {"enabled": True}
+    if offload is not None:
+        out["zero_optimization"]["offload_optimizer"] = offload
     return out

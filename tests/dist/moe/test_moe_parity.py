@@ -44,7 +44,7 @@ def _max_diff(reference, engine, ep_size, ep_rank):
 
 
 def _run_case(rank, world_size, case):
-    ep_size, stage, k, drop, opt, clip, dtype = case
+    ep_size, stage, k, drop, opt, clip, dtype, *offload = case
     reference = make_reference(k, drop)
     batches = make_batches(world_size)
     ep_rank = rank % ep_size
@@ -52,7 +52,9 @@ def _run_case(rank, world_size, case):
     ref_final = copy.deepcopy(reference)
     ref_losses, ref_norms = reference_run(ref_final, batches, opt, clip)
     engine, _, _, _ = shardwise.initialize(
-        model=model, model_parameters=model.parameters(), config=moe_config(stage, opt, clip, dtype)
+        model=model,
+        model_parameters=model.parameters(),
+        config=moe_config(stage, opt, clip, dtype, {"device": offload[0]} if offload else None),
     )
     losses, norms = [], []
     for x, y in batches:
@@ -105,7 +107,7 @@ def _run(rank, world_size, cases):
     return report
 
 
-# (ep_size, zero stage, k, drop_tokens, optimizer, gradient_clipping, dtype)
+# (ep_size, zero stage, k, drop_tokens, optimizer, gradient_clipping, dtype[, offload device])
 CASES = {
     2: [
         (2, 0, 1, True, "sgd", 0.3, "fp32"),
@@ -119,6 +121,7 @@ CASES = {
         (2, 2, 1, True, "adamw", 0.3, "fp32"),
         (2, 1, 3, False, "sgd", 0.3, "fp32"),
         (4, 2, 2, False, "sgd", 0.0, "fp32"),
+        (2, 2, 2, True, "adamw", 0.3, "fp32", "cpu"),  # optimizer state offloaded to CPU memory
     ],
 }
 
@@ -132,7 +135,7 @@ def test_expert_parallel_training_equals_single_process(tmp_path, world_size):
             assert "ZeRO stage 3" in refused["zero3"] and "use ZeRO stage 0, 1 or 2" in refused["zero3"]
             assert "ep_size=4 does not divide the data-parallel size 2" in refused["ep_size 4 on 2 data ranks"]
     for case in CASES[world_size]:
-        ep_size, stage, _, _, opt, clip, dtype = case
+        ep_size, stage, _, _, opt, clip, dtype, *_ = case
         local = EXPERTS // ep_size
         for rank, report in enumerate(reports):
             r = report[case]
