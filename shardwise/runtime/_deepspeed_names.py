@@ -164,6 +164,24 @@ class DeepSpeedNames:
     def zero_allow_untested_optimizer(self) -> bool:
         return self.train_config.zero_allow_untested_optimizer
 
+    # -- mixture of experts ----------------------------------------------------------------------
+
+    @property
+    def has_moe_layers(self) -> bool:
+        """Whether the model has ``shardwise.moe.layer.MoE`` layers (DeepSpeed's attribute)."""
+        return bool(self.moe_layers)
+
+    @property
+    def moe_layers(self) -> list:
+        from shardwise.moe._bind import moe_layers
+
+        return moe_layers(self.module)
+
+    @property
+    def num_experts(self) -> list[int]:
+        """Each MoE layer's number of experts, in module order."""
+        return [layer.num_experts for layer in self.moe_layers]
+
     def sparse_attention_config(self, num_heads: int):
         """The sparsity config the ``sparse_attention`` section describes, for a layer of
         ``num_heads`` heads (None without the section); pass it to ``SparseSelfAttention``."""

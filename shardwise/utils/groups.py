@@ -121,6 +121,14 @@ def _get_broadcast_src_rank() -> int:
 _default_grid = None  # the data-parallel grid built when MoE groups are asked for before any engine
 
 
+def initialize(ep_size=1, mpu=None):
+    """DeepSpeed's retired call: refused, as DeepSpeed does, naming what replaced it."""
+    raise RuntimeError(
+        "deepspeed.utils.groups.initialize() is deprecated (DeepSpeed raises too): pass ep_size to "
+        "deepspeed.moe.layer.MoE(..., ep_size=...) and initialize() builds the expert groups"
+    )
+
+
 def _grid_or_default():
     """The recorded grid, or a data-parallel grid over the world (built once, collective)."""
     global _default_grid

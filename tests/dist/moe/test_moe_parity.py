@@ -83,6 +83,7 @@ def _run_case(rank, world_size, case):
         "global_ids": moe.global_expert_ids(),
         "optimizer_numel": optimizer_numel,
         "model_numel": sum(p.numel() for p in engine.module.parameters()),
+        "engine_names": (engine.has_moe_layers, engine.num_experts),
     }
 
 
@@ -149,6 +150,7 @@ def test_expert_parallel_training_equals_single_process(tmp_path, world_size):
             if clip:
                 assert r["ref_norm_min"] > clip, (case, r)  # clipping was active on every step
             assert r["local_experts"] == (local, local)
+            assert r["engine_names"] == (True, [EXPERTS])  # DeepSpeed's engine attributes
             assert r["expert_numel"][0] == r["expert_numel"][1]
             assert r["global_ids"] == list(range((rank % ep_size) * local, (rank % ep_size + 1) * local))
             per_param = 2 if opt == "adamw" else 0

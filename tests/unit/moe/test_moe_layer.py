@@ -176,6 +176,13 @@ def test_names_and_markings_are_deepspeeds():
     assert has_moe_layers(model) == (True, 4) and has_moe_layers(nn.Linear(2, 2)) == (False, 0)
 
 
+def test_deepspeeds_retired_groups_initialize_names_its_replacement():
+    from shardwise.utils import groups
+
+    with pytest.raises(RuntimeError, match="pass ep_size to deepspeed.moe.layer.MoE"):
+        groups.initialize(ep_size=2)
+
+
 def test_optimizer_groups_put_experts_apart():
     model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), MoE(HIDDEN, _expert(), num_experts=2, ep_size=2))
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "lr": 0.1})
