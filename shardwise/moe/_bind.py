@@ -31,6 +31,8 @@ def bind_moe_layers(module: nn.Module, grid, config, *, pipeline: bool = False) 
         grid.expert_groups(size, data_before_expert=data_before_expert)
     for layer in layers:
         layer.bind(grid.expert_groups(layer.ep_size, data_before_expert=data_before_expert))
+        if config.zero.stage == 3:  # a ZeRO-3 leaf (zero/_leaf.py): the gate reads its weight
+            layer.deepspeed_moe._z3_leaf = True  # without calling its module
 
 
 def expert_comms(module: nn.Module, grid) -> dict:
@@ -60,13 +62,7 @@ def refuse_unsupported(ep_sizes: list[int], grid, config, *, pipeline: bool, wha
     """Combinations this version cannot train with expert parallelism are errors, with the
     reason (``what``: the model's experts, in words)."""
     split = [size for size in ep_sizes if size > 1]
-    zero = config.zero
     problems = []
-    if zero.stage == 3:
-        problems.append(
-            "ZeRO stage 3 (its units gather whole modules over the data-parallel group, but each "
-            "expert-parallel rank holds other experts); use ZeRO stage 0, 1 or 2"
-        )
     if pipeline:
         problems.append("a PipelineModule; build the model as one nn.Module")
     if split and grid.tensor > 1:

@@ -162,6 +162,7 @@ def build_strategy(module, *, config, comm, policy, grid=None) -> ZeroStrategy:
             param_offload=zero.offload_param,
             max_reuse_distance=zero.stage3_max_reuse_distance,
             persistence_threshold=zero.stage3_param_persistence_threshold,
+            expert_comms=experts,
         )
     if zero.stage in (1, 2):
         return ShardedStrategy(

@@ -239,7 +239,7 @@ class UnitGatherer:
             self._holding.remove(unit)
 
     def _launch_gather(self, unit: Stage3Unit, shard: torch.Tensor) -> None:
-        comm, tag = self.strategy.comm, f"parameters of unit {unit.index} ({type(unit.module).__name__})"
+        comm, tag = unit.comm, f"parameters of unit {unit.index} ({type(unit.module).__name__})"
         unit.begin_gather(
             lambda flat: comm.all_gather_into_tensor(flat, to_device(shard, flat.device, flat.dtype), tag=tag)
         )
@@ -429,7 +429,7 @@ class UnitGatherer:
                 if unit.persistent:
                     shard = to_device(unit.master.detach(), unit.flat_param.device, unit.flat_param.dtype)
                     handles.append(
-                        strategy.comm.all_gather_into_tensor(
+                        unit.comm.all_gather_into_tensor(
                             unit.flat_param, shard, tag=f"persistent parameters (unit {unit.index})"
                         )
                     )

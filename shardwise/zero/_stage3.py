@@ -76,7 +76,8 @@ class Stage3Strategy(ShardedStrategy):
         self.views = Stage3Views(self)
         self.persistence_threshold = persistence_threshold
         self._owner, self._sharers = self._owners(module)
-        self._persistent_params: dict[int, list[nn.Parameter]] = {}
+        self._persistent_params: dict[tuple[int, int], list[nn.Parameter]] = {}
+        """(param group, id of its bucket's communicator) -> small parameters kept whole."""
 
     @property
     def peak_live_numel(self) -> int:
@@ -113,7 +114,7 @@ class Stage3Strategy(ShardedStrategy):
         """Units for every owning module, then one persistent unit per param group (laid
         out last, so waiting for its gradients delays no other unit's reduction)."""
         super().optimizer_params(model_parameters)
-        for group, params in self._persistent_params.items():
+        for (group, _), params in self._persistent_params.items():
             self._add_bucket(params, group, module=self.module, persistent=True)
         self._persistent_params.clear()
         self._check_param_buffer_size()
@@ -123,13 +124,15 @@ class Stage3Strategy(ShardedStrategy):
         ]
 
     def _layout(self, params: list[nn.Parameter], group: int) -> None:
-        by_owner: dict[nn.Module, list[nn.Parameter]] = {}
+        # one unit per (owner, communicator): an MoE leaf's experts are sharded over their
+        # expert-data-parallel group, its gate over the data group
+        by_owner: dict[tuple[nn.Module, int], list[nn.Parameter]] = {}
         for p in params:
             if full_shape(p).numel() < self.persistence_threshold:
-                self._persistent_params.setdefault(group, []).append(p)
+                self._persistent_params.setdefault((group, id(self._comm_of(p))), []).append(p)
                 continue
-            by_owner.setdefault(self._owner[p], []).append(p)
-        for owner, owned in by_owner.items():
+            by_owner.setdefault((self._owner[p], id(self._comm_of(p))), []).append(p)
+        for (owner, _), owned in by_owner.items():
             self._add_bucket(owned, group, module=owner)
             unit = self.buckets[-1]
             self.gatherer.add_user(owner, unit)
@@ -147,14 +150,15 @@ class Stage3Strategy(ShardedStrategy):
         """A unit: flat buffer of the full parameters (freed right away), an fp32 master
         shard and an fp32 gradient shard. Parameters built by ``zero.Init`` arrive as
         per-parameter slices and are gathered here one unit at a time."""
-        rank, device = self.comm.rank, params[0].device
+        comm = self._comm_of(params[0])
+        rank, device = comm.rank, params[0].device
         dtype = self.policy.param_dtype
         shapes = [full_shape(p) for p in params]
         offsets, numel = [], 0
         for shape in shapes:
             offsets.append(numel)
             numel += shape.numel()
-        padded, shard = partition(numel, self.comm.world_size)
+        padded, shard = partition(numel, comm.world_size)
         flat = torch.zeros(padded, dtype=dtype, device=device)
         built_partitioned = [p for p in params if init_shard(p) is not None]
         gather_init_params(built_partitioned)
@@ -175,7 +179,7 @@ class Stage3Strategy(ShardedStrategy):
             shard,
             flat,
             shapes=shapes,
-            comm=self.comm,
+            comm=comm,
             module=module,
             persistent=persistent,
         )
@@ -234,6 +238,12 @@ class Stage3Strategy(ShardedStrategy):
         with torch.no_grad():
             for unit in units:
                 if modifier_rank is not None:
+                    if unit.comm is not self.comm:
+                        raise NotImplementedError(
+                            "GatheredParameters(modifier_rank=...) over expert parameters split over ranks: "
+                            "each expert-parallel rank holds other experts; modify them with modifier_rank=None "
+                            "on every rank holding them"
+                        )
                     self.comm.broadcast(unit.flat_param, src=modifier_rank, tag="GatheredParameters").wait()
                     with self._resident([unit]):
                         unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))

@@ -447,7 +447,7 @@ class Stage3Views(ShardedViews):
                         for p, key in zip(unit.params, present):
                             if key is not None:
                                 p.copy_(state[key])
-                        unit.master.copy_(unit.local(unit.flat_param, self.strategy.comm.rank))
+                        unit.master.copy_(unit.local(unit.flat_param, unit.comm.rank))
                         self.strategy.gatherer.reshard(unit, force=True)
         self.sync_params_from_master()  # persistent units are whole: refresh them
         return result._replace(missing_keys=missing, unexpected_keys=unexpected)

@@ -100,7 +100,7 @@ def reference_run(model, batches, opt, clip):
     return losses, norms
 
 
-def moe_config(stage, opt, clip, dtype, offload=None):
+def moe_config(stage, opt, clip, dtype, zero=None):
     out = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": clip,
@@ -113,6 +113,5 @@ def moe_config(stage, opt, clip, dtype, offload=None):
     }
     if dtype == "bf16":
         out["bf16"] = {"enabled": True}
-    if offload is not None:
-        out["zero_optimization"]["offload_optimizer"] = offload
+    out["zero_optimization"].update(zero or {})
     return out
