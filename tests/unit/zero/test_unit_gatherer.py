@@ -71,6 +71,7 @@ def _gatherer(**limits) -> tuple[UnitGatherer, nn.Sequential, nn.Sequential]:
             shard,
             flat,
             shapes=[layer.weight.shape, layer.bias.shape],
+            comm=strategy.comm,
             module=layer,
         )
         unit.master = nn.Parameter(flat.detach().clone())
