@@ -158,7 +158,7 @@ def apply_autoep(model: nn.Module, grid, config, *, pipeline: bool = False) -> d
             "weights [num_experts, ...], as transformers' Mixtral, Qwen2-MoE and Qwen3-MoE have); check "
             "preset_model / moe_layer_pattern / expert_pattern, or build the model with shardwise.moe.layer.MoE"
         )
-    refuse_unsupported([values["autoep_size"]], grid, config, pipeline=pipeline, what="expert_parallel (AutoEP)")
+    refuse_unsupported(config, pipeline=pipeline, what="expert_parallel (AutoEP)")
     data_before_expert = bool(config.raw.get("use_data_before_expert_parallelism", False))
     groups = grid.expert_groups(values["autoep_size"], data_before_expert=data_before_expert)
     replaced = {}

@@ -23,9 +23,7 @@ def bind_moe_layers(module: nn.Module, grid, config, *, pipeline: bool = False) 
     if not layers:
         return
     names = ", ".join(sorted({f"ep_size={layer.ep_size}" for layer in layers}))
-    refuse_unsupported(
-        [layer.ep_size for layer in layers], grid, config, pipeline=pipeline, what=f"MoE layers ({names})"
-    )
+    refuse_unsupported(config, pipeline=pipeline, what=f"MoE layers ({names})")
     data_before_expert = bool(config.raw.get("use_data_before_expert_parallelism", False))
     for size in sorted({layer.ep_size for layer in layers}):
         grid.expert_groups(size, data_before_expert=data_before_expert)
@@ -58,15 +56,12 @@ def expert_comms(module: nn.Module, grid) -> dict:
     return out
 
 
-def refuse_unsupported(ep_sizes: list[int], grid, config, *, pipeline: bool, what: str) -> None:
-    """Combinations this version cannot train with expert parallelism are errors, with the
-    reason (``what``: the model's experts, in words)."""
-    split = [size for size in ep_sizes if size > 1]
+def refuse_unsupported(config, *, pipeline: bool, what: str) -> None:
+    """Combinations this version cannot train with experts are errors, with the reason
+    (``what``: the model's experts, in words)."""
     problems = []
     if pipeline:
         problems.append("a PipelineModule; build the model as one nn.Module")
-    if split and grid.tensor > 1:
-        problems.append("tensor parallelism with ep_size > 1; use ep_size 1 or no tensor parallelism")
     if config.optimizer is not None and config.optimizer.type in ONEBIT_OPTIMIZERS:
         problems.append(f"the {config.optimizer.type} optimizer (its compressed exchange is over the data group)")
     if problems:

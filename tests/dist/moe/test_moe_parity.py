@@ -162,3 +162,42 @@ def test_expert_parallel_training_equals_single_process(tmp_path, world_size):
                 assert r["optimizer_numel"] == per_param * r["model_numel"], (case, r)
             if per_param and stage > 0:  # sharded: at most this rank's share (plus padding)
                 assert r["optimizer_numel"] < per_param * r["model_numel"], (case, r)
+
+
+def _tensor_and_experts(rank, world_size, stage):
+    """tp 2 x dp 2 on 4 ranks, the experts split over the 2 data ranks of each tensor rank:
+    the input layer column-parallel (output gathered), the MoE layer's experts whole on
+    their expert rank (each tensor rank computes them alike)."""
+    from shardwise.parallel import ParallelGrid
+    from shardwise.tensor_parallel import ColumnParallelLinear
+
+    grid = ParallelGrid.build(tensor=2)
+    data_rank = grid.get_data_parallel_rank()
+    reference = make_reference(2, True)
+    batches = [(x[:2], y[:2]) for x, y in make_batches(2)]  # one micro-batch per data rank
+    ref_final = copy.deepcopy(reference)
+    reference_run(ref_final, batches, "sgd", 0.3)
+    model = expert_rank_model(reference, 2, data_rank, 2, True)
+    model.inp = ColumnParallelLinear.from_linear(model.inp, group=grid, gather_output=True)
+    engine, _, _, _ = shardwise.initialize(
+        model=model, model_parameters=model.parameters(), config=moe_config(stage, "sgd", 0.3, "fp32"), mpu=grid
+    )
+    for x, y in batches:
+        engine.backward(moe_loss(engine, x[data_rank], y[data_rank]))
+        engine.step()
+    expected = expert_rank_model(ref_final, 2, data_rank, 2, True).state_dict()
+    got = engine.module.state_dict()
+    held = engine.module.inp.weight
+    diff = max(float((got[k] - expected[k]).abs().max()) for k in expected if not k.startswith("inp."))
+    rows = expected["inp.weight"].shape[0] // 2
+    diff_inp = float(
+        (held - expected["inp.weight"][grid.tensor_rank * rows : (grid.tensor_rank + 1) * rows]).abs().max()
+    )
+    return max(diff, diff_inp), tuple(held.shape)
+
+
+def test_tensor_and_expert_parallel_together(tmp_path):
+    for stage in (0, 2):
+        for diff, held in run_distributed(_tensor_and_experts, world_size=4, tmp_path=tmp_path, stage=stage):
+            assert diff < 2e-5, (stage, diff)
+            assert held == (4, 6)  # this tensor rank's half of the input layer's rows
