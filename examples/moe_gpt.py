@@ -31,6 +31,8 @@ class MoESettings:
     min_capacity: int = 4
     drop_tokens: bool = True
     """False: dropless (every route kept)."""
+    second_expert_sampling: bool = True
+    """``top2_2nd_expert_sampling``: Gumbel noise on the second choice of the top-2 gate."""
     every: int = 2
     """An MoE MLP in every ``every``-th block (the 2nd, 4th, ...); 1: in every block."""
     aux_coef: float = 0.01
@@ -71,6 +73,7 @@ class MoEBlock(nn.Module):
             eval_capacity_factor=moe.capacity_factor,
             min_capacity=moe.min_capacity,
             drop_tokens=moe.drop_tokens,
+            top2_2nd_expert_sampling=moe.second_expert_sampling,
         )
 
     def forward(self, x: torch.Tensor):
