@@ -61,14 +61,21 @@ class _A2AClock:
     for inside, so its seconds are the whole exchange)."""
 
     def __init__(self):
-        self.calls, self.seconds = 0, 0.0
+        self.calls, self.seconds, self.skew = 0, 0.0, 0.0
 
-    def install(self) -> None:
+    def install(self, *, barrier: bool) -> None:
+        """With ``barrier``, each exchange first waits for the whole group at a barrier,
+        timed apart (``skew``: the wait for the slowest rank to arrive), so ``seconds``
+        is the exchange alone."""
         import torch.distributed as dist
 
         orig = dist.all_to_all_single
 
         def all_to_all_single(*args, **kwargs):
+            if barrier:
+                start = time.perf_counter()
+                dist.barrier(group=kwargs.get("group"))
+                self.skew += time.perf_counter() - start
             start = time.perf_counter()
             work = orig(*args, **kwargs)
             if work is not None:
@@ -177,7 +184,7 @@ def _moe_forward_clock(model) -> list:
 
 def worker(args) -> None:
     a2a = _A2AClock()
-    a2a.install()
+    a2a.install(barrier=args.a2a_barrier)
     import torch
     import torch.distributed as dist
 
@@ -196,13 +203,22 @@ def worker(args) -> None:
     settings = None if args.variant == "ddp-dense" else _settings(args, args.variant)
     from moe_gpt import dropped_routes
 
-    record = {"times": [], "phases": [], "losses": [], "a2a_s": [], "a2a_calls": [], "moe_fwd_s": [], "dropped": []}
+    record = {
+        "times": [],
+        "phases": [],
+        "losses": [],
+        "a2a_s": [],
+        "a2a_calls": [],
+        "a2a_skew_s": [],
+        "moe_fwd_s": [],
+        "dropped": [],
+    }
     profile, prof = None, None
     for i, (x, y) in enumerate(rows):
         if args.profile and i == args.warmup:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
-        a2a.calls, a2a.seconds, moe_clock[0] = 0, 0.0, 0.0
+        a2a.calls, a2a.seconds, a2a.skew, moe_clock[0] = 0, 0.0, 0.0, 0.0
         start = time.perf_counter()
         loss = forward(x, y)
         t_forward = time.perf_counter()
@@ -215,6 +231,7 @@ def worker(args) -> None:
         record["losses"].append(loss.item())
         record["a2a_s"].append(a2a.seconds)
         record["a2a_calls"].append(a2a.calls)
+        record["a2a_skew_s"].append(a2a.skew)
         record["moe_fwd_s"].append(moe_clock[0])
         record["dropped"].append(dropped_routes(model.exp_counts, settings) if settings else (0, 0))
         if prof is not None and i == args.warmup + 1:
@@ -244,6 +261,7 @@ def run_variant(args, variant: str) -> dict:
     flags = [f for name in _MODEL_FLAGS for f in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     flags += ["--profile", "--profile-rows", str(args.profile_rows)] if args.profile else []
     flags += [] if args.second_sampling else ["--no-second-sampling"]
+    flags += ["--a2a-barrier"] if args.a2a_barrier else []
     for attempt in range(3):
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "result"
@@ -283,6 +301,7 @@ def _summary(args, ranks: list[dict], wall: float) -> dict:
         "phases": [statistics.median(p[k] for p in r0["phases"][timed]) for k in range(3)],
         "a2a_s": statistics.median(r0["a2a_s"][timed]),
         "a2a_calls": statistics.median(r0["a2a_calls"][timed]),
+        "a2a_skew_s": statistics.median(r0["a2a_skew_s"][timed]),
         "moe_fwd_s": statistics.median(r0["moe_fwd_s"][timed]),
         # dropped routes per step, summed over the MoE layers and both ranks
         "dropped": statistics.fmean(sum(r["dropped"][i][0] for r in ranks) for i in range(len(r0["times"]))),
@@ -321,13 +340,14 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         f"## Step time, 2 ranks, ep {args.ep} (round order: {'; '.join(' '.join(o) for o in order)})",
         "",
         "| variant | runs | median s/step | run medians min-max | all steps min-max | forward / backward / step s "
-        "| all-to-all s/step (calls) | all-to-all share | MoE forward s/step | dropped routes/step (of) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| all-to-all s/step (calls) | all-to-all share | wait for peer at barrier s/step "
+        "| MoE forward s/step | dropped routes/step (of) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for variant, rs in runs.items():
         good = ok[variant]
         if not good:
-            lines.append(f"| {variant} | error: {rs[0].get('error') if rs else '?'} | | | | | | | | |")
+            lines.append(f"| {variant} | error: {rs[0].get('error') if rs else '?'} | | | | | | | | | |")
             continue
         med = median_or_nan([r["median"] for r in good])
         a2a = median_or_nan([r["a2a_s"] for r in good])
@@ -337,6 +357,7 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
             f"{max(r['median'] for r in good):.3f} | {min(r['min'] for r in good):.3f}-"
             f"{max(r['max'] for r in good):.3f} | {f:.3f} / {b:.3f} / {s:.3f} "
             f"| {a2a:.3f} ({good[0]['a2a_calls']:.0f}) | {a2a / med:.1%} "
+            f"| {median_or_nan([r['a2a_skew_s'] for r in good]):.3f} "
             f"| {median_or_nan([r['moe_fwd_s'] for r in good]):.3f} "
             f"| {good[0]['dropped']:.1f} ({good[0]['routes']:.0f}) |"
         )
@@ -395,6 +416,11 @@ def parse_args() -> argparse.Namespace:
         dest="second_sampling",
         action="store_false",
         help="top2_2nd_expert_sampling=False: no Gumbel noise, so both libraries route alike and losses compare",
+    )
+    parser.add_argument(
+        "--a2a-barrier",
+        action="store_true",
+        help="a timed barrier before each all-to-all: the wait for the slower rank apart from the exchange",
     )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
