@@ -210,6 +210,7 @@ def worker(args) -> None:
         "a2a_s": [],
         "a2a_calls": [],
         "a2a_skew_s": [],
+        "cpu_s": [],
         "moe_fwd_s": [],
         "dropped": [],
     }
@@ -219,7 +220,7 @@ def worker(args) -> None:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
         a2a.calls, a2a.seconds, a2a.skew, moe_clock[0] = 0, 0.0, 0.0, 0.0
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = forward(x, y)
         t_forward = time.perf_counter()
         backward(loss)
@@ -227,6 +228,7 @@ def worker(args) -> None:
         step()
         end = time.perf_counter()
         record["times"].append(end - start)
+        record["cpu_s"].append(time.process_time() - cpu_start)
         record["phases"].append((t_forward - start, t_backward - t_forward, end - t_backward))
         record["losses"].append(loss.item())
         record["a2a_s"].append(a2a.seconds)
@@ -294,6 +296,7 @@ def _summary(args, ranks: list[dict], wall: float) -> dict:
     timed = slice(args.warmup + (2 if args.profile else 0), None)
     r0 = ranks[0]
     times = r0["times"][timed]
+    steps = range(*timed.indices(len(r0["times"])))
     return {
         "median": statistics.median(times),
         "min": min(times),
@@ -303,6 +306,9 @@ def _summary(args, ranks: list[dict], wall: float) -> dict:
         "a2a_calls": statistics.median(r0["a2a_calls"][timed]),
         "a2a_skew_s": statistics.median(r0["a2a_skew_s"][timed]),
         "moe_fwd_s": statistics.median(r0["moe_fwd_s"][timed]),
+        # CPU seconds of each rank's process per step, mean of the ranks: the work done, less
+        # sensitive than wall time to other processes on the machine
+        "cpu_s": statistics.median(statistics.fmean(r["cpu_s"][i] for r in ranks) for i in steps),
         # dropped routes per step, summed over the MoE layers and both ranks
         "dropped": statistics.fmean(sum(r["dropped"][i][0] for r in ranks) for i in range(len(r0["times"]))),
         "routes": statistics.fmean(sum(r["dropped"][i][1] for r in ranks) for i in range(len(r0["times"]))),
@@ -328,10 +334,8 @@ def _versions(ds_python: str) -> str:
     return ", ".join(parts)
 
 
-def _pair_ratios(runs: dict, a: str, b: str) -> list[float]:
-    return [
-        x["median"] / y["median"] for x, y in zip(runs.get(a, []), runs.get(b, [])) if "median" in x and "median" in y
-    ]
+def _pair_ratios(runs: dict, a: str, b: str, key: str = "median") -> list[float]:
+    return [x[key] / y[key] for x, y in zip(runs.get(a, []), runs.get(b, [])) if key in x and key in y]
 
 
 def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
@@ -339,15 +343,16 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
     lines = [
         f"## Step time, 2 ranks, ep {args.ep} (round order: {'; '.join(' '.join(o) for o in order)})",
         "",
-        "| variant | runs | median s/step | run medians min-max | all steps min-max | forward / backward / step s "
+        "| variant | runs | median s/step | run medians min-max | all steps min-max | CPU s/step "
+        "| forward / backward / step s "
         "| all-to-all s/step (calls) | all-to-all share | wait for peer at barrier s/step "
         "| MoE forward s/step | dropped routes/step (of) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for variant, rs in runs.items():
         good = ok[variant]
         if not good:
-            lines.append(f"| {variant} | error: {rs[0].get('error') if rs else '?'} | | | | | | | | | |")
+            lines.append(f"| {variant} | error: {rs[0].get('error') if rs else '?'} | | | | | | | | | | |")
             continue
         med = median_or_nan([r["median"] for r in good])
         a2a = median_or_nan([r["a2a_s"] for r in good])
@@ -355,13 +360,14 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         lines.append(
             f"| {variant} | {len(good)} | {med:.3f} | {min(r['median'] for r in good):.3f}-"
             f"{max(r['median'] for r in good):.3f} | {min(r['min'] for r in good):.3f}-"
-            f"{max(r['max'] for r in good):.3f} | {f:.3f} / {b:.3f} / {s:.3f} "
+            f"{max(r['max'] for r in good):.3f} | {median_or_nan([r['cpu_s'] for r in good]):.3f} "
+            f"| {f:.3f} / {b:.3f} / {s:.3f} "
             f"| {a2a:.3f} ({good[0]['a2a_calls']:.0f}) | {a2a / med:.1%} "
             f"| {median_or_nan([r['a2a_skew_s'] for r in good]):.3f} "
             f"| {median_or_nan([r['moe_fwd_s'] for r in good]):.3f} "
             f"| {good[0]['dropped']:.1f} ({good[0]['routes']:.0f}) |"
         )
-    lines += ["", "Paired ratios of median step time (same round, so the same machine load):", ""]
+    lines += ["", "Paired ratios of median step time (same round, so the same machine load), and of CPU s/step:", ""]
     for a, b in (
         ("shardwise-cap", "deepspeed-cap"),
         ("shardwise-dropless", "deepspeed-dropless"),
@@ -370,10 +376,11 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         ("deepspeed-dropless", "deepspeed-cap"),
         ("shardwise-cap", "ddp-dense"),
     ):
-        pairs = _pair_ratios(runs, a, b)
+        pairs, cpu = _pair_ratios(runs, a, b), _pair_ratios(runs, a, b, "cpu_s")
         if pairs:
             lines.append(
-                f"- {a} / {b}: median {statistics.median(pairs):.3f} (rounds: {', '.join(f'{p:.3f}' for p in pairs)})"
+                f"- {a} / {b}: median {statistics.median(pairs):.3f} (rounds: {', '.join(f'{p:.3f}' for p in pairs)}); "
+                f"CPU {statistics.median(cpu):.3f} (rounds: {', '.join(f'{p:.3f}' for p in cpu)})"
             )
     lines += [
         "",
@@ -440,7 +447,7 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         return worker(args)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     variants = args.variants.split(",")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     order = []
@@ -457,7 +464,7 @@ def main() -> None:
         "# Mixture of experts: shardwise MoE against DeepSpeed MoE",
         "",
         f"{date.today()} | {cpu_model()} ({os.cpu_count()} cores) | {_versions(args.ds_python)} | gloo, fp32 | "
-        f"load average before: {os.getloadavg()[0]:.2f}",
+        f"load average (1 min) before {load_before:.2f}, after {os.getloadavg()[0]:.2f}",
         "",
         f"MoE GPT (examples/moe_gpt.py): vocab 256 (bytes), hidden {args.hidden}, {args.layers} layers, "
         f"{args.heads} heads, sequence {args.seq_len}; an MoE MLP in every {args.moe_every}. block, "
