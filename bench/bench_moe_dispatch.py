@@ -7,10 +7,11 @@ The same gate (``shardwise.moe``'s ``TopKGate``, DeepSpeed's rules) and the same
   sorted by expert, each expert on exactly its rows.
 - ``sorted-cap``: shardwise's ``MoE`` at ``--capacity``: the same path, over-capacity routes
   dropped.
-- ``padded-cap``: what DeepSpeed's ``MOELayer`` does with the same routes at ``--capacity``:
-  the gate's dense ``[S, E, C]`` dispatch mask and combine weights, ``einsum`` into an
-  ``[E, C, M]`` buffer (zero rows where an expert has fewer than ``C`` tokens), every expert
-  on its ``C`` rows, ``einsum`` back.
+- ``padded-cap``: the layout of DeepSpeed 0.19.8's ``MOELayer`` with the same routes at
+  ``--capacity``: each kept route's token gathered into its slot of an ``[E, C, M]`` buffer
+  (zero rows where an expert has fewer than ``C`` tokens), every expert on its ``C`` rows,
+  each route's output gathered back from its slot and weighted (index gathers, as 0.19.8
+  does; older DeepSpeed used dense ``[S, E, C]`` einsums, far slower).
 - ``padded-dropless``: the same with ``C`` the largest expert's count (DeepSpeed's
   ``drop_tokens=False``).
 
@@ -43,12 +44,18 @@ class _MLP(nn.Module):
 
 
 def _padded(layer: MoE, x: torch.Tensor) -> torch.Tensor:
-    """DeepSpeed's dense dispatch and combine with ``layer``'s gate and experts (ep 1)."""
-    _, combine, dispatch, _ = layer.deepspeed_moe.gate(x)
-    buffer = torch.einsum("sec,sm->ecm", dispatch.to(x.dtype), x)
+    """``layer``'s gate and experts (ep 1) with a capacity-padded ``[E, C, M]`` buffer."""
+    routes = layer.deepspeed_moe.gate.route(x)
+    (s, m), k, e, c = x.shape, routes.expert.shape[1], layer.num_experts, routes.capacity
+    # each route's place in the flat buffer; dropped routes go to one extra slot, cut off
+    place = torch.where(routes.kept, routes.expert * c + routes.slot, e * c).reshape(-1)
+    token_of_place = torch.full((e * c + 1,), s, dtype=torch.long)
+    token_of_place.scatter_(0, place, torch.arange(s).repeat_interleave(k))
+    buffer = torch.cat([x, x.new_zeros(1, m)]).index_select(0, token_of_place[:-1]).view(e, c, m)
     experts = layer.deepspeed_moe.experts.deepspeed_experts
-    out = torch.stack([expert(buffer[e]) for e, expert in enumerate(experts)])
-    return torch.einsum("sec,ecm->sm", combine.to(x.dtype), out)
+    out = torch.cat([expert(buffer[i]) for i, expert in enumerate(experts)] + [x.new_zeros(1, m)])
+    routed = out.index_select(0, place).view(s, k, m)
+    return (routed * routes.weight.unsqueeze(-1)).sum(1)
 
 
 def _layers(args) -> dict[str, MoE]:
