@@ -483,7 +483,7 @@ def main() -> None:
         f"median of steps {args.warmup + 1}..{args.steps}",
         "",
     ]
-    text = "\n".join(header) + report(args, runs, order)
+    text = "\n".join(header) + "\n" + report(args, runs, order)
     text += f"\nwall time of the benchmark: {time.perf_counter() - started:.0f} s\n"
     print(text)
     if args.out:
