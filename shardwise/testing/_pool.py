@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import time
 import traceback
 from datetime import timedelta
 
@@ -56,15 +57,20 @@ class Ranks:
         for receiver, _ in pipes:
             receiver.close()  # the children hold it now; a dead child then reads as a broken pipe
 
-    def ready(self) -> bool:
-        """Whether every rank is alive and has left the last call's group cleanly."""
-        for _ in range(self.world_size):
-            try:
-                if not self.left.get(timeout=_LEAVE_WAIT_S):
-                    return False
-            except queue.Empty:
-                return False
+    def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
+
+    def left_cleanly(self) -> bool:
+        """Wait until every rank has left the last call's group; False if one could not or died."""
+        deadline, count = time.monotonic() + _LEAVE_WAIT_S, 0
+        while count < self.world_size and time.monotonic() < deadline and self.alive():
+            try:
+                if not self.left.get(timeout=0.2):
+                    return False
+                count += 1
+            except queue.Empty:
+                pass
+        return count == self.world_size and self.alive()
 
     def submit(self, setup: dict, body: bytes) -> None:
         """Hand every rank one call: ``setup`` (plain data) and the pickled ``(fn, kwargs)``."""
@@ -98,10 +104,10 @@ _idle: dict[int, Ranks] = {}
 
 
 def take(world_size: int, *, fresh: bool) -> Ranks:
-    """Ranks for one call: the idle ones of this world size if ready, else newly spawned."""
+    """Ranks for one call: the idle ones of this world size if alive, else newly spawned."""
     if not fresh:
         ranks = _idle.pop(world_size, None)
-        if ranks is not None and ranks.ready():
+        if ranks is not None and ranks.alive():
             return ranks
         if ranks is not None:
             ranks.stop()
@@ -109,8 +115,9 @@ def take(world_size: int, *, fresh: bool) -> Ranks:
 
 
 def give_back(ranks: Ranks, *, succeeded: bool) -> None:
-    """After a call: keep the ranks of a call that succeeded everywhere, end any others."""
-    if succeeded and not ranks.fresh and ranks.world_size not in _idle:
+    """After a call: keep the ranks of a call that succeeded everywhere once they have left
+    its group (before its rendezvous file goes), end any others."""
+    if succeeded and not ranks.fresh and ranks.world_size not in _idle and ranks.left_cleanly():
         _idle[ranks.world_size] = ranks
     else:
         ranks.stop()
@@ -152,7 +159,7 @@ def _run_call(rank: int, world_size: int, task, baseline, results, left) -> bool
     """Run one call and report it; False when this process must not serve another."""
     import torch.distributed as dist
 
-    from shardwise.testing._process_state import after_call
+    from shardwise.testing._process_state import ModuleGlobals, after_call
 
     setup, body = task
     try:
@@ -165,6 +172,7 @@ def _run_call(rank: int, world_size: int, task, baseline, results, left) -> bool
             SHARDWISE_ACCELERATOR="cpu",
         )
         fn, kwargs = pickle.loads(body)
+        module_globals = ModuleGlobals(getattr(fn, "__module__", ""))
         dist.init_process_group(
             "gloo",
             init_method=f"file://{setup['init_file']}",
@@ -183,9 +191,11 @@ def _run_call(rank: int, world_size: int, task, baseline, results, left) -> bool
     try:
         # The ranks leave together: one that destroyed its group at once could cut off a
         # peer still connecting to it (a body without collectives does not wait for peers).
-        dist.barrier()
-        dist.destroy_process_group()
-        del fn, kwargs
+        if dist.is_initialized():  # unless the body ended the group itself
+            dist.barrier()
+            dist.destroy_process_group()
+        module_globals.restore()
+        del fn, kwargs, module_globals
         after_call()
     except BaseException:  # noqa: BLE001 - the call succeeded; only this process is spoiled
         left.put(False)

@@ -10,13 +10,16 @@ generator's state (a fresh process always starts from torch's fixed default seed
 state of ``random`` and numpy's global generator; the warning filters and once-registries;
 the logging levels and handlers of the root and ``shardwise`` loggers.
 Shardwise's own process-wide records are forgotten (``forget_library_state``). After each
-call the process runs what its exit would have run for that call (swap directories are
-removed) and collects garbage.
+call, every module attribute the call rebound in shardwise, ``torch.distributed`` and the
+body's own module is put back (``ModuleGlobals``: a body that sets
+``_shm.CAPACITY_BYTES`` or replaces ``dist.all_reduce`` leaves no trace), the process runs
+what its exit would have run for that call (swap directories are removed) and collects
+garbage.
 
-Anything else a body changes for the rest of its process (``sys.modules`` entries such as
-the ``deepspeed`` alias, atexit handlers, third-party singletons) survives: a body that
-does that, or whose test checks what happens at process exit or import, asks for
-``fresh_processes=True``.
+Anything else a body changes for the rest of its process (objects changed in place, class
+attributes, ``sys.modules`` entries such as the ``deepspeed`` alias, atexit handlers,
+third-party singletons) survives: a body that does that, or whose test checks what happens
+at process exit or import, asks for ``fresh_processes=True``.
 """
 
 from __future__ import annotations
@@ -77,6 +80,35 @@ class ProcessBaseline:
         torch.set_rng_state(self.torch_rng)
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
+
+
+class ModuleGlobals:
+    """The attributes of the watched modules as a call found them (see the module docstring)."""
+
+    def __init__(self, *also: str) -> None:
+        names = [name for name in sys.modules if _watched(name)] + [name for name in also if name in sys.modules]
+        self.saved = {name: dict(vars(sys.modules[name])) for name in names}
+
+    def restore(self) -> None:
+        """Rebind every attribute that now names another object; attributes added are kept
+        (a package gains one per submodule imported)."""
+        for name, saved in self.saved.items():
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            current = vars(module)
+            for key, value in saved.items():
+                if current.get(key, _MISSING) is not value:
+                    setattr(module, key, value)
+
+
+def _watched(name: str) -> bool:
+    if name == "torch.distributed":
+        return True
+    return (name == "shardwise" or name.startswith("shardwise.")) and not name.startswith("shardwise.testing")
+
+
+_MISSING = object()
 
 
 def after_call() -> None:

@@ -16,6 +16,7 @@ import torch
 from shardwise.testing import DistributedTestError, run_distributed
 
 _PROBE = "SHARDWISE_RANK_POOL_PROBE"
+_REBOUND_BY_A_BODY = "as imported"
 
 
 def _pid(rank, world_size):
@@ -72,8 +73,10 @@ def test_fresh_processes_serve_one_call_and_exit(tmp_path):
 def _observe_then_disturb(rank, world_size, disturb):
     """What a body can see of its process at start; then, with ``disturb``, change all of it."""
     import numpy as np
+    import torch.distributed as dist
 
     from shardwise.comm import comms_logger
+    from shardwise.runtime import _checkpointing
     from shardwise.runtime.activation_checkpointing import checkpointing
     from shardwise.utils import groups, log_dist_once
 
@@ -97,6 +100,7 @@ def _observe_then_disturb(rank, world_size, disturb):
         "no grid": groups._grid_ref is None,
         "comms records": dict(comms_logger._records),
         "tracker": sorted(checkpointing.get_cuda_rng_tracker().get_states()),
+        "module globals": (dist.all_reduce.__qualname__, _checkpointing.CHECKPOINT_PART_BYTES, _REBOUND_BY_A_BODY),
     }
     if disturb:
         os.environ[_PROBE] = "left by the body"
@@ -110,6 +114,9 @@ def _observe_then_disturb(rank, world_size, disturb):
         groups._set_grid(checkpointing)  # any object a weak reference can hold
         comms_logger.append("all_reduce", "probe", 1.0, 4, world_size)
         checkpointing.model_parallel_cuda_manual_seed(5)
+        dist.all_reduce = lambda *args, **kwargs: None
+        _checkpointing.CHECKPOINT_PART_BYTES = 3000
+        globals()["_REBOUND_BY_A_BODY"] = "by a body"
     return seen
 
 
