@@ -13,7 +13,9 @@ what a reused rank resets]).
 A call that did not succeed everywhere (a rank raised or died, the deadline passed, the
 caller was interrupted) kills its ranks: the next call spawns new ones, so a stuck
 collective or a half-torn-down group never reaches another test. ``fresh=True`` ranks
-serve one call and exit, as every rank did before the pool. Idle ranks exit when the
+serve one call and exit, as every rank did before the pool. A rank that has gathered too
+many threads (leftovers of earlier calls' process groups, see ``_MAX_THREADS``) retires
+after its call. Idle ranks exit when the
 interpreter that owns them exits (an ``atexit`` hook asks, then kills) or, should it be
 killed, when their task pipe closes with it.
 """
@@ -31,6 +33,13 @@ from datetime import timedelta
 
 _STOP_WAIT_S = 5.0
 _LEAVE_WAIT_S = 60.0
+_MAX_THREADS = 64
+"""A rank with more threads than this after a call retires (the next call spawns a new
+one). An engine's autograd hooks tie it to its parameters through C++, out of reach of
+the garbage collector, so each engine a body builds outlives its call together with its
+process groups, whose gloo threads keep polling their closed sockets: in a spawned rank
+that ended with the process, in a reused one it adds up to CPU time taken from the next
+calls."""
 
 
 class Ranks:
@@ -200,5 +209,14 @@ def _run_call(rank: int, world_size: int, task, baseline, results, left) -> bool
     except BaseException:  # noqa: BLE001 - the call succeeded; only this process is spoiled
         left.put(False)
         return False
-    left.put(True)
-    return True
+    retire = _thread_count() > _MAX_THREADS
+    left.put(not retire)
+    return not retire
+
+
+def _thread_count() -> int:
+    """This process's threads, native ones included (0 without procfs)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0

@@ -136,6 +136,8 @@ def forget_library_state() -> None:
         m._COMMS.clear()
     if (m := modules.get("shardwise.comm._exit")) is not None:
         m._state.update(failure_status=None, exit_status=None)
+    if (m := modules.get("shardwise.comm._functional")) is not None:
+        m._communicators.clear()
     if (m := modules.get("shardwise.comm._logger")) is not None:
         m.comms_logger.__init__()
     if (m := modules.get("shardwise._host_memory")) is not None:

@@ -70,6 +70,25 @@ def test_fresh_processes_serve_one_call_and_exit(tmp_path):
     assert run_distributed(_pid, world_size=2, tmp_path=tmp_path) == pooled
 
 
+def _leave_threads(rank, world_size, count):
+    import threading
+
+    never = threading.Event()
+    for _ in range(count):
+        threading.Thread(target=never.wait, daemon=True).start()
+    return os.getpid()
+
+
+def test_a_rank_left_with_many_threads_retires(tmp_path):
+    """Threads a call leaves behind (an engine's process groups outlive it) end with their
+    rank: a few keep it in the pool, many retire it."""
+    few = run_distributed(_leave_threads, world_size=2, tmp_path=tmp_path, count=2)
+    many = run_distributed(_leave_threads, world_size=2, tmp_path=tmp_path, count=80)
+    assert many == few
+    assert _wait_gone(many) == []
+    assert set(run_distributed(_pid, world_size=2, tmp_path=tmp_path)).isdisjoint(many)
+
+
 def _observe_then_disturb(rank, world_size, disturb):
     """What a body can see of its process at start; then, with ``disturb``, change all of it."""
     import numpy as np
