@@ -6,15 +6,15 @@ like a process spawned for it. Before each call it therefore takes, from the cal
 environment, ``sys.path`` and working directory (a spawned child inherits those at spawn
 time), and puts back what it recorded when it started: torch's default dtype and device,
 grad mode, anomaly detection, deterministic-algorithm mode, thread count and the CPU
-generator's state (a fresh process always starts from torch's fixed default seed); the
-state of ``random`` and numpy's global generator; the warning filters and once-registries;
-the logging levels and handlers of the root and ``shardwise`` loggers.
-Shardwise's own process-wide records are forgotten (``forget_library_state``). After each
-call, every module attribute the call rebound in shardwise, ``torch.distributed`` and the
-body's own module is put back (``ModuleGlobals``: a body that sets
-``_shm.CAPACITY_BYTES`` or replaces ``dist.all_reduce`` leaves no trace), the process runs
-what its exit would have run for that call (swap directories are removed) and collects
-garbage.
+generator's state (a fresh process always starts from torch's fixed default seed), with
+``torch.compile``'s caches emptied; the state of ``random`` and numpy's global
+generator; the warning filters and once-registries; the logging levels and handlers of
+the root and ``shardwise`` loggers. Shardwise's own process-wide records are forgotten
+(``forget_library_state``). After each call, every module attribute the call rebound in
+shardwise, ``torch.distributed`` and the body's own module is put back (``ModuleGlobals``:
+a body that sets ``_shm.CAPACITY_BYTES`` or replaces ``dist.all_reduce`` leaves no
+trace), the process runs what its exit would have run for that call (swap directories are
+removed) and collects garbage.
 
 Anything else a body changes for the rest of its process (objects changed in place, class
 attributes, ``sys.modules`` entries such as the ``deepspeed`` alias, atexit handlers,
