@@ -1,62 +1,33 @@
 """Run a function on N ranks of a real gloo process group, the way tests need it.
 
-Each rank is a fresh process started with the spawn method. Ranks rendezvous through a
-``file://`` store in a private directory (no ports to race for), use one CPU thread each,
-and get a collective timeout so a divergence fails instead of hanging. Whatever a rank
-raises comes back to the caller with its rank and traceback; if one rank fails, the
-others get a short grace period to report and are then stopped.
+Each rank is a process started with the spawn method, reused by later calls of the same
+world size while calls succeed (see [Note: the rank pool] in ``_pool.py``). Ranks
+rendezvous through a new ``file://`` store in a private directory for every call (no
+ports to race for), use one CPU thread each, and get a collective timeout so a divergence
+fails instead of hanging. Whatever a rank raises comes back to the caller with its rank
+and traceback; if one rank fails, the others get a short grace period to report and are
+then stopped.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from shardwise.testing import _pool
 
 _GRACE_AFTER_FAILURE_S = 15.0
 
 
 class DistributedTestError(AssertionError):
     """One or more ranks failed; the message holds every rank's traceback."""
-
-
-def _worker(fn, rank: int, world_size: int, init_file: str, collective_timeout_s: float, results, kwargs: dict) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-        SHARDWISE_ACCELERATOR="cpu",
-    )
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout_s),
-        )
-        value = fn(rank, world_size, **kwargs)
-        # plain pickle copies tensor data; the queue's default would share memory with a
-        # process that is about to exit
-        results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
-        # Report before tearing down: destroying a group with a stuck collective blocks.
-        results.put((rank, "error", traceback.format_exc()))
-        return
-    dist.destroy_process_group()
 
 
 def run_distributed(
@@ -66,21 +37,27 @@ def run_distributed(
     tmp_path: str | os.PathLike | None = None,
     timeout_s: float = 180.0,
     collective_timeout_s: float = 60.0,
+    fresh_processes: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` gloo ranks and return results.
 
     ``fn`` must be a module-level function (it is pickled by name) and its return value
     must pickle. The default process group exists while ``fn`` runs and is destroyed after.
+    The rank processes of a call that succeeded on every rank serve the next call of the
+    same world size, reset to the state they were spawned in (see [Note: the rank pool]).
 
     Args:
         fn: the body each rank runs.
-        world_size: number of ranks to spawn.
+        world_size: number of ranks.
         tmp_path: a directory for the rendezvous file (pytest's ``tmp_path``); a private
             temporary directory when None.
         timeout_s: deadline for the whole run; ranks still running then are killed and the
             call raises, naming them.
         collective_timeout_s: the process group timeout, which bounds every collective.
+        fresh_processes: spawn ranks for this call alone, which exit after it: for a body
+            whose test checks process start or exit, or that leaves process-wide state
+            behind that the reset does not cover (``sys.modules`` entries, singletons).
         **kwargs: passed to ``fn``; must pickle.
 
     Returns:
@@ -89,29 +66,23 @@ def run_distributed(
     Raises:
         DistributedTestError: a rank raised, died, or the deadline passed.
     """
-    ctx = multiprocessing.get_context("spawn")
+    payload = pickle.dumps((fn, kwargs))
     with tempfile.TemporaryDirectory(dir=tmp_path) as rendezvous_dir:
-        init_file = str(Path(rendezvous_dir) / "rendezvous")
-        results = ctx.Queue()
-        procs = [
-            ctx.Process(
-                target=_worker,
-                daemon=True,
-                name=f"shardwise-rank{rank}",
-                args=(fn, rank, world_size, init_file, collective_timeout_s, results, kwargs),
-            )
-            for rank in range(world_size)
-        ]
-        for proc in procs:
-            proc.start()
+        setup = {
+            "init_file": str(Path(rendezvous_dir) / "rendezvous"),
+            "collective_timeout_s": collective_timeout_s,
+            "environ": dict(os.environ),
+            "sys_path": list(sys.path),
+            "cwd": os.getcwd(),
+        }
+        ranks = _pool.take(world_size, fresh=fresh_processes)
+        succeeded = False
         try:
-            outcome = _collect(procs, results, timeout_s)
+            ranks.submit(setup, payload)
+            outcome = _collect(ranks.procs, ranks.results, timeout_s)
+            succeeded = all(status == "ok" for status, _ in outcome.values())
         finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                proc.join(timeout=5)
-            results.close()
+            _pool.give_back(ranks, succeeded=succeeded)
     errors = {rank: msg for rank, (status, msg) in outcome.items() if status != "ok"}
     if errors:
         body = "\n".join(f"--- rank {rank} ---\n{msg}" for rank, msg in sorted(errors.items()))

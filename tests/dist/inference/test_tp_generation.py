@@ -40,37 +40,49 @@ def _check_split(engine, reference, family: str, rank: int, tp: int) -> None:
     assert torch.equal(head, reference.get_output_embeddings().weight.chunk(tp, dim=0)[rank])
 
 
+def _reference_outputs(reference, single, batch, mask) -> dict:
+    """The plain model's logits, greedy generations and seeded sample (the same for both
+    injection settings, so computed once per family)."""
+    with torch.no_grad():
+        outputs = {"logits": reference(batch, attention_mask=mask).logits}
+    for name, ids, kwargs in (("single", single, {}), ("batch", batch, {"attention_mask": mask})):
+        outputs[name] = reference.generate(ids, **kwargs, max_new_tokens=NEW, do_sample=False,
+                                           return_dict_in_generate=True, output_logits=True)
+    torch.manual_seed(7)
+    outputs["sampled"] = reference.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=20,
+                                            temperature=0.9)
+    return outputs
+
+
 def _body(rank, world_size):
     import shardwise
 
     single, (batch, mask) = prompts()
     report = {}
     for family in FAMILIES:
+        wanted = None
         for inject in (False, True):
-            reference = tiny_lm(family)
+            reference = tiny_lm(family)  # seeded: the same weights for both settings
             engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
                                               tensor_parallel={"tp_size": world_size},
                                               replace_with_kernel_inject=inject)
             assert engine.mp_world_size == world_size
             _check_split(engine, reference, family, rank, world_size)
-            with torch.no_grad():
-                want = reference(batch, attention_mask=mask).logits
+            if wanted is None:
+                wanted = _reference_outputs(reference, single, batch, mask)
             got = engine(batch, attention_mask=mask).logits
-            logit_err = (got - want)[mask.bool()].abs().max().item()
+            logit_err = (got - wanted["logits"])[mask.bool()].abs().max().item()
             assert logit_err < 1e-4, (family, inject, logit_err)
-            for ids, kwargs in ((single, {}), (batch, {"attention_mask": mask})):
+            for name, ids, kwargs in (("single", single, {}), ("batch", batch, {"attention_mask": mask})):
                 kwargs.update(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
-                want, got = reference.generate(ids, **kwargs), engine.generate(ids, **kwargs)
+                want, got = wanted[name], engine.generate(ids, **kwargs)
                 assert torch.equal(got.sequences, want.sequences), (family, inject, ids.shape)
                 step_err = (torch.stack(got.logits) - torch.stack(want.logits)).abs().max().item()
                 assert step_err < 1e-4, (family, inject, step_err)
             torch.manual_seed(7)
-            want = reference.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=20,
-                                      temperature=0.9)
-            torch.manual_seed(7)
             got = engine.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=20,
                                   temperature=0.9)
-            assert torch.equal(got, want), (family, inject, "sampling")
+            assert torch.equal(got, wanted["sampled"]), (family, inject, "sampling")
             report[(family, inject)] = (logit_err, engine.fast_path)
     if world_size == 4:  # tp 2 in a world of 4: two tensor groups, {0, 1} and {2, 3}, each a whole model
         reference = tiny_lm("llama")

@@ -78,7 +78,8 @@ def _accelerate_job(rank, world_size, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_accelerator_with_deepspeed_plugin_matches_pytorch(tmp_path, stage):
-    results = run_distributed(_accelerate_job, world_size=2, tmp_path=tmp_path, timeout_s=180, stage=stage)
+    results = run_distributed(_accelerate_job, world_size=2, tmp_path=tmp_path, timeout_s=180, stage=stage,
+                              fresh_processes=True)
     for reference_losses, losses, checks in results:
         assert losses == pytest.approx(reference_losses, rel=1e-5)
         assert checks["distributed_type"] and checks["engine"] and checks["unwrapped"]

@@ -66,7 +66,7 @@ def _both(rank, world_size):
 
 def test_the_overflow_flag_is_set_by_a_skipped_step_and_cleared_by_the_next_applied_one(tmp_path):
     for (flags, applied), (accelerate_flags, fp16, scale) in run_distributed(
-            _both, world_size=2, tmp_path=tmp_path, timeout_s=180):
+            _both, world_size=2, tmp_path=tmp_path, timeout_s=180, fresh_processes=True):
         assert applied == [False, True]
         assert flags == [False, True, False]
         assert all(type(flag) is bool for flag in flags)

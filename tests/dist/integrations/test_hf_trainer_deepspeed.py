@@ -159,7 +159,7 @@ def _stage_job(rank, world_size, stage, out):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_with_deepspeed_config_matches_trainer_without(tmp_path, stage):
-    results = run_distributed(_stage_job, world_size=2, tmp_path=tmp_path, timeout_s=240,
+    results = run_distributed(_stage_job, world_size=2, tmp_path=tmp_path, timeout_s=240, fresh_processes=True,
                               stage=stage, out=str(tmp_path / "runs"))
     for rank, checks in enumerate(results):
         assert checks["real_deepspeed_absent"] and checks["alias"] and checks["alias_spec"]
