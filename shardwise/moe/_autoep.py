@@ -43,15 +43,7 @@ class ExpertParallel:
         kept = expert >= 0
         if self.replicated_tokens:
             return self._local_share(hidden_states, expert, kept, top_k_weights)
-        routes = Routes(
-            expert.clamp_min(0),
-            top_k_weights.float() * kept,
-            kept,
-            torch.zeros_like(expert),
-            0,
-            torch.zeros(()),
-            torch.zeros(self.global_num_experts, dtype=torch.long),
-        )
+        routes = Routes.given(expert.clamp_min(0), top_k_weights, kept, self.global_num_experts)
         return dispatch_combine(
             hidden_states,
             routes,
@@ -73,15 +65,7 @@ class ExpertParallel:
         """This rank's experts' share of every token's output, summed over the ranks."""
         low = self.ep_comm.rank * self.num_experts
         mine = kept & (expert >= low) & (expert < low + self.num_experts)
-        routes = Routes(
-            (expert - low).clamp(0, self.num_experts - 1),
-            top_k_weights.float() * mine,
-            mine,
-            torch.zeros_like(expert),
-            0,
-            torch.zeros(()),
-            torch.zeros(self.num_experts, dtype=torch.long),
-        )
+        routes = Routes.given((expert - low).clamp(0, self.num_experts - 1), top_k_weights, mine, self.num_experts)
         out = dispatch_combine(hidden_states, routes, self._run_local, num_experts=self.num_experts)
         self.ep_comm.all_reduce(out, tag="expert outputs").wait()
         return out

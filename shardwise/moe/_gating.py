@@ -55,6 +55,23 @@ class Routes:
     exp_counts: torch.Tensor
     """[E] int64 routes per expert before drops."""
 
+    @classmethod
+    def given(cls, expert: torch.Tensor, weight: torch.Tensor, kept: torch.Tensor, num_experts: int) -> Routes:
+        """Routes a model's own router chose (AutoEP): no capacity, nothing counted."""
+        return cls(
+            expert,
+            weight.float() * kept,
+            kept,
+            torch.zeros_like(expert),
+            0,
+            torch.zeros(()),
+            torch.zeros(num_experts, dtype=torch.long),
+        )
+
+    def deepspeed_outputs(self, num_experts: int) -> tuple:
+        """DeepSpeed's gate outputs ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
+        return (self.l_aux, *self.dense(num_experts), self.exp_counts)
+
     def dense(self, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSpeed's ``(combine_weights [S, E, C], dispatch_mask)``."""
         s, k = self.expert.shape
@@ -171,15 +188,22 @@ def topk(
     capacity_factor: float,
     min_capacity: int,
     drop_tokens: bool = True,
+    drop_policy: str = "probs",
 ) -> Routes:
-    """DeepSpeed's top-k gate (k > 2) on fp32 ``logits`` [S, E]."""
+    """DeepSpeed's top-k gate (k > 2) on fp32 ``logits`` [S, E]; over capacity an expert
+    keeps its most probable tokens (``drop_policy="probs"``) or its first ones ("position")."""
+    if drop_policy not in ("probs", "position"):
+        raise ValueError(f"drop_policy={drop_policy!r}: use 'probs' or 'position'")
     s, e = logits.shape
     gates = F.softmax(logits, dim=1)
     top_gate, expert = torch.topk(gates, k=k, dim=1)
     mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, expert, True)
     exp_counts = mask.sum(0).detach()
     l_aux = torch.mean(gates.mean(0) * mask.float().mean(0)) * e * e / k
-    if drop_tokens:  # each expert keeps its most probable tokens
+    if drop_tokens and drop_policy == "position":
+        cap = capacity(s, e, capacity_factor * k, min_capacity)
+        mask &= _positions(mask.long()) < cap
+    elif drop_tokens:  # each expert keeps its most probable tokens
         cap = capacity(s, e, capacity_factor * k, min_capacity)
         masked = torch.zeros_like(gates).scatter(1, expert, top_gate)
         best = torch.topk(masked, k=min(cap, s), dim=0, sorted=False).indices

@@ -45,9 +45,11 @@ def top1gating(
     drop_tokens: bool = True,
     use_rts: bool = True,
     ep_group=None,
+    sparse_routes: bool = False,
     use_tutel: bool = False,
 ):
     """DeepSpeed's top-1 gate: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
+    _refuse_sparse_routes(sparse_routes)
     routes = _gating.top1(
         logits.float(),
         capacity_factor=capacity_factor,
@@ -57,7 +59,7 @@ def top1gating(
         drop_tokens=drop_tokens,
         use_rts=use_rts,
     )
-    return (routes.l_aux, *routes.dense(logits.shape[1]), routes.exp_counts)
+    return routes.deepspeed_outputs(logits.shape[1])
 
 
 def top2gating(
@@ -67,8 +69,10 @@ def top2gating(
     drop_tokens: bool = True,
     ep_group=None,
     top2_2nd_expert_sampling: bool = True,
+    sparse_routes: bool = False,
 ):
     """DeepSpeed's top-2 gate: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
+    _refuse_sparse_routes(sparse_routes)
     routes = _gating.top2(
         logits.float(),
         capacity_factor=capacity_factor,
@@ -76,7 +80,7 @@ def top2gating(
         drop_tokens=drop_tokens,
         second_expert_sampling=top2_2nd_expert_sampling,
     )
-    return (routes.l_aux, *routes.dense(logits.shape[1]), routes.exp_counts)
+    return routes.deepspeed_outputs(logits.shape[1])
 
 
 def topkgating(
@@ -87,14 +91,27 @@ def topkgating(
     drop_tokens: bool = True,
     ep_group=None,
     drop_policy: str = "probs",
+    sparse_routes: bool = False,
 ):
     """DeepSpeed's top-k gate: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
-    if drop_policy != "probs":
-        raise ValueError(f"drop_policy={drop_policy!r}: shardwise drops by probability ('probs') only")
+    _refuse_sparse_routes(sparse_routes)
     routes = _gating.topk(
-        logits.float(), k, capacity_factor=capacity_factor, min_capacity=min_capacity, drop_tokens=drop_tokens
+        logits.float(),
+        k,
+        capacity_factor=capacity_factor,
+        min_capacity=min_capacity,
+        drop_tokens=drop_tokens,
+        drop_policy=drop_policy,
     )
-    return (routes.l_aux, *routes.dense(logits.shape[1]), routes.exp_counts)
+    return routes.deepspeed_outputs(logits.shape[1])
+
+
+def _refuse_sparse_routes(sparse_routes: bool) -> None:
+    if sparse_routes:
+        raise NotImplementedError(
+            "sparse_routes=True is DeepSpeed-internal (its MOELayer's index form); use TopKGate.route() for "
+            "shardwise's routes"
+        )
 
 
 class TopKGate(nn.Module):
@@ -158,12 +175,8 @@ class TopKGate(nn.Module):
         return _gating.topk(logits, self.k, **common)
 
     def forward(self, input: Tensor, used_token: Tensor | None = None, sparse_routes: bool = False, use_tutel=False):
-        if sparse_routes:
-            raise NotImplementedError(
-                "TopKGate(sparse_routes=True) is DeepSpeed-internal; use TopKGate.route() for shardwise's routes"
-            )
-        routes = self.route(input, used_token)
-        return (routes.l_aux, *routes.dense(self.num_experts), routes.exp_counts)
+        _refuse_sparse_routes(sparse_routes)
+        return self.route(input, used_token).deepspeed_outputs(self.num_experts)
 
 
 def check_gate_args(num_experts: int, k: int, noisy_gate_policy) -> None:

@@ -142,9 +142,25 @@ def _grid_or_default():
     return grid
 
 
-def _create_expert_and_data_parallel(expert_parallel_size_, *args, use_data_before_expert_parallel_=False, **kwargs):
-    """Build the expert groups of ``expert_parallel_size_`` on the grid (collective)."""
-    _grid_or_default().expert_groups(expert_parallel_size_, data_before_expert=use_data_before_expert_parallel_)
+def _create_expert_and_data_parallel(
+    expert_parallel_size_,
+    mp_size=None,
+    pp_size=None,
+    mp_mode="tp",
+    use_data_before_expert_parallel_=False,
+    folding_spec=None,
+):
+    """Build the expert groups of ``expert_parallel_size_`` on the grid (collective). The
+    model-parallel sizes are the grid's: others, and AutoEP's folding, are refused."""
+    grid = _grid_or_default()
+    for name, given, own in (("mp_size", mp_size, grid.tensor), ("pp_size", pp_size, grid.pipe)):
+        if given not in (None, own):
+            raise ValueError(
+                f"{name}={given} differs from the grid's {own}; the expert groups split the grid's data axis"
+            )
+    if mp_mode != "tp" or folding_spec is not None:
+        raise NotImplementedError("mp_mode='sp' and folding_spec (AutoEP+AutoTP folding) are not available")
+    grid.expert_groups(expert_parallel_size_, data_before_expert=use_data_before_expert_parallel_)
 
 
 def _expert_groups(group_name: str):

@@ -218,3 +218,25 @@ def test_noise_policies_run_in_training_only():
         first = moe(x)[0]
         torch.manual_seed(1)
         assert not torch.equal(first, moe(x)[0])
+
+
+def test_topk_position_policy_keeps_an_experts_first_tokens():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [4.0, 3.0, 2.0, 0.0], [3.0, 2.5, 2.0, 0.0]])
+    routes = _gating.topk(logits, 3, capacity_factor=0.25, min_capacity=1, drop_policy="position")
+    for e in range(3):  # experts 0-2 are chosen by every token: each keeps token 0 only
+        kept = [s for s in range(3) for j in range(3) if routes.expert[s, j] == e and routes.kept[s, j]]
+        assert kept == [0]
+    with pytest.raises(ValueError, match="drop_policy='random': use 'probs' or 'position'"):
+        _gating.topk(logits, 3, capacity_factor=1.0, min_capacity=1, drop_policy="random")
+
+
+def test_deepspeeds_internal_sparse_routes_are_refused_by_name():
+    logits = torch.randn(8, 4)
+    for call in (
+        lambda: top1gating(logits, 1.0, 1, sparse_routes=True),
+        lambda: top2gating(logits, 1.0, 1, sparse_routes=True),
+        lambda: topkgating(logits, 3, 1.0, 1, sparse_routes=True),
+        lambda: TopKGate(HIDDEN, 4)(torch.randn(8, HIDDEN), sparse_routes=True),
+    ):
+        with pytest.raises(NotImplementedError, match="sparse_routes=True is DeepSpeed-internal"):
+            call()
