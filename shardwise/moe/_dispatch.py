@@ -11,6 +11,12 @@ A rank receives, from each source in turn, that source's rows for each of its ex
 a stable sort by local expert makes each expert's rows contiguous again. The outputs go
 back the same way, reversed, and each token's output is the weighted sum of its routes'.
 
+Gathering and combining add no atomics on a GPU: a token's rows are gathered per route
+and the backward puts each gradient row at its route's own place before summing a token's
+``k`` routes (``_GatherRoutes``); the outputs are copied to their routes' places (an
+``index_copy``, whose backward is a gather) and weighted per token. Only the per-expert
+counts come back to the host (split sizes need them), once per layer.
+
 Capacity only decides which routes are kept (``_gating.py``); a dropped route costs
 nothing, and ``drop_tokens=False`` (dropless) is the same path with every route kept.
 The all-to-alls run through the expert-parallel Communicator (deadline, names in errors);
@@ -71,24 +77,40 @@ def dispatch_combine(
 ) -> torch.Tensor:
     """The layer's output for tokens ``x`` [S, M] routed by ``routes`` to ``num_experts``
     experts, of which ``run_local`` computes this rank's (see [Note: sorted dispatch])."""
-    s = x.shape[0]
-    k = routes.expert.shape[1]
-    kept = routes.kept.reshape(-1)
-    expert_of = routes.expert.reshape(-1)[kept]
-    token_of = torch.arange(s, device=x.device).repeat_interleave(k)[kept]
-    weight_of = routes.weight.reshape(-1)[kept]
-    order = torch.argsort(expert_of, stable=True)
-    tokens = token_of[order]
-    counts = torch.bincount(expert_of, minlength=num_experts)
-    rows = x.index_select(0, tokens)
+    s, k = routes.expert.shape
+    # sort the routes by expert, dropped ones last; route r is token r // k's j = r % k
+    key = torch.where(routes.kept, routes.expert, num_experts).reshape(-1)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    counts_list = counts.tolist()
+    route = torch.argsort(key, stable=True)[: sum(counts_list)]
+    rows = _GatherRoutes.apply(x, route, k)
     ep_size = 1 if ep_comm is None else ep_comm.world_size
     if ep_size == 1:
-        out = run_local(rows, counts.tolist())
+        out = run_local(rows, counts_list)
     else:
         out = _remote_experts(rows, counts, run_local, ep_comm, tag)
-    weighted = out.float() * weight_of[order].unsqueeze(1)
-    combined = torch.zeros(s, out.shape[1], dtype=torch.float32, device=x.device).index_add(0, tokens, weighted)
-    return combined.to(out.dtype)
+    by_route = out.new_zeros(s * k, out.shape[1]).index_copy(0, route, out).view(s, k, -1)
+    weight = routes.weight.float().unsqueeze(-1)  # 0 for a dropped route
+    return (by_route.float() * weight).sum(1).to(out.dtype)
+
+
+class _GatherRoutes(torch.autograd.Function):
+    """``x[route // k]``: each route's token row. The backward puts each row's gradient at
+    its route (distinct places) and sums a token's ``k`` routes in fp32: no atomic adds,
+    which on a GPU would pile thousands of rows onto the same token rows."""
+
+    @staticmethod
+    def forward(ctx, x, route, k: int):
+        ctx.save_for_backward(route)
+        ctx.k, ctx.tokens = k, x.shape[0]
+        return x.index_select(0, torch.div(route, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (route,) = ctx.saved_tensors
+        by_route = grad.new_zeros(ctx.tokens * ctx.k, grad.shape[1]).index_copy_(0, route, grad)
+        by_route = by_route.view(ctx.tokens, ctx.k, -1)
+        return by_route.sum(1, dtype=torch.float32).to(grad.dtype), None, None
 
 
 def _remote_experts(rows, counts, run_local: RunLocal, comm, tag: str) -> torch.Tensor:

@@ -11,8 +11,9 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from shardwise.moe import _gating
+from shardwise.moe import _gating, _grouped
 from shardwise.moe._dispatch import dispatch_combine, run_each
+from shardwise.moe._grouped import GroupedExperts
 
 logger = logging.getLogger("shardwise")
 
@@ -215,11 +216,31 @@ class MOELayer(nn.Module):
         self.exp_counts = None
         self.wall_clock_breakdown = False
         self.use_tutel = False
+        self.use_grouped_mm = True
+        """In bf16 on a GPU, run the local experts with one grouped matmul per linear layer
+        where they qualify (see [Note: grouped experts]); False runs each expert module on
+        its rows."""
+        self._grouped: tuple[tuple[int, ...], GroupedExperts | None] = ((), None)
         if use_tutel:
             logger.warning(
                 "use_tutel=True: shardwise's MoE dispatch moves only the routed tokens (no capacity "
                 "padding to optimize away); Tutel is not used"
             )
+
+    def _run_local(self, rows: Tensor, counts: list[int]) -> Tensor:
+        experts = list(self.experts.deepspeed_experts)
+        grouped = None
+        if self.use_grouped_mm and (rows.device.type, rows.dtype) in _grouped.FAST_ON:
+            grouped = self._grouped_plan(experts)
+        if grouped is not None and grouped.usable(rows):
+            return grouped(rows, counts)
+        return run_each(experts, rows, counts)
+
+    def _grouped_plan(self, experts: list[nn.Module]) -> GroupedExperts | None:
+        key = tuple(map(id, experts))
+        if self._grouped[0] != key:
+            self._grouped = (key, GroupedExperts.plan(experts))
+        return self._grouped[1]
 
     def _set_ep_group(self, ep_group) -> None:
         """Use ``ep_group`` (a Communicator, or a process group) for the token exchange."""
@@ -243,11 +264,10 @@ class MOELayer(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
-        experts = list(self.experts.deepspeed_experts)
         out = dispatch_combine(
             tokens,
             routes,
-            lambda rows, counts: run_each(experts, rows, counts),
+            self._run_local,
             num_experts=self.ep_size * self.num_local_experts,
             ep_comm=self.ep_comm if self.ep_size > 1 else None,
             tag=f"moe ({self.ep_group_name})",
