@@ -54,10 +54,27 @@ def _time(fn, repeats: int) -> tuple[float, float]:
     return first, statistics.median(times)
 
 
+def _sparse_on(path: str, kernel_module, attention):
+    """``attention`` run on the Triton kernel, or on FlexAttention with the kernel held off."""
+    if path == "triton":
+        if kernel_module.triton is None:
+            raise SystemExit("the triton rows need Triton installed")
+        return attention
+
+    def flex(*args):
+        available, kernel_module.available = kernel_module.available, lambda *a: False
+        try:
+            return attention(*args)
+        finally:
+            kernel_module.available = available
+
+    return flex
+
+
 def sparse(args) -> list[str]:
     import torch.nn.functional as F
 
-    from shardwise.ops.sparse_attention import _block_sparse
+    from shardwise.ops.sparse_attention import _block_sparse, _triton_kernel
     from shardwise.ops.sparse_attention._block_sparse import block_sparse_attention
     from shardwise.ops.sparse_attention.sparsity_config import (
         BigBirdSparsityConfig,
@@ -72,7 +89,7 @@ def sparse(args) -> list[str]:
         "bigbird": BigBirdSparsityConfig(heads, block),
     }
     lines = [
-        "## Block-sparse attention (FlexAttention) against dense SDPA, bf16 forward + backward",
+        "## Block-sparse attention (Triton kernel, FlexAttention) against dense SDPA, bf16 forward + backward",
         "",
         f"`[1, {heads}, seq, {dim}]`, block {block}; ms are medians of {args.repeats} calls after a warm-up.",
         "",
@@ -88,10 +105,15 @@ def sparse(args) -> list[str]:
         variants = {"dense": (lambda: F.scaled_dot_product_attention(q, k, v), 1.0)}
         for name, config in layouts.items():
             layout = config.make_layout(seq)
-            variants[name] = (
-                (lambda layout=layout: block_sparse_attention(q, k, v, layout, block)),
-                layout.float().mean().item(),
-            )
+            for path in ("triton", "flex"):
+                variants[f"{name} {path}"] = (
+                    (
+                        lambda layout=layout, path=path: _sparse_on(path, _triton_kernel, block_sparse_attention)(
+                            q, k, v, layout, block
+                        )
+                    ),
+                    layout.float().mean().item(),
+                )
         dense_ms = None
         for name, (forward, density) in variants.items():
 

@@ -1,13 +1,14 @@
-"""Block-sparse attention on a CUDA GPU goes through FlexAttention (compiled once) and equals
-dense attention masked by the expanded layout, outputs and q/k/v gradients, for DeepSpeed's
-layouts, with key-padding and attention masks, in fp32, fp16 and bf16. Skipped without a GPU."""
+"""Block-sparse attention on a CUDA GPU goes through the Triton kernel (fp16/bf16, no masks)
+or FlexAttention (compiled once) and equals dense attention masked by the expanded layout,
+outputs and q/k/v gradients, for DeepSpeed's layouts, with key-padding and attention masks,
+in fp32, fp16 and bf16. Skipped without a GPU."""
 
 import warnings
 
 import pytest
 import torch
 
-from shardwise.ops.sparse_attention import _block_sparse
+from shardwise.ops.sparse_attention import _block_sparse, _triton_kernel
 from shardwise.ops.sparse_attention._block_sparse import block_sparse_attention
 from shardwise.ops.sparse_attention.sparsity_config import (
     BigBirdSparsityConfig,
@@ -63,7 +64,12 @@ CASES = (
     CASES,
     ids=[f"{n}-{b}-{str(d)[6:]}-{'masks' if m else 'plain'}" for n, b, d, m in CASES],
 )
-def test_flex_attention_equals_masked_dense_attention(name, block, dtype, masks):
+@pytest.mark.parametrize("path", ["triton", "flex"])
+def test_block_sparse_attention_equals_masked_dense_attention(name, block, dtype, masks, path, monkeypatch):
+    if path == "flex":
+        monkeypatch.setattr(_triton_kernel, "available", lambda *args: False)
+    elif masks or dtype == torch.float32 or _triton_kernel.triton is None:
+        pytest.skip("the Triton kernel takes fp16/bf16 without masks")
     layout = LAYOUTS[name](block).make_layout(SEQ)
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
@@ -95,7 +101,26 @@ def test_flex_attention_equals_masked_dense_attention(name, block, dtype, masks)
         )
 
 
-def test_flex_path_is_taken_and_matches_the_gather_path():
+def test_triton_path_is_taken_for_plain_half_inputs(monkeypatch):
+    """Plain bf16 calls run the Triton kernel (neither FlexAttention nor the gather path)
+    and agree with FlexAttention on the same inputs."""
+    if _triton_kernel.triton is None:
+        pytest.skip("Triton is not installed")
+    layout = LAYOUTS["bigbird"](64).make_layout(1024)
+    q, k, v = (torch.randn(1, HEADS, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    calls = []
+    flex = _block_sparse._flex_attention
+    monkeypatch.setattr(_block_sparse, "_flex_attention", lambda *a, **kw: calls.append(1) or flex(*a, **kw))
+    triton_out = block_sparse_attention(q, k, v, layout, 64)
+    assert not calls
+    monkeypatch.setattr(_triton_kernel, "available", lambda *args: False)
+    flex_out = block_sparse_attention(q, k, v, layout, 64)
+    assert calls
+    torch.testing.assert_close(triton_out.float(), flex_out.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_flex_path_is_taken_and_matches_the_gather_path(monkeypatch):
+    monkeypatch.setattr(_triton_kernel, "available", lambda *args: False)
     """The CUDA call is the FlexAttention kernel (the gather path is not called) and agrees
     with the gather path run on the same GPU."""
     layout = LAYOUTS["bigbird"](64).make_layout(1024)

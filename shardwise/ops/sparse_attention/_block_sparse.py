@@ -21,8 +21,10 @@ weak reference and the tensor's version counter) so repeated calls neither rebui
 
 Which path runs: on CPU in fp32, bf16 and fp16 without ``rpe``, the split kernel of
 [Note: prefix and remainder] (``_split_attention.py``), which gathers only what rows do not share
-and has its own backward; on CUDA the same layout becomes a FlexAttention ``BlockMask`` (see
-``_flex_attention``); the gather path above serves everything else (``rpe``, whose gradient the
+and has its own backward; on CUDA in fp16 and bf16 without masks, the Triton kernel of
+[Note: the Triton block-sparse kernel] (``_triton_kernel.py``) where Triton imports; otherwise on
+CUDA the layout becomes a FlexAttention ``BlockMask`` (see ``_flex_attention``); the gather path
+above serves everything else (``rpe``, whose gradient the
 flash kernels do not give, float64, other devices, and CUDA when FlexAttention cannot compile).
 """
 
@@ -41,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _triton_kernel
 from ._split_attention import SUPPORTED_DTYPES, SplitAttention, _additive, _Masks, build_split_plan, width_groups
 
 logger = logging.getLogger("shardwise")
@@ -136,12 +139,18 @@ def _build_plan(layout: Tensor, device: torch.device) -> _Plan:
 
 
 def _plan(layout: Tensor, block: int, device: torch.device, kind: str = "gather"):
-    """The cached plan of one kind: "gather" (``_Plan``) or "split" (``_SplitPlan``)."""
+    """The cached plan of one kind: "gather" (``_Plan``), "split" (``_SplitPlan``) or
+    "triton" (the kernel's compressed-row tables)."""
     key = (_content_key(layout, block), device, kind)
     plan = _plans.get(key)
     if plan is None:
         dense = layout.detach().to("cpu", torch.bool)
-        plan = _build_plan(dense, device) if kind == "gather" else build_split_plan(dense, block, device)
+        if kind == "gather":
+            plan = _build_plan(dense, device)
+        elif kind == "split":
+            plan = build_split_plan(dense, block, device)
+        else:
+            plan = _triton_kernel.tables(dense, device)
         _remember(_plans, key, plan)
     return plan
 
@@ -288,6 +297,10 @@ def block_sparse_attention(
     plan = _plan(layout, block, query.device)  # validates the rows even where unused
     if seq == block:
         return _dense_attention(query, key, value, layout, block, scale, (kpm, am, attn_mask_mode, rpe))
+    plain = kpm is None and am is None and rpe is None
+    if query.is_cuda and plain and _triton_kernel.available(query, block):
+        tables = _plan(layout, block, query.device, "triton")
+        return _triton_kernel.TritonBlockSparse.apply(query, key, value, tables, block, scale)
     if query.is_cuda:
         out = _flex_attention(query, key, value, layout, block, scale, (kpm, am, attn_mask_mode, rpe))
         if out is not None:
