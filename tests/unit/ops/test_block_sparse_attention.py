@@ -9,6 +9,7 @@ from shardwise.ops.sparse_attention import _block_sparse
 from shardwise.ops.sparse_attention._block_sparse import block_sparse_attention
 from shardwise.ops.sparse_attention.sparse_self_attention import SparseSelfAttention
 from shardwise.ops.sparse_attention.sparsity_config import (
+    BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
     LocalSlidingWindowSparsityConfig,
 )
@@ -399,3 +400,31 @@ def test_split_path_prefixes_and_remainders(kind, monkeypatch):
     if kind == "causal_fixed":
         masks.update(attn_mask=_attn_mask(seq, "mul"))
     _check(seq, layout, **masks)
+
+
+def test_triton_tables_list_each_rows_and_columns_blocks():
+    """The Triton kernel's compressed-row tables: each (head, row)'s key blocks in order, and
+    the transposed table each (head, column)'s query blocks (its backward for dK/dV)."""
+    from shardwise.ops.sparse_attention import _triton_kernel
+
+    layout = BigBirdSparsityConfig(3, 16, different_layout_per_head=True).make_layout(16 * 9)
+    (row_offsets, row_blocks), (col_offsets, col_blocks) = _triton_kernel.tables(layout, torch.device("cpu"))
+    heads, n, _ = layout.shape
+    for h in range(heads):
+        for i in range(n):
+            start, end = int(row_offsets[h * n + i]), int(row_offsets[h * n + i + 1])
+            assert row_blocks[start:end].tolist() == layout[h, i].nonzero().flatten().tolist()
+            start, end = int(col_offsets[h * n + i]), int(col_offsets[h * n + i + 1])
+            assert col_blocks[start:end].tolist() == layout[h, :, i].nonzero().flatten().tolist()
+
+
+def test_triton_kernel_only_for_half_precision_power_of_two_shapes():
+    from shardwise.ops.sparse_attention import _triton_kernel
+
+    if _triton_kernel.triton is None:
+        assert not _triton_kernel.available(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), 64)
+        return
+    assert _triton_kernel.available(torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16), 64)
+    assert not _triton_kernel.available(torch.zeros(1, 1, 64, 64), 64)  # fp32 keeps FlexAttention
+    assert not _triton_kernel.available(torch.zeros(1, 1, 96, 48, dtype=torch.float16), 48)
+    assert not _triton_kernel.available(torch.zeros(1, 1, 64, 8, dtype=torch.float16), 64)
