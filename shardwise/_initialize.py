@@ -13,6 +13,7 @@ from shardwise.config._tensor_parallel import check_tensor_parallel
 from shardwise.moe._autoep import apply_autoep
 from shardwise.moe._bind import bind_moe_layers
 from shardwise.parallel import ParallelGrid
+from shardwise.sequence._setup import setup_sequence_parallel
 from shardwise.tensor_parallel.autotp import apply_autotp, resolve_policy
 from shardwise.utils import groups
 
@@ -124,7 +125,8 @@ def initialize(
         grid = model.mpu()
     else:
         grid = ParallelGrid.from_mpu(mpu) if mpu is not None else ParallelGrid.build(tensor=max(tp_size, 1))
-    cfg = load_config(source, world_size=grid.data)
+    setup_sequence_parallel(model, grid, _raw_config(source), pipeline=pipeline)
+    cfg = load_config(source, world_size=grid.replicas)
     grid.configure_comms(timeout_s=cfg.comm.timeout_s, check_hangs=cfg.comm.check_hangs)
     bind_moe_layers(model, grid, cfg, pipeline=pipeline)
     split_experts = apply_autoep(model, grid, cfg, pipeline=pipeline)

@@ -148,8 +148,15 @@ def check_later_scalar(key: str, value: Any) -> None:
         )
     if key == "use_data_before_expert_parallelism" and not isinstance(value, bool):
         raise ConfigError(f"use_data_before_expert_parallelism must be true or false, got {value!r}")
-    if key == "sequence_parallel_size" and value not in (None, 1):
+    if key == "sequence_parallel_size" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ConfigError(
-            f"sequence_parallel_size={value!r} is not available in this version of "
-            "shardwise yet; remove it or set it to 1"
+            f"sequence_parallel_size must be a positive integer (the ranks that split one sequence), got {value!r}"
+        )
+
+
+def check_sequence_parallel_size(value) -> None:
+    """``sequence_parallel_size`` must be a positive integer."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(
+            f"sequence_parallel_size must be a positive integer (the ranks that split one sequence), got {value!r}"
         )

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from shardwise.comm import Communicator
 from shardwise.parallel._expert import ExpertGroups, check_ep_size, expert_rank_lists
+from shardwise.parallel._sequence import SequenceGroups, check_sequence_parallel_size, sequence_rank_lists
 from shardwise.parallel.topology import ProcessTopology, tensor_axis
 
 _ORDER = ("pipe", "data", "tensor")
@@ -91,6 +92,7 @@ class ParallelGrid:
         self._comm_options = {"timeout_s": timeout_s, "check_hangs": check_hangs}
         self._comms: dict[str, Communicator] = {}
         self._experts: dict[int, tuple[bool, ExpertGroups]] = {}
+        self._sequence: SequenceGroups | None = None
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         coord = self.topology_.get_coord(self.global_rank)
@@ -312,6 +314,47 @@ class ParallelGrid:
         self._experts[ep_size] = (data_before_expert, groups)
         return groups
 
+    def sequence_groups(self, size: int) -> SequenceGroups:
+        """Split the data axis into sequence-parallel groups of ``size`` consecutive ranks
+        (see [Note: sequence groups] in ``_sequence.py``). Collective the first time; a job
+        has one sequence-parallel size."""
+        check_sequence_parallel_size(size, self.data)
+        if self._sequence is not None:
+            if self._sequence.size != size:
+                raise ValueError(
+                    f"this grid already splits sequences over {self._sequence.size} ranks; one job has one "
+                    f"sequence_parallel_size (asked for {size})"
+                )
+            return self._sequence
+        mine = None
+        for stage in range(self.pipe):
+            for t in range(self.tensor):
+                for ranks in sequence_rank_lists(self.topology_.filter_match(pipe=stage, model=t), size):
+                    group = dist.new_group(ranks=ranks) if size > 1 else None
+                    if self.global_rank in ranks:
+                        mine = (ranks, group)
+        group = mine[1] if mine[1] is not None else _own_group([[r] for r in range(self.world_size)])
+        comm = Communicator(group, name="sequence-parallel", **self._comm_options)
+        self._sequence = SequenceGroups(size=size, comm=comm, ranks=tuple(mine[0]), data_size=self.data)
+        return self._sequence
+
+    @property
+    def sequence(self) -> int:
+        """The sequence-parallel size (1 when sequences are not split)."""
+        return self._sequence.size if self._sequence is not None else 1
+
+    @property
+    def sequence_comm(self) -> Communicator:
+        """Collectives over this rank's sequence-parallel group (built by :meth:`sequence_groups`)."""
+        if self._sequence is None:
+            raise RuntimeError("no sequence-parallel group: set sequence_parallel_size in the config")
+        return self._sequence.comm
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the model: the data axis over the sequence-parallel size."""
+        return self.data // self.sequence
+
     @property
     def expert_group_dict(self) -> dict[str, ExpertGroups]:
         """The expert groups built so far, by DeepSpeed's group name (``ep_size_<n>``)."""
@@ -382,6 +425,25 @@ class ParallelGrid:
         """The global rank of ``stage_id`` at this rank's other coordinates (or those given)."""
         where = {"data": self.data_parallel_id, "model": self.tensor_rank, **kwargs, "pipe": stage_id}
         return self.topology_.get_rank(**where)
+
+    def get_sequence_parallel_group(self):
+        return self.sequence_comm.group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sequence
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._sequence.rank if self._sequence is not None else 0
+
+    def get_sequence_data_parallel_group(self):
+        """DeepSpeed's sequence-data-parallel group: the whole data axis."""
+        return self._group("data")
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.data
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
 
     def get_model_parallel_rank(self) -> int:
         """This rank's index among the ranks of its data-parallel replica (pipe x tensor)."""

@@ -99,17 +99,24 @@ def _get_model_parallel_world_size() -> int:
 
 
 def _get_sequence_parallel_world_size() -> int:
-    """1: no sequence parallelism (Ulysses) in this version."""
-    _require_initialized()
-    return 1
+    """The sequence-parallel size (1 without ``sequence_parallel_size``)."""
+    grid = _grid()
+    return grid.sequence if grid is not None else 1
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    grid = _grid()
+    return grid.get_sequence_parallel_rank() if grid is not None else 0
 
 
 def _get_sequence_parallel_group():
-    raise KeyError("No sequence parallel group found: this version of shardwise has no sequence parallelism (Ulysses)")
+    grid = _grid()
+    if grid is None or grid.sequence == 1:
+        raise KeyError(
+            "No sequence parallel group found: the job does not split sequences (set sequence_parallel_size "
+            "in the config, or build the groups with UlyssesSPAttentionHF.register_with_transformers)"
+        )
+    return grid.get_sequence_parallel_group()
 
 
 def _get_broadcast_src_rank() -> int:
