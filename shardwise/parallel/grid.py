@@ -171,6 +171,8 @@ class ParallelGrid:
         """A grid over the groups of a Megatron-style ``mpu`` (or another grid)."""
         if isinstance(mpu, ParallelGrid):
             return mpu
+        if callable(getattr(mpu, "shardwise_grid", None)):  # parallel_state_sp (UlyssesSPAttentionHF's mpu)
+            return mpu.shardwise_grid()
         missing = [
             m
             for m in ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank")

@@ -1,0 +1,1 @@
+"""DeepSpeed's ``deepspeed.runtime.sequence_parallel`` (Ulysses / ALST for Hugging Face models)."""

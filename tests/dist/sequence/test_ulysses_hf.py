@@ -1,0 +1,122 @@
+"""ALST with a Hugging Face Llama, the way DeepSpeed's tutorial trains one: the attention
+registered with ``UlyssesSPAttentionHF.register_with_transformers`` (sp 2), its mpu given to
+``initialize``, each rank's DataLoader wrapped in ``UlyssesSPDataLoaderAdapter`` and the loss
+``causal_lm_loss`` of the pieces' ``shift_labels``. Per-step losses and final weights equal
+single-process training of the same model on the whole sequences, in the order the adapter
+feeds them (each rank's batch in turn), with 1 and 2 replicas, ZeRO 0-3, grouped-query and
+multi-query attention, and a length the group does not divide."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import shardwise
+from shardwise.testing import run_distributed
+
+SP, BATCH, STEPS = 2, 2, 4
+
+
+def _llama(kv_heads):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _samples(rank, seq):
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(BATCH * STEPS):
+        ids = torch.randint(0, 64, (seq,), generator=gen)
+        labels = ids.clone()
+        labels[: int(torch.randint(0, 4, (), generator=gen))] = -100  # uneven counts of targets
+        out.append({"input_ids": ids, "labels": labels, "position_ids": torch.arange(seq)})
+    return out
+
+
+def _reference(world, seq, kv_heads, lr):
+    """Losses ``[step][replica]`` and final weights of single-process training."""
+    model = _llama(kv_heads)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    data = [_samples(r, seq) for r in range(world)]
+    losses = []
+    for step in range(STEPS):
+        per = []
+        for replica in range(world // SP):
+            source = data[replica * SP + step % SP][(step // SP) * BATCH : (step // SP + 1) * BATCH]
+            batch = {k: torch.stack([s[k] for s in source]) for k in source[0]}
+            per.append(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+        torch.stack(per).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append([float(p) for p in per])
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(rank, world_size, seq, kv_heads, stage):
+    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from shardwise.sequence.loss import causal_lm_loss
+
+    lr = 0.5
+    ref_losses, ref_weights = _reference(world_size, seq, kv_heads, lr)
+    model = _llama(kv_heads)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, BATCH)
+    try:
+        config = {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+        }
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        engine, _, _, _ = shardwise.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+        group = mpu.get_sequence_parallel_group()
+        loader = DataLoader(_samples(rank, seq), batch_size=BATCH)
+        adapter = UlyssesSPDataLoaderAdapter(
+            loader, mpu.get_sequence_parallel_rank(), group, mpu.get_sequence_parallel_world_size(), "cpu"
+        )
+        assert len(adapter) == STEPS * SP
+        replica = engine.grid.data_parallel_id // SP
+        losses, pieces = [], set()
+        for _ in range(STEPS):
+            batch = next(adapter)
+            pieces.add(batch["input_ids"].shape[1])
+            logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            loss = causal_lm_loss(logits, batch["shift_labels"], group=group)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        if stage == 3:
+            from shardwise.zero import GatheredParameters
+
+            with GatheredParameters(list(engine.module.parameters())):
+                state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        else:
+            state = engine.module.state_dict()
+    finally:
+        UlyssesSPAttentionHF.unregister_from_transformers()
+    loss_error = max(abs(a - ref[replica]) for a, ref in zip(losses, ref_losses))
+    weight_error = max(float((state[k] - ref_weights[k]).abs().max()) for k in ref_weights)
+    return loss_error, weight_error, pieces
+
+
+@pytest.mark.parametrize(
+    ("world", "seq", "kv_heads", "stage"),
+    [(2, 16, 2, 0), (2, 15, 1, 2), (4, 16, 2, 2), (4, 16, 2, 3)],
+    ids=["gqa-zero0", "mqa-uneven-length-zero2", "dp2-zero2", "dp2-zero3"],
+)
+def test_hf_llama_with_ulysses_equals_whole_sequence_training(tmp_path, world, seq, kv_heads, stage):
+    results = run_distributed(_train, world_size=world, tmp_path=tmp_path, seq=seq, kv_heads=kv_heads, stage=stage)
+    for rank, (loss_error, weight_error, pieces) in enumerate(results):
+        assert loss_error < 1e-5, (rank, loss_error)
+        assert weight_error < 1e-5, (rank, weight_error)
+        assert pieces == {seq // SP + (rank % SP < seq % SP)}  # only this rank's piece of each sequence
