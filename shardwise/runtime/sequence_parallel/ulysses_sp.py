@@ -23,6 +23,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from shardwise.runtime.sequence_parallel._tiled import (  # noqa: F401 - DeepSpeed's names at its path
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
 from shardwise.sequence._exchange import HeadSplit, ToHeads, ToSequence
 from shardwise.sequence.layer import _communicator
 

@@ -1,0 +1,122 @@
+"""ALST's tiled compute (``TiledMLP``, ``TiledFusedLogitsLoss``, ``sequence_tiled_compute``):
+the same outputs and gradients as the untiled computation, tiles that do not divide the
+sequence, only the inputs kept for backward, and a loss scaled after the tiled loss scales
+every gradient (DeepSpeed's misses the parameters')."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
+
+B, S, H, V = 2, 10, 8, 24
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate, self.up, self.down = nn.Linear(H, 4 * H), nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def _grads(module, x, run):
+    module.zero_grad()
+    x = x.detach().requires_grad_()
+    out = run(module, x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), x.grad, [p.grad.clone() for p in module.parameters()]
+
+
+def _close(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-6)
+    for g, e in zip(a[2], b[2], strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shards", [1, 3, 4, 10])
+def test_tiled_mlp_equals_the_mlp(shards):
+    mlp, x = MLP(), torch.randn(B, S, H)
+    tiled = _grads(mlp, x, lambda m, x: TiledMLP.apply(MLP.forward, m, x, shards, list(m.parameters())))
+    _close(tiled, _grads(mlp, x, lambda m, x: m(x)))
+
+
+def _saved_numel(run):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        run()
+    return sum(saved)
+
+
+def test_tiled_mlp_keeps_only_its_input_for_backward():
+    mlp, x = MLP(), torch.randn(B, S, H, requires_grad=True)
+    tiled = _saved_numel(lambda: TiledMLP.apply(MLP.forward, mlp, x, 4, None))
+    plain = _saved_numel(lambda: mlp(x))
+    assert tiled == B * S * H  # x itself
+    assert plain >= 3 * B * S * 4 * H  # gate, up and their product, [b, s, 4h] each
+
+
+def _loss_fn(head, x, y):
+    return F.cross_entropy(head(x).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+
+
+def test_tiled_logits_loss_equals_the_loss_and_scales_every_gradient():
+    head = nn.Linear(H, V)
+    x = torch.randn(B, S, H, requires_grad=True)
+    y = torch.randint(0, V, (B, S))
+    y[0, :3] = -100
+    tokens = int((y != -100).sum())
+    loss = TiledFusedLogitsLoss.apply(_loss_fn, head, x, y, None, 3, [head.weight], "sum") / tokens
+    (3.0 * loss).backward()  # a scale applied after the tiled loss (accumulation, loss scaling)
+    got = (loss.detach(), x.grad.clone(), head.weight.grad.clone())
+    head.zero_grad()
+    x.grad = None
+    reference = _loss_fn(head, x, y) / tokens
+    (3.0 * reference).backward()
+    torch.testing.assert_close(got[0], reference.detach())
+    torch.testing.assert_close(got[1], x.grad)
+    torch.testing.assert_close(got[2], head.weight.grad)
+
+
+def test_tiled_logits_loss_mean_averages_the_tiles():
+    head = nn.Linear(H, V)
+    x, y = torch.randn(B, S, H), torch.randint(0, V, (B, S))
+    tiles = [slice(0, 5), slice(5, 10)]
+    loss = TiledFusedLogitsLoss.apply(_loss_fn, head, x, y, None, 2, None, "mean")
+    torch.testing.assert_close(loss, sum(_loss_fn(head, x[:, t], y[:, t]) for t in tiles) / 2)
+
+
+@pytest.mark.parametrize("reduction", [None, "mean", "sum"])
+def test_sequence_tiled_compute_equals_the_function(reduction):
+    mlp, x = MLP(), torch.randn(B, S, H)
+
+    def fn(hidden, scale):
+        return mlp(hidden) * scale
+
+    def reduce(out):
+        return out if reduction is None else (out.mean() if reduction == "mean" else out.sum())
+
+    def tiled(m, x):
+        out = sequence_tiled_compute(fn, S, 4, {"hidden": x}, {"scale": 2.0}, "hidden", None, 1, reduction)
+        return out.reshape(1) if reduction else out
+
+    _close(_grads(mlp, x, tiled), _grads(mlp, x, lambda m, x: reduce(fn(x, 2.0)).reshape(-1 if reduction else x.shape)))
+
+
+def test_sequence_tiled_compute_stacks_per_tile_outputs():
+    mlp, x = MLP(), torch.randn(B, S, H)
+
+    def fn(hidden):
+        return mlp(hidden).pow(2).sum()
+
+    def tiled(m, x):
+        return sequence_tiled_compute(fn, S, 2, {"hidden": x}, {}, "hidden", None, 0, "mean").reshape(1)
+
+    def plain(m, x):
+        return ((fn(x[:, :5]) + fn(x[:, 5:])) / 2).reshape(1)
+
+    _close(_grads(mlp, x, tiled), _grads(mlp, x, plain))
