@@ -174,7 +174,12 @@ class UlyssesSPAttentionHF(nn.Module):
         if core_attn_implementation in ("eager", "paged|eager"):
             raise ValueError(
                 f"core_attn_implementation={core_attn_implementation!r} builds a full [seq, seq] mask, which a "
-                "sequence split cannot use; use 'sdpa', 'flex_attention' or a flash attention"
+                "sequence split cannot use; use 'sdpa' or a flash attention"
+            )
+        if core_attn_implementation == "flex_attention":
+            raise ValueError(
+                "core_attn_implementation='flex_attention' is not available with sequence parallelism in this "
+                "version of shardwise (its block mask is built for the local piece); use 'sdpa'"
             )
         config = getattr(model_name_or_path, "config", None) or AutoConfig.from_pretrained(model_name_or_path)
         loaded = getattr(config, "_attn_implementation", None)

@@ -120,3 +120,21 @@ def test_hf_llama_with_ulysses_equals_whole_sequence_training(tmp_path, world, s
         assert loss_error < 1e-5, (rank, loss_error)
         assert weight_error < 1e-5, (rank, weight_error)
         assert pieces == {seq // SP + (rank % SP < seq % SP)}  # only this rank's piece of each sequence
+
+
+def _refused(rank, world_size):
+    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    messages = []
+    for implementation in ("eager", "flex_attention", "no_such_attention"):
+        try:
+            UlyssesSPAttentionHF.register_with_transformers(_llama(2), implementation, SP, BATCH)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_attention_implementations_that_cannot_be_split_are_refused(tmp_path):
+    for messages in run_distributed(_refused, world_size=2, tmp_path=tmp_path):
+        assert len(messages) == 3, messages
+        assert "full [seq, seq] mask" in messages[0] and "not available" in messages[1]
