@@ -47,11 +47,14 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(WIDTH, VOCAB)
         self.attention_seen = []
+        self.checkpointed = False  # each block under shardwise.checkpointing.checkpoint
 
     def forward(self, ids, position_ids):
+        from shardwise import checkpointing
+
         x = self.embed(ids) + self.position(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = checkpointing.checkpoint(block, x) if self.checkpointed else block(x)
         return self.head(x)
 
 
@@ -82,19 +85,24 @@ def samples(steps, replicas, batch=2):
     return out
 
 
-def reference(steps_data, optimizer_name, lr):
-    """Per-step losses ([steps][replicas]) and final weights of single-process training on
-    whole sequences, the loss averaged over the replicas' samples."""
+def reference(steps_data, optimizer_name, lr, accumulation=1, bf16_start=False):
+    """Per-micro-step losses ([micro steps][replicas]) and final weights of single-process
+    training on whole sequences, the loss averaged over the replicas' samples and the
+    ``accumulation`` micro-steps of each optimizer step; ``bf16_start`` rounds the initial
+    weights to bf16 first, as a bf16 engine's fp32 masters start."""
     model = TinyLM()
+    if bf16_start:
+        model = model.to(torch.bfloat16).float()
     optimizer = (torch.optim.SGD if optimizer_name == "sgd" else torch.optim.AdamW)(model.parameters(), lr=lr)
     losses = []
-    for row in steps_data:
+    for micro, row in enumerate(steps_data):
         per = []
         for ids, labels in row:
             logits = model(ids, torch.arange(SEQ).expand_as(ids))
             per.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100))
-        torch.stack(per).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        (torch.stack(per).mean() / accumulation).backward()
+        if (micro + 1) % accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append([float(p) for p in per])
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
