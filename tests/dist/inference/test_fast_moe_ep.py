@@ -3,7 +3,8 @@
 of the stacked expert weights, and the engine generates the single-process model's
 greedy tokens with its per-step logits (fp32, batch 1 and a left-padded batch), with the
 experts sorted by token and with every local expert run on every token (the fixed-shape
-decode step, run eagerly)."""
+decode step, run eagerly). On 4 ranks, tensor parallelism over the attention
+(``injection_policy``) combines with experts split 2 ways."""
 
 import copy
 
@@ -61,3 +62,46 @@ def test_fast_moe_decoder_with_experts_split_over_two_ranks(tmp_path):
             assert report["held"], family
             assert all(report["tokens"]) and len(report["tokens"]) == 4, (family, report)
             assert report["logits"] < 1e-4, (family, report)
+
+
+_ATTENTION = {"mixtral": "MixtralAttention", "qwen2_moe": "Qwen2MoeAttention"}
+
+
+def _tp_ep_body(rank, world_size):
+    import shardwise
+    from shardwise.inference._fast_moe import MoEMLP
+    from shardwise.testing.causal_lm import prompts, tiny_lm
+
+    _, (batch, mask) = prompts()
+    reports = {}
+    for family, attention in _ATTENTION.items():
+        reference = tiny_lm(family)
+        engine = shardwise.init_inference(
+            copy.deepcopy(reference),
+            dtype=torch.float32,
+            replace_with_kernel_inject=True,
+            tensor_parallel={"tp_size": 2},
+            injection_policy={attention: ("o_proj",)},
+            moe={"ep_size": 2},
+        )
+        mlp = engine._decoder.layers[0][4]
+        full = reference.model.layers[0].mlp.experts.gate_up_proj
+        kwargs = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
+        want, got = (
+            reference.generate(batch, attention_mask=mask, **kwargs),
+            engine.generate(batch, attention_mask=mask, **kwargs),
+        )
+        reports[family] = {
+            "split": (engine.mp_world_size, mlp.ep_comm.world_size),
+            "held": isinstance(mlp, MoEMLP) and torch.equal(mlp.gate_up, full[mlp.low : mlp.low + 2].transpose(1, 2)),
+            "tokens": torch.equal(got.sequences, want.sequences),
+            "logits": float((torch.stack(got.logits) - torch.stack(want.logits)).abs().max()),
+        }
+    return reports
+
+
+def test_fast_moe_decoder_at_tp2_with_experts_split_two_ways(tmp_path):
+    for reports in run_distributed(_tp_ep_body, world_size=4, tmp_path=tmp_path):
+        for family, report in reports.items():
+            assert report["split"] == (2, 2) and report["held"], (family, report)
+            assert report["tokens"] and report["logits"] < 1e-4, (family, report)
