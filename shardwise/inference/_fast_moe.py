@@ -165,6 +165,8 @@ class MoEDecoder(LlamaDecoder):
         experts = getattr(mlp, "experts", None)
         if experts is None:
             return GatedMLP(mlp)
+        if getattr(experts, "global_num_experts", 0) > experts.num_experts and not experts.replicated_tokens:
+            raise _NoFastPath("MoE experts split for training (AutoEP: tokens move by all-to-all); use moe.ep_size")
         width = experts.gate_up_proj.shape[-2]
         if width != 2 * experts.intermediate_dim:
             raise _NoFastPath(

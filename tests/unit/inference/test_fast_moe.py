@@ -56,3 +56,19 @@ def test_fast_moe_decoder_generates_what_the_model_generates(family, sync_free):
         assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
         assert len(got.logits) == len(want.logits) >= NEW // 2  # eos may end every row early
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
+
+
+def test_experts_split_for_training_have_no_fast_decoder():
+    """Experts split by AutoEP for training move tokens by all-to-all; the decoder, which
+    assumes every rank has every token ([Note: experts at inference]), refuses them."""
+    from types import SimpleNamespace
+
+    from shardwise.inference._fast import build_decoder
+    from shardwise.moe._autoep import split
+
+    model = tiny_lm("mixtral")
+    groups = SimpleNamespace(ep_size=2, ep_rank=0, name="ep_size_2", ep_comm=None)
+    for layer in model.model.layers:
+        split(layer.mlp.experts, groups)
+    decoder, why = build_decoder(model)
+    assert decoder is None and "split for training" in why, why
