@@ -10,7 +10,7 @@ each run started when the CPUs are idle; the table gives the medians, and the fa
 tokens are checked against the plain model's. A second table times one MoE MLP of the
 decoder on the decode step's tokens, both ways ([Note: the fast MoE MLP]): sorted by
 expert (the CPU's choice) and every expert on every token (the sync-free form a CUDA
-graph captures)::
+graph captures), beside the matmuls alone of the sorted way (its floor)::
 
     python bench/bench_moe_inference.py --out bench/results/<date>-cpu-moe-inference.md
 """
@@ -56,6 +56,27 @@ def _time_mlp(mlp, batch: int, hidden: int, *, sync_free: bool, reps: int = 200)
     return (time.perf_counter() - start) / reps
 
 
+def _time_expert_matmuls(mlp, batch: int, hidden: int, reps: int = 200) -> float:
+    """Seconds of the matmuls alone that one MoE MLP runs for ``batch`` tokens routed as
+    the router routes random ones (each expert on its rows): the floor of the sorted way."""
+    import torch
+
+    from shardwise.inference._fast_moe import route
+
+    x = torch.randn(batch, hidden)
+    with torch.inference_mode():
+        _, experts = route(torch.nn.functional.linear(x, mlp.router), mlp.routing)
+        counts = torch.bincount(experts.reshape(-1), minlength=mlp.num_local).tolist()
+        rows = {e: torch.randn(c, hidden) for e, c in enumerate(counts) if c}
+        mids = {e: torch.randn(c, mlp.down.shape[1]) for e, c in enumerate(counts) if c}
+        start = time.perf_counter()
+        for _ in range(reps):
+            for e in rows:
+                rows[e] @ mlp.gate_up[e]
+                mids[e] @ mlp.down[e]
+    return (time.perf_counter() - start) / reps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8")
@@ -98,7 +119,8 @@ def main() -> None:
         sorted_s = _time_mlp(mlp, batch, cfg["hidden"], sync_free=False)
         every_s = _time_mlp(mlp, batch, cfg["hidden"], sync_free=True)
         mlp.sync_free = False
-        mlp_rows.append(f"| {batch} | {sorted_s * 1e6:.0f} | {every_s * 1e6:.0f} |")
+        floor_s = _time_expert_matmuls(mlp, batch, cfg["hidden"])
+        mlp_rows.append(f"| {batch} | {sorted_s * 1e6:.0f} | {every_s * 1e6:.0f} | {floor_s * 1e6:.0f} |")
         print(rows[-1], mlp_rows[-1], flush=True)
     text = "\n".join(
         [
@@ -116,8 +138,8 @@ def main() -> None:
             "",
             "One MoE MLP on one decode step's tokens (us, mean of 200 calls):",
             "",
-            "| tokens | sorted by expert | every expert on every token |",
-            "|---|---|---|",
+            "| tokens | sorted by expert | every expert on every token | the sorted way's expert matmuls alone |",
+            "|---|---|---|---|",
             *mlp_rows,
             "",
             "Command: `python bench/bench_moe_inference.py " + " ".join(sys.argv[1:]) + "`",
