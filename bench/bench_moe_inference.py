@@ -111,9 +111,10 @@ def main() -> None:
                 times[name].append(_time_generate(target, ids, args.new_tokens)[0])
         plain_s, fast_s = statistics.median(times["plain"]), statistics.median(times["fast"])
         same = tokens["plain"] == tokens["fast"]
+        each = " / ".join(f"{p * 1e3:.0f}:{f * 1e3:.0f}" for p, f in zip(times["plain"], times["fast"]))
         rows.append(
             f"| {batch} | {plain_s * 1e3:.0f} | {fast_s * 1e3:.0f} | {plain_s / fast_s:.2f}x | "
-            f"{batch * args.new_tokens / fast_s:.0f} | {'yes' if same else 'NO'} |"
+            f"{batch * args.new_tokens / fast_s:.0f} | {'yes' if same else 'NO'} | {each} |"
         )
         mlp = next(layer[4] for layer in engine._decoder.layers if isinstance(layer[4], MoEMLP))
         sorted_s = _time_mlp(mlp, batch, cfg["hidden"], sync_free=False)
@@ -132,13 +133,15 @@ def main() -> None:
             f"Prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; median of "
             f"{args.repeats} alternating runs per side after one warm-up each.",
             "",
-            "| batch | plain generate (ms) | fast path (ms) | speed-up | fast tokens/s | same tokens |",
-            "|---|---|---|---|---|---|",
+            "| batch | plain generate (ms) | fast path (ms) | speed-up | fast tokens/s | same tokens "
+            "| runs plain:fast |",
+            "|---|---|---|---|---|---|---|",
             *rows,
             "",
             "One MoE MLP on one decode step's tokens (us, mean of 200 calls):",
             "",
-            "| tokens | sorted by expert | every expert on every token | the sorted way's expert matmuls alone |",
+            "| tokens | sorted by expert (1 token: its experts in turn) | every expert on every token "
+            "| expert matmuls alone |",
             "|---|---|---|---|",
             *mlp_rows,
             "",
