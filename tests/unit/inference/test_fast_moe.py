@@ -72,3 +72,25 @@ def test_experts_split_for_training_have_no_fast_decoder():
         split(layer.mlp.experts, groups)
     decoder, why = build_decoder(model)
     assert decoder is None and "split for training" in why, why
+
+
+def test_qwen2_moe_with_sliding_windows_in_some_layers_has_no_fast_decoder():
+    import transformers
+
+    from shardwise.inference._fast import build_decoder
+
+    config = transformers.Qwen2MoeConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        vocab_size=64,
+        use_sliding_window=True,
+        sliding_window=4,
+    )
+    assert len(set(config.layer_types)) == 2  # the first layer windowed, the second not
+    decoder, why = build_decoder(transformers.AutoModelForCausalLM.from_config(config).eval())
+    assert decoder is None and "sliding-window attention in some layers" in why, why
