@@ -9,10 +9,11 @@ generation config, and every row is checked to add exactly ``--new-tokens`` toke
     python bench/bench_inference.py --profile --comm-stats --out bench/results/<date>-cpu-inference.md
     python bench/bench_inference.py --quick          # a smoke run (under 2 minutes)
 
-Two model sizes (``--configs``): ``large`` (hidden 512, 8 layers, 8 heads / 4 kv heads,
+Model configurations (``--configs``): ``large`` (hidden 512, 8 layers, 8 heads / 4 kv heads,
 intermediate 1408, vocab 32000, 56.4M parameters: a decode step is bound by reading the
-weights) and ``small`` (hidden 256, 4 layers, 4 / 2 heads, intermediate 704, vocab 8000,
-7.0M parameters: bound by per-step overhead).
+weights), ``small`` (hidden 256, 4 layers, 4 / 2 heads, intermediate 704, vocab 8000,
+7.0M parameters: bound by per-step overhead) and ``moe`` (``small``'s attention in a
+Mixtral: 8 experts of intermediate 512, top-2; ``bench_moe_inference.py`` times it).
 
 Rows (``--rows``), each a fresh process (DeepSpeed's in its own interpreter,
 ``--peer-python``), warmed up with one generation per batch size before the timed runs:
@@ -64,6 +65,7 @@ import sys
 import tempfile
 import time
 from datetime import date
+from functools import partial
 from pathlib import Path
 
 from _machine import cpu_model, median_or_nan
@@ -72,6 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "large": dict(vocab=32000, hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),
     "small": dict(vocab=8000, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704),
+    "moe": dict(vocab=8000, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512, experts=8, top_k=2),
 }
 ROWS = [
     "hf",
@@ -102,7 +105,10 @@ def build_model(cfg: dict, max_positions: int):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    family = transformers.LlamaConfig
+    if "experts" in cfg:  # Mixtral: every MLP a sparse MoE block
+        family = partial(transformers.MixtralConfig, num_local_experts=cfg["experts"], num_experts_per_tok=cfg["top_k"])
+    config = family(
         vocab_size=cfg["vocab"],
         hidden_size=cfg["hidden"],
         intermediate_size=cfg["intermediate"],
@@ -410,6 +416,15 @@ class _ReadyOutput:
         return self.outputs[key]
 
 
+def _fake_mlp(mlp, fake):
+    """The gated MLP ``mlp`` with its projections replaced by ``fake`` ones."""
+    import copy
+
+    faked = copy.copy(mlp)
+    faked.gate_up, faked.down = fake(mlp.gate_up), fake(mlp.down)
+    return faked
+
+
 def step_breakdown(decoder, cfg: dict, batch: int, prompt_len: int, reps: int = 50) -> dict | None:
     """Seconds of one decode step of shardwise's fast decoder (``decoder.forward``, timed
     apart from generate's loop, at a cache of ``prompt_len`` tokens: pass the middle of the
@@ -422,7 +437,8 @@ def step_breakdown(decoder, cfg: dict, batch: int, prompt_len: int, reps: int = 
 
     try:
         layers, head = decoder.layers, decoder.head
-        weights = [p.weight for layer in layers for p in (layer[1], layer[2], layer[4], layer[5])] + [head.weight]
+        weights = [p.weight for layer in layers for p in (layer[1], layer[2], layer[4].gate_up, layer[4].down)]
+        weights.append(head.weight)
         inputs = {w.shape[1]: torch.randn(batch, 1, w.shape[1]) for w in weights}
         with torch.inference_mode():
             cache = decoder.new_cache(batch, prompt_len + 1)
@@ -441,7 +457,7 @@ def step_breakdown(decoder, cfg: dict, batch: int, prompt_len: int, reps: int = 
 
             step_s, floor_s = _median_time(step, reps), _median_time(linears, reps)
             fake = lambda proj: _ReadyOutput(proj.weight.shape[0])  # noqa: E731
-            decoder.layers = [(a, fake(b), fake(c), d, fake(e), fake(f), g) for a, b, c, d, e, f, g in layers]
+            decoder.layers = [(a, fake(b), fake(c), d, _fake_mlp(e, fake), f) for a, b, c, d, e, f in layers]
             decoder.head = fake(head)
             try:
                 no_linear_s = _median_time(step, reps)

@@ -221,57 +221,73 @@ class FastDecoder:
         return self.head(self.final_norm(hidden_last)).float()
 
 
+class GatedMLP:
+    """A gated MLP ``down(act(gate(x)) * up(x))`` with gate and up as one projection."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        self.gate_up, (self.g_width, _) = fused_proj([mlp.gate_proj, mlp.up_proj])
+        self.down, self.act = proj(mlp.down_proj), mlp.act_fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_up(x).split(self.g_width, dim=-1)
+        return self.down(self.act(g) * u)
+
+
 class LlamaDecoder(FastDecoder):
-    """Llama, Mistral, Qwen2: pre-norm RMSNorm blocks, rotary positions, gated MLP."""
+    """Llama, Mistral, Qwen2: pre-norm RMSNorm blocks, rotary positions, gated MLP (and
+    the query / key norms of the families that have them, see ``_fast_moe.py``)."""
 
     def __init__(self, model: nn.Module) -> None:
         base = model.model
         self.embed, self.final_norm, self.rotary = base.embed_tokens, _rms_norm(base.norm), base.rotary_emb
         self.head = input_major(model.lm_head, unless_shared_with=base.embed_tokens.weight)
         self.apply_rotary = sys.modules[type(base.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
         self.layers = []
         for layer in base.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             qkv, (q_width, k_width, v_width) = fused_proj([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, (g_width, _) = fused_proj([mlp.gate_proj, mlp.up_proj])
+            qk_norms = None
+            if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm of each head's query and key
+                qk_norms = (_rms_norm(attn.q_norm), _rms_norm(attn.k_norm))
             self.layers.append(
                 (
                     _rms_norm(layer.input_layernorm),
                     qkv,
                     proj(attn.o_proj),
                     _rms_norm(layer.post_attention_layernorm),
-                    gate_up,
-                    proj(mlp.down_proj),
-                    mlp.act_fn,
+                    self._mlp(layer.mlp),
+                    qk_norms,
                 )
             )
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
         self.widths = (q_width, k_width, v_width)
-        self.g_width = g_width
         self.heads, self.kv_heads = q_width // self.head_dim, k_width // self.head_dim
         self.num_layers = len(self.layers)
         self.sliding_window = (
             getattr(model.config, "sliding_window", None) if getattr(model.config, "use_sliding_window", True) else None
         )
-        self.dtype, self.device = base.embed_tokens.weight.dtype, base.embed_tokens.weight.device
+
+    def _mlp(self, mlp: nn.Module):
+        """The callable running one layer's MLP block on ``[batch, tokens, hidden]``."""
+        return GatedMLP(mlp)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache: StaticCache, start: int):
         x = self.embed(ids)
         cos, sin = (table[0, positions] for table in cache.rotary)
         b, s, _ = x.shape
         hd = self.head_dim
-        for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
+        for i, (ln1, qkv, o_proj, ln2, mlp, qk_norms) in enumerate(self.layers):
             q, k, v = qkv(ln1(x)).split(self.widths, dim=-1)
-            q = q.view(b, s, -1, hd).transpose(1, 2)
-            k = k.view(b, s, -1, hd).transpose(1, 2)
-            v = v.view(b, s, -1, hd).transpose(1, 2)
-            q, k = self.apply_rotary(q, k, cos, sin)
-            k, v = cache.update(i, start, k, v)
+            q, k, v = q.view(b, s, -1, hd), k.view(b, s, -1, hd), v.view(b, s, -1, hd)
+            if qk_norms is not None:
+                q, k = qk_norms[0](q), qk_norms[1](k)
+            q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            k, v = cache.update(i, start, k, v.transpose(1, 2))
             x = x + o_proj(self._attend(q, k, v, mask, causal=s > 1, scale=self.scale))
-            g, u = gate_up(ln2(x)).split(self.g_width, dim=-1)
-            x = x + down(act(g) * u)
+            x = x + mlp(ln2(x))
         return self.logits(x[:, -1])
 
 
@@ -456,10 +472,13 @@ _FAMILIES = {
 
 def build_decoder(model: nn.Module) -> tuple[FastDecoder | None, str]:
     """The fast decoder for ``model``, or None and why not."""
+    from shardwise.inference._fast_moe import MODEL_TYPES, MoEDecoder
+
+    families = {**_FAMILIES, **dict.fromkeys(MODEL_TYPES, MoEDecoder)}
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    family = _FAMILIES.get(model_type)
+    family = families.get(model_type)
     if family is None:
-        return None, f"no fast decoder for model_type {model_type!r} (fast decoders: {sorted(_FAMILIES)})"
+        return None, f"no fast decoder for model_type {model_type!r} (fast decoders: {sorted(families)})"
     try:
         return family(model), ""
     except _NoFastPath as exc:

@@ -205,6 +205,11 @@ def _decode_graphs(cfg: InferenceConfig, device: torch.device, decoder, tp: int)
         problem = "this model has no fast decoder (see the replace_with_kernel_inject warning above)"
     elif tp > 1:
         problem = f"tensor-parallel decode steps (tp_size={tp}) are not captured; use tp_size=1 or leave it unset"
+    elif cfg.ep_size > 1:
+        problem = (
+            f"expert-parallel decode steps (moe.ep_size={cfg.ep_size}) are not captured (their all-reduce would "
+            "have to be captured with them); use ep_size=1 or leave it unset"
+        )
     if problem is None:
         return StaticSteps(decoder, graph=True)
     if wanted:

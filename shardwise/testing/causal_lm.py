@@ -5,6 +5,8 @@ split them. Needs ``transformers`` (the ``test`` extra)."""
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "opt", "gpt_neox")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""Mixture-of-experts families: 4 experts (2 per rank at ep 2), top-2."""
 VOCAB = 128
 
 
@@ -66,6 +68,8 @@ def tiny_lm(family: str, *, seed: int = 0):
             max_position_embeddings=128,
             **common,
         )
+    elif family in MOE_FAMILIES:
+        config = _moe_config(family, common)
     else:
         raise ValueError(family)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -74,6 +78,20 @@ def tiny_lm(family: str, *, seed: int = 0):
             if name.endswith("bias"):
                 param.normal_(std=0.1)
     return model.eval()
+
+
+def _moe_config(family: str, common: dict):
+    import transformers
+
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, **common)
+    if family == "mixtral":  # always renormalizes the top-k probabilities
+        return transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **shape)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96)
+    if family == "qwen2_moe":  # a shared expert with a sigmoid gate, no renormalization, the second layer dense
+        return transformers.Qwen2MoeConfig(
+            shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False, **moe, **shape
+        )
+    return transformers.Qwen3MoeConfig(norm_topk_prob=True, attention_bias=True, **moe, **shape)  # query / key norms
 
 
 def prompts(*, seed: int = 1):

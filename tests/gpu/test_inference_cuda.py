@@ -1,7 +1,7 @@
 """``init_inference`` on a CUDA GPU: the engine moves the model to the GPU and gives the
-plain model's logits and greedy tokens (fp32, with and without kernel injection, batch 1
-and a left-padded batch), bf16 logits close to the fp32 model's, and weight-only int8.
-Skipped without a GPU."""
+plain model's logits and greedy tokens (fp32, every family, the MoE ones included, with
+and without kernel injection, batch 1 and a left-padded batch), bf16 logits close to the
+fp32 model's, and weight-only int8. Skipped without a GPU."""
 
 import copy
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.testing.causal_lm import FAMILIES, prompts, tiny_lm
+from shardwise.testing.causal_lm import FAMILIES, MOE_FAMILIES, prompts, tiny_lm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -17,7 +17,7 @@ NEW = 32
 
 
 @pytest.mark.parametrize("inject", [False, True], ids=["plain", "kernel_inject"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)  # MoE: the captured step runs every expert
 def test_engine_on_gpu_generates_what_the_model_generates(family, inject):
     reference = tiny_lm(family)
     engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32, replace_with_kernel_inject=inject)
