@@ -7,11 +7,12 @@ token movement in ``_dispatch.py`` ([Note: sorted dispatch]).
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from shardwise.moe import _gating, _grouped
+from shardwise.moe import _expert_tp, _gating, _grouped
 from shardwise.moe._dispatch import dispatch_combine, run_each
 from shardwise.moe._grouped import GroupedExperts
 
@@ -214,6 +215,9 @@ class MOELayer(nn.Module):
         self.num_local_experts = num_local_experts
         self.l_aux = None
         self.exp_counts = None
+        self.tensor_comm = None
+        """The tensor group's Communicator when the experts are split over it (see [Note:
+        tensor-parallel experts] in ``_expert_tp.py``); None: whole experts."""
         self.wall_clock_breakdown = False
         self.use_tutel = False
         self.use_grouped_mm = True
@@ -271,5 +275,6 @@ class MOELayer(nn.Module):
             num_experts=self.ep_size * self.num_local_experts,
             ep_comm=self.ep_comm if self.ep_size > 1 else None,
             tag=f"moe ({self.ep_group_name})",
+            remote=None if self.tensor_comm is None else partial(_expert_tp.remote_experts, tensor=self.tensor_comm),
         )
         return out.reshape(*x.shape[:-1], out.shape[-1])
