@@ -1,6 +1,6 @@
 """Experts split over the tensor group (``enable_expert_tensor_parallelism=True``) on tp 2 x
 dp 2 with ep 2 (4 ranks) train as the single-process model with whole experts: per-step
-losses and final weights, ZeRO 0 and 2, SGD and AdamW, top-1 and top-2, with and without
+losses and final weights, ZeRO 0, 2 and 3, SGD and AdamW, top-1 and top-2, with and without
 drops, clipping on the global norm; each rank holds its tensor rank's slice of each of its
 experts (column-parallel first linear, row-parallel last); a checkpoint saved in that
 layout resumes in it and loads at tp 1, and consolidates to the whole model.
@@ -21,13 +21,20 @@ PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 LOCAL = EXPERTS // 2
 
 
-def _tp_model(reference, grid, k, drop):
-    """The model as this rank holds it before initialize: its expert rank's experts whole,
-    the input layer column-parallel (the non-expert layers are tensor-parallel)."""
-    from shardwise.tensor_parallel import ColumnParallelLinear
+def _tp_model(reference, grid, k, drop, prebuilt=False):
+    """The model as this rank holds it before initialize: its expert rank's experts whole
+    (``prebuilt``: already split, as a user builds them from shardwise's tensor-parallel
+    layers), the input layer column-parallel (the non-expert layers are tensor-parallel)."""
+    from shardwise.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     model = expert_rank_model(reference, 2, grid.get_data_parallel_rank(), k, drop, expert_tp=True)
     model.inp = ColumnParallelLinear.from_linear(model.inp, group=grid, gather_output=True)
+    for expert in model.moe.deepspeed_moe.experts.deepspeed_experts if prebuilt else ():
+        marks = {"allreduce": False, "group_name": expert[0].weight.group_name}
+        expert[0] = ColumnParallelLinear.from_linear(expert[0], group=grid)
+        expert[2] = RowParallelLinear.from_linear(expert[2], group=grid)
+        for p in expert.parameters():
+            vars(p).update(marks)
     return model
 
 
@@ -49,21 +56,26 @@ def _expected_slice(key, full_state, grid):
 
 
 def _diff_and_shapes(engine, full_state, grid):
-    got = engine.module.state_dict()
+    with shardwise.zero.GatheredParameters(list(engine.module.parameters())):  # ZeRO 3: this rank's slices whole
+        got = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     expected = {key: _expected_slice(key, full_state, grid) for key in got}
     shapes_ok = all(got[k].shape == expected[k].shape for k in got)
     return max(float((got[k] - expected[k]).abs().max()) for k in got), shapes_ok, sorted(got)
 
 
 def _train_case(grid, case):
-    stage, opt, k, drop, clip = case
+    stage, opt, k, drop, clip, *options = case
+    options = options[0] if options else {}
     reference = make_reference(k, drop)
     batches = [(x[:2], y[:2]) for x, y in make_batches(2)]  # one micro-batch per data rank
     ref_final = copy.deepcopy(reference)
     ref_losses, _ = reference_run(ref_final, batches, opt, clip)
-    model = _tp_model(reference, grid, k, drop)
+    model = _tp_model(reference, grid, k, drop, prebuilt=options.get("prebuilt", False))
     engine, _, _, _ = shardwise.initialize(
-        model=model, model_parameters=model.parameters(), config=moe_config(stage, opt, clip, "fp32"), mpu=grid
+        model=model,
+        model_parameters=model.parameters(),
+        config=moe_config(stage, opt, clip, "fp32", options.get("zero")),
+        mpu=grid,
     )
     data_rank, losses = grid.get_data_parallel_rank(), []
     for x, y in batches:
@@ -82,11 +94,15 @@ def _train_case(grid, case):
         "shapes_ok": shapes_ok,
         "keys": keys == sorted(expert_rank_model(reference, 2, 0, k, drop).state_dict()),
         "moved": max(float((a - b).abs().max()) for a, b in zip(ref_final.parameters(), reference.parameters())),
-        "held": [tuple(expert[0].weight.shape) + tuple(expert[2].weight.shape) for expert in experts],
+        "held": [_shape(expert[0].weight) + _shape(expert[2].weight) for expert in experts],
         "kinds": [type(expert[0]).__name__ + "/" + type(expert[2]).__name__ for expert in experts],
         "whole_state": max(float((whole[k] - v).abs().max()) for k, v in ref_final.state_dict().items()),
         "expert_tp_size": shardwise.utils.groups._get_expert_model_parallel_world_size(),
     }
+
+
+def _shape(param):
+    return tuple(getattr(param, "ds_shape", param.shape))  # ZeRO 3: the shape this rank's slice has whole
 
 
 def _run(rank, world_size, cases):
@@ -96,12 +112,15 @@ def _run(rank, world_size, cases):
     return [_train_case(grid, case) for case in cases]
 
 
-# (zero stage, optimizer, k, drop_tokens, gradient_clipping)
+# (zero stage, optimizer, k, drop_tokens, gradient_clipping[, {"zero": zero_optimization keys,
+# "prebuilt": experts built from tensor-parallel layers}])
 CASES = [
     (0, "sgd", 2, True, 0.3),
     (0, "adamw", 1, False, 0.0),
     (2, "sgd", 1, True, 0.0),
     (2, "adamw", 2, False, 0.3),
+    (3, "adamw", 2, True, 0.3, {"zero": {"stage3_param_persistence_threshold": 0}}),  # every unit sharded
+    (2, "sgd", 2, True, 0.3, {"prebuilt": True}),
 ]
 
 
