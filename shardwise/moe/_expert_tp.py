@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -182,69 +183,79 @@ def shares(counts: torch.Tensor, parts: int) -> torch.Tensor:
     return counts // parts + (((ranks - first) % parts) < left).long()
 
 
-def _gather_shares(x: torch.Tensor, place: torch.Tensor, sizes: list[int], comm, tag: str) -> torch.Tensor:
-    """The whole tensor from every rank's share ``x`` (padded to the largest for the
-    all-gather; every rank knows ``sizes``)."""
-    most = max(sizes)
-    if most == 0:
-        return x.new_empty((0, *x.shape[1:]))
-    padded = torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]) if x.shape[0] < most else x.contiguous()
-    out = x.new_empty((comm.world_size * most, *x.shape[1:]))
-    comm.all_gather_into_tensor(out, padded, tag=tag).wait()
-    pieces = torch.cat([out[u * most : u * most + n] for u, n in enumerate(sizes)])
-    return torch.empty_like(pieces).index_copy_(0, place, pieces)
+@dataclass(frozen=True)
+class _Shares:
+    """How the tensor ranks' shares make up a whole tensor (from ``share_layout``)."""
+
+    comm: object
+    """The tensor group's Communicator."""
+    sizes: list[int]
+    """Each rank's number of rows."""
+    own: torch.Tensor
+    """The rows of the whole tensor that are this rank's share, in share order."""
+    source: torch.Tensor
+    """For each row of the whole tensor, its row in the all-gather of the shares, each
+    padded to ``max(sizes)`` rows."""
+
+    @classmethod
+    def of(cls, counts: torch.Tensor, comm, device) -> _Shares:
+        """The layout of ``counts[u, g]`` (on the host) rows of group ``g`` in rank ``u``'s share."""
+        place, sizes = share_layout(counts)
+        most = max(sizes, default=0)
+        padded = torch.cat([torch.arange(n) + u * most for u, n in enumerate(sizes)])
+        source = torch.empty_like(place).index_copy_(0, place, padded)
+        first = sum(sizes[: comm.rank])
+        own = place[first : first + sizes[comm.rank]]
+        return cls(comm, sizes, own.to(device), source.to(device))
+
+    def gather(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+        """The whole tensor from every rank's share ``x``."""
+        most = max(self.sizes)
+        if most == 0:
+            return x.new_empty((0, *x.shape[1:]))
+        padded = x.new_zeros((most, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        out = x.new_empty((self.comm.world_size * most, *x.shape[1:]))
+        self.comm.all_gather_into_tensor(out, padded, tag=tag).wait()
+        return out.index_select(0, self.source)
 
 
 class _TakeShare(torch.autograd.Function):
     """Whole on every tensor rank -> this rank's share (backward: all-gather the shares)."""
 
     @staticmethod
-    def forward(ctx, x, own, place, sizes, comm, tag):
-        ctx.place, ctx.sizes, ctx.comm, ctx.tag = place, sizes, comm, tag
-        return x.index_select(0, own)
+    def forward(ctx, x, layout: _Shares, tag: str):
+        ctx.layout, ctx.tag = layout, tag
+        return x.index_select(0, layout.own)
 
     @staticmethod
     def backward(ctx, grad):
-        return (
-            _gather_shares(grad, ctx.place, ctx.sizes, ctx.comm, ctx.tag + " (backward)"),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return ctx.layout.gather(grad, ctx.tag + " (backward)"), None, None
 
 
 class _GatherShares(torch.autograd.Function):
     """This rank's share -> whole on every tensor rank (backward: take the share)."""
 
     @staticmethod
-    def forward(ctx, x, own, place, sizes, comm, tag):
-        ctx.save_for_backward(own)
-        return _gather_shares(x, place, sizes, comm, tag)
+    def forward(ctx, x, layout: _Shares, tag: str):
+        ctx.layout = layout
+        return layout.gather(x, tag)
 
     @staticmethod
     def backward(ctx, grad):
-        (own,) = ctx.saved_tensors
-        return grad.index_select(0, own), None, None, None, None, None
-
-
-def _own(place: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
-    first = sum(sizes[:rank])
-    return place[first : first + sizes[rank]]
+        return grad.index_select(0, ctx.layout.own), None, None
 
 
 def remote_experts(rows, counts, run_local: RunLocal, comm, tag: str, *, tensor) -> torch.Tensor:
     """``_dispatch._remote_experts`` for experts split over ``tensor`` (the tensor group's
     Communicator), each tensor rank moving a ``1 / tp`` share of the rows (see [Note:
     tensor-parallel experts])."""
-    share = shares(counts, tensor.world_size)
-    place, sizes = share_layout(share)
-    own = _own(place, sizes, tensor.rank)
-    mine = _TakeShare.apply(rows, own, place, sizes, tensor, f"{tag}: tokens of the tensor ranks")
+    share = shares(counts.cpu(), tensor.world_size)
+    layout = _Shares.of(share, tensor, rows.device)
+    mine = _TakeShare.apply(rows, layout, f"{tag}: tokens of the tensor ranks")
     run = functools.partial(_run_gathered, run_local=run_local, tensor=tensor, tag=tag)
-    out = _remote_experts(mine, share[tensor.rank].contiguous(), run, comm, tag)
-    return _GatherShares.apply(out, own, place, sizes, tensor, f"{tag}: outputs of the tensor ranks")
+    out = _remote_experts(mine, share[tensor.rank].to(counts.device), run, comm, tag)
+    return _GatherShares.apply(out, layout, f"{tag}: outputs of the tensor ranks")
 
 
 def _run_gathered(rows, counts: list[int], *, run_local: RunLocal, tensor, tag: str) -> torch.Tensor:
@@ -253,9 +264,8 @@ def _run_gathered(rows, counts: list[int], *, run_local: RunLocal, tensor, tag: 
     mine = torch.tensor(counts, dtype=torch.int64, device=rows.device)
     every = mine.new_empty(tensor.world_size * mine.numel())
     tensor.all_gather_into_tensor(every, mine, tag=f"{tag}: expert counts of the tensor ranks").wait()
-    every = every.view(tensor.world_size, -1)
-    place, sizes = share_layout(every)
-    own = _own(place, sizes, tensor.rank)
-    whole = _GatherShares.apply(rows, own, place, sizes, tensor, f"{tag}: expert rows of the tensor ranks")
+    every = every.view(tensor.world_size, -1).cpu()
+    layout = _Shares.of(every, tensor, rows.device)
+    whole = _GatherShares.apply(rows, layout, f"{tag}: expert rows of the tensor ranks")
     out = run_local(whole, every.sum(0).tolist())
-    return _TakeShare.apply(out, own, place, sizes, tensor, f"{tag}: expert outputs to the tensor ranks")
+    return _TakeShare.apply(out, layout, f"{tag}: expert outputs to the tensor ranks")

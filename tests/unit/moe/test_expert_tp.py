@@ -124,3 +124,28 @@ def test_shares_cover_every_row_once_and_each_group_stays_together(counts, parts
     ends = counts.cumsum(0)
     group = torch.arange(len(counts)).repeat(parts).repeat_interleave(share.reshape(-1))
     assert torch.all((place < ends[group]) & (place >= ends[group] - counts[group]))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0], [2, 7]])
+def test_every_rank_rebuilds_the_whole_from_the_shares(counts):
+    """Each tensor rank takes its share of the whole rows; the all-gather of the shares
+    (padded to the largest) gives every rank the whole rows back, in their order."""
+    from shardwise.moe._expert_tp import _Shares
+
+    parts, counts = 3, torch.tensor(counts)
+    share = shares(counts, parts)
+    whole = torch.randn(int(counts.sum()), 2)
+    layouts = [_Shares.of(share, _fake_comm(u, parts), "cpu") for u in range(parts)]
+    taken = [whole.index_select(0, layout.own) for layout in layouts]
+    assert torch.equal(torch.cat(taken).sort(0).values, whole.sort(0).values)  # each row in one share
+
+    def all_gather_into_tensor(out, padded, tag):
+        most = padded.shape[0]
+        for u, piece in enumerate(taken):
+            out[u * most : (u + 1) * most] = 0
+            out[u * most : u * most + piece.shape[0]] = piece
+        return SimpleNamespace(wait=lambda: None)
+
+    for layout, piece in zip(layouts, taken):
+        layout.comm.all_gather_into_tensor = all_gather_into_tensor
+        assert torch.equal(layout.gather(piece, "test"), whole)
