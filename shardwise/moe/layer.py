@@ -113,7 +113,7 @@ class MoE(nn.Module):
         self.expert_groups = expert_groups
         if not self.enable_expert_tensor_parallelism or tensor_comm is None or tensor_comm.world_size == 1:
             return {}
-        from shardwise.moe._expert_tp import split_expert
+        from shardwise.moe._expert_tp import crosses_hosts, split_expert
         from shardwise.utils import groups
 
         replaced = {}
@@ -121,6 +121,7 @@ class MoE(nn.Module):
             where = f"MoE expert {type(expert).__name__} (local expert {i})"
             replaced.update(split_expert(expert, tensor_comm, where=where))
         self.deepspeed_moe.tensor_comm = tensor_comm
+        self.deepspeed_moe.tensor_token_shares = crosses_hosts(expert_groups.ep_comm, tensor_comm)
         groups._set_expert_tensor_parallel_size(tensor_comm.world_size)
         return replaced
 

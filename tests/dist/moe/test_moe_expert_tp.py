@@ -1,9 +1,10 @@
 """Experts split over the tensor group (``enable_expert_tensor_parallelism=True``) on tp 2 x
 dp 2 with ep 2 (4 ranks) train as the single-process model with whole experts: per-step
 losses and final weights, ZeRO 0, 2 and 3, SGD and AdamW, top-1 and top-2, with and without
-drops, clipping on the global norm; each rank holds its tensor rank's slice of each of its
-experts (column-parallel first linear, row-parallel last); a checkpoint saved in that
-layout resumes in it and loads at tp 1, and consolidates to the whole model.
+drops, clipping on the global norm, each tensor rank moving all its tokens or its share of
+them; each rank holds its tensor rank's slice of each of its experts (column-parallel first
+linear, row-parallel last); a checkpoint saved in that layout resumes in it and loads at
+tp 1, and consolidates to the whole model.
 
 The reference is ``moe_common``'s: the model with every expert local, one forward per data
 rank's micro-batch (each tensor rank of a data rank sees the same one), losses averaged.
@@ -77,6 +78,9 @@ def _train_case(grid, case):
         config=moe_config(stage, opt, clip, "fp32", options.get("zero")),
         mpu=grid,
     )
+    moe = engine.module.moe.deepspeed_moe
+    on_one_host = moe.tensor_token_shares
+    moe.tensor_token_shares = options.get("shares", False)  # which exchange is tested
     data_rank, losses = grid.get_data_parallel_rank(), []
     for x, y in batches:
         loss = moe_loss(engine, x[data_rank], y[data_rank])
@@ -98,6 +102,7 @@ def _train_case(grid, case):
         "kinds": [type(expert[0]).__name__ + "/" + type(expert[2]).__name__ for expert in experts],
         "whole_state": max(float((whole[k] - v).abs().max()) for k, v in ref_final.state_dict().items()),
         "expert_tp_size": shardwise.utils.groups._get_expert_model_parallel_world_size(),
+        "shares_on_one_host": on_one_host,
     }
 
 
@@ -113,13 +118,14 @@ def _run(rank, world_size, cases):
 
 
 # (zero stage, optimizer, k, drop_tokens, gradient_clipping[, {"zero": zero_optimization keys,
-# "prebuilt": experts built from tensor-parallel layers}])
+# "prebuilt": experts built from tensor-parallel layers, "shares": each tensor rank moves its
+# share of the tokens, as across hosts}])
 CASES = [
-    (0, "sgd", 2, True, 0.3),
+    (0, "sgd", 2, True, 0.3, {"shares": True}),
     (0, "adamw", 1, False, 0.0),
-    (2, "sgd", 1, True, 0.0),
+    (2, "sgd", 1, True, 0.0, {"shares": True}),
     (2, "adamw", 2, False, 0.3),
-    (3, "adamw", 2, True, 0.3, {"zero": {"stage3_param_persistence_threshold": 0}}),  # every unit sharded
+    (3, "adamw", 2, True, 0.3, {"zero": {"stage3_param_persistence_threshold": 0}, "shares": True}),
     (2, "sgd", 2, True, 0.3, {"prebuilt": True}),
 ]
 
@@ -137,6 +143,7 @@ def test_tensor_parallel_experts_train_as_whole_experts(tmp_path):
             assert r["held"] == [(6, 8, 8, 6)] * LOCAL, r
             assert r["kinds"] == ["ColumnParallelLinear/RowParallelLinear"] * LOCAL, r
             assert r["expert_tp_size"] == 2
+            assert r["shares_on_one_host"] is False  # every rank on this host: each moves all its tokens
 
 
 def _checkpoint(rank, world_size, tmp):
