@@ -114,7 +114,10 @@ def _run(rank, world_size, cases):
     from shardwise.parallel import ParallelGrid
 
     grid = ParallelGrid.build(tensor=2)
-    return [_train_case(grid, case) for case in cases]
+    reports = [_train_case(grid, case) for case in cases]
+    groups = shardwise.utils.groups  # DeepSpeed's call for these groups: the grid's, as built
+    groups._create_expert_data_and_model_parallel(2, grid)
+    return reports, groups._get_expert_parallel_group_ranks("ep_size_2"), groups._get_expert_model_parallel_world_size()
 
 
 # (zero stage, optimizer, k, drop_tokens, gradient_clipping[, {"zero": zero_optimization keys,
@@ -132,7 +135,9 @@ CASES = [
 
 def test_tensor_parallel_experts_train_as_whole_experts(tmp_path):
     reports = run_distributed(_run, world_size=4, tmp_path=tmp_path, cases=CASES)
-    for rank, report in enumerate(reports):
+    for rank, (report, ep_ranks, expert_tp_size) in enumerate(reports):
+        # DeepSpeed's E + M + D layout: tensor rank t's expert-parallel group is [t, t + 2]
+        assert (list(ep_ranks), expert_tp_size) == ([rank % 2, rank % 2 + 2], 2)
         for case, r in zip(CASES, report):
             assert r["loss"] < 2e-6, (case, rank, r)
             assert r["weights"] < 2e-6, (case, rank, r)
