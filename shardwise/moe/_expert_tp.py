@@ -17,7 +17,9 @@ The expert groups are those without tensor parallelism (DeepSpeed's
 ``_create_expert_data_and_model_parallel``): tensor rank ``t`` of an expert rank exchanges
 tokens with tensor rank ``t`` of the other expert ranks. Each expert's slices are trained
 by the tensor ranks of its expert rank; their gradients are reduced over the
-expert-data-parallel group only (each tensor rank holds a different slice).
+expert-data-parallel group only (each tensor rank holds a different slice). The tensor
+ranks of a group must route alike, as they must compute any tensor-parallel layer alike:
+same inputs, and the same random state where the gate draws noise.
 
 Where an expert-parallel group spans hosts, tokens are deduplicated across the tensor
 group as DeepSpeed's ``drop_tokens`` / ``gather_tokens`` do, without its capacity padding:
