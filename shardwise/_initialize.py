@@ -128,8 +128,8 @@ def initialize(
     setup_sequence_parallel(model, grid, _raw_config(source), pipeline=pipeline)
     cfg = load_config(source, world_size=grid.replicas)
     grid.configure_comms(timeout_s=cfg.comm.timeout_s, check_hangs=cfg.comm.check_hangs)
-    bind_moe_layers(model, grid, cfg, pipeline=pipeline)
-    split_experts = apply_autoep(model, grid, cfg, pipeline=pipeline)
+    split_experts = bind_moe_layers(model, grid, cfg, pipeline=pipeline)
+    split_experts.update(apply_autoep(model, grid, cfg, pipeline=pipeline))
     model_parameters = (
         _remap_parameters(split_experts, optimizer, model_parameters) if split_experts else model_parameters
     )
@@ -165,7 +165,8 @@ def initialize(
 
 def _remap_parameters(replaced: dict, optimizer, model_parameters):
     """Point an optimizer or parameter list built before ``initialize`` at the shards AutoTP
-    put in place of the full parameters (``replaced``: old parameter -> new)."""
+    (AutoEP, tensor-parallel experts) put in place of the full parameters (``replaced``:
+    old parameter -> new)."""
     import torch
 
     def swap(params):
@@ -174,8 +175,9 @@ def _remap_parameters(replaced: dict, optimizer, model_parameters):
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
             raise ValueError(
-                "tensor_parallel.autotp_size / expert_parallel: the optimizer passed to initialize() already "
-                "has state for the full parameters AutoTP / AutoEP split; build it before its first step, or "
+                "tensor_parallel.autotp_size / expert_parallel / enable_expert_tensor_parallelism: the optimizer "
+                "passed to initialize() already has state for the full parameters AutoTP / AutoEP / tensor-parallel "
+                "experts split; build it before its first step, or "
                 "pass it as a callable (params -> optimizer)"
             )
         for group in optimizer.param_groups:

@@ -16,21 +16,28 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def bind_moe_layers(module: nn.Module, grid, config, *, pipeline: bool = False) -> None:
+def bind_moe_layers(module: nn.Module, grid, config, *, pipeline: bool = False) -> dict:
     """Build the expert groups every MoE layer of ``module`` needs (collective: the same
-    sizes in the same order on every rank) and hand each layer its own."""
+    sizes in the same order on every rank) and hand each layer its own, and the grid's
+    tensor group to layers that split their experts over it. Returns the parameters
+    replaced by tensor-parallel slices (old -> new)."""
     layers = moe_layers(module)
     if not layers:
-        return
+        return {}
     names = ", ".join(sorted({f"ep_size={layer.ep_size}" for layer in layers}))
     refuse_unsupported(config, pipeline=pipeline, what=f"MoE layers ({names})")
     data_before_expert = bool(config.raw.get("use_data_before_expert_parallelism", False))
     for size in sorted({layer.ep_size for layer in layers}):
         grid.expert_groups(size, data_before_expert=data_before_expert)
+    tensor_comm = grid.tensor_comm if grid.tensor > 1 else None
+    replaced = {}
     for layer in layers:
-        layer.bind(grid.expert_groups(layer.ep_size, data_before_expert=data_before_expert))
+        replaced.update(
+            layer.bind(grid.expert_groups(layer.ep_size, data_before_expert=data_before_expert), tensor_comm)
+        )
         if config.zero.stage == 3:  # a ZeRO-3 leaf (zero/_leaf.py): the gate reads its weight
             layer.deepspeed_moe._z3_leaf = True  # without calling its module
+    return replaced
 
 
 def expert_comms(module: nn.Module, grid) -> dict:

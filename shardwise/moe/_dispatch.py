@@ -74,9 +74,12 @@ def dispatch_combine(
     num_experts: int,
     ep_comm=None,
     tag: str = "moe",
+    remote=None,
 ) -> torch.Tensor:
     """The layer's output for tokens ``x`` [S, M] routed by ``routes`` to ``num_experts``
-    experts, of which ``run_local`` computes this rank's (see [Note: sorted dispatch])."""
+    experts, of which ``run_local`` computes this rank's (see [Note: sorted dispatch]).
+    ``remote`` replaces :func:`_remote_experts` (same arguments), as experts split over
+    the tensor group do (``_expert_tp.py``)."""
     s, k = routes.expert.shape
     # sort the routes by expert, dropped ones last; route r is token r // k's j = r % k
     key = torch.where(routes.kept, routes.expert, num_experts).reshape(-1)
@@ -88,7 +91,7 @@ def dispatch_combine(
     if ep_size == 1:
         out = run_local(rows, counts_list)
     else:
-        out = _remote_experts(rows, counts, run_local, ep_comm, tag)
+        out = (remote or _remote_experts)(rows, counts, run_local, ep_comm, tag)
     by_route = out.new_zeros(s * k, out.shape[1]).index_copy(0, route, out).view(s, k, -1)
     weight = routes.weight.float().unsqueeze(-1)  # 0 for a dropped route
     return (by_route.float() * weight).sum(1).to(out.dtype)

@@ -29,7 +29,11 @@ class MoE(nn.Module):
         drop_tokens: False routes every token (dropless; nothing is padded either way).
         use_rts: random token selection when an expert is over capacity (top-1).
         use_tutel: accepted; shardwise's dispatch does not pad, Tutel is not used.
-        enable_expert_tensor_parallelism: not available in this version (refused).
+        enable_expert_tensor_parallelism: with a tensor-parallel grid (``initialize(...,
+            mpu=grid)``), split each local expert over the tensor group: its first linear
+            layer(s) column-parallel, its last row-parallel (see [Note: tensor-parallel
+            experts] in ``_expert_tp.py``). Without one (tensor size 1) it changes nothing,
+            as in DeepSpeed.
         top2_2nd_expert_sampling: Gumbel noise on the second choice of the top-2 gate.
 
     ``forward(hidden_states, used_token=None)`` returns ``(output, l_aux, exp_counts)``.
@@ -62,11 +66,6 @@ class MoE(nn.Module):
             raise ValueError(
                 f"num_experts={num_experts} is not divisible by ep_size={ep_size}: each of the ep_size "
                 "ranks holds num_experts / ep_size experts; pick an ep_size dividing num_experts"
-            )
-        if enable_expert_tensor_parallelism:
-            raise NotImplementedError(
-                "enable_expert_tensor_parallelism=True (experts split over the tensor-parallel group) is not "
-                "available in this version of shardwise; leave it False (experts are whole on their rank)"
             )
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
@@ -102,12 +101,29 @@ class MoE(nn.Module):
         from shardwise.utils import groups
 
         grid = groups._grid_or_default()
-        self.bind(grid.expert_groups(self.ep_size, data_before_expert=use_data_before_expert_parallel_))
+        groups_ = grid.expert_groups(self.ep_size, data_before_expert=use_data_before_expert_parallel_)
+        self.bind(groups_, grid.tensor_comm if grid.tensor > 1 else None)
 
-    def bind(self, expert_groups) -> None:
-        """Use ``expert_groups`` (:class:`~shardwise.parallel.ExpertGroups` of this layer's ep_size)."""
+    def bind(self, expert_groups, tensor_comm=None) -> dict[nn.Parameter, nn.Parameter]:
+        """Use ``expert_groups`` (:class:`~shardwise.parallel.ExpertGroups` of this layer's
+        ep_size). With ``enable_expert_tensor_parallelism`` and ``tensor_comm`` (the tensor
+        group's Communicator), split each local expert over it; returns the replaced
+        parameters (old -> new), which an optimizer built before must be pointed at."""
         self.deepspeed_moe._set_ep_group(expert_groups.ep_comm)
         self.expert_groups = expert_groups
+        if not self.enable_expert_tensor_parallelism or tensor_comm is None or tensor_comm.world_size == 1:
+            return {}
+        from shardwise.moe._expert_tp import crosses_hosts, split_expert
+        from shardwise.utils import groups
+
+        replaced = {}
+        for i, expert in enumerate(self.deepspeed_moe.experts.deepspeed_experts):
+            where = f"MoE expert {type(expert).__name__} (local expert {i})"
+            replaced.update(split_expert(expert, tensor_comm, where=where))
+        self.deepspeed_moe.tensor_comm = tensor_comm
+        self.deepspeed_moe.tensor_token_shares = crosses_hosts(expert_groups.ep_comm, tensor_comm)
+        groups._set_expert_tensor_parallel_size(tensor_comm.world_size)
+        return replaced
 
     def global_expert_ids(self) -> list[int]:
         """The global ids of this rank's experts, in local order."""

@@ -7,11 +7,12 @@ token movement in ``_dispatch.py`` ([Note: sorted dispatch]).
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from shardwise.moe import _gating, _grouped
+from shardwise.moe import _expert_tp, _gating, _grouped
 from shardwise.moe._dispatch import dispatch_combine, run_each
 from shardwise.moe._grouped import GroupedExperts
 
@@ -214,6 +215,13 @@ class MOELayer(nn.Module):
         self.num_local_experts = num_local_experts
         self.l_aux = None
         self.exp_counts = None
+        self.tensor_comm = None
+        """The tensor group's Communicator when the experts are split over it (see [Note:
+        tensor-parallel experts] in ``_expert_tp.py``); None: whole experts."""
+        self.tensor_token_shares = True
+        """With experts split over the tensor group: each tensor rank moves only its share of
+        the tokens through the all-to-all (DeepSpeed's ``drop_tokens``); False: every rank
+        moves them all. ``MoE.bind`` sets it to whether the all-to-all crosses hosts."""
         self.wall_clock_breakdown = False
         self.use_tutel = False
         self.use_grouped_mm = True
@@ -241,6 +249,9 @@ class MOELayer(nn.Module):
         if self._grouped[0] != key:
             self._grouped = (key, GroupedExperts.plan(experts))
         return self._grouped[1]
+
+    def _shares_tokens(self) -> bool:
+        return self.tensor_comm is not None and self.tensor_token_shares
 
     def _set_ep_group(self, ep_group) -> None:
         """Use ``ep_group`` (a Communicator, or a process group) for the token exchange."""
@@ -271,5 +282,6 @@ class MOELayer(nn.Module):
             num_experts=self.ep_size * self.num_local_experts,
             ep_comm=self.ep_comm if self.ep_size > 1 else None,
             tag=f"moe ({self.ep_group_name})",
+            remote=partial(_expert_tp.remote_experts, tensor=self.tensor_comm) if self._shares_tokens() else None,
         )
         return out.reshape(*x.shape[:-1], out.shape[-1])

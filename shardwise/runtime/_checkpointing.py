@@ -255,35 +255,36 @@ def _write_optimizer(optimizer: OptimizerState, place: Placement, staging) -> tu
     writers, splits, experts = place.writers, place.splits, place.experts
     records: dict = {}
     named = optimizer.replicated()
-    sliced = _take_split_state(named, splits)
+    # per-element state of split parameters is a slice; what is left (step counters) is whole
+    sliced = [(key, name, tensor, splits[name]) for key, name, tensor in _take_split_state(named, splits)]
     if writers.stages > 1:
-        sliced += _take_per_param_state(named)
+        sliced += [(*taken, None) for taken in _take_per_param_state(named)]
     elif experts is not None:
-        sliced += _take_per_param_state(named, only=experts.stored)
+        sliced += [(*taken, None) for taken in _take_per_param_state(named, only=experts.stored)]
     named = _stored_names(named, place)
     tensors, skeleton = ckpt.flatten_state(named)
     if writers.rank == 0:
         records.update(ckpt.write_files(staging, {_OPTIMIZER: tensors}))
     blocks = [_stored_block(block, place) for block in optimizer.blocks()]
     refs = [(block.key, name) for block in blocks for name in block.names]
-    refs += [(k, place.store(n)) for k, n, _ in sliced]
+    refs += [(k, place.store(n)) for k, n, _, _ in sliced]
     for key, name in refs:
         ref = {"__tensor__": block_key(key, name)}
         if key == MASTER_KEY:
             skeleton["master"][name] = ref
         else:
             skeleton["state"].setdefault(name, {})[key] = ref
-    groups = block_groups(blocks, optimizer.shards, splits)
+    groups = block_groups(blocks, optimizer.shards, place.stored_splits)
     groups += [
         whole_group(
             block_key(key, place.store(name)),
             tensor,
-            splits.get(name),
+            split,
             writers.data.world_size,
             name=name,
             holders=experts.holders.get(name) if experts is not None else None,
         )
-        for key, name, tensor in sliced
+        for key, name, tensor, split in sliced
     ]
     groups = without_names(groups, place.tied_elsewhere)
     part_records, parts = write_parts(
@@ -378,7 +379,7 @@ def _write_module(module: ModuleState, place: Placement, staging) -> tuple[dict,
         place.store(key): flat_skeleton[key] if key in plain else {"__tensor__": place.store(name_of.get(key, key))}
         for key in place.keys
     }
-    groups = block_groups([_stored_block(b, place) for b in module.blocks()], module.shards, splits)
+    groups = block_groups([_stored_block(b, place) for b in module.blocks()], module.shards, place.stored_splits)
     groups += [
         whole_group(
             place.store(name),

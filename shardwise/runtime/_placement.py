@@ -84,6 +84,14 @@ class Placement:
         return name if self.experts is None else self.experts.store(name)
 
     @property
+    def stored_splits(self) -> dict[str, TensorSplit]:
+        """``splits`` by the names they are stored under (experts by global id, so a
+        tensor-parallel expert's slice is written into its global tensor)."""
+        if self.experts is None:
+            return self.splits
+        return {self.store(name): split for name, split in self.splits.items()}
+
+    @property
     def split_by_key(self) -> dict[str, TensorSplit]:
         """``splits`` by state-dict key (a tied parameter under each of its keys)."""
         return {key: self.splits[name] for key, name in self.name_of_key.items() if name in self.splits}

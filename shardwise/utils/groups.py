@@ -170,6 +170,31 @@ def _create_expert_and_data_parallel(
     grid.expert_groups(expert_parallel_size_, data_before_expert=use_data_before_expert_parallel_)
 
 
+def _create_expert_data_and_model_parallel(expert_parallel_size_, mpu, use_data_before_expert_parallel_=False):
+    """DeepSpeed's groups for experts split over the tensor group: the expert groups of
+    ``expert_parallel_size_`` on the grid (collective), whose tensor size ``mpu``'s must be;
+    afterwards :func:`_get_expert_model_parallel_world_size` is that size."""
+    grid = _grid_or_default()
+    tensor = 1 if mpu is None else int(mpu.get_tensor_model_parallel_world_size())
+    if tensor != grid.tensor:
+        raise ValueError(
+            f"the mpu's tensor-parallel size {tensor} differs from the grid's {grid.tensor}; the expert "
+            "groups split the grid's data axis"
+        )
+    grid.expert_groups(expert_parallel_size_, data_before_expert=use_data_before_expert_parallel_)
+    _set_expert_tensor_parallel_size(tensor)
+
+
+_expert_tensor_parallel_size = 1  # DeepSpeed's expert_tensor_parallel_world_size
+
+
+def _set_expert_tensor_parallel_size(size: int) -> None:
+    """Record that experts are split over tensor groups of ``size`` (called by
+    ``MoE.bind`` when it splits its experts)."""
+    global _expert_tensor_parallel_size
+    _expert_tensor_parallel_size = size
+
+
 def _expert_groups(group_name: str):
     groups = _grid_or_default().expert_group_dict
     if group_name not in groups:
@@ -244,5 +269,5 @@ def _get_max_expert_parallel_group():
 
 
 def _get_expert_model_parallel_world_size() -> int:
-    """1: experts are not split over the tensor-parallel group in this version."""
-    return 1
+    """The tensor-parallel size the experts are split over (1: experts are whole)."""
+    return _expert_tensor_parallel_size

@@ -19,7 +19,7 @@ class Expert(nn.Sequential):
 
 
 class MoENet(nn.Module):
-    def __init__(self, ep_size, k, drop_tokens):
+    def __init__(self, ep_size, k, drop_tokens, expert_tp=False):
         super().__init__()
         self.inp = nn.Linear(IN, HIDDEN)
         self.moe = MoE(
@@ -32,6 +32,7 @@ class MoENet(nn.Module):
             drop_tokens=drop_tokens,
             use_rts=False,
             top2_2nd_expert_sampling=False,
+            enable_expert_tensor_parallelism=expert_tp,
         )
         self.out = nn.Linear(HIDDEN, OUT)
 
@@ -51,9 +52,9 @@ def make_reference(k, drop_tokens):
     return model
 
 
-def expert_rank_model(reference, ep_size, ep_rank, k, drop_tokens):
+def expert_rank_model(reference, ep_size, ep_rank, k, drop_tokens, expert_tp=False):
     """The model as expert rank ``ep_rank`` holds it: the shared weights and its experts."""
-    model = MoENet(ep_size, k, drop_tokens)
+    model = MoENet(ep_size, k, drop_tokens, expert_tp)
     local = EXPERTS // ep_size
     state = {}
     for key, value in reference.state_dict().items():

@@ -199,7 +199,6 @@ def test_optimizer_groups_put_experts_apart():
         ({"num_experts": 6, "ep_size": 4}, "num_experts=6 is not divisible by ep_size=4"),
         ({"num_experts": 2, "k": 3}, "k=3: each token picks k of the 2 experts"),
         ({"noisy_gate_policy": "Gaussian"}, "unknown noisy_gate_policy='Gaussian'"),
-        ({"enable_expert_tensor_parallelism": True}, "enable_expert_tensor_parallelism=True"),
     ],
 )
 def test_bad_arguments_say_what_to_change(kwargs, message):
