@@ -92,7 +92,7 @@ def dispatch_combine(
         out = run_local(rows, counts_list)
     else:
         out = (remote or _remote_experts)(rows, counts, run_local, ep_comm, tag)
-    by_route = out.new_zeros(s * k, out.shape[1]).index_copy(0, route, out).view(s, k, -1)
+    by_route = out.new_zeros(s * k, out.shape[1]).index_copy(0, route, out).view(s, k, out.shape[1])
     weight = routes.weight.float().unsqueeze(-1)  # 0 for a dropped route
     return (by_route.float() * weight).sum(1).to(out.dtype)
 
@@ -112,7 +112,7 @@ class _GatherRoutes(torch.autograd.Function):
     def backward(ctx, grad):
         (route,) = ctx.saved_tensors
         by_route = grad.new_zeros(ctx.tokens * ctx.k, grad.shape[1]).index_copy_(0, route, grad)
-        by_route = by_route.view(ctx.tokens, ctx.k, -1)
+        by_route = by_route.view(ctx.tokens, ctx.k, grad.shape[1])
         return by_route.sum(1, dtype=torch.float32).to(grad.dtype), None, None
 
 

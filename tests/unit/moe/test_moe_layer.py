@@ -239,3 +239,12 @@ def test_deepspeeds_internal_sparse_routes_are_refused_by_name():
     ):
         with pytest.raises(NotImplementedError, match="sparse_routes=True is DeepSpeed-internal"):
             call()
+
+
+def test_a_rank_without_tokens_gets_an_empty_output_and_gradients():
+    moe = _moe(k=2, drop_tokens=False)
+    x = torch.zeros(0, HIDDEN, requires_grad=True)
+    out, _, _ = moe(x)
+    assert out.shape == (0, HIDDEN)
+    out.sum().backward()
+    assert x.grad.shape == (0, HIDDEN)
