@@ -97,8 +97,15 @@ class RequestStream:
         self._cancel(self.request_id)
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        return self.events()
+
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """The events as they come; ``TimeoutError`` when none arrives for ``timeout`` seconds."""
         while not self.finished:
-            event = self._events.get()
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.request_id}: no token for {timeout} s") from None
             self.finished = event.finished
             yield event
 

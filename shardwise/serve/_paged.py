@@ -1,0 +1,122 @@
+"""A Llama-family decoder over the paged KV cache: one forward for a batch of chunks of
+different sequences, each at its own position.
+
+[Note: the paged forward]
+The chunks of a step are laid end to end as one flat batch of ``T`` tokens. Everything that
+treats tokens independently (embeddings, norms, the q/k/v/o projections, rotary embeddings
+from each token's own position, the MLP) runs once over all ``T`` rows, with the model's own
+modules, which is where batching pays. Each token's key and value are written into its
+cache slot ([Note: paged KV cache]); then attention runs per sequence: its chunk's queries
+against the keys and values of its slots ``0..end-1``, gathered from the pool, with the
+causal rule on absolute positions (query at ``p`` sees keys at ``<= p``). Only the last row
+of a chunk that samples goes through the final norm and the LM head.
+
+Families: Llama, Mistral and Qwen2 (Hugging Face layouts with ``q_proj``/``k_proj``/
+``v_proj``/``o_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``mlp`` and
+``rotary_emb``); a sliding window shorter than the served length is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.serve._scheduler import Chunk
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def check_family(model, max_model_len: int) -> None:
+    """Refuse a model this decoder does not run, naming what would."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        raise ValueError(
+            f"the batching engine runs {', '.join(FAMILIES)} models, not model_type {config.model_type!r}; "
+            "serve it with --engine sequential"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < max_model_len:
+        raise ValueError(
+            f"sliding_window={window} is shorter than max_model_len={max_model_len}; the batching engine has no "
+            "windowed attention: serve with --max-model-len <= the window, or --engine sequential"
+        )
+
+
+class PagedDecoder:
+    """The model's own modules run over a flat batch of chunks (see [Note: the paged forward])."""
+
+    def __init__(self, model, *, num_blocks: int, block_size: int):
+        self.model = model
+        self.inner = model.model
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        attention = self.inner.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.scaling = attention.scaling
+        self.block_size = block_size
+        parameter = next(model.parameters())
+        slots = num_blocks * block_size
+        shape = (len(self.inner.layers), slots, self.kv_heads, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=parameter.dtype, device=parameter.device)
+        self.values = torch.zeros_like(self.keys)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self._rotary = apply_rotary_pos_emb
+
+    def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    @torch.no_grad()
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Logits ``[chunks that sample, vocab]`` (in order) after computing every chunk."""
+        device = self.keys.device
+        ids = torch.tensor([t for c in chunks for t in c.sequence.tokens[c.start : c.end]], device=device)
+        positions = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(device)
+        written = torch.cat([self.slots(c.sequence.blocks, c.start, c.end) for c in chunks]).to(device)
+        context = [self.slots(c.sequence.blocks, 0, c.end).to(device) for c in chunks]
+        x = self.inner.embed_tokens(ids)[None]
+        cos, sin = self.inner.rotary_emb(x, positions[None])
+        for index, layer in enumerate(self.inner.layers):
+            hidden = layer.input_layernorm(x)
+            x = x + self._attention(layer.self_attn, hidden, cos, sin, index, chunks, written, context)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        rows = torch.tensor([row for row, c in zip(_ends(chunks), chunks) if c.samples], dtype=torch.long)
+        last = x[0, rows.to(device)]
+        return self.model.lm_head(self.inner.norm(last)).float()
+
+    def _attention(self, attention, hidden, cos, sin, index, chunks, written, context) -> torch.Tensor:
+        tokens = hidden.shape[1]
+        q = attention.q_proj(hidden).view(1, tokens, self.heads, self.head_dim).transpose(1, 2)
+        k = attention.k_proj(hidden).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attention.v_proj(hidden).view(1, tokens, self.kv_heads, self.head_dim)
+        q, k = self._rotary(q, k, cos, sin)
+        self.keys[index, written] = k[0].transpose(0, 1).to(self.keys.dtype)
+        self.values[index, written] = v[0].to(self.values.dtype)
+        outputs, row = [], 0
+        for chunk, slots in zip(chunks, context):
+            length = chunk.end - chunk.start
+            query = q[:, :, row : row + length]  # [1, heads, length, d]
+            keys = self.keys[index, slots].transpose(0, 1)[None]  # [1, kv_heads, end, d]
+            values = self.values[index, slots].transpose(0, 1)[None]
+            key_positions = torch.arange(chunk.end, device=keys.device)
+            query_positions = torch.arange(chunk.start, chunk.end, device=keys.device)
+            mask = key_positions[None, :] <= query_positions[:, None]
+            out = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.heads != self.kv_heads
+            )
+            outputs.append(out)
+            row += length
+        out = torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, tokens, self.heads * self.head_dim)
+        return attention.o_proj(out)
+
+
+def _ends(chunks: list[Chunk]) -> list[int]:
+    """The flat row of each chunk's last token."""
+    ends, row = [], 0
+    for chunk in chunks:
+        row += chunk.end - chunk.start
+        ends.append(row - 1)
+    return ends
