@@ -50,8 +50,10 @@ out["same"] = [deepspeed is shardwise, sys.modules["deepspeed.zero"] is shardwis
 out["own_spec"] = shardwise.zero.__spec__.name
 out["deepspeed_modules"] = sorted(n for n in sys.modules if n.startswith("deepspeed")
                                   and sys.modules[n] is not sys.modules["shardwise" + n[len("deepspeed"):]])
+from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+out["ulysses"] = UlyssesSPAttentionHF.__module__
 try:
-    import deepspeed.runtime.sequence_parallel.ulysses_sp
+    import deepspeed.runtime.domino.transformer
 except ModuleNotFoundError as error:
     out["missing"] = [error.name, str(error)]
 from accelerate.utils import compare_versions, is_deepspeed_available
@@ -69,8 +71,9 @@ def test_alias_resolves_to_shardwise_modules():
     assert all(out["same"]), out["same"]
     assert out["own_spec"] == "shardwise.zero"  # the alias leaves the module's own spec in place
     assert out["deepspeed_modules"] == []  # no second module object under any deepspeed name
-    assert out["missing"][0] == "deepspeed.runtime.sequence_parallel"
-    assert "shardwise.runtime.sequence_parallel" in out["missing"][1]
+    assert out["ulysses"] == "shardwise.runtime.sequence_parallel.ulysses_sp"  # ALST at DeepSpeed's path
+    assert out["missing"][0] == "deepspeed.runtime.domino"
+    assert "shardwise.runtime.domino" in out["missing"][1]
     assert out["libraries"] == [True, True, True, "HfDeepSpeedConfig"]
 
 
