@@ -55,7 +55,10 @@ class _Choices:
 
     def _pump(self, loop, index, stream) -> None:
         for event in stream:
-            loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            except RuntimeError:  # the event loop closed: nobody listens; drain to the end
+                pass
 
     @property
     def done(self) -> bool:
