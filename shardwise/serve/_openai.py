@@ -83,7 +83,8 @@ def parse_request(body, *, chat: bool) -> GenerationRequest:
         request.max_tokens = _typed(body, "max_completion_tokens", int) or _typed(body, "max_tokens", int)
     else:
         request.prompt = _prompt(body)
-        request.max_tokens = _typed(body, "max_tokens", int, default=16)
+        # OpenAI's default is 16; an explicit null asks for all that fits (vLLM)
+        request.max_tokens = _typed(body, "max_tokens", int, default=None if "max_tokens" in body else 16)
     if request.max_tokens is not None and request.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
     request.n = _typed(body, "n", int, default=1)
