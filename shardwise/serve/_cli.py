@@ -28,9 +28,7 @@ def require_serve_extra() -> None:
     """Raise ``ImportError`` naming the extra when FastAPI, uvicorn or prometheus-client is missing."""
     missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ImportError(
-            f"shardwise serve needs {', '.join(missing)}: pip install 'shardwise[serve]'"
-        )
+        raise ImportError(f"shardwise serve needs {', '.join(missing)}: pip install 'shardwise[serve]'")
 
 
 def engine_class(name: str):
@@ -117,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     name = args.served_model_name or args.model
     app = create_app(engine, served_model_name=name, api_key=args.api_key)
-    logger.info("starting %s as %r with %s on http://%s:%d/v1", args.model, name, type(engine).__name__, args.host, args.port)
+    logger.info(
+        "starting %s as %r with %s on http://%s:%d/v1", args.model, name, type(engine).__name__, args.host, args.port
+    )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=_GRACEFUL_S
     )

@@ -102,7 +102,6 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None) ->
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="shardwise", lifespan=lifespan)
-    tokenizer = engine.tokenizer
     registry = engine_registry(engine)
 
     @app.exception_handler(oai.RequestError)
@@ -112,10 +111,10 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None) ->
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                error = oai.RequestError("missing or wrong API key", status=401, code="invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
+        guarded = api_key is not None and request.url.path.startswith("/v1")
+        if guarded and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            error = oai.RequestError("missing or wrong API key", status=401, code="invalid_api_key")
+            return JSONResponse(error.body(), status_code=401)
         return await call_next(request)
 
     @app.get("/health")
@@ -132,34 +131,37 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None) ->
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def generate(request: Request, chat: bool):
-        parsed = oai.parse_request(await _json(request), chat=chat)
-        if parsed.model is not None and parsed.model != served_model_name:
-            raise oai.RequestError(
-                f"The model `{parsed.model}` does not exist.", status=404, param="model", code="model_not_found"
-            )
-        prompt_ids = _prompt_ids(tokenizer, parsed)
-        max_tokens = parsed.max_tokens or max(1, getattr(engine, "max_model_len", 0) - len(prompt_ids))
-        try:
-            choices = _Choices(engine, tokenizer, parsed, prompt_ids, max_tokens)
-        except QueueFull as error:
-            raise oai.RequestError(str(error), status=503) from None
-        except ValueError as error:
-            raise oai.RequestError(str(error), param="max_tokens" if "max_tokens" in str(error) else None) from None
-        answer = _Answer(oai.new_id(chat), served_model_name, chat, len(prompt_ids))
-        if parsed.stream:
-            return StreamingResponse(answer.stream(choices, parsed.include_usage), media_type="text/event-stream")
-        return await answer.whole(choices, request)
-
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, chat=False)
+        return await _generate(engine, served_model_name, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, chat=True)
+        return await _generate(engine, served_model_name, request, chat=True)
 
     return app
+
+
+async def _generate(engine, served_model_name: str, request: Request, chat: bool):
+    """Parse, submit and answer one completion or chat request."""
+    tokenizer = engine.tokenizer
+    parsed = oai.parse_request(await _json(request), chat=chat)
+    if parsed.model is not None and parsed.model != served_model_name:
+        raise oai.RequestError(
+            f"The model `{parsed.model}` does not exist.", status=404, param="model", code="model_not_found"
+        )
+    prompt_ids = _prompt_ids(tokenizer, parsed)
+    max_tokens = parsed.max_tokens or max(1, getattr(engine, "max_model_len", 0) - len(prompt_ids))
+    try:
+        choices = _Choices(engine, tokenizer, parsed, prompt_ids, max_tokens)
+    except QueueFull as error:
+        raise oai.RequestError(str(error), status=503) from None
+    except ValueError as error:
+        raise oai.RequestError(str(error), param="max_tokens" if "max_tokens" in str(error) else None) from None
+    answer = _Answer(oai.new_id(chat), served_model_name, chat, len(prompt_ids))
+    if parsed.stream:
+        return StreamingResponse(answer.stream(choices, parsed.include_usage), media_type="text/event-stream")
+    return await answer.whole(choices, request)
 
 
 async def _json(request: Request):
@@ -174,9 +176,7 @@ def _prompt_ids(tokenizer, parsed: oai.GenerationRequest) -> list[int]:
         prompt = parsed.prompt
         return list(prompt) if isinstance(prompt, list) else list(tokenizer.encode(prompt))
     if not getattr(tokenizer, "chat_template", None):
-        raise oai.RequestError(
-            "this model's tokenizer has no chat template; use /v1/completions", param="messages"
-        )
+        raise oai.RequestError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     try:
         text = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=False)
     except Exception as error:  # noqa: BLE001 - a template that rejects these messages is a bad request

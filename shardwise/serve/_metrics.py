@@ -26,7 +26,9 @@ class EngineCollector:
 
     def collect(self):
         m = self.engine.metrics()
-        yield GaugeMetricFamily("shardwise:num_requests_running", "Requests in the running batch.", m.num_requests_running)
+        yield GaugeMetricFamily(
+            "shardwise:num_requests_running", "Requests in the running batch.", m.num_requests_running
+        )
         yield GaugeMetricFamily("shardwise:num_requests_waiting", "Requests waiting to run.", m.num_requests_waiting)
         yield GaugeMetricFamily(
             "shardwise:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", m.kv_cache_usage_perc

@@ -144,7 +144,7 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
-        if len(prompt) == 1 and (isinstance(prompt[0], str) or isinstance(prompt[0], list)):
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             return _prompt({"prompt": prompt[0]})
         raise RequestError("one prompt per request: a string or a list of token ids", param="prompt")
     raise RequestError("prompt must be a string or a non-empty list of token ids", param="prompt")
@@ -253,7 +253,14 @@ def response(request_id: str, model: str, chat: bool, choices: list[tuple[str, s
             choice["text"] = text
         out.append(choice)
     kind = "chat.completion" if chat else "text_completion"
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": out, "usage": usage_}
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": usage_,
+    }
 
 
 def chunk(request_id: str, model: str, chat: bool, index: int, *, text=None, reason=None, role=False) -> dict:
@@ -272,7 +279,14 @@ def chunk(request_id: str, model: str, chat: bool, index: int, *, text=None, rea
 def usage_chunk(request_id: str, model: str, chat: bool, usage_: dict) -> dict:
     """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": usage_}
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage_,
+    }
 
 
 def sse(payload) -> str:

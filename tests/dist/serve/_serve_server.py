@@ -51,7 +51,8 @@ class Server:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "shardwise.cli", "serve", str(model_dir), "--port", str(self.port), *args]
         self.log = log
-        self.proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        with open(log, "w") as out:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

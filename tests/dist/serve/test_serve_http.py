@@ -84,7 +84,12 @@ def test_streamed_text_equals_whole(client):
     whole = client.completions.create(model=NAME, prompt=[7, 8, 9], max_tokens=12, temperature=0)
     chunks = list(
         client.completions.create(
-            model=NAME, prompt=[7, 8, 9], max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+            model=NAME,
+            prompt=[7, 8, 9],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -100,7 +105,9 @@ def test_chat_uses_the_template(client, reference):
     ids = reference.tokenizer.encode("w11 w12 w13 w3")
     assert answer.choices[0].message.role == "assistant"
     assert answer.choices[0].message.content == reference(ids, 6)
-    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
 
@@ -122,7 +129,9 @@ def test_stop_strings_end_the_text_before_them(client):
     stop = words[3]
     want = full[: full.find(stop)]
     for stream in (False, True):
-        got = client.completions.create(model=NAME, prompt="w30 w31", max_tokens=10, temperature=0, stop=[stop], stream=stream)
+        got = client.completions.create(
+            model=NAME, prompt="w30 w31", max_tokens=10, temperature=0, stop=[stop], stream=stream
+        )
         if stream:
             chunks = [c.choices[0] for c in got]
             text, reason = "".join(c.text for c in chunks), chunks[-1].finish_reason

@@ -61,7 +61,9 @@ def test_serve_client_and_terminate(model_dir, expected):
         mii.client("tiny-mii")
 
 
-@pytest.mark.parametrize("kwargs, name", [({"replica_num": 2}, "replica_num"), ({"tensor_parallel": 2}, "tensor_parallel")])
+@pytest.mark.parametrize(
+    "kwargs, name", [({"replica_num": 2}, "replica_num"), ({"tensor_parallel": 2}, "tensor_parallel")]
+)
 def test_what_is_not_built_is_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):
         mii.serve("unused", **kwargs)
