@@ -150,7 +150,7 @@ async def _generate(engine, served_model_name: str, request: Request, chat: bool
         raise oai.RequestError(
             f"The model `{parsed.model}` does not exist.", status=404, param="model", code="model_not_found"
         )
-    prompt_ids = _prompt_ids(tokenizer, parsed)
+    prompt_ids = _prompt_ids(engine, parsed)
     max_tokens = parsed.max_tokens or max(1, getattr(engine, "max_model_len", 0) - len(prompt_ids))
     try:
         choices = _Choices(engine, tokenizer, parsed, prompt_ids, max_tokens)
@@ -160,8 +160,23 @@ async def _generate(engine, served_model_name: str, request: Request, chat: bool
         raise oai.RequestError(str(error), param="max_tokens" if "max_tokens" in str(error) else None) from None
     answer = _Answer(oai.new_id(chat), served_model_name, chat, len(prompt_ids))
     if parsed.stream:
-        return StreamingResponse(answer.stream(choices, parsed.include_usage), media_type="text/event-stream")
+        return _EventStream(answer.stream(choices, parsed.include_usage), choices)
     return await answer.whole(choices, request)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel the request's unfinished streams however the response
+    ends, also when the client leaves before the first event is made."""
+
+    def __init__(self, content, choices: _Choices):
+        super().__init__(content, media_type="text/event-stream")
+        self._choices = choices
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._choices.cancel()
 
 
 async def _json(request: Request):
@@ -171,10 +186,17 @@ async def _json(request: Request):
         raise oai.RequestError(f"the body is not valid JSON: {error}") from None
 
 
-def _prompt_ids(tokenizer, parsed: oai.GenerationRequest) -> list[int]:
+def _prompt_ids(engine, parsed: oai.GenerationRequest) -> list[int]:
+    tokenizer = engine.tokenizer
     if not parsed.chat:
-        prompt = parsed.prompt
-        return list(prompt) if isinstance(prompt, list) else list(tokenizer.encode(prompt))
+        if isinstance(parsed.prompt, str):
+            return list(tokenizer.encode(parsed.prompt))
+        config = getattr(getattr(engine, "model", None), "config", None)
+        vocab = getattr(config, "vocab_size", None) or len(tokenizer)
+        bad = [i for i in parsed.prompt if not 0 <= i < vocab]
+        if bad:
+            raise oai.RequestError(f"token ids {bad[:8]} are outside the vocabulary (0-{vocab - 1})", param="prompt")
+        return list(parsed.prompt)
     if not getattr(tokenizer, "chat_template", None):
         raise oai.RequestError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     try:

@@ -5,6 +5,7 @@ template is a 400; the ``serve`` command's refusals and engine choice."""
 import json
 import logging
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,6 +31,7 @@ class Scripted:
 
     tokenizer = Bytes()
     max_model_len = 64
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=256))
 
     def __init__(self):
         self.cancelled: list[str] = []
@@ -90,6 +92,26 @@ def test_an_engine_error_in_a_stream_is_an_error_event(app_client):
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "sampling failed" in json.loads(events[-2])["error"]["message"]
+
+
+def test_streamed_choices_merge_by_index(app_client):
+    client, _ = app_client
+    body = {"prompt": "abcd", "n": 2, "max_tokens": 4, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    texts, reasons = ["", ""], [None, None]
+    for event in events[:-1]:
+        (choice,) = json.loads(event)["choices"]
+        texts[choice["index"]] += choice["text"]
+        reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    assert texts == ["abcd", "abcd"] and reasons == ["length", "length"]
+
+
+def test_token_ids_outside_the_vocabulary_are_a_400(app_client):
+    client, _ = app_client
+    answer = client.post("/v1/completions", json={"prompt": [5, 256]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
 
 
 def test_a_tokenizer_without_a_chat_template_is_a_400(app_client):
