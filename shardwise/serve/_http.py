@@ -247,8 +247,6 @@ class _Answer:
             if include_usage:
                 usage = oai.usage(self.prompt_tokens, choices.completion_tokens)
                 yield oai.sse(oai.usage_chunk(self.id, self.model, self.chat, usage))
-        except RuntimeError as error:
+        except RuntimeError as error:  # the response cancels the other choices (_EventStream)
             yield oai.sse(oai.error_body(str(error), type_="server_error", code="engine_error"))
-        finally:
-            choices.cancel()  # also when the client went away (the generator is closed)
         yield oai.sse("[DONE]")
