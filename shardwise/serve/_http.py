@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -29,7 +29,7 @@ from shardwise.serve._metrics import engine_registry
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.5
+_POLL_S = 0.25
 """How often a non-streamed request checks that its client is still there."""
 
 
@@ -109,19 +109,18 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None) ->
         headers = {"Retry-After": "1"} if error.status == 503 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        guarded = api_key is not None and request.url.path.startswith("/v1")
-        if guarded and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            error = oai.RequestError("missing or wrong API key", status=401, code="invalid_api_key")
-            return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    def authorize(request: Request) -> None:
+        """The ``/v1`` routes' key check (a dependency: a middleware would hide disconnects)."""
+        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise oai.RequestError("missing or wrong API key", status=401, code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
     @app.get("/health")
     async def health():
         return PlainTextResponse("")
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "shardwise"}
         card["max_model_len"] = getattr(engine, "max_model_len", None)
@@ -131,14 +130,15 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None) ->
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request):
         return await _generate(engine, served_model_name, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(engine, served_model_name, request, chat=True)
 
+    app.include_router(v1)
     return app
 
 
@@ -214,16 +214,20 @@ class _Answer:
 
     async def whole(self, choices: _Choices, request: Request):
         texts = [""] * len(choices.reasons)
+        clock = asyncio.get_running_loop().time
+        check_at = clock() + _POLL_S
         try:
             while not choices.done:
                 try:
                     index, event = await asyncio.wait_for(choices.queue.get(), _POLL_S)
+                    text, _ = choices.take(index, event)
+                    texts[index] += text
                 except asyncio.TimeoutError:
+                    pass
+                if clock() >= check_at:  # tokens may come faster than the poll: check by time
                     if await request.is_disconnected():
                         return JSONResponse({}, status_code=499)
-                    continue
-                text, _ = choices.take(index, event)
-                texts[index] += text
+                    check_at = clock() + _POLL_S
         except RuntimeError as error:
             body = oai.error_body(str(error), type_="server_error", code="engine_error")
             return JSONResponse(body, status_code=500)

@@ -6,6 +6,7 @@ import http.client
 import json
 import re
 import signal
+import socket
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -196,6 +197,20 @@ def test_an_aborted_stream_is_cancelled_and_others_go_on(server, client):
     assert after["shardwise:generation_tokens_total"] - before["shardwise:generation_tokens_total"] < 1000
     answer = client.completions.create(model=NAME, prompt="w8", max_tokens=3, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_client_that_leaves_before_its_whole_answer_is_cancelled(server):
+    before = _settle(server)
+    body = json.dumps({"model": NAME, "prompt": "w5 w6", "max_tokens": 1000, "ignore_eos": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 30
+        while _metrics(server)["shardwise:num_requests_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # it runs
+    after = _settle(server)
+    assert after["shardwise:generation_tokens_total"] - before["shardwise:generation_tokens_total"] < 1000
 
 
 def test_metrics_after_the_load(server):
