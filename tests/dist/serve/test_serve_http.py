@@ -213,11 +213,22 @@ def test_a_client_that_leaves_before_its_whole_answer_is_cancelled(server):
     assert after["shardwise:generation_tokens_total"] - before["shardwise:generation_tokens_total"] < 1000
 
 
-def test_metrics_after_the_load(server):
-    m = _settle(server)
-    assert m["shardwise:kv_cache_usage_perc"] == 0
-    assert m["shardwise:prompt_tokens_total"] > 0 and m["shardwise:generation_tokens_total"] > 0
-    assert m["shardwise:time_to_first_token_seconds_count"] >= len(PROMPTS)
+def test_metrics_count_the_load_and_return_to_idle(server, client):
+    before = _settle(server)
+
+    def ask(prompt):
+        return client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(ask, PROMPTS[:3]))
+    after = _settle(server)
+    grew = {k: after[k] - before[k] for k in after}
+    assert grew["shardwise:prompt_tokens_total"] == sum(a.usage.prompt_tokens for a in answers) == 9
+    assert grew["shardwise:generation_tokens_total"] == 12
+    assert grew["shardwise:time_to_first_token_seconds_count"] == 3
+    assert after["shardwise:kv_cache_usage_perc"] == 0
 
 
 def test_sigterm_lets_a_running_stream_finish(server):  # last: it stops the module's server
