@@ -108,12 +108,17 @@ class Pipeline:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         sampling = _sampling(kwargs)
         submitted = []
-        for prompt in prompts:
-            ids = list(self.tokenizer.encode(prompt))
-            max_tokens = _max_new_tokens(kwargs, len(ids), self.max_length)
-            stream = self.engine.submit(ids, SamplingParams(max_tokens=max_tokens, **sampling))
-            submitted.append((prompt, ids, stream))
-        return [self._collect(prompt, ids, stream, kwargs) for prompt, ids, stream in submitted]
+        try:
+            for prompt in prompts:
+                ids = list(self.tokenizer.encode(prompt))
+                max_tokens = _max_new_tokens(kwargs, len(ids), self.max_length)
+                stream = self.engine.submit(ids, SamplingParams(max_tokens=max_tokens, **sampling))
+                submitted.append((prompt, ids, stream))
+            return [self._collect(prompt, ids, stream, kwargs) for prompt, ids, stream in submitted]
+        finally:  # a refused prompt or a failed one: the others stop too
+            for _, _, stream in submitted:
+                if not stream.finished:
+                    stream.cancel()
 
     def _collect(self, prompt, ids, stream, kwargs) -> Response:
         tokens, reason = [], "length"
