@@ -80,7 +80,8 @@ def parse_request(body, *, chat: bool) -> GenerationRequest:
     request = GenerationRequest(chat=chat, model=model)
     if chat:
         request.messages = _messages(body)
-        request.max_tokens = _typed(body, "max_completion_tokens", int) or _typed(body, "max_tokens", int)
+        newer = _typed(body, "max_completion_tokens", int)
+        request.max_tokens = _typed(body, "max_tokens", int) if newer is None else newer
     else:
         request.prompt = _prompt(body)
         # OpenAI's default is 16; an explicit null asks for all that fits (vLLM)

@@ -60,11 +60,12 @@ def test_the_end_of_the_request_releases_held_text():
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": "a", "temperature": "hot"}, "temperature"),
         ({"prompt": "a", "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0}, "max_tokens"),
     ],
 )
 def test_bad_fields_are_refused_by_name(body, param):
     with pytest.raises(RequestError) as caught:
-        parse_request(body, chat=False)
+        parse_request(body, chat="messages" in body)
     assert caught.value.status == 400 and caught.value.param == param
 
 
