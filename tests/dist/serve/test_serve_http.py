@@ -32,6 +32,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     args = ["--served-model-name", NAME, "--api-key", KEY, "--max-model-len", str(MAX_LEN), "--max-queue", "8"]
+    args += ["--max-num-seqs", "4"]  # with --max-queue 8: at most 12 held, so n=64 is refused
     srv = Server(model_dir, log, *args)
     try:
         srv.wait_ready()
