@@ -1,5 +1,5 @@
 """The ``shardwise`` command: ``run`` (launcher), ``report`` (environment), ``estimate``
-(memory) and ``convert`` (checkpoint consolidation)."""
+(memory), ``convert`` (checkpoint consolidation) and ``serve`` (an OpenAI-compatible server)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ def main(argv: list[str] | None = None) -> int:
         "report": "print versions, devices and which optional features are usable",
         "estimate": "model-state memory per device for ZeRO stages 0-3, with and without offload",
         "convert": "write one full state-dict file from any shardwise checkpoint",
+        "serve": "an OpenAI-compatible HTTP server for a Hugging Face model directory",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         lines = [f"  {name:<9} {text}" for name, text in commands.items()]
-        print("usage: shardwise {run,report,estimate,convert} ...\n\n" + "\n".join(lines))
+        print("usage: shardwise {run,report,estimate,convert,serve} ...\n\n" + "\n".join(lines))
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardwise.tools.report import main as report_main
 
         return report_main(rest)
+    if command == "serve":
+        from shardwise.serve._cli import main as serve_main
+
+        return serve_main(rest)
     if command == "convert":
         from shardwise.tools.convert import main as convert_main
 

@@ -1,0 +1,129 @@
+"""``shardwise serve MODEL_DIR``: an OpenAI-compatible HTTP server for a Hugging Face model
+directory (vLLM's flag names). SIGTERM stops accepting connections, lets running requests
+finish and shuts the engine down."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+
+logger = logging.getLogger("shardwise.serve")
+
+ENGINES = {
+    "batched": "shardwise.serve._batching:BatchingEngine",
+    "sequential": "shardwise.serve._api:SequentialEngine",
+}
+"""Engine classes by ``--engine`` name, imported when chosen."""
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_GRACEFUL_S = 30
+"""How long SIGTERM waits for running requests before closing them."""
+
+
+def require_serve_extra() -> None:
+    """Raise ``ImportError`` naming the extra when FastAPI, uvicorn or prometheus-client is missing."""
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"shardwise serve needs {', '.join(missing)}: pip install 'shardwise[serve]'")
+
+
+def engine_class(name: str):
+    """The engine class for ``--engine name``; ``batched`` falls back to the sequential engine
+    (with a log line) where the batching engine is not built."""
+    module_name, _, class_name = ENGINES[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if name != "batched" or error.name != module_name:
+            raise
+        logger.warning("the batching engine (%s) is not available; serving with the sequential engine", module_name)
+        return engine_class("sequential")
+    return getattr(module, class_name)
+
+
+def build_engine(name: str, model, tokenizer, *, max_model_len: int | None, max_queue: int, max_num_seqs: int | None):
+    """An engine of kind ``name``; ``max_num_seqs`` goes to engines that take it (others log
+    that it is ignored)."""
+    cls = engine_class(name)
+    kwargs = {"max_model_len": max_model_len, "max_queue": max_queue}
+    if max_num_seqs is not None:
+        if "max_num_seqs" in inspect.signature(cls).parameters:
+            kwargs["max_num_seqs"] = max_num_seqs
+        else:
+            logger.warning("--max-num-seqs is ignored: %s runs one request at a time", cls.__name__)
+    return cls(model, tokenizer, **kwargs)
+
+
+def load_model(model_dir: str, dtype: str):
+    """Model (eval mode, on the accelerator when there is one) and tokenizer from a local
+    directory; ``dtype="auto"`` keeps the checkpoint's dtype."""
+    import torch
+    import transformers
+
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    return model.eval(), tokenizer
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise serve", description=__doc__)
+    p.add_argument("model", help="a local Hugging Face model directory (config, weights, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: the checkpoint's own dtype")
+    p.add_argument("--engine", default="batched", choices=sorted(ENGINES))
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in the running batch")
+    p.add_argument("--max-queue", type=int, default=64, help="most requests waiting; more get HTTP 503")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        require_serve_extra()
+    except ImportError as error:
+        print(f"shardwise serve: {error}", file=sys.stderr)
+        return 2
+    if args.tensor_parallel_size != 1:
+        print("shardwise serve: --tensor-parallel-size > 1 is not available yet; serve with 1", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from shardwise.serve._http import create_app
+
+    model, tokenizer = load_model(args.model, args.dtype)
+    engine = build_engine(
+        args.engine,
+        model,
+        tokenizer,
+        max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+        max_num_seqs=args.max_num_seqs,
+    )
+    name = args.served_model_name or args.model
+    app = create_app(engine, served_model_name=name, api_key=args.api_key)
+    logger.info(
+        "starting %s as %r with %s on http://%s:%d/v1", args.model, name, type(engine).__name__, args.host, args.port
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=_GRACEFUL_S
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
