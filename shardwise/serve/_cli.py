@@ -32,22 +32,24 @@ def require_serve_extra() -> None:
 
 
 def engine_class(name: str):
-    """The engine class for ``--engine name``; ``batched`` falls back to the sequential engine
-    (with a log line) where the batching engine is not built."""
+    """The engine class for ``--engine name``."""
     module_name, _, class_name = ENGINES[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if name != "batched" or error.name != module_name:
-            raise
-        logger.warning("the batching engine (%s) is not available; serving with the sequential engine", module_name)
-        return engine_class("sequential")
-    return getattr(module, class_name)
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def build_engine(name: str, model, tokenizer, *, max_model_len: int | None, max_queue: int, max_num_seqs: int | None):
     """An engine of kind ``name``; ``max_num_seqs`` goes to engines that take it (others log
     that it is ignored)."""
+    if name == "batched":
+        from shardwise.serve._paged import FAMILIES
+
+        if model.config.model_type not in FAMILIES:
+            logger.warning(
+                "the batching engine runs %s models; serving model_type %r with the sequential engine",
+                ", ".join(FAMILIES),
+                model.config.model_type,
+            )
+            name = "sequential"
     cls = engine_class(name)
     kwargs = {"max_model_len": max_model_len, "max_queue": max_queue}
     if max_num_seqs is not None:

@@ -138,10 +138,24 @@ def test_serve_refuses_tensor_parallel_by_name(capsys):
     assert "--tensor-parallel-size" in capsys.readouterr().err
 
 
-def test_a_missing_batching_engine_falls_back_to_the_sequential_one(monkeypatch, caplog):
-    from shardwise.serve import SequentialEngine, _cli
+def test_families_the_batching_engine_does_not_run_are_served_sequentially(caplog):
+    import transformers
 
-    monkeypatch.setitem(_cli.ENGINES, "batched", "shardwise.serve._no_such_engine:BatchingEngine")
-    with caplog.at_level(logging.WARNING, logger="shardwise.serve"):
-        assert _cli.engine_class("batched") is SequentialEngine
-    assert "sequential engine" in caplog.text
+    from shardwise.serve import SequentialEngine, _cli
+    from shardwise.serve._batching import BatchingEngine
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=64)
+    )  # fmt: skip
+    engines = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="shardwise.serve"):
+            for model in (gpt2, llama):
+                engines.append(_cli.build_engine("batched", model, None, max_model_len=64, max_queue=4, max_num_seqs=2))
+        assert [type(e) for e in engines] == [SequentialEngine, BatchingEngine]
+        assert "serving model_type 'gpt2' with the sequential engine" in caplog.text
+    finally:
+        for engine in engines:
+            engine.shutdown()
