@@ -28,7 +28,7 @@ from shardwise.serve._api import (
     check_length,
     sample,
 )
-from shardwise.serve._blocks import BlockAllocator
+from shardwise.serve._blocks import BlockAllocator, PrefixCache
 from shardwise.serve._paged import PagedDecoder, check_family
 from shardwise.serve._scheduler import Scheduler, Sequence
 
@@ -55,6 +55,8 @@ class BatchingEngine:
         block_size: token slots per KV-cache block.
         num_blocks: blocks in the pool (default: enough for ``max_num_seqs`` sequences of
             ``max_model_len``).
+        prefix_caching: reuse the blocks of prompt prefixes computed before (see
+            [Note: prefix caching]).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class BatchingEngine:
         token_budget: int = 256,
         block_size: int = 16,
         num_blocks: int | None = None,
+        prefix_caching: bool = True,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -80,7 +83,10 @@ class BatchingEngine:
                 f"{num_blocks} blocks of {block_size} tokens cannot hold one sequence of max_model_len="
                 f"{self.max_model_len}; give more blocks or a shorter max_model_len"
             )
-        self.scheduler = Scheduler(self.allocator, max_num_seqs=max_num_seqs, token_budget=token_budget)
+        cache = PrefixCache(self.allocator) if prefix_caching else None
+        self.scheduler = Scheduler(
+            self.allocator, max_num_seqs=max_num_seqs, token_budget=token_budget, prefix_cache=cache
+        )
         self.decoder = PagedDecoder(model, num_blocks=num_blocks, block_size=block_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_queue = max_queue

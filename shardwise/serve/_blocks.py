@@ -30,18 +30,26 @@ class BlockAllocator:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._holders = [0] * num_blocks
+        self.evict = None
+        """Called for a block when none is free (a ``PrefixCache`` sets it); returns False if
+        nothing can be given back."""
+        self.cache: PrefixCache | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out: free ones and those only a prefix cache keeps."""
+        return len(self._free) + (self.cache.evictable if self.cache is not None else 0)
 
     @property
     def usage(self) -> float:
-        """Fraction of the blocks in use."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of the blocks held by sequences (blocks only a prefix cache keeps are free)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def holders(self, block: int) -> int:
+        return self._holders[block]
 
     def allocate(self) -> int:
-        if not self._free:
+        if not self._free and not (self.evict is not None and self.evict()):
             raise OutOfBlocks(f"all {self.num_blocks} KV-cache blocks are in use")
         block = self._free.popleft()
         self._holders[block] = 1
@@ -64,3 +72,71 @@ class BlockAllocator:
     def blocks_for(self, tokens: int) -> int:
         """Blocks that hold ``tokens`` token slots."""
         return -(-tokens // self.block_size)
+
+
+class PrefixCache:
+    """Blocks of prompt tokens kept for reuse by later prompts that start the same way.
+
+    [Note: prefix caching]
+    A block full of prompt tokens whose keys and values are computed is registered under the
+    hash of its tokens and of every token before it (the chain of blocks up to it), so only
+    a prompt with the same whole prefix finds it. A new prompt takes, in order, every block
+    of its prefix found here (sharing it, see ``BlockAllocator.share``) and computes only the
+    rest; at least its last token is always computed, since its logits are needed (that
+    token's slot may be written again with the same values). The cache itself holds one share
+    of each block it keeps; blocks nobody else holds are *evictable*: they count as free in
+    the usage metric and the least recently used is given back when the allocator runs out.
+    """
+
+    def __init__(self, allocator: BlockAllocator):
+        from collections import OrderedDict
+
+        self.allocator = allocator
+        self._blocks: OrderedDict[int, int] = OrderedDict()  # chain hash -> block
+        allocator.evict, allocator.cache = self.evict_one, self
+        self.hits = 0
+        """Prompt tokens taken from the cache instead of computed."""
+
+    @staticmethod
+    def _chain(tokens: list[int], block_size: int, count: int) -> list[int]:
+        hashes, parent = [], 0
+        for i in range(count):
+            parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+            hashes.append(parent)
+        return hashes
+
+    def lookup(self, prompt: list[int]) -> list[int]:
+        """Shared blocks of the longest cached prefix of ``prompt`` (leaving its last token)."""
+        size = self.allocator.block_size
+        blocks = []
+        for chain in self._chain(prompt, size, (len(prompt) - 1) // size):
+            block = self._blocks.get(chain)
+            if block is None:
+                break
+            self._blocks.move_to_end(chain)
+            self.allocator.share(block)
+            blocks.append(block)
+        self.hits += len(blocks) * size
+        return blocks
+
+    def insert(self, prompt: list[int], blocks: list[int], computed: int) -> None:
+        """Register the full prompt blocks among the first ``computed`` tokens."""
+        size = self.allocator.block_size
+        full = min(computed, len(prompt)) // size
+        for chain, block in zip(self._chain(prompt, size, full), blocks):
+            if chain not in self._blocks:
+                self._blocks[chain] = block
+                self.allocator.share(block)
+
+    def evict_one(self) -> bool:
+        """Give back the least recently used block only the cache holds; False if none."""
+        for chain, block in self._blocks.items():
+            if self.allocator.holders(block) == 1:
+                del self._blocks[chain]
+                self.allocator.free(block)
+                return True
+        return False
+
+    @property
+    def evictable(self) -> int:
+        return sum(self.allocator.holders(b) == 1 for b in self._blocks.values())

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from shardwise.serve._blocks import BlockAllocator
+from shardwise.serve._blocks import BlockAllocator, PrefixCache
 
 
 @dataclass(eq=False)
@@ -68,10 +68,18 @@ class Chunk:
 class Scheduler:
     """See [Note: continuous batching]."""
 
-    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int, token_budget: int):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        max_num_seqs: int,
+        token_budget: int,
+        prefix_cache: PrefixCache | None = None,
+    ):
         if token_budget < 1 or max_num_seqs < 1:
             raise ValueError(f"token_budget and max_num_seqs must be positive, got {token_budget}, {max_num_seqs}")
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -96,6 +104,9 @@ class Scheduler:
             budget = self._prefill(sequence, budget, chunks)
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             sequence = self.waiting[0]
+            if self.prefix_cache is not None and not sequence.blocks:  # see [Note: prefix caching]
+                sequence.blocks = self.prefix_cache.lookup(sequence.prompt)
+                sequence.computed = len(sequence.blocks) * self.allocator.block_size
             if not self._reserve(sequence, min(len(sequence.tokens), sequence.computed + budget)):
                 break
             self.waiting.popleft()
@@ -133,6 +144,9 @@ class Scheduler:
         """The model computed ``chunks``: their tokens are in the cache."""
         for chunk in chunks:
             chunk.sequence.computed = chunk.end
+            if self.prefix_cache is not None:
+                sequence = chunk.sequence
+                self.prefix_cache.insert(sequence.prompt, sequence.blocks, sequence.computed)
 
     def release(self, sequence: Sequence) -> None:
         """``sequence`` leaves the batch (finished, cancelled or preempted): its blocks return."""

@@ -100,3 +100,19 @@ def test_models_the_engine_cannot_run_are_refused():
             engine.submit(list(range(30)), SamplingParams(max_tokens=20))
         finally:
             engine.shutdown()
+
+
+def test_prompts_with_a_common_prefix_reuse_its_blocks_and_still_equal_generate():
+    engine = BatchingEngine(MODEL, None, max_model_len=60, block_size=4, token_budget=64)
+    try:
+        system = torch.randint(0, 64, (17,), generator=torch.Generator().manual_seed(9)).tolist()
+        prompts = [system + [i, i + 1] for i in range(4)]
+        first = engine.submit(prompts[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        assert _tokens(first) == (_generate(prompts[0], 5), "length")
+        others = [engine.submit(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)) for p in prompts[1:]]
+        for prompt, stream in zip(prompts[1:], others):
+            assert _tokens(stream) == (_generate(prompt, 5), "length")
+        assert engine.scheduler.prefix_cache.hits == 3 * 16  # 4 full blocks of the 17-token prefix, 3 times
+        assert engine.metrics().kv_cache_usage_perc == 0
+    finally:
+        engine.shutdown()

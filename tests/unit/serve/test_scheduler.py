@@ -79,3 +79,24 @@ def test_out_of_blocks_preempts_the_newest_sequence():
     scheduler.complete(chunks)
     scheduler.release(old)
     assert _spans(scheduler.schedule()) == [("new", 0, 5, True)]  # prompt and its token, recomputed
+
+
+def test_the_prefix_cache_shares_whole_prefixes_only_and_gives_back_what_nobody_holds():
+    from shardwise.serve._blocks import PrefixCache
+
+    allocator = BlockAllocator(8, 2)
+    cache = PrefixCache(allocator)
+    first = [allocator.allocate() for _ in range(3)]
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    cache.insert(prompt, first, computed=7)  # 3 full blocks
+    assert [allocator.holders(b) for b in first] == [2, 2, 2]
+    assert cache.lookup([1, 2, 3, 4, 9, 9, 9]) == first[:2]  # the first two blocks match
+    assert cache.lookup([1, 2, 3, 4, 5, 6]) == first[:2]  # its last token stays to compute
+    assert cache.lookup([3, 4, 5]) == []  # block [3, 4] is cached only after [1, 2]
+    for block in first[:2] * 2 + first:  # the two lookups' shares, then the first sequence's
+        allocator.free(block)
+    assert allocator.usage == 0.0 and cache.evictable == 3  # kept, but counted free
+    taken = [allocator.allocate() for _ in range(8)]  # 5 free, then the 3 cached are given back
+    assert sorted(taken) == list(range(8)) and cache.evictable == 0
+    with pytest.raises(OutOfBlocks):
+        allocator.allocate()
