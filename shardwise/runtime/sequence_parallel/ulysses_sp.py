@@ -15,6 +15,7 @@ which must be each piece's global positions: the data loader adapter keeps them.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 
@@ -78,6 +79,7 @@ class UlyssesSPAttentionHF(nn.Module):
         self.disable_in_eval = disable_in_eval
         self.split = HeadSplit.build(attn_head_count, kv_head_count, self.world_size)
         self.core_attn_implementation = None
+        self._cache = None  # see _pieces
 
     def forward(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *args, **kwargs):
         if (not module.training and self.disable_in_eval) or self.world_size == 1:
@@ -101,8 +103,7 @@ class UlyssesSPAttentionHF(nn.Module):
                 "Ulysses sequence parallelism needs position_ids in every forward: each piece's global positions "
                 "(torch.arange(seq_len) per sample, split like input_ids; UlyssesSPDataLoaderAdapter keeps them)"
             )
-        lengths = self._lengths(s_local, query.device)
-        kwargs["position_ids"] = self._gather_positions(kwargs["position_ids"], lengths)
+        lengths, kwargs["position_ids"] = self._pieces(kwargs["position_ids"], s_local, query.device)
         q, k, v = (
             ToHeads.apply(t.transpose(1, 2), self.comm, lengths, heads_of, f"ulysses {name}").transpose(1, 2)
             for t, heads_of, name in (
@@ -121,6 +122,18 @@ class UlyssesSPAttentionHF(nn.Module):
                 module.num_key_value_groups = groups
         out = ToSequence.apply(out.contiguous(), self.comm, lengths, self.split.q, heads, "ulysses output")
         return out, weights
+
+    def _pieces(self, position_ids: Tensor, s_local: int, device) -> tuple[list[int], Tensor]:
+        """Every rank's piece length and the whole sequence's position ids, exchanged once per
+        forward: every layer (and a checkpointed layer's recompute) passes the same
+        ``position_ids`` tensor, so its answer is kept while that tensor lives unchanged."""
+        cached = self._cache
+        if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
+            return cached[2], cached[3]
+        lengths = self._lengths(s_local, device)
+        gathered = self._gather_positions(position_ids, lengths)
+        self._cache = (weakref.ref(position_ids), position_ids._version, lengths, gathered)
+        return lengths, gathered
 
     def _lengths(self, s_local: int, device) -> list[int]:
         mine = torch.tensor([s_local], dtype=torch.int64, device=device)

@@ -138,3 +138,39 @@ def test_attention_implementations_that_cannot_be_split_are_refused(tmp_path):
     for messages in run_distributed(_refused, world_size=2, tmp_path=tmp_path):
         assert len(messages) == 3, messages
         assert "full [seq, seq] mask" in messages[0] and "not available" in messages[1]
+
+
+def _collectives_per_forward(rank, world_size):
+    from shardwise.comm import Communicator
+    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    counts = {"all_to_all_single": 0, "all_gather_into_tensor": 0}
+    originals = {name: getattr(Communicator, name) for name in counts}
+
+    def counting(name):
+        def call(self, *args, **kwargs):
+            counts[name] += 1
+            return originals[name](self, *args, **kwargs)
+
+        return call
+
+    model = _llama(2)
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, BATCH)
+    try:
+        for name in counts:
+            setattr(Communicator, name, counting(name))
+        ids = torch.randint(0, 64, (BATCH, 8))
+        positions = torch.arange(rank * 8, rank * 8 + 8).expand(BATCH, 8)
+        model(input_ids=ids, position_ids=positions)
+    finally:
+        for name, original in originals.items():
+            setattr(Communicator, name, original)
+        UlyssesSPAttentionHF.unregister_from_transformers()
+    return counts
+
+
+def test_lengths_and_positions_are_exchanged_once_per_forward(tmp_path):
+    """Per layer: the query, key, value and output all-to-alls; per forward: one all-gather of
+    the piece lengths and one all-to-all of the position ids (the same tensor in every layer)."""
+    for counts in run_distributed(_collectives_per_forward, world_size=2, tmp_path=tmp_path):
+        assert counts == {"all_to_all_single": 2 * 4 + 1, "all_gather_into_tensor": 1}, counts
