@@ -305,7 +305,7 @@ def worker(args) -> None:
     else:
         dist.init_process_group("gloo")
     forward, backward, step, batches, params = _setup(args, rank, world)
-    record = {"times": [], "phases": [], "losses": [], "a2a_s": [], "a2a_calls": [], "params": params}
+    record = {"times": [], "cpu_s": [], "phases": [], "losses": [], "a2a_s": [], "a2a_calls": [], "params": params}
     record["setup_hwm_kib"] = _high_water_kib()
     profile = None
     for i, batch in enumerate(batches):
@@ -314,7 +314,7 @@ def worker(args) -> None:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
         a2a.calls, a2a.seconds = 0, 0.0
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = forward(**batch)
         t_forward = time.perf_counter()
         backward(loss)
@@ -322,6 +322,7 @@ def worker(args) -> None:
         step()
         end = time.perf_counter()
         record["times"].append(end - start)
+        record["cpu_s"].append(time.process_time() - cpu_start)
         record["phases"].append((t_forward - start, t_backward - t_forward, end - t_backward))
         record["losses"].append(loss.item())
         record["a2a_s"].append(a2a.seconds)
@@ -454,8 +455,12 @@ def _summary(run: dict) -> dict:
     r0 = run["ranks"][0]
     end = len(r0["times"]) - (1 if r0.get("profile") else 0)
     timed = slice(1, end) if end > 1 else slice(0, end)
+    steps = range(*timed.indices(len(r0["times"])))
     return {
         "median": statistics.median(r0["times"][timed]),
+        # CPU seconds per step of each rank's process (gloo's threads included), mean of the ranks:
+        # the work done, less sensitive than wall time to the other processes on the machine
+        "cpu_s": statistics.median(statistics.fmean(r["cpu_s"][i] for r in run["ranks"]) for i in steps),
         "phases": [statistics.median(p[k] for p in r0["phases"][timed]) for k in range(3)],
         "a2a_s": statistics.median(r0["a2a_s"][timed]),
         "a2a_calls": r0["a2a_calls"][-1],
@@ -552,7 +557,8 @@ def _time_row(variant: str, good: list[dict], tokens: int) -> str:
     a2a = statistics.median(r["a2a_s"] for r in good)
     return (
         f"| {variant} | {len(good)} | {med:.3f} | {min(r['median'] for r in good):.3f}-"
-        f"{max(r['median'] for r in good):.3f} | {tokens / med:.0f} | {f:.3f} / {b:.3f} / {s:.3f} "
+        f"{max(r['median'] for r in good):.3f} | {statistics.median(r['cpu_s'] for r in good):.3f} "
+        f"| {tokens / med:.0f} | {f:.3f} / {b:.3f} / {s:.3f} "
         f"| {a2a:.3f} ({good[0]['a2a_calls']}) | {a2a / med:.1%} | {max(r['peak_gib'] for r in good):.2f} |"
     )
 
@@ -561,21 +567,21 @@ def time_report(args, runs: dict[str, list[dict]], order: list) -> list[str]:
     lines = [
         f"## Step time at sequence {args.seq_len} (round order: {'; '.join(' '.join(o) for o in order)})",
         "",
-        "| variant | runs | median s/step | run medians min-max | tokens/s (both ranks) | forward / backward / step s "
-        "| all-to-all s/step (calls) | all-to-all share | peak RSS GiB per rank |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| variant | runs | median s/step | run medians min-max | CPU s/step per rank | tokens/s (both ranks) "
+        "| forward / backward / step s | all-to-all s/step (calls) | all-to-all share | peak RSS GiB per rank |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for variant, rs in runs.items():
         good = [r for r in rs if "median" in r]
         if not good:
-            lines.append(f"| {variant} | error: {rs[0].get('error') if rs else '?'} | | | | | | | |")
+            lines.append(f"| {variant} | error: {rs[0].get('error') if rs else '?'} | | | | | | | | |")
             continue
         tokens = 2 * args.seq_len if variant == "ddp" else args.seq_len
         lines.append(_time_row(variant, good, tokens))
 
-    def paired(a: str, b: str) -> list[float]:
+    def paired(a: str, b: str, key: str = "median") -> list[float]:
         pairs = zip(runs.get(a, []), runs.get(b, []))
-        return [x["median"] / y["median"] for x, y in pairs if "median" in x and "median" in y]
+        return [x[key] / y[key] for x, y in pairs if key in x and key in y]
 
     sw_ds = paired("shardwise", "deepspeed")
     met = ""
@@ -586,6 +592,7 @@ def time_report(args, runs: dict[str, list[dict]], order: list) -> list[str]:
     note = "deepspeed / ddp (ddp trains two sequences per step, the others one)"
     lines.append(_ratio_line(note, paired("deepspeed", "ddp")))
     lines.append(_ratio_line("shardwise / ddp", paired("shardwise", "ddp")))
+    lines.append(_ratio_line("CPU s/step, shardwise / deepspeed", paired("shardwise", "deepspeed", "cpu_s")))
     lines += ["", "Loss per step (first run, mean of the ranks; same data and seed in every variant):", ""]
     for variant, rs in runs.items():
         good = [r for r in rs if "losses" in r]
