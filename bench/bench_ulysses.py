@@ -415,6 +415,8 @@ def _setup_gib(run: dict) -> float:
 
 def _trial(args, variant: str, seq_len: int, trials: list) -> bool:
     run = launch(args, variant, seq_len, args.trial_steps, capacity=True)
+    if "ranks" in run:
+        _PARAMS["count"] = run["ranks"][0]["params"]
     fits = "ranks" in run and _peak_gib(run) <= args.cap_gib
     if "ranks" in run:
         note = f"peak {_peak_gib(run):.2f} GiB (setup {_setup_gib(run):.2f})"
@@ -424,6 +426,10 @@ def _trial(args, variant: str, seq_len: int, trials: list) -> bool:
     print(f"  {variant} {seq_len}: {'fits' if fits else 'no'} - {note} ({run.get('wall_s', 0):.0f} s)",
           file=sys.stderr, flush=True)  # fmt: skip
     return fits
+
+
+_PARAMS: dict[str, int] = {}
+"""The model's parameter count, from any launch that finished."""
 
 
 def search(args, variant: str) -> dict:
@@ -690,7 +696,7 @@ def main() -> None:
             found[variant] = search(args, variant)
     if args.skip != "time":
         runs, order = step_times(args, variants)
-    params = next((r["params"] for rs in runs.values() for r in rs if "params" in r), None)
+    params = next((r["params"] for rs in runs.values() for r in rs if "params" in r), _PARAMS.get("count"))
     lines = header(args, params, load, started)
     lines += capacity_report(args, found) + [""] if found else []
     lines += time_report(args, runs, order) if runs else []
