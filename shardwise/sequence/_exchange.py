@@ -28,7 +28,31 @@ from dataclasses import dataclass
 import torch
 
 
-def _even(total: int, parts: int) -> list[int]:
+def communicator(group, *, default=None):
+    """``group`` as a Communicator: one given is used as it is; a process group gets the one
+    ``shardwise.comm`` keeps for it (made once, with the group's deadline); None means
+    ``default()``, or the world when no default is given."""
+    from shardwise.comm import Communicator
+    from shardwise.comm._functional import _communicator
+
+    if isinstance(group, Communicator):
+        return group
+    if group is None and default is not None:
+        group = default()
+    return _communicator(group)
+
+
+def piece_lengths(comm, local: int, device) -> list[int]:
+    """Every rank's number of positions (one all-gather)."""
+    if comm.world_size == 1:
+        return [local]
+    mine = torch.tensor([local], dtype=torch.int64, device=device)
+    every = mine.new_empty(comm.world_size)
+    comm.all_gather_into_tensor(every, mine, tag="ulysses sequence lengths").wait()
+    return every.tolist()
+
+
+def even_split(total: int, parts: int) -> list[int]:
     """``total`` split into ``parts`` contiguous counts, the first ``total % parts`` one larger."""
     return [total // parts + (i < total % parts) for i in range(parts)]
 
@@ -64,7 +88,7 @@ class HeadSplit:
                 f"each rank attends with at least one head; use sequence_parallel_size <= {q_heads}"
             )
         if kv_heads >= ranks:
-            kv = _runs(_even(kv_heads, ranks))
+            kv = _runs(even_split(kv_heads, ranks))
             q = [range(r.start * group, r.stop * group) for r in kv]
             return cls(tuple(q), tuple(kv), q_heads, kv_heads)
         if ranks % kv_heads:
@@ -76,7 +100,7 @@ class HeadSplit:
         sharing = ranks // kv_heads
         q, kv = [], []
         for head in range(kv_heads):
-            q += _runs(_even(group, sharing), head * group)
+            q += _runs(even_split(group, sharing), head * group)
             kv += [range(head, head + 1)] * sharing
         return cls(tuple(q), tuple(kv), q_heads, kv_heads)
 

@@ -5,15 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from shardwise.sequence._exchange import HeadSplit, ToHeads, ToSequence
-
-
-def _communicator(group):
-    from shardwise.comm import Communicator
-
-    if isinstance(group, Communicator):
-        return group
-    return Communicator(group, name="sequence-parallel")
+from shardwise.sequence._exchange import HeadSplit, ToHeads, ToSequence, communicator, piece_lengths
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -75,7 +67,7 @@ class DistributedAttention(nn.Module):
             )
         self.local_attn = local_attention
         self.spg = sequence_process_group
-        self.comm = _communicator(sequence_process_group)
+        self.comm = communicator(sequence_process_group)
         self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
         self.sp_stream = sp_stream
         self.num_kv_heads = num_kv_heads
@@ -98,7 +90,7 @@ class DistributedAttention(nn.Module):
         if kv_heads != key.shape[2]:
             raise ValueError(f"num_kv_heads={kv_heads} but key has {key.shape[2]} heads")
         split = HeadSplit.build(query.shape[2], kv_heads, self.comm.world_size)
-        lengths = self._lengths(query)
+        lengths = piece_lengths(self.comm, query.shape[1], query.device)
         q, k, v = (
             first(ToHeads.apply(t, self.comm, lengths, heads, f"ulysses {name}"))  # in the caller's layout again
             for t, heads, name in ((query, split.q, "query"), (key, split.kv, "key"), (value, split.kv, "value"))
@@ -113,12 +105,3 @@ class DistributedAttention(nn.Module):
         out = ToSequence.apply(first(context), self.comm, lengths, split.q, split.q_heads, "ulysses output")
         out = first(out)
         return out.flatten(2) if merged else out
-
-    def _lengths(self, query: Tensor) -> list[int]:
-        """Every rank's number of positions (batch-first ``query``)."""
-        if self.comm.world_size == 1:
-            return [query.shape[1]]
-        mine = torch.tensor([query.shape[1]], dtype=torch.int64, device=query.device)
-        every = mine.new_empty(self.comm.world_size)
-        self.comm.all_gather_into_tensor(every, mine, tag="ulysses sequence lengths").wait()
-        return every.tolist()

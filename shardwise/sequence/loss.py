@@ -15,15 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-def _communicator(group):
-    from shardwise.comm import Communicator
-
-    if isinstance(group, Communicator):
-        return group
-    from shardwise.utils import groups
-
-    return Communicator(group if group is not None else groups._get_sequence_parallel_group(), name="sequence-parallel")
+from shardwise.sequence._exchange import communicator
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -48,7 +40,9 @@ def mean_over_sequence(loss_sum: Tensor, tokens: Tensor | int, *, group=None) ->
     sequence-parallel ``group`` (a process group or Communicator; default: the group of the
     engine built last). Every rank gets the same value; the backward gives each rank's
     ``loss_sum`` the gradient of that mean summed over the group."""
-    comm = _communicator(group)
+    from shardwise.utils import groups
+
+    comm = communicator(group, default=groups._get_sequence_parallel_group)
     tokens = torch.as_tensor(tokens, dtype=torch.float32, device=loss_sum.device).reshape(())
     total_tokens = tokens.clone()
     comm.all_reduce(total_tokens, tag="sequence-parallel token count").wait()

@@ -30,8 +30,7 @@ from shardwise.runtime.sequence_parallel._tiled import (  # noqa: F401 - DeepSpe
     TiledMLP,
     sequence_tiled_compute,
 )
-from shardwise.sequence._exchange import HeadSplit, ToHeads, ToSequence
-from shardwise.sequence.layer import _communicator
+from shardwise.sequence._exchange import HeadSplit, ToHeads, ToSequence, communicator, even_split, piece_lengths
 
 _ORIGINALS: dict[str, Any] = {}
 """The attention functions ``register_with_transformers`` replaced, by name."""
@@ -68,7 +67,7 @@ class UlyssesSPAttentionHF(nn.Module):
     ) -> None:
         super().__init__()
         self.attn = attn
-        self.comm = _communicator(process_group)
+        self.comm = communicator(process_group)
         self.process_group = self.comm.group
         self.world_size, self.sp_rank = self.comm.world_size, self.comm.rank
         self.batch_size = batch_size
@@ -130,16 +129,10 @@ class UlyssesSPAttentionHF(nn.Module):
         cached = self._cache
         if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
             return cached[2], cached[3]
-        lengths = self._lengths(s_local, device)
+        lengths = piece_lengths(self.comm, s_local, device)
         gathered = self._gather_positions(position_ids, lengths)
         self._cache = (weakref.ref(position_ids), position_ids._version, lengths, gathered)
         return lengths, gathered
-
-    def _lengths(self, s_local: int, device) -> list[int]:
-        mine = torch.tensor([s_local], dtype=torch.int64, device=device)
-        every = mine.new_empty(self.world_size)
-        self.comm.all_gather_into_tensor(every, mine, tag="ulysses sequence lengths").wait()
-        return every.tolist()
 
     def _gather_positions(self, position_ids: Tensor, lengths: list[int]) -> Tensor:
         """Every piece's ``position_ids`` ``[b, s_local]``, concatenated in rank order."""
@@ -239,10 +232,6 @@ class UlyssesSPAttentionHF(nn.Module):
         _ORIGINALS.clear()
 
 
-def _even_pieces(length: int, parts: int) -> list[int]:
-    return [length // parts + (i < length % parts) for i in range(parts)]
-
-
 class UlyssesSPDataLoaderAdapter:
     """Wraps each rank's ``DataLoader`` for sequence parallelism, as DeepSpeed's does: it
     takes one batch from every rank of the sequence-parallel group, and yields, one after
@@ -257,7 +246,7 @@ class UlyssesSPDataLoaderAdapter:
         self.dl = dl
         self.sp_rank, self.sp_group, self.sp_world_size = sp_rank, sp_group, sp_world_size
         self.device = device
-        self.comm = _communicator(sp_group)
+        self.comm = communicator(sp_group)
         self.iter = iter(dl)
         self.micro_batches: deque = deque()
 
@@ -298,7 +287,7 @@ class UlyssesSPDataLoaderAdapter:
         if "labels" in batch:
             labels = batch.pop("labels")
             batch["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
-        sizes = _even_pieces(length, self.sp_world_size)
+        sizes = even_split(length, self.sp_world_size)
         start = sum(sizes[: self.sp_rank])
         mine = slice(start, start + sizes[self.sp_rank])
         return {k: v[:, mine].to(self.device) if torch.is_tensor(v) and v.dim() >= 2 else v for k, v in batch.items()}
