@@ -200,7 +200,7 @@ class BatchingEngine:
             return
         sequence.generated.append(token)
         request.stream.put(TokenEvent(token))
-        if len(sequence.generated) >= params.max_tokens or len(sequence.tokens) >= self.max_model_len:
+        if len(sequence.generated) >= params.max_tokens or sequence.length >= self.max_model_len:
             self._finish(sequence, "length")
 
     def _finish(self, sequence: Sequence, reason: str, error: str | None = None) -> None:

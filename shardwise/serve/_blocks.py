@@ -34,11 +34,14 @@ class BlockAllocator:
         """Called for a block when none is free (a ``PrefixCache`` sets it); returns False if
         nothing can be given back."""
         self.cache: PrefixCache | None = None
+        self._cached: set[int] = set()
+        self._evictable = 0
+        """Cached blocks (see ``PrefixCache``) that only the cache holds, kept as holders change."""
 
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out: free ones and those only a prefix cache keeps."""
-        return len(self._free) + (self.cache.evictable if self.cache is not None else 0)
+        return len(self._free) + self._evictable
 
     @property
     def usage(self) -> float:
@@ -59,6 +62,8 @@ class BlockAllocator:
         """One more holder of an allocated ``block``."""
         if self._holders[block] == 0:
             raise ValueError(f"block {block} is free; only an allocated block can be shared")
+        if block in self._cached and self._holders[block] == 1:
+            self._evictable -= 1
         self._holders[block] += 1
 
     def free(self, block: int) -> None:
@@ -66,7 +71,10 @@ class BlockAllocator:
         if self._holders[block] == 0:
             raise ValueError(f"block {block} is freed twice (it is already free)")
         self._holders[block] -= 1
+        if block in self._cached and self._holders[block] <= 1:  # the cache alone holds it, or gave it back
+            self._evictable += 1 if self._holders[block] == 1 else -1
         if self._holders[block] == 0:
+            self._cached.discard(block)
             self._free.append(block)
 
     def blocks_for(self, tokens: int) -> int:
@@ -127,6 +135,7 @@ class PrefixCache:
             if chain not in self._blocks:
                 self._blocks[chain] = block
                 self.allocator.share(block)
+                self.allocator._cached.add(block)
 
     def evict_one(self) -> bool:
         """Give back the least recently used block only the cache holds; False if none."""
@@ -139,4 +148,4 @@ class PrefixCache:
 
     @property
     def evictable(self) -> int:
-        return sum(self.allocator.holders(b) == 1 for b in self._blocks.values())
+        return self.allocator._evictable

@@ -73,7 +73,7 @@ class PagedDecoder:
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits ``[chunks that sample, vocab]`` (in order) after computing every chunk."""
         device = self.keys.device
-        ids = torch.tensor([t for c in chunks for t in c.sequence.tokens[c.start : c.end]], device=device)
+        ids = torch.tensor([t for c in chunks for t in c.sequence.token_slice(c.start, c.end)], device=device)
         positions = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(device)
         written = torch.cat([self.slots(c.sequence.blocks, c.start, c.end) for c in chunks]).to(device)
         context = [self.slots(c.sequence.blocks, 0, c.end).to(device) for c in chunks]

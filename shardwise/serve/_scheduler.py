@@ -46,9 +46,18 @@ class Sequence:
         return self.prompt + self.generated
 
     @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without copying the whole sequence."""
+        split = len(self.prompt)
+        return self.prompt[start : min(end, split)] + self.generated[max(start - split, 0) : max(end - split, 0)]
+
+    @property
     def pending(self) -> int:
         """Tokens not in the cache yet: 1 for a sequence that decodes."""
-        return len(self.prompt) + len(self.generated) - self.computed
+        return self.length - self.computed
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class Chunk:
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.sequence.tokens)
+        return self.end == self.sequence.length
 
 
 class Scheduler:
@@ -107,7 +116,7 @@ class Scheduler:
             if self.prefix_cache is not None and not sequence.blocks:  # see [Note: prefix caching]
                 sequence.blocks = self.prefix_cache.lookup(sequence.prompt)
                 sequence.computed = len(sequence.blocks) * self.allocator.block_size
-            if not self._reserve(sequence, min(len(sequence.tokens), sequence.computed + budget)):
+            if not self._reserve(sequence, min(sequence.length, sequence.computed + budget)):
                 break
             self.waiting.popleft()
             self.running.append(sequence)
@@ -117,7 +126,7 @@ class Scheduler:
     def _prefill(self, sequence: Sequence, budget: int, chunks: list[Chunk]) -> int:
         if budget == 0:
             return 0
-        end = min(len(sequence.tokens), sequence.computed + budget)
+        end = min(sequence.length, sequence.computed + budget)
         if not self._reserve(sequence, end):
             return budget
         chunks.append(Chunk(sequence, sequence.computed, end))
