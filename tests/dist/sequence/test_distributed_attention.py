@@ -125,3 +125,30 @@ def test_four_ranks_equal_whole_sequence_attention(tmp_path, q_heads, kv_heads, 
         assert error < 1e-10, (rank, error)
         assert q_seen[1] == seq
     assert sum(q_seen[2] for _, (q_seen, _) in results) == q_heads  # every query head on exactly one rank
+
+
+def _bad_input(rank, world_size):
+    from shardwise.sequence.layer import DistributedAttention
+
+    messages = []
+    try:
+        DistributedAttention(_sdpa, None, scatter_idx=1)
+    except ValueError as error:
+        messages.append(str(error))
+    attention = DistributedAttention(lambda q, k, v: _sdpa(q, k, v, True), None, num_kv_heads=4)
+    q, kv = torch.zeros(1, 4, 4, D), torch.zeros(1, 4, 2, D)
+    for args in ((q, kv, kv, 2), (q, kv, torch.zeros(1, 4, 1, D), 0), (q, kv, kv, 0)):
+        try:
+            attention(*args)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_input_is_refused_with_the_reason(tmp_path):
+    for messages in run_distributed(_bad_input, world_size=2, tmp_path=tmp_path):
+        assert len(messages) == 4, messages
+        assert "scatter_idx=1" in messages[0]
+        assert "batch_dim_idx must be 0" in messages[1]
+        assert "key and value must have one shape" in messages[2]
+        assert "num_kv_heads=4 but key has 2 heads" in messages[3]

@@ -120,3 +120,11 @@ def test_sequence_tiled_compute_stacks_per_tile_outputs():
         return ((fn(x[:, :5]) + fn(x[:, 5:])) / 2).reshape(1)
 
     _close(_grads(mlp, x, tiled), _grads(mlp, x, plain))
+
+
+def test_an_unknown_reduction_is_refused():
+    head, x, y = nn.Linear(H, V), torch.randn(B, S, H), torch.randint(0, V, (B, S))
+    with pytest.raises(ValueError, match="output_reduction must be 'mean' or 'sum'"):
+        TiledFusedLogitsLoss.apply(_loss_fn, head, x, y, None, 2, None, "max")
+    with pytest.raises(ValueError, match="output_reduction must be None, 'mean' or 'sum'"):
+        sequence_tiled_compute(lambda hidden: hidden, S, 2, {"hidden": x}, {}, "hidden", None, 1, "max")

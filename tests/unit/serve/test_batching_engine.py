@@ -94,6 +94,8 @@ def test_models_the_engine_cannot_run_are_refused():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(ValueError, match="--engine sequential"):
         BatchingEngine(gpt2, None)
+    with pytest.raises(ValueError, match="2 blocks of 4 tokens cannot hold one sequence of max_model_len=40"):
+        BatchingEngine(MODEL, None, max_model_len=40, block_size=4, num_blocks=2)
     with pytest.raises(ValueError, match="maximum context length is 40"):
         engine = BatchingEngine(MODEL, None, max_model_len=40)
         try:
