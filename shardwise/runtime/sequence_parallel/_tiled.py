@@ -9,12 +9,21 @@ gradient hooks see them as usual), and assembles the inputs' gradient. The cost 
 forward of ``fn``; the memory of its intermediates (an MLP's ``[b, s, 4h]``, the logits
 ``[b, s, vocab]``) drops to one tile's.
 
-DeepSpeed's ``TiledFusedLogitsLoss`` runs the backward inside the forward and scales the
-inputs' gradient by the incoming one afterwards, so the parameters' gradients miss any
-scale applied to the loss later (gradient accumulation, fp16 loss scaling). Here the loss
-is recomputed in backward like everything else, so both get the incoming gradient. A
-``"mean"`` reduction averages over every element of the assembled output (DeepSpeed's
+A ``"mean"`` reduction averages over every element of the assembled output (DeepSpeed's
 divides the gradient by the number of tiles whatever the output's size).
+
+[Note: the tiled loss's gradients]
+A loss is a scalar, so its gradients are known in forward up to the one number backward
+brings. ``TiledFusedLogitsLoss`` therefore differentiates each tile's loss in forward
+(``torch.autograd.grad``, for the input and for every leaf the tile's graph reaches: the LM
+head's weight and bias, whatever ``fn`` uses), frees the tile's logits, and keeps the
+summed gradients: one input-sized and one head-sized buffer. Backward multiplies them by
+the incoming gradient and hands the leaves theirs through ``torch.autograd.backward``, so
+ZeRO's gradient hooks fire then, with the scale applied to the loss later (accumulation,
+loss scaling) included. DeepSpeed's runs the same backward in forward but scales only the
+input's gradient, so its parameters miss that scale. Under ZeRO-3 a parameter is whole only
+while its module runs, so there the loss is recomputed in backward like the other tiled
+functions (a second forward of the head).
 """
 
 from __future__ import annotations
@@ -151,7 +160,9 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     a cross-entropy) on each tile of the sequence and reduces the tiles' losses by
     ``output_reduction``: "mean" averages the tiles' outputs, "sum" adds them (use "sum" and
     divide by the token count yourself when tiles hold different numbers of targets). The
-    backward recomputes each tile's logits (see [Note: tiled compute])."""
+    gradients are computed tile by tile in forward and scaled in backward (see
+    [Note: the tiled loss's gradients]); ``compute_params`` is accepted for DeepSpeed's
+    signature."""
 
     @staticmethod
     def forward(ctx, fn, module, x, y, mask, shards, compute_params=None, output_reduction="mean"):
@@ -159,17 +170,28 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
             raise ValueError(f"output_reduction must be 'mean' or 'sum', got {output_reduction!r}")
         ctx.fn, ctx.module, ctx.mask, ctx.tiles = fn, module, mask, _tiles(x.shape[1], shards)
         ctx.reduction = output_reduction
-        ctx.save_for_backward(x, y)
-        with torch.no_grad():
-            losses = [fn(module, *_tile_args(x, y, mask, tile)) for tile in ctx.tiles]
+        ctx.recompute = _zero3_managed(module, compute_params)
+        if ctx.recompute:
+            ctx.save_for_backward(x, y)
+            with torch.no_grad():
+                losses = [fn(module, *_tile_args(x, y, mask, tile)) for tile in ctx.tiles]
+        else:
+            losses = _differentiate_tiles(ctx, x, y)
         total = torch.stack(losses).sum()
         return total / len(losses) if output_reduction == "mean" else total
 
     @staticmethod
     def backward(ctx, grad):
-        x, y = ctx.saved_tensors
         if ctx.reduction == "mean":
             grad = grad / len(ctx.tiles)
+        if not ctx.recompute:
+            leaves, grads = ctx.leaves, ctx.leaf_grads
+            if leaves:
+                torch.autograd.backward(leaves, [g * grad for g in grads])
+            grad_x = None if ctx.grad_x is None else ctx.grad_x * grad
+            ctx.leaves = ctx.leaf_grads = ctx.grad_x = None
+            return None, None, grad_x, None, None, None, None, None
+        x, y = ctx.saved_tensors
         grad_x = torch.zeros_like(x) if x.requires_grad else None
         for tile in ctx.tiles:
             piece, target, *rest = _tile_args(x, y, ctx.mask, tile)
@@ -180,6 +202,60 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
             if grad_x is not None:
                 grad_x[:, tile] = piece.grad
         return None, None, grad_x, None, None, None, None, None
+
+
+def _zero3_managed(module, compute_params) -> bool:
+    """Whether any parameter the loss may use is ZeRO-3's (whole only inside its forward)."""
+    params = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+    return any(hasattr(p, "ds_shape") for p in params + list(compute_params or ()))
+
+
+def _differentiate_tiles(ctx, x, y) -> list[Tensor]:
+    """Each tile's loss and its gradients, summed over the tiles into ``ctx.grad_x`` and
+    ``ctx.leaf_grads`` (one per leaf in ``ctx.leaves``); only one tile's logits live at a
+    time."""
+    ctx.grad_x = torch.zeros_like(x) if x.requires_grad else None
+    ctx.leaves, ctx.leaf_grads = [], []
+    losses = []
+    for tile in ctx.tiles:
+        piece, target, *rest = _tile_args(x, y, ctx.mask, tile)
+        piece = _detached(piece, x.requires_grad)
+        with torch.enable_grad():
+            loss = ctx.fn(ctx.module, piece, target, *rest)
+            leaves = _graph_leaves(loss, exclude=piece)
+            if not ctx.leaf_grads:
+                ctx.leaves = leaves
+            elif [id(t) for t in leaves] != [id(t) for t in ctx.leaves]:
+                raise RuntimeError("TiledFusedLogitsLoss: fn used different parameters on different tiles")
+            wanted = ([piece] if x.requires_grad else []) + leaves
+            grads = torch.autograd.grad(loss, wanted) if wanted else ()
+        if x.requires_grad:
+            ctx.grad_x[:, tile] = grads[0]
+            grads = grads[1:]
+        if ctx.leaf_grads:
+            ctx.leaf_grads = [a.add_(b) for a, b in zip(ctx.leaf_grads, grads)]
+        else:
+            ctx.leaf_grads = [g.clone() for g in grads]  # owned: later tiles add into them
+        losses.append(loss.detach())
+    return losses
+
+
+def _graph_leaves(output: Tensor, *, exclude: Tensor) -> list[Tensor]:
+    """The tensors requiring a gradient that ``output`` was computed from (its graph's
+    ``AccumulateGrad`` nodes), in a fixed order, without ``exclude``."""
+    leaves, seen, stack = [], set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if variable is not exclude:
+                leaves.append(variable)
+            continue
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
 
 
 def _tile_args(x, y, mask, tile) -> list:

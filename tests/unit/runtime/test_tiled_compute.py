@@ -82,6 +82,45 @@ def test_tiled_logits_loss_equals_the_loss_and_scales_every_gradient():
     torch.testing.assert_close(got[2], head.weight.grad)
 
 
+def test_tiled_logits_loss_runs_the_head_once_per_tile_and_reaches_every_parameter():
+    """The gradients come from forward (no second head per tile in backward), for the head's
+    weight and bias and a parameter ``fn`` reaches outside the module."""
+    head, scale = nn.Linear(H, V), nn.Parameter(torch.tensor(1.5))
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+
+    def fn(module, x, y):
+        return _loss_fn(module, x * scale, y)
+
+    x, y = torch.randn(B, S, H, requires_grad=True), torch.randint(0, V, (B, S))
+    (2.0 * TiledFusedLogitsLoss.apply(fn, head, x, y, None, 3, [head.weight], "mean")).backward()
+    assert len(calls) == 3
+    got = [t.grad.clone() for t in (x, head.weight, head.bias, scale)]
+    for t in (x, head.weight, head.bias, scale):
+        t.grad = None
+    tiles = [slice(0, 4), slice(4, 8), slice(8, 10)]
+    (2.0 * sum(fn(head, x[:, t], y[:, t]) for t in tiles) / 3).backward()
+    for grad, t in zip(got, (x, head.weight, head.bias, scale)):
+        torch.testing.assert_close(grad, t.grad)
+
+
+def test_tiled_logits_loss_recomputes_under_zero3():
+    """A ZeRO-3 parameter (``ds_shape``) is whole only inside its forward: the loss is
+    recomputed in backward instead, with the same gradients."""
+    head = nn.Linear(H, V)
+    head.weight.ds_shape = head.weight.shape
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    x, y = torch.randn(B, S, H, requires_grad=True), torch.randint(0, V, (B, S))
+    TiledFusedLogitsLoss.apply(_loss_fn, head, x, y, None, 2, [head.weight], "sum").backward()
+    assert len(calls) == 4
+    got = (x.grad.clone(), head.weight.grad.clone())
+    x.grad, head.weight.grad = None, None
+    _loss_fn(head, x, y).backward()
+    torch.testing.assert_close(got[0], x.grad)
+    torch.testing.assert_close(got[1], head.weight.grad)
+
+
 def test_tiled_logits_loss_mean_averages_the_tiles():
     head = nn.Linear(H, V)
     x, y = torch.randn(B, S, H), torch.randint(0, V, (B, S))
