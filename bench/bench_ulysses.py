@@ -18,7 +18,8 @@ A Hugging Face Llama built from a config (``--hidden``, ``--layers``, ``--heads`
 Both sequence-parallel variants take the same ALST options: ``--tiles N`` runs every MLP in
 N tiles (``TiledMLP``), ``--loss-tiles N`` computes the LM head and the cross-entropy in N
 tiles without the whole logits (``TiledFusedLogitsLoss``, reduction "sum" divided by the
-token count), ``--checkpoint`` turns on Hugging Face activation checkpointing
+token count; shardwise's variant uses its ``fused_causal_lm_loss`` in as many tiles unless
+``--shardwise-loss tiled``), ``--checkpoint`` turns on Hugging Face activation checkpointing
 (``gradient_checkpointing_enable``, non-reentrant).
 
 Two measurements:
@@ -180,6 +181,11 @@ def _loss_module(args, llama, ulysses_sp, group):
                 from shardwise.sequence.loss import causal_lm_loss
 
                 return causal_lm_loss(head(hidden), shift_labels, group=group)
+            if variant == "shardwise" and args.shardwise_loss == "fused":
+                from shardwise.sequence.loss import fused_causal_lm_loss
+
+                rows = -(-hidden.shape[0] * hidden.shape[1] // args.loss_tiles)  # the same number of tiles
+                return fused_causal_lm_loss(hidden, head, shift_labels, group=group, tile_tokens=rows)
             if args.loss_tiles and ulysses_sp is not None:
                 fused = ulysses_sp.TiledFusedLogitsLoss
                 loss_sum = fused.apply(_ce_sum, head, hidden, shift_labels, None, args.loss_tiles, [head.weight], "sum")
@@ -341,7 +347,7 @@ def worker(args) -> None:
 # -- driver: launches -----------------------------------------------------------------------------
 
 _MODEL_FLAGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "stage", "tiles", "loss_tiles")
-_MODEL_FLAGS += ("profile_rows",)
+_MODEL_FLAGS += ("profile_rows", "shardwise_loss")
 
 
 def _free_port() -> int:
@@ -616,6 +622,8 @@ def header(args, params: int | None, load: _LoadSampler, started: datetime) -> l
     from _machine import cpu_model
 
     alst = f"TiledMLP {args.tiles or 'off'}, TiledFusedLogitsLoss {args.loss_tiles or 'off'}"
+    if args.loss_tiles and args.shardwise_loss == "fused":
+        alst += f" (shardwise: its fused_causal_lm_loss in the same {args.loss_tiles} tiles)"
     alst += f", activation checkpointing {'on' if args.checkpoint else 'off'}"
     return [
         "# Long sequences: shardwise Ulysses/ALST against DeepSpeed 0.19.8's, and DDP",
@@ -649,6 +657,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stage", type=int, default=2, help="ZeRO stage of shardwise and DeepSpeed")
     parser.add_argument("--tiles", type=int, default=0, help="TiledMLP tiles (0: untiled MLPs)")
     parser.add_argument("--loss-tiles", type=int, default=0, help="TiledFusedLogitsLoss tiles (0: whole logits)")
+    parser.add_argument(
+        "--shardwise-loss",
+        choices=("fused", "tiled"),
+        default="fused",
+        help="with --loss-tiles, shardwise's loss: its fused linear cross-entropy (one logits buffer per tile, "
+        "gradients in forward) or TiledFusedLogitsLoss as DeepSpeed's variant runs it",
+    )
     parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing (sequence parallel)")
     parser.add_argument("--cap-gib", type=float, default=4.0, help="peak resident memory allowed per rank")
     parser.add_argument("--start", type=int, default=1024, help="first length of the capacity search")

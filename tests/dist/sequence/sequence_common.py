@@ -49,13 +49,13 @@ class TinyLM(nn.Module):
         self.attention_seen = []
         self.checkpointed = False  # each block under shardwise.checkpointing.checkpoint
 
-    def forward(self, ids, position_ids):
+    def forward(self, ids, position_ids, hidden=False):
         from shardwise import checkpointing
 
         x = self.embed(ids) + self.position(position_ids)
         for block in self.blocks:
             x = checkpointing.checkpoint(block, x) if self.checkpointed else block(x)
-        return self.head(x)
+        return x if hidden else self.head(x)
 
 
 def use_sequence_parallel(model, comm):

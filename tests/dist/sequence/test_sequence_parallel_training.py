@@ -15,8 +15,8 @@ from shardwise.testing import run_distributed
 STEPS = 3
 
 
-def _train(rank, world_size, sp, stage, optimizer_name):
-    from shardwise.sequence.loss import causal_lm_loss
+def _train(rank, world_size, sp, stage, optimizer_name, fused=False):
+    from shardwise.sequence.loss import causal_lm_loss, fused_causal_lm_loss
 
     replicas = world_size // sp
     data = samples(STEPS, replicas)
@@ -44,8 +44,12 @@ def _train(rank, world_size, sp, stage, optimizer_name):
         ids, labels = row[replica]
         positions = torch.arange(SEQ).expand_as(ids)
         mine = slice(piece * size, (piece + 1) * size)
-        logits = engine(ids[:, mine], positions[:, mine])
-        loss = causal_lm_loss(logits, labels[:, mine], group=comm)
+        if fused:  # the head's logits a few rows at a time, never whole
+            hidden = engine(ids[:, mine], positions[:, mine], hidden=True)
+            loss = fused_causal_lm_loss(hidden, engine.module.head, labels[:, mine], group=comm, tile_tokens=3)
+        else:
+            logits = engine(ids[:, mine], positions[:, mine])
+            loss = causal_lm_loss(logits, labels[:, mine], group=comm)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
@@ -73,6 +77,17 @@ def test_sequence_parallel_training_equals_whole_sequences(tmp_path, world, stag
         assert weight_error < 1e-5 and moved > 1e-2, (weight_error, moved)
         assert mlp_positions == {SEQ // 2}  # the pieces, never the whole sequence
         assert attention_seen == {(SEQ, HEADS // 2)}  # the whole sequence, half the heads
+
+
+@pytest.mark.parametrize(("world", "stage", "optimizer_name"), [(2, 0, "sgd"), (4, 2, "adamw")])
+def test_the_fused_loss_trains_as_whole_sequences(tmp_path, world, stage, optimizer_name):
+    results = run_distributed(
+        _train, world_size=world, tmp_path=tmp_path, sp=2, stage=stage, optimizer_name=optimizer_name, fused=True
+    )
+    for loss_error, weight_error, moved, mlp_positions, _ in results:
+        assert loss_error < 1e-5, (loss_error, world, stage)
+        assert weight_error < 1e-5 and moved > 1e-2, (weight_error, moved)
+        assert mlp_positions == {SEQ // 2}
 
 
 def _refusals(rank, world_size):
