@@ -170,6 +170,11 @@ class BatchingEngine:
                 time_to_first_token_seconds=list(m.time_to_first_token_seconds),
             )
 
+    @property
+    def failed(self) -> str | None:
+        """Why the engine stopped serving (its decoder failed), or None while it serves."""
+        return self._failed
+
     def shutdown(self) -> None:
         """Stop accepting, finish what runs, stop the loop."""
         with self._lock:

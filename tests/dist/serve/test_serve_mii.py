@@ -62,11 +62,13 @@ def test_serve_client_and_terminate(model_dir, expected):
 
 
 @pytest.mark.parametrize(
-    "kwargs, name", [({"replica_num": 2}, "replica_num"), ({"tensor_parallel": 2}, "tensor_parallel")]
-)
-def test_what_is_not_built_is_refused_by_name(kwargs, name):
+    "call, kwargs, name",
+    [(mii.serve, {"replica_num": 0}, "replica_num"), (mii.serve, {"tensor_parallel": 0}, "tensor_parallel"),
+     (mii.pipeline, {"tensor_parallel": 2}, "tensor_parallel")],
+)  # fmt: skip
+def test_what_is_not_built_is_refused_by_name(call, kwargs, name):
     with pytest.raises(ValueError, match=name):
-        mii.serve("unused", **kwargs)
+        call("unused", **kwargs)
 
 
 def test_unknown_generation_arguments_are_refused_by_name():
