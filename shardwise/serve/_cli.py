@@ -85,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks the model is split over (processes on this machine)"
     )
+    p.add_argument(
+        "--data-parallel-size", type=int, default=1, help="engine replicas, each a process with its own model copy"
+    )
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: the checkpoint's own dtype")
     p.add_argument("--engine", default="batched", choices=sorted(ENGINES))
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in the running batch")
@@ -101,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as error:
         print(f"shardwise serve: {error}", file=sys.stderr)
         return 2
-    if args.tensor_parallel_size < 1:
-        print("shardwise serve: --tensor-parallel-size must be at least 1", file=sys.stderr)
+    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+        print("shardwise serve: --tensor-parallel-size and --data-parallel-size must be at least 1", file=sys.stderr)
         return 2
     import uvicorn
 
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
     )
-    launched = launch(spec)
+    launched = launch(spec, replicas=args.data_parallel_size)
     engine = launched.engine
     name = args.served_model_name or args.model
     app = create_app(engine, served_model_name=name, api_key=args.api_key)

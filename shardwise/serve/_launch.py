@@ -90,13 +90,23 @@ class Launched:
             dist.destroy_process_group()
 
 
-def launch(spec: EngineSpec) -> Launched:
+def launch(spec: EngineSpec, *, replicas: int = 1) -> Launched:
     """The engine of ``spec`` in this process (rank 0), with its followers when
-    ``tensor_parallel_size`` > 1 (see [Note: serving processes])."""
+    ``tensor_parallel_size`` > 1 (see [Note: serving processes]); with ``replicas`` > 1, a
+    :class:`~shardwise.serve._replicas.ReplicaSet` of that many engines in their own
+    processes (see [Note: serving replicas])."""
     from shardwise.serve._cli import build_engine, load_model
 
+    if replicas > 1:
+        import transformers
+
+        from shardwise.serve._replicas import ReplicaSet
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(spec.model)
+        return Launched(ReplicaSet(spec, tokenizer, replicas=replicas))
     tp = spec.tensor_parallel_size
     if tp == 1:
+        _use_device(spec.first_device)
         model, tokenizer = load_model(spec.model, spec.dtype)
         engine = build_engine(
             spec.engine,
@@ -130,15 +140,12 @@ def launch(spec: EngineSpec) -> Launched:
 
 def _tensor_parallel_rank(spec: EngineSpec, rank: int, port: int):
     """Join the group as ``rank``, load the model, run :func:`serve_tensor_parallel`."""
-    import torch
     import torch.distributed as dist
 
     from shardwise.serve._cli import load_model
     from shardwise.serve._tp import TensorParallelOptions, serve_tensor_parallel
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(spec.first_device + rank)
+    cuda = _use_device(spec.first_device + rank)
     model, tokenizer = load_model(spec.model, spec.dtype)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
@@ -152,6 +159,16 @@ def _tensor_parallel_rank(spec: EngineSpec, rank: int, port: int):
         kwargs["max_num_seqs"] = spec.max_num_seqs
     options = TensorParallelOptions(timeout_s=spec.timeout_s, heartbeat_s=min(5.0, spec.timeout_s / 4))
     return serve_tensor_parallel(model, tokenizer, options=options, **kwargs)
+
+
+def _use_device(index: int) -> bool:
+    """Make GPU ``index`` this process's device when there are GPUs; whether there are."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.set_device(index)
+    return True
 
 
 def _free_port() -> int:

@@ -1,6 +1,9 @@
 """DeepSpeed-MII's API: ``mii.pipeline`` in process and ``mii.serve`` / ``mii.client`` over a
 real server process give greedy text equal to ``generate``, MII's response fields, streaming
-through ``streaming_fn``, and refuse what is not built by name."""
+through ``streaming_fn``, replicas of tensor-parallel engines (no process left after
+``terminate_server``), and refuse what is not built by name."""
+
+import os
 
 import pytest
 import torch
@@ -59,6 +62,20 @@ def test_serve_client_and_terminate(model_dir, expected):
     assert client._process.poll() is not None
     with pytest.raises(ValueError, match="no running deployment"):
         mii.client("tiny-mii")
+
+
+def test_serve_replicas_of_tensor_parallel_engines(model_dir, expected):
+    from test_serve_parallel import descendants
+
+    client = mii.serve(str(model_dir), deployment_name="tiny-mii-parallel", tensor_parallel=2, replica_num=2)
+    processes = descendants(client.pid)
+    try:
+        assert len(processes) == 4  # two replicas, each with its follower
+        answers = client.generate(PROMPTS * 2, max_new_tokens=6, do_sample=False)
+        assert [(r.generated_text, r.prompt_length) for r in answers] == expected * 2
+    finally:
+        client.terminate_server()
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in processes)
 
 
 @pytest.mark.parametrize(
