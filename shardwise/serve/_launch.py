@@ -9,8 +9,9 @@ shardwise.serve._launch``) with the :class:`EngineSpec`, and every rank loads th
 from the directory and keeps its shard ([Note: tensor-parallel serving]). A follower ends
 when rank 0's engine stops (its ``STOP`` message), when a collective fails (rank 0 died:
 its sockets close), or when its parent process is gone (checked every second), so a server
-killed outright leaves no follower behind. :meth:`Launched.close` waits for the followers
-and kills those still alive after a grace period.
+killed outright leaves no follower behind. Followers run in their own session, so a
+terminal's Ctrl-C reaches the server alone, which stops them in order. :meth:`Launched.close`
+waits for the followers and kills those still alive after a grace period.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def launch(spec: EngineSpec, *, replicas: int = 1) -> Launched:
         subprocess.Popen(
             [sys.executable, "-m", "shardwise.serve._launch", spec.to_json(), str(rank), str(port)],
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the server only, which stops them in order
         )
         for rank in range(1, tp)
     ]

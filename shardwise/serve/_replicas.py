@@ -164,6 +164,7 @@ class ReplicaSet:
             [sys.executable, "-m", "shardwise.serve._replicas", own.to_json(), str(index), str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the front end only, which stops them in order
         )
         theirs.close()
         return _Replica(index, process, Connection(ours.detach()))
