@@ -114,9 +114,9 @@ class ReplicaSet:
                 stream = RequestStream(request_id, lambda _: None)
                 stream.put(TokenEvent(None, True, "error", "every replica has ended"))
                 return stream
-            refusal = self._submit_to(replica, request_id, list(prompt_ids), params)
+            stream, refusal = self._submit_to(replica, request_id, list(prompt_ids), params)
             if refusal is None:
-                return replica.streams[request_id]
+                return stream  # it may have finished already: the reader no longer holds it
             kind, message = refusal
             if kind == "QueueFull":
                 raise QueueFull(message)
@@ -187,12 +187,14 @@ class ReplicaSet:
             turn = next(self._turn)
             return min(live, key=lambda r: (len(r.streams), (r.index - turn) % len(self.replicas)))
 
-    def _submit_to(self, replica: _Replica, request_id: str, prompt_ids, params) -> tuple[str, str] | None:
+    def _submit_to(self, replica: _Replica, request_id: str, prompt_ids, params):
+        """(the request's stream, None) once ``replica`` took it, else (None, (kind, message))."""
         ack = [threading.Event(), None]
+        stream = RequestStream(request_id, lambda rid: self._cancel(replica, rid))
         with self._lock:
             if replica.dead is not None:
-                return ("dead", replica.dead)
-            replica.streams[request_id] = RequestStream(request_id, lambda rid: self._cancel(replica, rid))
+                return None, ("dead", replica.dead)
+            replica.streams[request_id] = stream
             replica.acks[request_id] = ack
         try:
             replica.send(("submit", request_id, prompt_ids, params))
@@ -206,7 +208,7 @@ class ReplicaSet:
                 replica.streams.pop(request_id, None)
             else:
                 replica.served += 1
-        return ack[1]
+        return (stream, None) if ack[1] is None else (None, ack[1])
 
     def _cancel(self, replica: _Replica, request_id: str) -> None:
         try:
