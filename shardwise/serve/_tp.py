@@ -24,6 +24,7 @@ fails the same way and ends.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -198,10 +199,9 @@ def serve_tensor_parallel(model, tokenizer, *, options: TensorParallelOptions | 
         replace_with_kernel_inject=False,
         enable_cuda_graph=False,
     )
-    engine_kwargs["max_model_len"] = engine_kwargs.get("max_model_len") or getattr(
-        model.config, "max_position_embeddings", 2048
-    )
-    sizes = pool_size(**{k: v for k, v in engine_kwargs.items() if k in _POOL_KEYS})
+    max_model_len = engine_kwargs.pop("max_model_len", None) or getattr(model.config, "max_position_embeddings", 2048)
+    pool = {k: engine_kwargs.pop(k) for k in _POOL_KEYS if k in engine_kwargs}
+    sizes = pool_size(max_model_len=max_model_len, **pool)  # every rank builds the same pool from these
     plan_format = PlanFormat(sizes.token_budget, sizes.max_num_seqs, -(-sizes.max_model_len // sizes.block_size))
     if comm.rank != 0:
         decoder = PagedDecoder(model, num_blocks=sizes.num_blocks, block_size=sizes.block_size)
@@ -213,7 +213,7 @@ def serve_tensor_parallel(model, tokenizer, *, options: TensorParallelOptions | 
         paged = PagedDecoder(model, num_blocks=num_blocks, block_size=block_size)
         return PlanBroadcaster(paged, comm, plan_format, heartbeat_s=options.heartbeat_s)
 
-    return BatchingEngine(model, tokenizer, decoder=decoder, **engine_kwargs)
+    return BatchingEngine(model, tokenizer, decoder=decoder, **dataclasses.asdict(sizes), **engine_kwargs)
 
 
-_POOL_KEYS = ("max_model_len", "max_num_seqs", "token_budget", "block_size", "num_blocks")
+_POOL_KEYS = ("max_num_seqs", "token_budget", "block_size", "num_blocks")
