@@ -10,7 +10,10 @@
 
 MII's generation keywords are taken (``max_new_tokens``, ``max_length``, ``do_sample``,
 ``temperature``, ``top_p`` (default 0.9), ``top_k``, ``ignore_eos``, ``return_full_text``);
-others, and ``tensor_parallel`` / ``replica_num`` above 1, are refused by name.
+others are refused by name. ``mii.serve(..., tensor_parallel=N, replica_num=R)`` runs ``R``
+engines behind one server, each with its own model copy split over ``N`` processes of this
+machine (``shardwise serve --tensor-parallel-size N --data-parallel-size R``);
+``mii.pipeline`` runs in one process and refuses ``tensor_parallel`` above 1.
 """
 
 from __future__ import annotations
@@ -68,10 +71,10 @@ def _check_generate_keys(kwargs: dict) -> None:
 
 
 def _check_parallel(tensor_parallel: int, replica_num: int) -> None:
-    if tensor_parallel != 1:
-        raise ValueError(f"tensor_parallel={tensor_parallel} is not available yet; use 1")
-    if replica_num != 1:
-        raise ValueError(f"replica_num={replica_num} is not available yet; use 1")
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be at least 1, got {tensor_parallel}")
+    if replica_num < 1:
+        raise ValueError(f"replica_num must be at least 1, got {replica_num}")
 
 
 def _sampling(kwargs: dict) -> dict:
@@ -154,7 +157,11 @@ def pipeline(
     ``all_rank_output`` has no effect with one rank."""
     from shardwise.serve._cli import build_engine, load_model
 
-    _check_parallel(tensor_parallel, 1)
+    if tensor_parallel != 1:
+        raise ValueError(
+            f"mii.pipeline runs in this process: tensor_parallel={tensor_parallel} is served by "
+            f"mii.serve(..., tensor_parallel={tensor_parallel})"
+        )
     model, tokenizer = load_model(model_name_or_path, dtype)
     built = build_engine(engine, model, tokenizer, max_model_len=max_length, max_queue=1024, max_num_seqs=None)
     return Pipeline(built, max_length)
@@ -183,12 +190,14 @@ def serve(
 ) -> Client:
     """A persistent deployment (MII's ``mii.serve``): ``shardwise serve`` in a subprocess on
     ``127.0.0.1:port`` (a free port by default) named ``deployment_name`` (default: the model
-    path); returns its :class:`Client` once the server answers ``/health``."""
+    path), with ``replica_num`` engines, each with its model split over ``tensor_parallel``
+    processes; returns its :class:`Client` once the server answers ``/health``."""
     _check_parallel(tensor_parallel, replica_num)
     name = deployment_name or model_name_or_path
     port = port or _free_port()
     cmd = [sys.executable, "-m", "shardwise.cli", "serve", str(model_name_or_path), "--port", str(port)]
     cmd += ["--served-model-name", name, "--engine", engine, "--log-level", "warning"]
+    cmd += ["--tensor-parallel-size", str(tensor_parallel), "--data-parallel-size", str(replica_num)]
     if max_length:
         cmd += ["--max-model-len", str(max_length)]
     process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)

@@ -14,6 +14,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,32 @@ class _Request:
     first_token: float | None = None
 
 
+@dataclass(frozen=True)
+class PoolSizes:
+    """The sizes a batching engine's scheduler and cache are built with (see ``pool_size``)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    token_budget: int
+    block_size: int
+    num_blocks: int
+
+
+def pool_size(
+    *, max_model_len: int, max_num_seqs: int = 16, token_budget: int = 256, block_size: int = 16, num_blocks=None
+) -> PoolSizes:
+    """The engine's sizes with their defaults filled in (``num_blocks``: enough for
+    ``max_num_seqs`` sequences of ``max_model_len``); a pool that cannot hold one sequence is
+    refused."""
+    num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size)
+    if -(-max_model_len // block_size) > num_blocks:
+        raise ValueError(
+            f"{num_blocks} blocks of {block_size} tokens cannot hold one sequence of max_model_len="
+            f"{max_model_len}; give more blocks or a shorter max_model_len"
+        )
+    return PoolSizes(max_model_len, max_num_seqs, token_budget, block_size, num_blocks)
+
+
 class BatchingEngine:
     """Continuous batching for Llama-family models (see the module docstring).
 
@@ -57,6 +84,10 @@ class BatchingEngine:
             ``max_model_len``).
         prefix_caching: reuse the blocks of prompt prefixes computed before (see
             [Note: prefix caching]).
+        decoder: builds the decoder, ``decoder(model, num_blocks=, block_size=)``
+            (default :class:`PagedDecoder`; the tensor-parallel engine's sends each plan to
+            its followers, ``_tp.py``). A decoder whose ``failed`` is set after an error
+            stops the engine: every request held and every later one ends with that error.
     """
 
     def __init__(
@@ -71,23 +102,25 @@ class BatchingEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         prefix_caching: bool = True,
+        decoder: Callable | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 2048)
         check_family(model, self.max_model_len)
-        num_blocks = num_blocks or max_num_seqs * -(-self.max_model_len // block_size)
+        num_blocks = pool_size(
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            token_budget=token_budget,
+            block_size=block_size,
+            num_blocks=num_blocks,
+        ).num_blocks
         self.allocator = BlockAllocator(num_blocks, block_size)
-        if self.allocator.blocks_for(self.max_model_len) > num_blocks:
-            raise ValueError(
-                f"{num_blocks} blocks of {block_size} tokens cannot hold one sequence of max_model_len="
-                f"{self.max_model_len}; give more blocks or a shorter max_model_len"
-            )
         cache = PrefixCache(self.allocator) if prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator, max_num_seqs=max_num_seqs, token_budget=token_budget, prefix_cache=cache
         )
-        self.decoder = PagedDecoder(model, num_blocks=num_blocks, block_size=block_size)
+        self.decoder = (decoder or PagedDecoder)(model, num_blocks=num_blocks, block_size=block_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_queue = max_queue
         self._incoming: queue.Queue = queue.Queue()
@@ -97,6 +130,8 @@ class BatchingEngine:
         self._metrics = EngineMetrics()
         self._ids = itertools.count()
         self._stopping = False
+        self._failed: str | None = None
+        """Why the engine stopped serving (its decoder failed), or None."""
         self._thread = threading.Thread(target=self._loop, name="shardwise-serve", daemon=True)
         self._thread.start()
 
@@ -104,14 +139,17 @@ class BatchingEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         check_length(prompt_ids, params, self.max_model_len)
-        with self._lock:
-            waiting = self._incoming.qsize() + len(self.scheduler.waiting)
-            if self._stopping or waiting >= self.max_queue:
-                raise QueueFull(f"{waiting} requests are waiting; retry later")
         stream = RequestStream(f"req-{next(self._ids)}", self._cancel)
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         request = _Request(stream, params, generator, time.perf_counter())
-        self._incoming.put(Sequence(stream.request_id, list(prompt_ids), params.max_tokens, payload=request))
+        with self._lock:  # under the lock: a failure drains what came before it (_fail_all)
+            if self._failed is not None:
+                stream.put(TokenEvent(None, True, "error", self._failed))
+                return stream
+            waiting = self._incoming.qsize() + len(self.scheduler.waiting)
+            if self._stopping or waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting; retry later")
+            self._incoming.put(Sequence(stream.request_id, list(prompt_ids), params.max_tokens, payload=request))
         self._wake.set()
         return stream
 
@@ -132,6 +170,11 @@ class BatchingEngine:
                 time_to_first_token_seconds=list(m.time_to_first_token_seconds),
             )
 
+    @property
+    def failed(self) -> str | None:
+        """Why the engine stopped serving (its decoder failed), or None while it serves."""
+        return self._failed
+
     def shutdown(self) -> None:
         """Stop accepting, finish what runs, stop the loop."""
         with self._lock:
@@ -142,18 +185,33 @@ class BatchingEngine:
     # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            self._admit()
-            if self.scheduler.idle:
-                if self._stopping:
-                    return
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                self._step()
-            except Exception as error:  # noqa: BLE001 - fail the batch's requests, keep serving
-                self._fail_running(f"{type(error).__name__}: {error}")
+        try:
+            while self._serve_once():
+                pass
+        except Exception as error:  # noqa: BLE001 - the decoder failed: end every request, refuse new ones
+            with self._lock:
+                self._failed = self.decoder.failed or f"{type(error).__name__}: {error}"
+            self._fail_all(self._failed)
+        else:
+            self.decoder.close()
+
+    def _serve_once(self) -> bool:
+        """One turn of the loop; False once stopping and idle. Raises when the decoder failed."""
+        self._admit()
+        if self.scheduler.idle:
+            if self._stopping:
+                return False
+            self.decoder.idle()
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+            return True
+        try:
+            self._step()
+        except Exception as error:  # noqa: BLE001 - fail the batch's requests, keep serving
+            if self.decoder.failed is not None:
+                raise
+            self._fail_running(f"{type(error).__name__}: {error}")
+        return True
 
     def _admit(self) -> None:
         with self._lock:
@@ -210,4 +268,10 @@ class BatchingEngine:
 
     def _fail_running(self, message: str) -> None:
         for sequence in list(self.scheduler.running):
+            self._finish(sequence, "error", message)
+
+    def _fail_all(self, message: str) -> None:
+        """Every request held or submitted before ``_failed`` was set ends with ``message``."""
+        self._admit()
+        for sequence in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(sequence, "error", message)

@@ -82,7 +82,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL)")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks the model is split over (processes on this machine)"
+    )
+    p.add_argument(
+        "--data-parallel-size", type=int, default=1, help="engine replicas, each a process with its own model copy"
+    )
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: the checkpoint's own dtype")
     p.add_argument("--engine", default="batched", choices=sorted(ENGINES))
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in the running batch")
@@ -99,22 +104,25 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as error:
         print(f"shardwise serve: {error}", file=sys.stderr)
         return 2
-    if args.tensor_parallel_size != 1:
-        print("shardwise serve: --tensor-parallel-size > 1 is not available yet; serve with 1", file=sys.stderr)
+    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+        print("shardwise serve: --tensor-parallel-size and --data-parallel-size must be at least 1", file=sys.stderr)
         return 2
     import uvicorn
 
     from shardwise.serve._http import create_app
+    from shardwise.serve._launch import EngineSpec, launch
 
-    model, tokenizer = load_model(args.model, args.dtype)
-    engine = build_engine(
-        args.engine,
-        model,
-        tokenizer,
+    spec = EngineSpec(
+        model=args.model,
+        dtype=args.dtype,
+        engine=args.engine,
         max_model_len=args.max_model_len,
         max_queue=args.max_queue,
         max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+    launched = launch(spec, replicas=args.data_parallel_size)
+    engine = launched.engine
     name = args.served_model_name or args.model
     app = create_app(engine, served_model_name=name, api_key=args.api_key)
     logger.info(
@@ -123,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=_GRACEFUL_S
     )
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        launched.close()
     return 0
 
 

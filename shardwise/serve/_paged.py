@@ -18,6 +18,8 @@ Families: Llama, Mistral and Qwen2 (Hugging Face layouts with ``q_proj``/``k_pro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -42,17 +44,42 @@ def check_family(model, max_model_len: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one forward computes, as plain data (see [Note: the paged forward]): the flat
+    token ids of every chunk laid end to end, each chunk's ``start`` and ``end`` positions,
+    whether it samples, and its block table (the blocks holding slots ``0..end-1``). Every
+    rank of a tensor-parallel engine runs the same plan ([Note: tensor-parallel serving])."""
+
+    ids: list[int]
+    starts: list[int]
+    ends: list[int]
+    samples: list[bool]
+    tables: list[list[int]]
+
+    @classmethod
+    def of(cls, chunks: list[Chunk], block_size: int) -> StepPlan:
+        return cls(
+            ids=[t for c in chunks for t in c.sequence.token_slice(c.start, c.end)],
+            starts=[c.start for c in chunks],
+            ends=[c.end for c in chunks],
+            samples=[c.samples for c in chunks],
+            tables=[c.sequence.blocks[: -(-c.end // block_size)] for c in chunks],
+        )
+
+
 class PagedDecoder:
-    """The model's own modules run over a flat batch of chunks (see [Note: the paged forward])."""
+    """The model's own modules run over a flat batch of chunks (see [Note: the paged forward]).
+    A tensor-parallel shard of the model (``init_inference``'s split) runs its own heads: the
+    head counts are read from the projections' shapes, so the cache holds the local heads only."""
 
     def __init__(self, model, *, num_blocks: int, block_size: int):
         self.model = model
         self.inner = model.model
-        config = model.config
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         attention = self.inner.layers[0].self_attn
         self.head_dim = attention.head_dim
+        self.heads = attention.q_proj.weight.shape[0] // self.head_dim
+        self.kv_heads = attention.k_proj.weight.shape[0] // self.head_dim
         self.scaling = attention.scaling
         self.block_size = block_size
         parameter = next(model.parameters())
@@ -64,30 +91,44 @@ class PagedDecoder:
 
         self._rotary = apply_rotary_pos_emb
 
+    failed: str | None = None
+    """Why this decoder can no longer run (never, for a single process)."""
+
+    def idle(self) -> None:
+        """Called while the engine has nothing to compute."""
+
+    def close(self) -> None:
+        """Called once when the engine stops."""
+
     def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
         table = torch.tensor(blocks, dtype=torch.long)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits ``[chunks that sample, vocab]`` (in order) after computing every chunk."""
+        return self.run(StepPlan.of(chunks, self.block_size))
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Logits ``[chunks that sample, vocab]`` (in order) after computing ``plan``."""
         device = self.keys.device
-        ids = torch.tensor([t for c in chunks for t in c.sequence.token_slice(c.start, c.end)], device=device)
-        positions = torch.cat([torch.arange(c.start, c.end) for c in chunks]).to(device)
-        written = torch.cat([self.slots(c.sequence.blocks, c.start, c.end) for c in chunks]).to(device)
-        context = [self.slots(c.sequence.blocks, 0, c.end).to(device) for c in chunks]
+        spans = list(zip(plan.starts, plan.ends))
+        ids = torch.tensor(plan.ids, device=device)
+        positions = torch.cat([torch.arange(start, end) for start, end in spans]).to(device)
+        written = torch.cat([self.slots(t, s, e) for t, (s, e) in zip(plan.tables, spans)]).to(device)
+        context = [self.slots(t, 0, e).to(device) for t, (_, e) in zip(plan.tables, spans)]
         x = self.inner.embed_tokens(ids)[None]
         cos, sin = self.inner.rotary_emb(x, positions[None])
         for index, layer in enumerate(self.inner.layers):
             hidden = layer.input_layernorm(x)
-            x = x + self._attention(layer.self_attn, hidden, cos, sin, index, chunks, written, context)
+            x = x + self._attention(layer.self_attn, hidden, cos, sin, index, spans, written, context)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        rows = torch.tensor([row for row, c in zip(_ends(chunks), chunks) if c.samples], dtype=torch.long)
+        rows = torch.tensor([row for row, samples in zip(_ends(spans), plan.samples) if samples], dtype=torch.long)
         last = x[0, rows.to(device)]
         return self.model.lm_head(self.inner.norm(last)).float()
 
-    def _attention(self, attention, hidden, cos, sin, index, chunks, written, context) -> torch.Tensor:
+    def _attention(self, attention, hidden, cos, sin, index, spans, written, context) -> torch.Tensor:
         tokens = hidden.shape[1]
         q = attention.q_proj(hidden).view(1, tokens, self.heads, self.head_dim).transpose(1, 2)
         k = attention.k_proj(hidden).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -96,13 +137,13 @@ class PagedDecoder:
         self.keys[index, written] = k[0].transpose(0, 1).to(self.keys.dtype)
         self.values[index, written] = v[0].to(self.values.dtype)
         outputs, row = [], 0
-        for chunk, slots in zip(chunks, context):
-            length = chunk.end - chunk.start
+        for (start, end), slots in zip(spans, context):
+            length = end - start
             query = q[:, :, row : row + length]  # [1, heads, length, d]
             keys = self.keys[index, slots].transpose(0, 1)[None]  # [1, kv_heads, end, d]
             values = self.values[index, slots].transpose(0, 1)[None]
-            key_positions = torch.arange(chunk.end, device=keys.device)
-            query_positions = torch.arange(chunk.start, chunk.end, device=keys.device)
+            key_positions = torch.arange(end, device=keys.device)
+            query_positions = torch.arange(start, end, device=keys.device)
             mask = key_positions[None, :] <= query_positions[:, None]
             out = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.heads != self.kv_heads
@@ -113,10 +154,10 @@ class PagedDecoder:
         return attention.o_proj(out)
 
 
-def _ends(chunks: list[Chunk]) -> list[int]:
+def _ends(spans: list[tuple[int, int]]) -> list[int]:
     """The flat row of each chunk's last token."""
     ends, row = [], 0
-    for chunk in chunks:
-        row += chunk.end - chunk.start
+    for start, end in spans:
+        row += end - start
         ends.append(row - 1)
     return ends

@@ -1,6 +1,9 @@
 """DeepSpeed-MII's API: ``mii.pipeline`` in process and ``mii.serve`` / ``mii.client`` over a
 real server process give greedy text equal to ``generate``, MII's response fields, streaming
-through ``streaming_fn``, and refuse what is not built by name."""
+through ``streaming_fn``, replicas (no process left after ``terminate_server``), and refuse
+what is not built by name."""
+
+import os
 
 import pytest
 import torch
@@ -61,12 +64,30 @@ def test_serve_client_and_terminate(model_dir, expected):
         mii.client("tiny-mii")
 
 
+def test_serve_replicas(model_dir, expected):
+    from test_serve_parallel import descendants
+
+    # replica_num=2 with tensor_parallel=2 (each replica with its follower) passes too; one
+    # process per replica keeps the suite short (test_serve_parallel.py covers the followers)
+    client = mii.serve(str(model_dir), deployment_name="tiny-mii-replicas", replica_num=2)
+    processes = descendants(client.pid)
+    try:
+        assert len(processes) == 2  # the replicas
+        answers = client.generate(PROMPTS * 2, max_new_tokens=6, do_sample=False)
+        assert [(r.generated_text, r.prompt_length) for r in answers] == expected * 2
+    finally:
+        client.terminate_server()
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in processes)
+
+
 @pytest.mark.parametrize(
-    "kwargs, name", [({"replica_num": 2}, "replica_num"), ({"tensor_parallel": 2}, "tensor_parallel")]
-)
-def test_what_is_not_built_is_refused_by_name(kwargs, name):
+    "call, kwargs, name",
+    [(mii.serve, {"replica_num": 0}, "replica_num"), (mii.serve, {"tensor_parallel": 0}, "tensor_parallel"),
+     (mii.pipeline, {"tensor_parallel": 2}, "tensor_parallel")],
+)  # fmt: skip
+def test_what_is_not_built_is_refused_by_name(call, kwargs, name):
     with pytest.raises(ValueError, match=name):
-        mii.serve("unused", **kwargs)
+        call("unused", **kwargs)
 
 
 def test_unknown_generation_arguments_are_refused_by_name():

@@ -134,7 +134,7 @@ def test_serve_names_the_extra_when_fastapi_is_missing(monkeypatch, capsys):
 def test_serve_refuses_tensor_parallel_by_name(capsys):
     from shardwise.serve import _cli
 
-    assert _cli.main(["somewhere", "--tensor-parallel-size", "2"]) == 2
+    assert _cli.main(["somewhere", "--tensor-parallel-size", "0"]) == 2
     assert "--tensor-parallel-size" in capsys.readouterr().err
 
 
