@@ -1,0 +1,301 @@
+"""The hybrid engine's inference view: the training weights, current at every
+``generate``, laid out for ``init_inference``'s fast decoder.
+
+[Note: the inference view]
+The fast decoder (``inference/_fast.py``) fuses projections and re-stores weights
+input-major, making the layers' parameters views of its own tensors. The training
+module's parameters cannot be re-bound that way (ZeRO owns their storage: flat buffers,
+stage-3 units), so the view is a second instance of the model class, built once from the
+model's config on the meta device and given storage of the training dtype: the *inference
+copy*. The decoder is built over the copy once; every ``generate`` then refreshes the copy
+in place from the training parameters (the copy's parameters are views of the decoder's
+tensors, biases included), which costs one copy of the weights. Building the copy and
+decoder again instead costs the same copy plus the allocations (measured in the hybrid
+engine's tests' module docstring).
+
+Filling the copy walks the model in groups: the parameters outside the largest
+``ModuleList`` (embeddings, final norm, head) first, then ``tp_gather_partition_size``
+layers at a time. Under ZeRO stage 3 each group is gathered (one collective per unit,
+the same order on every rank), copied and freed, so at most one group is whole at a
+time and nothing stays gathered after ``generate``; at stages 0-2 the parameters are
+whole already and the gathers do nothing. LoRA layers (``fuse_lora_weight`` /
+``unfuse_lora_weight``) of a group are fused before its copy and unfused after, and
+their parameters are then restored bit for bit (fusing and unfusing in floating point
+is not exact), so training sees exactly the weights it had.
+
+A model without a fast decoder generates with its own ``generate`` on the training
+module, every group gathered first and kept whole until the call ends (stage 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise.config._hybrid_engine import HybridEngineConfig
+from shardwise.inference._generate import GenerationStats, fast_request, run_fast
+from shardwise.zero import GatheredParameters
+
+logger = logging.getLogger("shardwise")
+
+
+@dataclass(frozen=True)
+class InferenceMemory:
+    """What the inference view holds between ``generate`` calls."""
+
+    weights_bytes: int
+    """The inference copy of the weights (0 once freed: ``pin_parameters`` false)."""
+    cache_bytes: int
+    """The kept KV cache (0 once freed: ``release_inference_cache``)."""
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """Parameters gathered and copied together, and the LoRA layers among them."""
+
+    params: list[tuple[str, nn.Parameter]]
+    """``(name in the model, parameter)``, each parameter once."""
+    lora: list[nn.Module]
+    """Layers with ``fuse_lora_weight`` / ``unfuse_lora_weight`` whose weights are here."""
+
+
+def _is_lora(module: nn.Module) -> bool:
+    return hasattr(module, "fuse_lora_weight") and hasattr(module, "unfuse_lora_weight")
+
+
+def gather_plan(module: nn.Module, layers_per_group: int) -> list[GatherGroup]:
+    """The groups the inference copy is filled in, in order (the same on every rank): the
+    parameters outside the model's largest ``ModuleList`` (embeddings, norms, head), then
+    ``layers_per_group`` consecutive entries of that list at a time."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    layers = max(lists, key=len) if lists else nn.ModuleList()
+    names = {id(p): n for n, p in module.named_parameters()}
+    in_layers = {id(p) for p in layers.parameters()}
+    layer_modules = {id(m) for m in layers.modules()}
+    groups = [
+        GatherGroup(
+            params=[(n, p) for n, p in module.named_parameters() if id(p) not in in_layers],
+            lora=[m for m in module.modules() if id(m) not in layer_modules and _is_lora(m)],
+        )
+    ]
+    seen = {id(p) for _, p in groups[0].params}
+    for start in range(0, len(layers), layers_per_group):
+        chunk = nn.ModuleList(layers[start : start + layers_per_group])
+        params = [(names[id(p)], p) for p in chunk.parameters() if id(p) not in seen]
+        seen.update(id(p) for _, p in params)
+        groups.append(
+            GatherGroup(
+                params=params,
+                lora=[m for m in chunk.modules() if _is_lora(m)],
+            )
+        )
+    return groups
+
+
+@contextlib.contextmanager
+def fused_lora(modules: list[nn.Module]):
+    """LoRA ``modules`` fused inside the block; after it they are unfused and their
+    parameters hold exactly the values they had before (see [Note: the inference view])."""
+    with torch.no_grad():
+        kept = [[p.detach().clone() for p in m.parameters()] for m in modules]
+        for m in modules:
+            m.fuse_lora_weight()
+        try:
+            yield
+        finally:
+            for m, values in zip(modules, kept):
+                m.unfuse_lora_weight()
+                for p, value in zip(m.parameters(), values):
+                    p.copy_(value)
+
+
+class _KeptCache:
+    """The decoder, handing out one KV cache again while batch and length stay the same
+    (``run_fast`` writes every position before it reads it)."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+        self.cache = None
+        self.shape: tuple[int, int] | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.decoder, name)
+
+    def new_cache(self, batch: int, length: int):
+        if self.shape != (batch, length):
+            self.cache = None  # free the old one before allocating
+            self.cache = self.decoder.new_cache(batch, length)
+            self.shape = (batch, length)
+        return self.cache
+
+    def nbytes(self) -> int:
+        if self.cache is None:
+            return 0
+        return self.cache.keys.nbytes + self.cache.values.nbytes
+
+    def release(self) -> None:
+        self.cache, self.shape = None, None
+
+
+class InferenceView:
+    """Generation from the training module's current weights; see [Note: the inference
+    view].
+
+    Args:
+        module: the training module (its parameters as the ZeRO strategy holds them).
+        config: the ``hybrid_engine`` section.
+        keep_whole: a context manager factory keeping every gathered parameter whole until
+            it exits (stage 3's ``keep_gathered``; a no-op at other stages).
+    """
+
+    def __init__(self, module: nn.Module, *, config: HybridEngineConfig, keep_whole) -> None:
+        self.module = module
+        self.config = config
+        self._keep_whole = keep_whole
+        self.groups = gather_plan(module, config.tp_gather_partition_size)
+        self.no_fast_path: str | None = _fast_family_missing(module)
+        """Why generation runs the model's own ``generate`` (None: the fast decoder)."""
+        self._copy: nn.Module | None = None
+        self._targets: dict[str, torch.Tensor] = {}
+        self._decoder: _KeptCache | None = None
+        self._logged: set[str] = set()
+        self.last_generation = GenerationStats()
+        """Timings of the last ``generate`` call."""
+        self.last_fill_s = 0.0
+        """Seconds the last call spent gathering and copying the weights."""
+
+    def memory(self) -> InferenceMemory:
+        """What is held between calls (the inference copy, the KV cache)."""
+        weights = sum(t.nbytes for t in self._copy.state_dict().values()) if self._copy is not None else 0
+        return InferenceMemory(weights_bytes=weights, cache_bytes=self._decoder.nbytes() if self._decoder else 0)
+
+    def generate(self, args: tuple, kwargs: dict):
+        """``generate(*args, **kwargs)`` with the current weights (collective under stage 3)."""
+        request = fast_request(self.module, args, kwargs) if self.no_fast_path is None else self.no_fast_path
+        if isinstance(request, str):
+            return self._own_generate(request, args, kwargs)
+        _check_length(request.input_ids.shape[1], request.max_new_tokens, self.config.max_out_tokens)
+        self._refresh()
+        if self._decoder is None:  # the decoder could not be built: fall back for good
+            return self._own_generate(self.no_fast_path, args, kwargs)
+        try:
+            out, self.last_generation = run_fast(self._decoder, request, max_out_tokens=self.config.max_out_tokens)
+        finally:
+            if self.config.release_inference_cache:
+                self._decoder.release()
+            if not self.config.pin_parameters:
+                self._copy, self._targets, self._decoder = None, {}, None
+        return out
+
+    def _refresh(self) -> None:
+        """Fill the inference copy from the training weights, building it (and the decoder
+        over it) first when there is none."""
+        start = time.perf_counter()
+        first = self._copy is None
+        if first:
+            self._copy, why = _empty_copy(self.module)
+            if self._copy is None:
+                self.no_fast_path = why
+                return
+            self._targets = dict(self._copy.named_parameters())
+        with torch.no_grad():
+            buffers = dict(self._copy.named_buffers())
+            for name, buffer in self.module.named_buffers():
+                if name in buffers:
+                    buffers[name].copy_(buffer)
+            for group in self.groups:
+                with GatheredParameters([p for _, p in group.params]), fused_lora(group.lora):
+                    for name, param in group.params:
+                        if name in self._targets:
+                            self._targets[name].copy_(param)
+        if first:
+            self._build_decoder()
+        self.last_fill_s = time.perf_counter() - start
+
+    def _build_decoder(self) -> None:
+        from shardwise.inference._fast import build_decoder
+
+        decoder, why = build_decoder(self._copy)
+        if decoder is None:
+            self.no_fast_path, self._copy, self._targets = why, None, {}
+            return
+        self._decoder = _KeptCache(decoder)
+        self._targets = dict(self._copy.named_parameters())  # the decoder's views now
+
+    def _own_generate(self, reason: str, args: tuple, kwargs: dict):
+        """The model's own ``generate`` on the training module, every parameter gathered
+        once for the whole call."""
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("hybrid engine: generate runs the model's own generate for %s", reason)
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        prompt = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
+        _check_length(prompt, _new_tokens(self.module, prompt, kwargs), self.config.max_out_tokens)
+        start = time.perf_counter()
+        with self._keep_whole():
+            for group in self.groups:
+                with GatheredParameters([p for _, p in group.params]):
+                    pass  # kept whole until keep_whole ends
+            with fused_lora([m for group in self.groups for m in group.lora]), torch.inference_mode():
+                out = type(self.module).generate(self.module, *args, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        self.last_generation = GenerationStats(
+            batch_size=sequences.shape[0],
+            prompt_tokens=prompt,
+            new_tokens=sequences.shape[1] - prompt,
+            total_s=time.perf_counter() - start,
+        )
+        return out
+
+
+def _fast_family_missing(module: nn.Module) -> str | None:
+    """Why ``module`` has no fast decoder, judged by its ``config.model_type`` (None: it
+    may have one; building it decides)."""
+    from shardwise.inference._fast import _FAMILIES
+    from shardwise.inference._fast_moe import MODEL_TYPES
+
+    families = sorted({*_FAMILIES, *MODEL_TYPES})
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if model_type not in families:
+        return f"model_type {model_type!r} (fast decoders: {families})"
+    return None
+
+
+def _empty_copy(module: nn.Module) -> tuple[nn.Module | None, str]:
+    """A second instance of ``module``'s class from its config, with uninitialised storage
+    of the training dtype on the training device, in eval mode, without gradients; or
+    None and why not (it has parameters the trained model lacks)."""
+    import copy
+
+    reference = next(module.parameters())
+    with torch.device("meta"):
+        twin = type(module)(copy.deepcopy(module.config))
+    twin.to_empty(device=reference.device)
+    twin.to(reference.dtype).eval().requires_grad_(False)
+    missing = {n for n, _ in twin.named_parameters()} - {n for n, _ in module.named_parameters()}
+    if missing:
+        return None, f"a {type(module).__name__} built from its config has parameters the model lacks {sorted(missing)}"
+    return twin, ""
+
+
+def _new_tokens(module: nn.Module, prompt: int, kwargs: dict) -> int:
+    """The new tokens ``generate`` will produce at most, as it reads its arguments."""
+    config = kwargs.get("generation_config") or module.generation_config
+    new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    if new is not None:
+        return new
+    total = kwargs.get("max_length", config.max_length)
+    return (20 if total is None else total) - prompt
+
+
+def _check_length(prompt: int, new: int, max_out_tokens: int) -> None:
+    if prompt + new > max_out_tokens:
+        raise ValueError(
+            f"generation would reach {prompt + new} tokens ({prompt} prompt + {new} new), more than "
+            f"hybrid_engine.max_out_tokens={max_out_tokens}; lower max_new_tokens or raise hybrid_engine.max_out_tokens"
+        )

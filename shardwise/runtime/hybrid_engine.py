@@ -1,0 +1,86 @@
+"""DeepSpeed's Hybrid Engine: train under ZeRO and generate with the same, current weights.
+
+``initialize`` returns a :class:`HybridEngine` when the config's ``hybrid_engine.enabled``
+is true. It trains exactly as the :class:`~shardwise.runtime.engine.Engine` it extends
+(it overrides nothing of it) and holds an inference view of the module's weights
+(``runtime/_inference_view.py``, see [Note: the inference view]) that ``generate`` refreshes
+from the current weights at every call and runs through ``init_inference``'s fast decoder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+
+import torch
+
+from shardwise.runtime._inference_view import InferenceMemory, InferenceView
+from shardwise.runtime.engine import Engine
+
+logger = logging.getLogger("shardwise")
+
+
+class _GenerateThroughEngine:
+    """``engine.module.generate``: the hybrid engine's ``generate`` (DeepSpeed-Chat calls
+    the module's). It holds the engine weakly, so copying or pickling the module does not
+    take the engine along."""
+
+    def __init__(self, engine: HybridEngine) -> None:
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, *args, **kwargs):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the hybrid engine this module was trained by is gone; call the model class's generate")
+        return engine.generate(*args, **kwargs)
+
+
+class HybridEngine(Engine):
+    """The training engine plus ``generate`` from the current weights (DeepSpeed's
+    ``DeepSpeedHybridEngine``).
+
+    ``generate(*args, **kwargs)`` takes Hugging Face ``generate``'s arguments; so does
+    ``engine.module.generate``, which goes through it. Each call fills the inference copy
+    from the weights as they are now (after every optimizer step), gathering them under
+    ZeRO stage 3 in groups of ``hybrid_engine.tp_gather_partition_size`` layers once per
+    call, never per token, and freeing them again. Families with a fast decoder (Llama,
+    Mistral, Qwen2, GPT-2, GPT-NeoX, OPT and the MoE families of ``init_inference``) decode
+    on it for greedy decoding and sampling; other models and arguments run the model's own
+    ``generate`` (logged once per reason). ``eval()`` and ``train()`` are the module's.
+    Collective under stage 3: every rank calls ``generate`` together.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        hybrid = self.train_config.hybrid_engine
+        hybrid.check_world(torch.distributed.get_world_size())
+        if hybrid.enable_cuda_graph:
+            logger.warning(
+                "hybrid_engine.enable_cuda_graph: no effect in this version of shardwise (decode steps run eagerly)"
+            )
+        keep_whole = self.strategy.keep_gathered if self.train_config.zero.stage == 3 else contextlib.nullcontext
+        self.inference_view = InferenceView(self.module, config=hybrid, keep_whole=keep_whole)
+        """The inference copy of the weights and its decoder (see [Note: the inference view])."""
+        self.module.generate = _GenerateThroughEngine(self)
+
+    def generate(self, *args, **kwargs):
+        """Hugging Face ``generate`` with the current weights; returns what it returns."""
+        return self.inference_view.generate(args, kwargs)
+
+    @property
+    def last_generation(self):
+        """Timings of the last ``generate`` (``GenerationStats``)."""
+        return self.inference_view.last_generation
+
+    def inference_memory(self) -> InferenceMemory:
+        """Bytes the inference view holds between ``generate`` calls (the weights' copy, the
+        KV cache); 0 for what ``pin_parameters`` false / ``release_inference_cache`` free."""
+        return self.inference_view.memory()
+
+    def __repr__(self) -> str:
+        return "Hybrid" + super().__repr__()
+
+
+DeepSpeedHybridEngine = HybridEngine
+"""DeepSpeed's name (``deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine``)."""
