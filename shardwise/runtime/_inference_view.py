@@ -275,7 +275,9 @@ def _empty_copy(module: nn.Module) -> tuple[nn.Module | None, str]:
     reference = next(module.parameters())
     with torch.device("meta"):
         twin = type(module)(copy.deepcopy(module.config))
-    twin.to_empty(device=reference.device)
+    twin.to_empty(device=reference.device)  # gives tied parameters one tensor each: tie them again
+    if hasattr(twin, "tie_weights"):
+        twin.tie_weights()
     twin.to(reference.dtype).eval().requires_grad_(False)
     missing = {n for n, _ in twin.named_parameters()} - {n for n, _ in module.named_parameters()}
     if missing:

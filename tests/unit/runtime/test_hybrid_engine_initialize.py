@@ -1,0 +1,43 @@
+"""``initialize`` with ``hybrid_engine`` in a world of one: the hybrid engine when enabled
+(``engine.module.generate`` goes through it, and copying the module leaves the engine
+behind), the plain engine otherwise, and what it cannot run refused by name."""
+
+import copy
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.config import ConfigError
+from shardwise.testing.causal_lm import tiny_lm
+
+pytest.importorskip("transformers")
+
+
+def _initialize(model, **hybrid):
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    if hybrid:
+        config["hybrid_engine"] = hybrid
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    return engine
+
+
+def test_enabled_gives_the_hybrid_engine_and_module_generate_goes_through_it():
+    model = tiny_lm("llama")
+    engine = _initialize(model, enabled=True, max_out_tokens=8)
+    assert isinstance(engine, shardwise.HybridEngine)
+    prompt = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="hybrid_engine.max_out_tokens=8"):
+        engine.module.generate(prompt, max_new_tokens=6)
+    assert engine.module.generate(prompt, max_new_tokens=5, do_sample=False).shape == (1, 8)
+    assert isinstance(copy.deepcopy(engine.module), type(model))
+
+
+def test_disabled_gives_the_training_engine():
+    engine = _initialize(tiny_lm("llama"), enabled=False)
+    assert type(engine) is shardwise.Engine and "generate" not in vars(engine.module)
+
+
+def test_inference_tp_size_that_does_not_divide_the_world_is_refused():
+    with pytest.raises(ConfigError, match=r"inference_tp_size=2 does not divide the 1 rank"):
+        _initialize(tiny_lm("llama"), enabled=True, inference_tp_size=2)
