@@ -56,6 +56,36 @@ class InferenceMemory:
 
 
 @dataclass(frozen=True)
+class SharedPrefill:
+    """The next ``generate``'s rows come in groups of ``repeats`` copies of one prompt
+    (``prepare_shared_prefill``): its prefill runs once per group."""
+
+    source_batch_size: int
+    """Distinct prompts."""
+    repeats: int
+    """Copies of each, adjacent (``prompts.repeat_interleave(repeats, dim=0)``)."""
+    prompt_length: int
+    """Tokens of each prompt (padding included)."""
+
+    def check(self, input_ids: torch.Tensor) -> None:
+        """Refuse input ids that are not this layout, naming what differs."""
+        expected = (self.source_batch_size * self.repeats, self.prompt_length)
+        if tuple(input_ids.shape) != expected:
+            raise ValueError(
+                f"prepare_shared_prefill({self.source_batch_size}, {self.repeats}, {self.prompt_length}) expects input "
+                f"ids of shape {list(expected)}, got {list(input_ids.shape)}"
+            )
+        if self.prompt_length < 2:
+            raise ValueError("prepare_shared_prefill needs prompts of more than one token")
+        groups = input_ids[:: self.repeats].repeat_interleave(self.repeats, dim=0)
+        if not torch.equal(groups, input_ids):
+            raise ValueError(
+                f"prepare_shared_prefill: the rows are not groups of {self.repeats} identical prompts "
+                "(lay them out with prompts.repeat_interleave(repeats, dim=0))"
+            )
+
+
+@dataclass(frozen=True)
 class GatherGroup:
     """Parameters gathered and copied together, and the LoRA layers among them."""
 
@@ -165,6 +195,8 @@ class InferenceView:
         self._targets: dict[str, torch.Tensor] = {}
         self._decoder: _KeptCache | None = None
         self._logged: set[str] = set()
+        self._shared: SharedPrefill | None = None
+        self._last_shared: SharedPrefill | None = None
         self.last_generation = GenerationStats()
         """Timings of the last ``generate`` call."""
         self.last_fill_s = 0.0
@@ -175,17 +207,44 @@ class InferenceView:
         weights = sum(t.nbytes for t in self._copy.state_dict().values()) if self._copy is not None else 0
         return InferenceMemory(weights_bytes=weights, cache_bytes=self._decoder.nbytes() if self._decoder else 0)
 
+    def share_next_prefill(self, shared: SharedPrefill) -> None:
+        """Run the next ``generate``'s prefill once per group of identical prompts."""
+        self._shared = shared
+
+    def shared_prompt_cache(self, source_batch_size: int, repeats: int) -> tuple:
+        """The prompt's keys and values of every row after the last shared prefill, one
+        ``(keys, values)`` per layer (``[rows, kv_heads, prompt, head_dim]``)."""
+        last = self._last_shared
+        if last is None or (last.source_batch_size, last.repeats) != (source_batch_size, repeats):
+            raise RuntimeError(
+                f"repeat_shared_prefill_cache({source_batch_size}, {repeats}): the last generate ran no shared "
+                "prefill of that layout (call prepare_shared_prefill before generate)"
+            )
+        if self._decoder is None or self._decoder.cache is None:
+            raise RuntimeError("repeat_shared_prefill_cache: the KV cache was released (release_inference_cache)")
+        cache, prompt = self._decoder.cache, last.prompt_length
+        return tuple((cache.keys[i, :, :, :prompt], cache.values[i, :, :, :prompt]) for i in range(len(cache.keys)))
+
     def generate(self, args: tuple, kwargs: dict):
         """``generate(*args, **kwargs)`` with the current weights (collective under stage 3)."""
+        shared, self._shared, self._last_shared = self._shared, None, None
         request = fast_request(self.module, args, kwargs) if self.no_fast_path is None else self.no_fast_path
         if isinstance(request, str):
+            _refuse_shared(shared, request)
             return self._own_generate(request, args, kwargs)
         _check_length(request.input_ids.shape[1], request.max_new_tokens, self.config.max_out_tokens)
+        if shared is not None:
+            shared.check(request.input_ids)
         self._refresh()
         if self._decoder is None:  # the decoder could not be built: fall back for good
+            _refuse_shared(shared, self.no_fast_path)
             return self._own_generate(self.no_fast_path, args, kwargs)
+        repeats = 1 if shared is None else shared.repeats
         try:
-            out, self.last_generation = run_fast(self._decoder, request, max_out_tokens=self.config.max_out_tokens)
+            out, self.last_generation = run_fast(
+                self._decoder, request, max_out_tokens=self.config.max_out_tokens, shared_prefill=repeats
+            )
+            self._last_shared = shared
         finally:
             if self.config.release_inference_cache:
                 self._decoder.release()
@@ -252,6 +311,13 @@ class InferenceView:
             total_s=time.perf_counter() - start,
         )
         return out
+
+
+def _refuse_shared(shared: SharedPrefill | None, reason: str) -> None:
+    if shared is not None:
+        raise ValueError(
+            f"prepare_shared_prefill needs the fast decoder, and this generate runs the model's own for {reason}"
+        )
 
 
 def _fast_family_missing(module: nn.Module) -> str | None:

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from shardwise.runtime._inference_view import InferenceMemory, InferenceView
+from shardwise.runtime._inference_view import InferenceMemory, InferenceView, SharedPrefill
 from shardwise.runtime.engine import Engine
 
 logger = logging.getLogger("shardwise")
@@ -67,6 +67,27 @@ class HybridEngine(Engine):
     def generate(self, *args, **kwargs):
         """Hugging Face ``generate`` with the current weights; returns what it returns."""
         return self.inference_view.generate(args, kwargs)
+
+    def prepare_shared_prefill(self, source_batch_size: int, repeats: int, prompt_length: int) -> None:
+        """Make the next ``generate`` run each prompt's prefill once for a group of samples
+        (GRPO's group of answers per prompt): its input ids must be ``source_batch_size``
+        prompts of ``prompt_length`` tokens, each repeated ``repeats`` times in place
+        (``prompts.repeat_interleave(repeats, dim=0)``); the prompt's keys and values are
+        computed once per group and copied to its rows, then the rows decode on their own.
+        The fast decoder only (a model without one is refused at ``generate``)."""
+        if repeats < 1 or source_batch_size < 1:
+            raise ValueError(
+                f"prepare_shared_prefill: source_batch_size and repeats must be positive, got "
+                f"{source_batch_size} and {repeats}"
+            )
+        self.inference_view.share_next_prefill(SharedPrefill(source_batch_size, repeats, prompt_length))
+
+    def repeat_shared_prefill_cache(self, source_batch_size: int, repeats: int) -> tuple:
+        """The prompt's keys and values of every row after the last shared prefill
+        (``prepare_shared_prefill`` with the same sizes, then ``generate``): one
+        ``(keys, values)`` pair per layer, ``[rows, kv_heads, prompt_length, head_dim]``.
+        Needs the KV cache kept (``release_inference_cache`` false)."""
+        return self.inference_view.shared_prompt_cache(source_batch_size, repeats)
 
     @property
     def last_generation(self):

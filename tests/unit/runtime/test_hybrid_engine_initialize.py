@@ -41,3 +41,15 @@ def test_disabled_gives_the_training_engine():
 def test_inference_tp_size_that_does_not_divide_the_world_is_refused():
     with pytest.raises(ConfigError, match=r"inference_tp_size=2 does not divide the 1 rank"):
         _initialize(tiny_lm("llama"), enabled=True, inference_tp_size=2)
+
+
+def test_shared_prefill_through_the_engine():
+    engine = _initialize(tiny_lm("llama"), enabled=True)
+    rows = torch.tensor([[5, 6, 7], [9, 10, 11]]).repeat_interleave(2, dim=0)
+    plain = engine.generate(rows, max_new_tokens=3, do_sample=False)
+    engine.prepare_shared_prefill(2, 2, 3)
+    assert torch.equal(engine.module.generate(rows, max_new_tokens=3, do_sample=False), plain)
+    keys, _ = engine.repeat_shared_prefill_cache(2, 2)[1]
+    assert keys.shape[0] == 4 and keys.shape[2] == 3
+    with pytest.raises(ValueError, match="must be positive"):
+        engine.prepare_shared_prefill(2, 0, 3)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardwise.config._hybrid_engine import HybridEngineConfig
-from shardwise.runtime._inference_view import InferenceView, gather_plan
+from shardwise.runtime._inference_view import InferenceView, SharedPrefill, gather_plan
 from shardwise.testing.causal_lm import VOCAB, tiny_lm
 
 transformers = pytest.importorskip("transformers")
@@ -87,3 +87,47 @@ def test_gather_plan_takes_every_parameter_once_in_layer_groups(layers_per_group
     names = [name for group in groups for name, _ in group.params]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
     assert all(name.startswith("model.layers.") for group in groups[1:] for name, _ in group.params)
+
+
+class _CountingForward:
+    """Records the batch size of every decoder forward."""
+
+    def __init__(self, forward):
+        self.forward, self.batches = forward, []
+
+    def __call__(self, ids, *args):
+        self.batches.append(ids.shape[0])
+        return self.forward(ids, *args)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_shared_prefill_runs_each_prompt_once_and_generates_as_the_repeated_batch(padded):
+    model = tiny_lm("llama")
+    prompts = torch.tensor([[5, 17, 40, 9, 31], [77, 3, 12, 100, 64]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]) if padded else torch.ones_like(prompts)
+    rows, row_mask = prompts.repeat_interleave(3, dim=0), mask.repeat_interleave(3, dim=0)
+    kwargs = {"attention_mask": row_mask, "max_new_tokens": 5, "do_sample": False}
+    plain = _view(model).generate((rows,), kwargs)
+    view = _view(model)
+    view.generate((rows,), kwargs)  # builds the decoder
+    counting = view._decoder.decoder.forward = _CountingForward(view._decoder.decoder.forward)
+    view.share_next_prefill(SharedPrefill(2, 3, 5))
+    assert torch.equal(view.generate((rows,), kwargs), plain)
+    assert counting.batches == [2] + [6] * 4  # the prompt once per group, then every row decodes
+    keys, values = view.shared_prompt_cache(2, 3)[0]
+    assert keys.shape[:3] == (6, model.config.num_key_value_heads, 5)
+    assert torch.equal(keys[3:6], keys[3:4].expand(3, -1, -1, -1)) and not torch.equal(keys[0], keys[3])
+    with pytest.raises(RuntimeError, match=r"the last generate ran no shared prefill"):
+        view.shared_prompt_cache(3, 2)
+    view.generate((rows,), kwargs)  # a later generate shares nothing unless asked again
+    assert counting.batches[5] == 6
+
+
+def test_shared_prefill_refuses_rows_that_are_not_groups_of_one_prompt():
+    view = _view(tiny_lm("llama"))
+    view.share_next_prefill(SharedPrefill(2, 2, 4))
+    with pytest.raises(ValueError, match=r"not groups of 2 identical prompts"):
+        view.generate((PROMPT.repeat(2, 1),), {"max_new_tokens": 2})
+    view.share_next_prefill(SharedPrefill(2, 3, 4))
+    with pytest.raises(ValueError, match=r"expects input ids of shape \[6, 4\], got \[4, 4\]"):
+        view.generate((PROMPT.repeat_interleave(2, dim=0),), {"max_new_tokens": 2})
