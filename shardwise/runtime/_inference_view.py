@@ -24,8 +24,12 @@ whole already and the gathers do nothing. LoRA layers (``fuse_lora_weight`` /
 their parameters are then restored bit for bit (fusing and unfusing in floating point
 is not exact), so training sees exactly the weights it had.
 
-A model without a fast decoder generates with its own ``generate`` on the training
-module, every group gathered first and kept whole until the call ends (stage 3).
+A family without a fast decoder, and ``generate`` arguments the fast loop does not serve
+(beam search, repetition penalty...), run the model class's own ``generate`` on the
+inference copy: the training module's ZeRO-3 hooks never see the generation's forwards
+(which would gather per token, and before the first backward would enter the recorded
+prefetch order). Only a model that cannot be built from its config alone generates on the
+training module, every group gathered first and kept whole until the call ends.
 """
 
 from __future__ import annotations
@@ -190,7 +194,9 @@ class InferenceView:
         self._keep_whole = keep_whole
         self.groups = gather_plan(module, config.tp_gather_partition_size)
         self.no_fast_path: str | None = _fast_family_missing(module)
-        """Why generation runs the model's own ``generate`` (None: the fast decoder)."""
+        """Why generation runs the model class's own ``generate`` (None: the fast decoder)."""
+        self._no_copy: str | None = None
+        """Why the inference copy cannot be built (then the training module generates)."""
         self._copy: nn.Module | None = None
         self._targets: dict[str, torch.Tensor] = {}
         self._decoder: _KeptCache | None = None
@@ -230,39 +236,50 @@ class InferenceView:
         shared, self._shared, self._last_shared = self._shared, None, None
         request = fast_request(self.module, args, kwargs) if self.no_fast_path is None else self.no_fast_path
         if isinstance(request, str):
+            prompt = _prompt_length(args, kwargs)
+            _check_length(prompt, _new_tokens(self.module, prompt, kwargs), self.config.max_out_tokens)
             _refuse_shared(shared, request)
-            return self._own_generate(request, args, kwargs)
-        _check_length(request.input_ids.shape[1], request.max_new_tokens, self.config.max_out_tokens)
-        if shared is not None:
-            shared.check(request.input_ids)
+        else:
+            _check_length(request.input_ids.shape[1], request.max_new_tokens, self.config.max_out_tokens)
+            if shared is not None:
+                shared.check(request.input_ids)
         self._refresh()
-        if self._decoder is None:  # the decoder could not be built: fall back for good
-            _refuse_shared(shared, self.no_fast_path)
-            return self._own_generate(self.no_fast_path, args, kwargs)
-        repeats = 1 if shared is None else shared.repeats
+        if self._copy is None:
+            _refuse_shared(shared, self._no_copy)
+            return self._own_generate(self.module, self._no_copy, args, kwargs, keep_whole=self._keep_whole)
         try:
+            if isinstance(request, str) or self._decoder is None:
+                _refuse_shared(shared, self.no_fast_path)
+                return self._own_generate(
+                    self._copy, request if isinstance(request, str) else self.no_fast_path, args, kwargs
+                )
             out, self.last_generation = run_fast(
-                self._decoder, request, max_out_tokens=self.config.max_out_tokens, shared_prefill=repeats
+                self._decoder,
+                request,
+                max_out_tokens=self.config.max_out_tokens,
+                shared_prefill=shared.repeats if shared is not None else 1,
             )
             self._last_shared = shared
+            return out
         finally:
-            if self.config.release_inference_cache:
+            if self.config.release_inference_cache and self._decoder is not None:
                 self._decoder.release()
             if not self.config.pin_parameters:
                 self._copy, self._targets, self._decoder = None, {}, None
-        return out
 
     def _refresh(self) -> None:
         """Fill the inference copy from the training weights, building it (and the decoder
-        over it) first when there is none."""
+        over it, for a family that has one) first when there is none."""
+        if self._no_copy is not None:
+            return
         start = time.perf_counter()
         first = self._copy is None
         if first:
-            self._copy, why = _empty_copy(self.module)
+            self._copy, self._no_copy = _empty_copy(self.module)
             if self._copy is None:
-                self.no_fast_path = why
                 return
             self._targets = dict(self._copy.named_parameters())
+        self._copy.generation_config = self.module.generation_config  # what the user set, not the config's
         with torch.no_grad():
             buffers = dict(self._copy.named_buffers())
             for name, buffer in self.module.named_buffers():
@@ -273,7 +290,7 @@ class InferenceView:
                     for name, param in group.params:
                         if name in self._targets:
                             _copy_into(self._targets[name], param)
-        if first:
+        if first and self.no_fast_path is None:
             self._build_decoder()
         self.last_fill_s = time.perf_counter() - start
 
@@ -282,28 +299,28 @@ class InferenceView:
 
         decoder, why = build_decoder(self._copy)
         if decoder is None:
-            self.no_fast_path, self._copy, self._targets = why, None, {}
+            self.no_fast_path = why
             return
         self._decoder = _KeptCache(decoder)
         self._targets = dict(self._copy.named_parameters())  # the decoder's views now
 
-    def _own_generate(self, reason: str, args: tuple, kwargs: dict):
-        """The model's own ``generate`` on the training module, every parameter gathered
-        once for the whole call."""
+    def _own_generate(self, model: nn.Module, reason: str, args: tuple, kwargs: dict, *, keep_whole=None):
+        """The model class's own ``generate`` on ``model`` (the inference copy, or the
+        training module with every parameter gathered once for the call by ``keep_whole``)."""
         if reason not in self._logged:
             self._logged.add(reason)
             logger.info("hybrid engine: generate runs the model's own generate for %s", reason)
-        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        prompt = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
-        _check_length(prompt, _new_tokens(self.module, prompt, kwargs), self.config.max_out_tokens)
         start = time.perf_counter()
-        with self._keep_whole():
-            for group in self.groups:
-                with GatheredParameters([p for _, p in group.params]):
-                    pass  # kept whole until keep_whole ends
-            with fused_lora([m for group in self.groups for m in group.lora]), torch.inference_mode():
-                out = type(self.module).generate(self.module, *args, **kwargs)
+        with keep_whole() if keep_whole is not None else contextlib.nullcontext():
+            if keep_whole is not None:
+                for group in self.groups:
+                    with GatheredParameters([p for _, p in group.params]):
+                        pass  # kept whole until keep_whole ends
+            lora = [m for group in self.groups for m in group.lora] if model is self.module else []
+            with fused_lora(lora), torch.inference_mode():
+                out = type(model).generate(model, *args, **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        prompt = _prompt_length(args, kwargs)
         self.last_generation = GenerationStats(
             batch_size=sequences.shape[0],
             prompt_tokens=prompt,
@@ -333,23 +350,30 @@ def _fast_family_missing(module: nn.Module) -> str | None:
     return None
 
 
-def _empty_copy(module: nn.Module) -> tuple[nn.Module | None, str]:
+def _empty_copy(module: nn.Module) -> tuple[nn.Module | None, str | None]:
     """A second instance of ``module``'s class from its config, with uninitialised storage
-    of the training dtype on the training device, in eval mode, without gradients; or
-    None and why not (it has parameters the trained model lacks)."""
+    of the training dtype on the training device, in eval mode, without gradients (and
+    None); or None and why not."""
     import copy
 
+    config = getattr(module, "config", None)
+    name = type(module).__name__
+    if config is None or not hasattr(type(module), "generate"):
+        return None, f"a {name} (no config and generate to build an inference copy from)"
     reference = next(module.parameters())
-    with torch.device("meta"):
-        twin = type(module)(copy.deepcopy(module.config))
+    try:
+        with torch.device("meta"):
+            twin = type(module)(copy.deepcopy(config))
+    except TypeError as exc:
+        return None, f"a {name} that cannot be built from its config alone ({exc})"
     twin.to_empty(device=reference.device)  # gives tied parameters one tensor each: tie them again
     if hasattr(twin, "tie_weights"):
         twin.tie_weights()
     twin.to(reference.dtype).eval().requires_grad_(False)
     missing = {n for n, _ in twin.named_parameters()} - {n for n, _ in module.named_parameters()}
     if missing:
-        return None, f"a {type(module).__name__} built from its config has parameters the model lacks {sorted(missing)}"
-    return twin, ""
+        return None, f"a {name} built from its config has parameters the model lacks {sorted(missing)}"
+    return twin, None
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -362,13 +386,18 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source)
 
 
+def _prompt_length(args: tuple, kwargs: dict) -> int:
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    return ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
+
+
 def _new_tokens(module: nn.Module, prompt: int, kwargs: dict) -> int:
     """The new tokens ``generate`` will produce at most, as it reads its arguments."""
-    config = kwargs.get("generation_config") or module.generation_config
-    new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
     if new is not None:
         return new
-    total = kwargs.get("max_length", config.max_length)
+    total = kwargs.get("max_length", getattr(config, "max_length", None))
     return (20 if total is None else total) - prompt
 
 

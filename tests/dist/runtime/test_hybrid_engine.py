@@ -62,12 +62,14 @@ def _model(lora: bool) -> nn.Module:
     return model
 
 
-def _fused_generate(model: nn.Module, prompt: torch.Tensor) -> torch.Tensor:
-    fused = copy.deepcopy(model)
-    for module in fused.modules():
-        if isinstance(module, LoraLinear):
-            module.fuse_lora_weight()
-    return fused.generate(prompt, max_new_tokens=NEW, do_sample=False)
+def _model_generate(model: nn.Module, prompt: torch.Tensor, lora: bool, **kwargs) -> torch.Tensor:
+    """The replica's greedy generation (its LoRA layers fused, on a copy)."""
+    if lora:
+        model = copy.deepcopy(model)
+        for module in model.modules():
+            if isinstance(module, LoraLinear):
+                module.fuse_lora_weight()
+    return model.generate(prompt, do_sample=False, **kwargs)
 
 
 def _full_weights(engine) -> dict:
@@ -104,6 +106,12 @@ def _body(rank, world_size, stage, lora):
         "base_changed": [],
         "gathers": [],
     }
+    # before the first step: arguments the fast loop does not serve generate on the inference copy
+    issued = sum(engine.comm.calls.values())
+    penalised = engine.generate(prompt, max_new_tokens=4, do_sample=False, repetition_penalty=1.5)
+    expected = _model_generate(replica, prompt, lora, max_new_tokens=4, repetition_penalty=1.5)
+    report["penalised"] = (penalised.tolist(), expected.tolist())
+    report["gathers"].append((sum(engine.comm.calls.values()) - issued, len(engine.strategy.buckets)))
     for _ in range(STEPS):
         batch = torch.randint(3, VOCAB, (MICRO * world_size, 12), generator=generator)
         mine = batch[rank * MICRO : (rank + 1) * MICRO]
@@ -116,9 +124,7 @@ def _body(rank, world_size, stage, lora):
         if lora:
             after = _full_weights(engine)
             report["base_changed"].append(sorted(n for n in before if not torch.equal(before[n], after[n])))
-        expected = (
-            _fused_generate(replica, prompt) if lora else replica.generate(prompt, max_new_tokens=NEW, do_sample=False)
-        )
+        expected = _model_generate(replica, prompt, lora, max_new_tokens=NEW)
         report["tokens"].append((out.tolist(), through_module.tolist(), expected.tolist()))
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
@@ -134,6 +140,7 @@ def _body(rank, world_size, stage, lora):
 
 def _check(report, *, stage, lora):
     assert report["hybrid"] == "HybridEngine"
+    assert report["penalised"][0] == report["penalised"][1], "the model's own generate on the copy"
     for step, (out, through_module, expected) in enumerate(report["tokens"]):
         assert out == expected, f"step {step}: generate differs from the replica trained the same way"
         assert through_module == out, f"step {step}: engine.module.generate differs from engine.generate"

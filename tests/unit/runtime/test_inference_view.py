@@ -55,6 +55,36 @@ def test_a_family_without_fast_decoder_runs_its_own_generate_logged_once(caplog)
     assert len(notes) == 1 and "'bloom'" in notes[0]
 
 
+def test_arguments_the_fast_loop_does_not_serve_run_generate_on_the_copy(caplog):
+    model = tiny_lm("llama")
+    view = _view(model)
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "repetition_penalty": 1.5}
+    with caplog.at_level(logging.INFO, logger="shardwise"):
+        out = view.generate((PROMPT,), kwargs)
+    assert torch.equal(out, _own(model, max_new_tokens=5, repetition_penalty=1.5))
+    assert view.memory().weights_bytes > 0  # the copy generated, not the training module
+    assert any("repetition_penalty" in r.getMessage() for r in caplog.records)
+
+
+class _NoConfigLM(torch.nn.Module):
+    """A model with its own generate and no config to build a copy from."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_lm("llama")
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+
+def test_a_model_that_cannot_be_copied_generates_on_the_training_module():
+    model = _NoConfigLM()
+    view = _view(model)
+    out = view.generate((PROMPT,), {"max_new_tokens": 4, "do_sample": False})
+    assert torch.equal(out, model.generate(PROMPT, max_new_tokens=4, do_sample=False))
+    assert view.memory().weights_bytes == 0
+
+
 @pytest.mark.parametrize("family", ["llama", "bloom"])
 def test_max_out_tokens_is_refused_before_generating(family):
     if family == "bloom":
