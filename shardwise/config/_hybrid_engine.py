@@ -23,8 +23,9 @@ class HybridEngineConfig:
     """The longest sequence (prompt plus new tokens) one ``generate`` may reach; longer is an
     error before anything runs."""
     inference_tp_size: int = 1
-    """Ranks that split one generation by tensor parallelism; must divide the world size.
-    Only 1 is available in this version (each rank generates its own batch)."""
+    """Ranks (consecutive blocks of the world) that generate together, each holding a
+    tensor-parallel slice of the weights; must divide the world size. 1: each rank
+    generates its own batch alone. Above 1: greedy decoding only in this version."""
     release_inference_cache: bool = False
     """Free the KV cache after every ``generate`` (otherwise it is kept and reused by the
     next call of the same batch size and length)."""
@@ -46,18 +47,12 @@ class HybridEngineConfig:
         as_int("hybrid_engine.tp_gather_partition_size", self.tp_gather_partition_size, minimum=1)
 
     def check_world(self, world_size: int) -> None:
-        """Refuse an ``inference_tp_size`` that does not divide ``world_size`` ranks, then
-        one this version cannot run (> 1)."""
+        """Refuse an ``inference_tp_size`` that does not divide ``world_size`` ranks."""
         size = self.inference_tp_size
         if world_size % size:
             raise ConfigError(
                 f"hybrid_engine.inference_tp_size={size} does not divide the {world_size} rank(s): each "
                 "inference tensor-parallel group needs inference_tp_size ranks; change it or the number of processes"
-            )
-        if size > 1:
-            raise ConfigError(
-                f"hybrid_engine.inference_tp_size={size} is not available in this version of shardwise yet "
-                "(generation split over ranks by tensor parallelism); set it to 1 (each rank generates its own batch)"
             )
 
 

@@ -44,6 +44,8 @@ from torch import nn
 
 from shardwise.config._hybrid_engine import HybridEngineConfig
 from shardwise.inference._generate import GenerationStats, fast_request, run_fast
+from shardwise.runtime._inference_rows import gather_rows, own_rows
+from shardwise.tensor_parallel._partition import copy_marks, shard_info
 from shardwise.zero import GatheredParameters
 
 logger = logging.getLogger("shardwise")
@@ -186,12 +188,17 @@ class InferenceView:
         config: the ``hybrid_engine`` section.
         keep_whole: a context manager factory keeping every gathered parameter whole until
             it exits (stage 3's ``keep_gathered``; a no-op at other stages).
+        tensor_comm: the Communicator of this rank's inference tensor group, for
+            ``inference_tp_size`` > 1 (see [Note: inference tensor parallelism]).
     """
 
-    def __init__(self, module: nn.Module, *, config: HybridEngineConfig, keep_whole) -> None:
+    def __init__(self, module: nn.Module, *, config: HybridEngineConfig, keep_whole, tensor_comm=None) -> None:
         self.module = module
         self.config = config
         self._keep_whole = keep_whole
+        self.tensor_comm = tensor_comm
+        """The inference tensor group (``inference_tp_size`` > 1), or None."""
+        self._aliases = _aliases(module)
         self.groups = gather_plan(module, config.tp_gather_partition_size)
         self.no_fast_path: str | None = _fast_family_missing(module)
         """Why generation runs the model class's own ``generate`` (None: the fast decoder)."""
@@ -232,7 +239,17 @@ class InferenceView:
         return tuple((cache.keys[i, :, :, :prompt], cache.values[i, :, :, :prompt]) for i in range(len(cache.keys)))
 
     def generate(self, args: tuple, kwargs: dict):
-        """``generate(*args, **kwargs)`` with the current weights (collective under stage 3)."""
+        """``generate(*args, **kwargs)`` with the current weights (collective under stage 3
+        and with an inference tensor group)."""
+        if self.tensor_comm is None:
+            return self._generate(args, kwargs)
+        if self._shared is not None:
+            self._shared = None
+            raise ValueError("prepare_shared_prefill with hybrid_engine.inference_tp_size > 1 is not available yet")
+        rows, args, kwargs = gather_rows(self.tensor_comm, self.module, args, kwargs)
+        return own_rows(self._generate(args, kwargs), rows, self.tensor_comm.rank)
+
+    def _generate(self, args: tuple, kwargs: dict):
         shared, self._shared, self._last_shared = self._shared, None, None
         request = fast_request(self.module, args, kwargs) if self.no_fast_path is None else self.no_fast_path
         if isinstance(request, str):
@@ -246,6 +263,11 @@ class InferenceView:
         self._refresh()
         if self._copy is None:
             _refuse_shared(shared, self._no_copy)
+            if self.tensor_comm is not None:
+                raise ValueError(
+                    f"hybrid_engine.inference_tp_size > 1 needs an inference copy to split, and this model has none: "
+                    f"{self._no_copy}"
+                )
             return self._own_generate(self.module, self._no_copy, args, kwargs, keep_whole=self._keep_whole)
         try:
             if isinstance(request, str) or self._decoder is None:
@@ -275,7 +297,7 @@ class InferenceView:
         start = time.perf_counter()
         first = self._copy is None
         if first:
-            self._copy, self._no_copy = _empty_copy(self.module)
+            self._copy, self._no_copy = _empty_copy(self.module, self.tensor_comm)
             if self._copy is None:
                 return
             self._targets = dict(self._copy.named_parameters())
@@ -288,8 +310,9 @@ class InferenceView:
             for group in self.groups:
                 with GatheredParameters([p for _, p in group.params]), fused_lora(group.lora):
                     for name, param in group.params:
-                        if name in self._targets:
-                            _copy_into(self._targets[name], param)
+                        for alias in self._aliases.get(name, (name,)):
+                            if alias in self._targets:
+                                _fill(self._targets[alias], param)
         if first and self.no_fast_path is None:
             self._build_decoder()
         self.last_fill_s = time.perf_counter() - start
@@ -350,10 +373,10 @@ def _fast_family_missing(module: nn.Module) -> str | None:
     return None
 
 
-def _empty_copy(module: nn.Module) -> tuple[nn.Module | None, str | None]:
+def _empty_copy(module: nn.Module, tensor_comm=None) -> tuple[nn.Module | None, str | None]:
     """A second instance of ``module``'s class from its config, with uninitialised storage
-    of the training dtype on the training device, in eval mode, without gradients (and
-    None); or None and why not."""
+    of the training dtype on the training device, in eval mode, without gradients, split
+    over ``tensor_comm``'s group when given (and None); or None and why not."""
     import copy
 
     config = getattr(module, "config", None)
@@ -366,14 +389,49 @@ def _empty_copy(module: nn.Module) -> tuple[nn.Module | None, str | None]:
             twin = type(module)(copy.deepcopy(config))
     except TypeError as exc:
         return None, f"a {name} that cannot be built from its config alone ({exc})"
-    twin.to_empty(device=reference.device)  # gives tied parameters one tensor each: tie them again
-    if hasattr(twin, "tie_weights"):
+    if tensor_comm is not None:  # split on the meta device: each rank allocates its slices only
+        from shardwise.inference import _sharding
+
+        _sharding.shard_model(twin, tensor_comm, _sharding.inference_policy(twin, None))
+    on_meta = dict(twin.named_parameters())
+    twin.to_empty(device=reference.device)  # new tensors: tied ones untied, tensor-parallel marks dropped
+    if hasattr(twin, "tie_weights") and tensor_comm is None:  # a split head is its own tensor
         twin.tie_weights()
+    for name, param in twin.named_parameters():
+        copy_marks(on_meta[name], param)
     twin.to(reference.dtype).eval().requires_grad_(False)
     missing = {n for n, _ in twin.named_parameters()} - {n for n, _ in module.named_parameters()}
     if missing:
         return None, f"a {name} built from its config has parameters the model lacks {sorted(missing)}"
     return twin, None
+
+
+def _aliases(module: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter, by its first name (a tied head is also the input
+    embedding's: a copy split over a tensor group holds it separately)."""
+    first: dict[int, str] = {}
+    names: dict[str, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(first.setdefault(id(param), name), []).append(name)
+    return names
+
+
+def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the part of the full parameter ``full`` that ``target`` holds: all of it, or
+    its tensor-parallel slice ([Note: tensor-parallel shard rule]: chunk ``index`` of each
+    of ``partition_stride`` stacked blocks along ``dim``; GPT-2's Conv1D tensors are
+    stored transposed)."""
+    info = shard_info(target)
+    if info is None:
+        _copy_into(target, full)
+        return
+    transposed = getattr(target, "tensor_parallel_transposed", False)
+    dim = full.dim() - 1 - info.dim if transposed else info.dim
+    blocks = getattr(target, "partition_stride", 1)
+    block = full.shape[dim] // blocks
+    piece = block // info.parts
+    part = torch.cat([full.narrow(dim, b * block + info.index * piece, piece) for b in range(blocks)], dim=dim)
+    _copy_into(target, part.t() if transposed else part)
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:

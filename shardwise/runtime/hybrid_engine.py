@@ -55,12 +55,23 @@ class HybridEngine(Engine):
         super().__init__(**kwargs)
         hybrid = self.train_config.hybrid_engine
         hybrid.check_world(torch.distributed.get_world_size())
+        if self.grid.tensor > 1:
+            raise ValueError(
+                f"hybrid_engine with training tensor parallelism ({self.grid.tensor} ranks): the inference copy is "
+                "filled from whole parameters; train without tensor parallelism (ZeRO-3 partitions the weights) or "
+                "turn the hybrid engine off"
+            )
         if hybrid.enable_cuda_graph:
             logger.warning(
                 "hybrid_engine.enable_cuda_graph: no effect in this version of shardwise (decode steps run eagerly)"
             )
         keep_whole = self.strategy.keep_gathered if self.train_config.zero.stage == 3 else contextlib.nullcontext
-        self.inference_view = InferenceView(self.module, config=hybrid, keep_whole=keep_whole)
+        tensor_comm = None
+        if hybrid.inference_tp_size > 1:
+            from shardwise.inference._sharding import tensor_comm as build_tensor_comm
+
+            tensor_comm = build_tensor_comm(hybrid.inference_tp_size)
+        self.inference_view = InferenceView(self.module, config=hybrid, keep_whole=keep_whole, tensor_comm=tensor_comm)
         """The inference copy of the weights and its decoder (see [Note: the inference view])."""
         self.module.generate = _GenerateThroughEngine(self)
 

@@ -164,3 +164,54 @@ def test_generate_uses_the_current_weights(tmp_path, stage):
 def test_lora_is_fused_for_generation_only(tmp_path, stage):
     for report in run_distributed(_body, world_size=2, tmp_path=tmp_path, stage=stage, lora=True):
         _check(report, stage=stage, lora=True)
+
+
+def _tensor_parallel_body(rank, world_size):
+    import shardwise
+
+    model = _model(lora=False)
+    replica = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(replica.parameters(), lr=LR, weight_decay=0.0)
+    engine, _, _, _ = shardwise.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL},
+            "hybrid_engine": {"enabled": True, "inference_tp_size": 2},
+        },
+    )
+    generator = torch.Generator().manual_seed(5)
+    prompts = torch.randint(3, VOCAB, (world_size, 2, 5), generator=generator)
+    report = {"tokens": [], "losses": []}
+    for _ in range(2):
+        batch = torch.randint(3, VOCAB, (MICRO * world_size, 12), generator=generator)
+        out = engine.generate(prompts[rank], max_new_tokens=NEW, do_sample=False)
+        expected = replica.generate(prompts[rank], max_new_tokens=NEW, do_sample=False)
+        report["tokens"].append((out.tolist(), expected.tolist()))
+        loss = engine(
+            input_ids=batch[rank * MICRO : (rank + 1) * MICRO], labels=batch[rank * MICRO : (rank + 1) * MICRO]
+        ).loss
+        engine.backward(loss)
+        engine.step()
+        replica_loss = replica(input_ids=batch, labels=batch).loss
+        replica_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    full_bytes = sum(p.numel() * p.element_size() for p in replica.parameters())
+    report["held"] = engine.inference_memory().weights_bytes / full_bytes
+    try:
+        engine.generate(prompts[rank], max_new_tokens=2, do_sample=True)
+    except ValueError as exc:
+        report["sampling"] = str(exc)
+    return report
+
+
+def test_inference_tp_size_2_generates_each_ranks_batch_with_split_weights(tmp_path):
+    for report in run_distributed(_tensor_parallel_body, world_size=2, tmp_path=tmp_path):
+        for step, (out, expected) in enumerate(report["tokens"]):
+            assert out == expected, f"step {step}: the tensor-parallel generation differs from the replica's"
+        assert report["tokens"][0][0] != report["tokens"][1][0], "training must change the generations"
+        assert report["held"] < 0.6, "each rank holds about half of the weights"
+        assert "greedily only" in report["sampling"]

@@ -59,9 +59,8 @@ def test_bad_values_name_the_key(section, message):
         _load(section)
 
 
-def test_inference_tp_size_must_divide_the_world_and_more_than_one_is_not_built():
+def test_inference_tp_size_must_divide_the_world():
     with pytest.raises(ConfigError, match=r"inference_tp_size=3 does not divide the 4 rank"):
         HybridEngineConfig(inference_tp_size=3).check_world(4)
-    with pytest.raises(ConfigError, match=r"inference_tp_size=2 is not available in this version"):
-        HybridEngineConfig(inference_tp_size=2).check_world(4)
+    HybridEngineConfig(inference_tp_size=2).check_world(4)
     HybridEngineConfig().check_world(4)
