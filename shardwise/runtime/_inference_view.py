@@ -217,7 +217,9 @@ class InferenceView:
 
     def memory(self) -> InferenceMemory:
         """What is held between calls (the inference copy, the KV cache)."""
-        weights = sum(t.nbytes for t in self._copy.state_dict().values()) if self._copy is not None else 0
+        tensors = self._copy.state_dict().values() if self._copy is not None else ()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # views once
+        weights = sum(storages.values())
         return InferenceMemory(weights_bytes=weights, cache_bytes=self._decoder.nbytes() if self._decoder else 0)
 
     def share_next_prefill(self, shared: SharedPrefill) -> None:
@@ -301,7 +303,8 @@ class InferenceView:
             if self._copy is None:
                 return
             self._targets = dict(self._copy.named_parameters())
-        self._copy.generation_config = self.module.generation_config  # what the user set, not the config's
+        if hasattr(self.module, "generation_config"):  # what the user set, not what the config gives
+            self._copy.generation_config = self.module.generation_config
         with torch.no_grad():
             buffers = dict(self._copy.named_buffers())
             for name, buffer in self.module.named_buffers():
