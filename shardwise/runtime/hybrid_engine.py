@@ -46,21 +46,24 @@ class HybridEngine(Engine):
     ZeRO stage 3 in groups of ``hybrid_engine.tp_gather_partition_size`` layers once per
     call, never per token, and freeing them again. Families with a fast decoder (Llama,
     Mistral, Qwen2, GPT-2, GPT-NeoX, OPT and the MoE families of ``init_inference``) decode
-    on it for greedy decoding and sampling; other models and arguments run the model's own
-    ``generate`` (logged once per reason). ``eval()`` and ``train()`` are the module's.
-    Collective under stage 3: every rank calls ``generate`` together.
+    on it for greedy decoding and sampling; other models and arguments run the model
+    class's own ``generate`` on the copy (logged once per reason). With
+    ``inference_tp_size`` > 1 the copy is split over each group of that many ranks, which
+    generate their prompts together. ``eval()`` and ``train()`` are the module's.
+    Collective under stage 3 and with ``inference_tp_size`` > 1: every rank calls
+    ``generate`` together.
     """
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        hybrid = self.train_config.hybrid_engine
+    def __init__(self, *, config, grid, **kwargs) -> None:
+        hybrid = config.hybrid_engine
         hybrid.check_world(torch.distributed.get_world_size())
-        if self.grid.tensor > 1:
+        if grid.tensor > 1:
             raise ValueError(
-                f"hybrid_engine with training tensor parallelism ({self.grid.tensor} ranks): the inference copy is "
+                f"hybrid_engine with training tensor parallelism ({grid.tensor} ranks): the inference copy is "
                 "filled from whole parameters; train without tensor parallelism (ZeRO-3 partitions the weights) or "
                 "turn the hybrid engine off"
             )
+        super().__init__(config=config, grid=grid, **kwargs)
         if hybrid.enable_cuda_graph:
             logger.warning(
                 "hybrid_engine.enable_cuda_graph: no effect in this version of shardwise (decode steps run eagerly)"
