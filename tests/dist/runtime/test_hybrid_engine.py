@@ -205,6 +205,17 @@ def _tensor_parallel_body(rank, world_size):
         engine.generate(prompts[rank], max_new_tokens=2, do_sample=True)
     except ValueError as exc:
         report["sampling"] = str(exc)
+    try:
+        shardwise.initialize(
+            model=_model(lora=False),
+            config={
+                "train_micro_batch_size_per_gpu": MICRO,
+                "tensor_parallel": {"autotp_size": 2},
+                "hybrid_engine": {"enabled": True},
+            },
+        )
+    except ValueError as exc:
+        report["training_tp"] = str(exc)
     return report
 
 
@@ -215,3 +226,4 @@ def test_inference_tp_size_2_generates_each_ranks_batch_with_split_weights(tmp_p
         assert report["tokens"][0][0] != report["tokens"][1][0], "training must change the generations"
         assert report["held"] < 0.6, "each rank holds about half of the weights"
         assert "greedily only" in report["sampling"]
+        assert "hybrid_engine with training tensor parallelism (2 ranks)" in report["training_tp"]
