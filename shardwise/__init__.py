@@ -31,6 +31,7 @@ from shardwise.pipe import PipelineModule
 from shardwise.pipe.engine import PipelineEngine
 from shardwise.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from shardwise.runtime.engine import DeepSpeedEngine, Engine
+from shardwise.runtime.hybrid_engine import DeepSpeedHybridEngine, HybridEngine
 from shardwise.utils import OnDevice, log_dist, logger
 from shardwise.version import __version__
 
@@ -38,9 +39,11 @@ __all__ = [
     "DeepSpeedConfig",
     "DeepSpeedConfigError",
     "DeepSpeedEngine",
+    "DeepSpeedHybridEngine",
     "DeepSpeedTransformerConfig",
     "DeepSpeedTransformerLayer",
     "Engine",
+    "HybridEngine",
     "InferenceEngine",
     "OnDevice",
     "PipelineEngine",

@@ -86,6 +86,7 @@ def initialize(
     from shardwise.pipe.engine import PipelineEngine
     from shardwise.pipe.module import PipelineModule
     from shardwise.runtime.engine import Engine
+    from shardwise.runtime.hybrid_engine import HybridEngine
 
     if model is None:
         raise ValueError("initialize() needs model=<torch.nn.Module>")
@@ -147,7 +148,12 @@ def initialize(
             cfg.batch.gradient_accumulation_steps,
             cfg.batch.train_batch_size,
         )
-    engine_type = PipelineEngine if pipeline else Engine
+    if pipeline and cfg.hybrid_engine.enabled:
+        raise ValueError(
+            "hybrid_engine.enabled with a PipelineModule: the hybrid engine generates with a whole model on "
+            "each rank; train a pipeline without it, or the model without a pipeline"
+        )
+    engine_type = PipelineEngine if pipeline else HybridEngine if cfg.hybrid_engine.enabled else Engine
     engine = engine_type(
         model=model,
         config=cfg,

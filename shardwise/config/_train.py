@@ -22,6 +22,7 @@ from shardwise.config._components import (
     ZeroConfig,
 )
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
+from shardwise.config._hybrid_engine import HybridEngineConfig
 from shardwise.config._monitor import MonitorConfig
 
 
@@ -66,6 +67,8 @@ class TrainConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """Monitors (TensorBoard, CSV, W&B, Comet), the FLOPs profiler, the communication logger
     and the memory breakdown."""
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    """The Hybrid Engine (generation with the training weights); off unless enabled."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

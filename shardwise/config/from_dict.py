@@ -29,6 +29,7 @@ from shardwise.config._components import (
     ZeroConfig,
 )
 from shardwise.config._errors import AUTO, ConfigError, as_bool, as_choice, as_int, check_keys, unknown_key_error
+from shardwise.config._hybrid_engine import hybrid_engine_config
 from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
 from shardwise.config._monitor import (
     CometConfig,
@@ -61,6 +62,7 @@ _SECTIONS = {
     "comm",
     "aio",
     "activation_checkpointing",
+    "hybrid_engine",
 } | set(_MONITOR_SECTIONS)
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "batch",
@@ -76,6 +78,7 @@ _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "raw",
     "activation_checkpointing",
     "monitor",
+    "hybrid_engine",
 }
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {
@@ -305,6 +308,7 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         comm=_section(CommConfig, "comm", raw.get("comm", {}), noted),
         activation_checkpointing=_activation_checkpointing(raw),
         monitor=_monitor(raw, noted),
+        hybrid_engine=hybrid_engine_config(raw.get("hybrid_engine")),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )

@@ -9,7 +9,7 @@ less around it:
 - the key / value cache of a generation is allocated once at its final length
   (``[batch, kv_heads, prompt + new tokens, head_dim]`` per layer) and written in place;
 - query, key and value (and the MLP's gate and up) are one matmul: their weights are
-  concatenated once and the original layers' weights become views of the fused tensor,
+  concatenated once and the original layers' weights (and biases) become views of the fused tensors,
   so no memory is added and the Hugging Face module still runs (``engine(...)``);
 - attention is ``scaled_dot_product_attention`` over the filled part of the cache, with
   no mask at all when the batch has no padding;
@@ -133,8 +133,10 @@ def fused_proj(modules: list[nn.Module]) -> tuple[_Proj, list[int]]:
     else:
         bias = torch.cat([b.detach() for _, b, _ in parts]) if all(has_bias) else None
     offset = 0
-    for module, width in zip(modules, widths):
+    for module, width, with_bias in zip(modules, widths, has_bias):
         _rebind(module, weight[offset : offset + width], None if scale is None else scale[offset : offset + width])
+        if with_bias:  # a view too, so that writing the layer's bias writes the decoder's
+            _rebind_bias(module, bias[offset : offset + width])
         offset += width
     return _Proj(weight, bias, scale=scale), widths
 
@@ -155,6 +157,16 @@ def _rebind(module: nn.Module, weight_view: torch.Tensor, scale_view: torch.Tens
     new = nn.Parameter(weight_view, requires_grad=old.requires_grad)
     copy_marks(old, new)
     module.weight = new
+
+
+def _rebind_bias(module: nn.Module, bias_view: torch.Tensor) -> None:
+    """Make ``module``'s bias a view of the decoder's fused bias."""
+    from shardwise.tensor_parallel._partition import copy_marks
+
+    old = module.bias
+    new = nn.Parameter(bias_view, requires_grad=old.requires_grad)
+    copy_marks(old, new)
+    module.bias = new
 
 
 class StaticCache:

@@ -193,10 +193,17 @@ def _warpers(config) -> list:
     return warpers
 
 
-def run_fast(decoder, request: Request, *, max_out_tokens: int, steps=None) -> tuple[torch.Tensor, GenerationStats]:
+def run_fast(
+    decoder, request: Request, *, max_out_tokens: int, steps=None, shared_prefill: int = 1
+) -> tuple[torch.Tensor, GenerationStats]:
     """Generate with the fast decoder; returns the sequences (prompt and new tokens, as
     ``generate`` does) and the timings. With ``steps`` (``StaticSteps``) the decode steps
-    run with fixed shapes, as CUDA graphs on a GPU ([Note: decode graphs])."""
+    run with fixed shapes, as CUDA graphs on a GPU ([Note: decode graphs]). With
+    ``shared_prefill`` r > 1 the rows come in groups of r identical prompts (each row
+    repeated r times in place, as ``repeat_interleave`` lays them out): the prompt runs
+    once per group and its keys, values and logits are copied to the group's rows."""
+    if shared_prefill > 1 and steps is not None:
+        raise ValueError("shared_prefill runs the decode steps eagerly; it cannot be combined with decode graphs")
     start_time = time.perf_counter()
     ids = request.input_ids
     batch, prompt = ids.shape
@@ -220,7 +227,8 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int, steps=None) -> t
     tokens = [ids]
     kept = {"scores": [], "logits": []}
     with torch.inference_mode():
-        logits = decoder.forward(ids, positions, _prefill_mask(valid, prompt, decoder.sliding_window), cache, 0)
+        prefill_mask = _prefill_mask(valid, prompt, decoder.sliding_window)
+        logits = _prefill(decoder, ids, positions, prefill_mask, cache, shared_prefill)
         if static is not None:
             static.prepare(prompt, mask if padded else None)
         for step in range(request.max_new_tokens):
@@ -266,6 +274,22 @@ def run_fast(decoder, request: Request, *, max_out_tokens: int, steps=None) -> t
         scores=tuple(kept["scores"]) if request.keep_scores else None,
         logits=tuple(kept["logits"]) if request.keep_logits else None,
     ), stats
+
+
+def _prefill(decoder, ids, positions, mask, cache, repeats: int) -> torch.Tensor:
+    """The prompt's forward, once per group of ``repeats`` identical rows: the groups'
+    first rows fill the first rows of the cache, whose keys and values are then spread
+    over every row of their group (and the logits with them)."""
+    if repeats == 1:
+        return decoder.forward(ids, positions, mask, cache, 0)
+    groups, prompt = ids.shape[0] // repeats, ids.shape[1]
+    first = copy.copy(cache)  # the same cache (and rotary table), seen through its first rows
+    first.keys, first.values = cache.keys[:, :groups], cache.values[:, :groups]
+    rows = slice(None, None, repeats)
+    logits = decoder.forward(ids[rows], positions[rows], None if mask is None else mask[rows], first, 0)
+    for full, part in ((cache.keys, first.keys), (cache.values, first.values)):
+        full[:, :, :, :prompt] = part[:, :, :, :prompt].repeat_interleave(repeats, dim=1)
+    return logits.repeat_interleave(repeats, dim=0)
 
 
 def _sync(device: torch.device) -> None:
