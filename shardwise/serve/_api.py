@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -81,17 +84,49 @@ class EngineMetrics:
 
 class RequestStream:
     """The tokens of one submitted request, as they are generated (see
-    [Note: the serving engine interface]). Iterate it; ``cancel()`` ends it early."""
+    [Note: the serving engine interface]). Iterate it, or ``subscribe`` a callback (one
+    consumer per stream); ``cancel()`` ends it early."""
 
     def __init__(self, request_id: str, canceller):
         self.request_id = request_id
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         self._cancel = canceller
+        self._lock = threading.Lock()
+        self._listener = None
+        self._subscribed = False
         self.finished = False
 
     def put(self, event: TokenEvent) -> None:
-        """Called by the engine."""
-        self._events.put(event)
+        """Called by the engine: queue ``event``, or hand it to the subscribed callback."""
+        with self._lock:
+            if not self._subscribed:
+                self._events.put(event)
+                return
+            self._deliver(event)
+
+    def subscribe(self, fn) -> None:
+        """Call ``fn(event)`` for every event of this stream, exactly once each and in order:
+        at once (in this thread) for the events put so far, then from the thread that puts
+        each later one, usually the engine's. ``fn`` must be quick, must not raise (an
+        exception is logged and that event is lost to it) and must not call back into this
+        stream or its engine. The stream is not iterable afterwards."""
+        with self._lock:  # a concurrent put waits until the events before it are delivered
+            if self._subscribed:
+                raise RuntimeError(f"request {self.request_id}: the stream already has a subscriber")
+            self._subscribed, self._listener = True, fn
+            while not self._events.empty():
+                self._deliver(self._events.get_nowait())
+
+    def _deliver(self, event: TokenEvent) -> None:
+        """Hand one event to the subscriber (the caller holds ``_lock``)."""
+        if self._listener is None:
+            return  # the stream finished before: nothing more is expected
+        try:
+            self._listener(event)
+        except Exception:  # noqa: BLE001 - the engine thread must not fail for a subscriber's bug
+            logger.exception("request %s: the stream's subscriber failed", self.request_id)
+        if event.finished:
+            self.finished, self._listener = True, None
 
     def cancel(self) -> None:
         self._cancel(self.request_id)
@@ -101,6 +136,8 @@ class RequestStream:
 
     def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
         """The events as they come; ``TimeoutError`` when none arrives for ``timeout`` seconds."""
+        if self._subscribed:
+            raise RuntimeError(f"request {self.request_id}: a subscriber takes this stream's events")
         while not self.finished:
             try:
                 event = self._events.get(timeout=timeout)
