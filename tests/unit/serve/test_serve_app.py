@@ -2,6 +2,7 @@
 or an error event in a stream) and cancels its other choices; a tokenizer without a chat
 template is a 400; the ``serve`` command's refusals and engine choice."""
 
+import asyncio
 import json
 import logging
 import threading
@@ -175,9 +176,12 @@ class Held(Scripted):
         return stream
 
 
-def test_concurrent_streamed_requests_take_no_thread_each():
-    import asyncio
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
 
+
+def test_concurrent_streamed_requests_take_no_thread_each():
     import httpx
 
     from shardwise.serve._http import create_app
@@ -196,9 +200,7 @@ def test_concurrent_streamed_requests_take_no_thread_each():
             before = threading.active_count()
             body = {"prompt": "ab", "max_tokens": 2, "stream": True}
             tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(count)]
-            async with asyncio.timeout(20):
-                while len(engine.held) < count:
-                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(_until(lambda: len(engine.held) == count), 20)
             during = threading.active_count()
             await asyncio.to_thread(release)
             return before, during, await asyncio.gather(*tasks)
