@@ -61,6 +61,14 @@ class _Choices:
         except RuntimeError:  # the event loop closed: nobody listens any more
             pass
 
+    async def arrived(self) -> list:
+        """The ``(index, event)`` pairs that arrived: waits for one, then takes all queued
+        (one wake-up and one socket write for what came while the loop was busy)."""
+        arrived = [await self.queue.get()]
+        while not self.queue.empty():
+            arrived.append(self.queue.get_nowait())
+        return arrived
+
     @property
     def done(self) -> bool:
         return all(r is not None for r in self.reasons)
@@ -221,9 +229,9 @@ class _Answer:
         try:
             while not choices.done:
                 try:
-                    index, event = await asyncio.wait_for(choices.queue.get(), _POLL_S)
-                    text, _ = choices.take(index, event)
-                    texts[index] += text
+                    for index, event in await asyncio.wait_for(choices.arrived(), _POLL_S):
+                        text, _ = choices.take(index, event)
+                        texts[index] += text
                 except asyncio.TimeoutError:
                     pass
                 if clock() >= check_at:  # tokens may come faster than the poll: check by time
@@ -244,12 +252,21 @@ class _Answer:
                 for index in range(len(choices.reasons)):
                     yield oai.sse(oai.chunk(self.id, self.model, True, index, role=True))
             while not choices.done:
-                index, event = await choices.queue.get()
-                text, reason = choices.take(index, event)
-                if text:
-                    yield oai.sse(oai.chunk(self.id, self.model, self.chat, index, text=text))
-                if reason is not None:
-                    yield oai.sse(oai.chunk(self.id, self.model, self.chat, index, reason=reason))
+                events, error = [], None
+                for index, event in await choices.arrived():
+                    try:
+                        text, reason = choices.take(index, event)
+                    except RuntimeError as failure:
+                        error = failure
+                        break
+                    if text:
+                        events.append(oai.sse(oai.chunk(self.id, self.model, self.chat, index, text=text)))
+                    if reason is not None:
+                        events.append(oai.sse(oai.chunk(self.id, self.model, self.chat, index, reason=reason)))
+                if events:
+                    yield "".join(events)  # one event per token still, in one write
+                if error is not None:
+                    raise error
             if include_usage:
                 usage = oai.usage(self.prompt_tokens, choices.completion_tokens)
                 yield oai.sse(oai.usage_chunk(self.id, self.model, self.chat, usage))

@@ -93,6 +93,7 @@ def test_an_engine_error_in_a_stream_is_an_error_event(app_client):
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "sampling failed" in json.loads(events[-2])["error"]["message"]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == ["!"]  # the token before the error
 
 
 def test_streamed_choices_merge_by_index(app_client):
