@@ -30,6 +30,7 @@ when it started (the machine may be shared). Sections (``--sections``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -299,7 +300,8 @@ def aborts(args, model) -> list[str]:
 
 
 def http(args, model) -> list[str]:
-    """The ``clients`` load through real servers and the ``openai`` client."""
+    """The ``clients`` load through real servers and the ``openai`` client; all servers run at
+    once and take turns, round by round."""
     import tempfile
     from pathlib import Path
 
@@ -319,15 +321,25 @@ def http(args, model) -> list[str]:
                 max_model_len=max_len)))  # fmt: skip
         else:
             notes.append(f"vLLM skipped: no Python at --vllm-python {args.vllm_python!r}.")
-        for name, start in servers:
-            try:
-                with start() as server:
-                    web.openai_load(server.url, prompts[:2], 4)  # warm-up (vLLM compiles on first shapes)
-                    for round_ in range(args.rounds):
-                        load = _load()
-                        rows.append((round_, name, web.openai_load(server.url, prompts, args.new), load))
-            except (RuntimeError, TimeoutError) as error:
-                notes.append(f"{name} failed: `{error}`")
+        with contextlib.ExitStack() as stack:
+            live = []
+            for name, start in servers:
+                try:
+                    live.append((name, stack.enter_context(start())))
+                except (RuntimeError, TimeoutError) as error:
+                    notes.append(f"{name} failed: `{error}`")
+            for round_ in range(-1, args.rounds):  # the servers take turns, so each sees the same load
+                for name, server in list(live):
+                    load = _load()
+                    try:  # round -1 warms up at the measured shapes (vLLM compiles for new ones)
+                        result = web.openai_load(server.url, prompts, args.new)
+                    except Exception as error:  # noqa: BLE001 - report it, go on with the others
+                        notes.append(f"{name} failed: `{type(error).__name__}: {error}`; log tail:\n\n    "
+                                     + server.tail().replace("\n", "\n    "))  # fmt: skip
+                        live.remove((name, server))
+                        continue
+                    if round_ >= 0:
+                        rows.append((round_, name, result, load))
     return _http_lines(args, rows, notes)
 
 
@@ -377,7 +389,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:
-        args.hidden, args.layers, args.clients, args.new, args.rounds = 64, 2, 8, 8, 1
+        args.hidden, args.heads, args.layers, args.clients, args.new, args.rounds = 64, 2, 2, 8, 8, 1
         args.long, args.long_prompt, args.requests, args.vocab = 2, 64, 40, 512
     torch.set_num_threads(1)
     model = _model(args)
