@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -75,23 +78,57 @@ class EngineMetrics:
     """Fraction (0-1) of the KV cache's blocks in use."""
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    """Tokens drawn, an end-of-sequence or stop token included (computed, though not sent;
+    vLLM counts the same way): a request that stops counts one more than the tokens it sent."""
     time_to_first_token_seconds: list[float] = field(default_factory=list)
     """Every request's time to its first token so far (the front end keeps the histogram)."""
 
 
 class RequestStream:
     """The tokens of one submitted request, as they are generated (see
-    [Note: the serving engine interface]). Iterate it; ``cancel()`` ends it early."""
+    [Note: the serving engine interface]). Iterate it, or ``subscribe`` a callback (one
+    consumer per stream); ``cancel()`` ends it early."""
 
     def __init__(self, request_id: str, canceller):
         self.request_id = request_id
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         self._cancel = canceller
+        self._lock = threading.Lock()
+        self._listener = None
+        self._subscribed = False
         self.finished = False
 
     def put(self, event: TokenEvent) -> None:
-        """Called by the engine."""
-        self._events.put(event)
+        """Called by the engine: queue ``event``, or hand it to the subscribed callback."""
+        with self._lock:
+            if not self._subscribed:
+                self._events.put(event)
+                return
+            self._deliver(event)
+
+    def subscribe(self, fn) -> None:
+        """Call ``fn(event)`` for every event of this stream, exactly once each and in order:
+        at once (in this thread) for the events put so far, then from the thread that puts
+        each later one, usually the engine's. ``fn`` must be quick, must not raise (an
+        exception is logged and that event is lost to it) and must not call back into this
+        stream or its engine. The stream is not iterable afterwards."""
+        with self._lock:  # a concurrent put waits until the events before it are delivered
+            if self._subscribed:
+                raise RuntimeError(f"request {self.request_id}: the stream already has a subscriber")
+            self._subscribed, self._listener = True, fn
+            while not self._events.empty():
+                self._deliver(self._events.get_nowait())
+
+    def _deliver(self, event: TokenEvent) -> None:
+        """Hand one event to the subscriber (the caller holds ``_lock``)."""
+        if self._listener is None:
+            return  # the stream finished before: nothing more is expected
+        try:
+            self._listener(event)
+        except Exception:  # noqa: BLE001 - the engine thread must not fail for a subscriber's bug
+            logger.exception("request %s: the stream's subscriber failed", self.request_id)
+        if event.finished:
+            self.finished, self._listener = True, None
 
     def cancel(self) -> None:
         self._cancel(self.request_id)
@@ -101,6 +138,8 @@ class RequestStream:
 
     def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
         """The events as they come; ``TimeoutError`` when none arrives for ``timeout`` seconds."""
+        if self._subscribed:
+            raise RuntimeError(f"request {self.request_id}: a subscriber takes this stream's events")
         while not self.finished:
             try:
                 event = self._events.get(timeout=timeout)
@@ -141,6 +180,8 @@ class SequentialEngine:
         # transformers 5.x renamed past_key_values to cache
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._queue: queue.Queue = queue.Queue(max_queue)
+        self._live: set[str] = set()
+        """Requests submitted and not finished: only these can be cancelled."""
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._metrics = EngineMetrics()
@@ -153,15 +194,22 @@ class SequentialEngine:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         check_length(prompt_ids, params, self.max_model_len)
         stream = RequestStream(f"req-{next(self._ids)}", self._cancel_request)
+        with self._lock:
+            self._live.add(stream.request_id)
         try:
             self._queue.put_nowait((stream, list(prompt_ids), params, time.perf_counter()))
         except queue.Full:
+            with self._lock:
+                self._live.discard(stream.request_id)
             raise QueueFull(f"{self._queue.maxsize} requests are waiting; retry later") from None
         return stream
 
     def _cancel_request(self, request_id: str) -> None:
+        """Mark a waiting or running request; a cancel after its end is a no-op, so that
+        nothing is remembered for a request that will never look again."""
         with self._lock:
-            self._cancelled.add(request_id)
+            if request_id in self._live:
+                self._cancelled.add(request_id)
 
     def metrics(self) -> EngineMetrics:
         with self._lock:
@@ -187,16 +235,21 @@ class SequentialEngine:
                 break
             with self._lock:
                 self._running = 1
+            stream = item[0]
             try:
-                self._serve(*item)
+                end = self._serve(*item)
             except Exception as error:  # noqa: BLE001 - one request's failure ends that request only
-                item[0].put(TokenEvent(None, True, "error", f"{type(error).__name__}: {error}"))
-            finally:
-                with self._lock:
-                    self._running = 0
+                end = TokenEvent(None, True, "error", f"{type(error).__name__}: {error}")
+            with self._lock:
+                self._running = 0
+                self._live.discard(stream.request_id)
+                self._cancelled.discard(stream.request_id)
+            stream.put(end)  # after the bookkeeping: a caller that saw the end sees it done
 
     @torch.no_grad()
-    def _serve(self, stream: RequestStream, prompt: list[int], params: SamplingParams, submitted: float) -> None:
+    def _serve(self, stream: RequestStream, prompt: list[int], params: SamplingParams, submitted: float) -> TokenEvent:
+        """Generate ``stream``'s tokens; return its last event (not put yet). Counts every
+        token drawn, an end-of-sequence or stop token included (as the batching engine does)."""
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         device = next(self.model.parameters()).device
         ids = torch.tensor([prompt], device=device)
@@ -207,9 +260,7 @@ class SequentialEngine:
         while True:
             with self._lock:
                 if stream.request_id in self._cancelled:
-                    self._cancelled.discard(stream.request_id)
-                    stream.put(TokenEvent(None, True, "abort"))
-                    return
+                    return TokenEvent(None, True, "abort")
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past})
             past = out[self._cache_arg if self._cache_arg in out else "past_key_values"]
             token = sample(out.logits[0, -1], params, generator)
@@ -220,12 +271,10 @@ class SequentialEngine:
                     self._metrics.time_to_first_token_seconds.append(time.perf_counter() - submitted)
             stop = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
             if stop:
-                stream.put(TokenEvent(None, True, "stop"))
-                return
+                return TokenEvent(None, True, "stop")
             stream.put(TokenEvent(token))
             if produced >= limit:
-                stream.put(TokenEvent(None, True, "length"))
-                return
+                return TokenEvent(None, True, "length")
             ids = torch.tensor([[token]], device=device)
 
 

@@ -3,20 +3,21 @@
 ``/v1/completions``, ``/v1/chat/completions`` and ``/metrics``. Needs the ``serve`` extra.
 
 [Note: engine streams in the event loop]
-An engine's streams are blocking iterators. Each submitted stream gets a small thread that
-moves its events into one asyncio queue per HTTP request (``loop.call_soon_threadsafe``), so
-the event loop never blocks and the ``n`` choices of a request merge in arrival order. The
-thread ends with the stream's last event, which every stream sends, also after ``cancel()``.
-Whatever ends the HTTP side early (a stop string, a disconnected client, an error) cancels the
-request's unfinished streams at once, which frees their cache.
+The front end subscribes to each engine stream (``RequestStream.subscribe``): the engine's
+thread hands every event to ``loop.call_soon_threadsafe``, which moves it into one asyncio
+queue per HTTP request, so the event loop never blocks, the ``n`` choices of a request merge
+in arrival order, and no thread is spent per request (a thousand open streams cost a
+thousand queue entries, not a thousand threads). Whatever ends the HTTP side early (a stop
+string, a disconnected client, an error) cancels the request's unfinished streams at once,
+which frees their cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-import threading
 import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -51,14 +52,22 @@ class _Choices:
             self.cancel()
             raise
         for index, stream in enumerate(self.streams):
-            threading.Thread(target=self._pump, args=(loop, index, stream), daemon=True).start()
+            stream.subscribe(functools.partial(self._deliver, loop, index))
 
-    def _pump(self, loop, index, stream) -> None:
-        for event in stream:
-            try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
-            except RuntimeError:  # the event loop closed: nobody listens; drain to the end
-                pass
+    def _deliver(self, loop, index: int, event) -> None:
+        """A stream's subscriber, called in the engine's thread."""
+        try:
+            loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+        except RuntimeError:  # the event loop closed: nobody listens any more
+            pass
+
+    async def arrived(self) -> list:
+        """The ``(index, event)`` pairs that arrived: waits for one, then takes all queued
+        (one wake-up and one socket write for what came while the loop was busy)."""
+        arrived = [await self.queue.get()]
+        while not self.queue.empty():
+            arrived.append(self.queue.get_nowait())
+        return arrived
 
     @property
     def done(self) -> bool:
@@ -109,8 +118,9 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None) ->
         headers = {"Retry-After": "1"} if error.status == 503 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
-    def authorize(request: Request) -> None:
-        """The ``/v1`` routes' key check (a dependency: a middleware would hide disconnects)."""
+    async def authorize(request: Request) -> None:
+        """The ``/v1`` routes' key check (a dependency: a middleware would hide disconnects;
+        async, as a plain function would take a worker thread per request)."""
         if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise oai.RequestError("missing or wrong API key", status=401, code="invalid_api_key")
 
@@ -219,9 +229,9 @@ class _Answer:
         try:
             while not choices.done:
                 try:
-                    index, event = await asyncio.wait_for(choices.queue.get(), _POLL_S)
-                    text, _ = choices.take(index, event)
-                    texts[index] += text
+                    for index, event in await asyncio.wait_for(choices.arrived(), _POLL_S):
+                        text, _ = choices.take(index, event)
+                        texts[index] += text
                 except asyncio.TimeoutError:
                     pass
                 if clock() >= check_at:  # tokens may come faster than the poll: check by time
@@ -242,12 +252,21 @@ class _Answer:
                 for index in range(len(choices.reasons)):
                     yield oai.sse(oai.chunk(self.id, self.model, True, index, role=True))
             while not choices.done:
-                index, event = await choices.queue.get()
-                text, reason = choices.take(index, event)
-                if text:
-                    yield oai.sse(oai.chunk(self.id, self.model, self.chat, index, text=text))
-                if reason is not None:
-                    yield oai.sse(oai.chunk(self.id, self.model, self.chat, index, reason=reason))
+                events, error = [], None
+                for index, event in await choices.arrived():
+                    try:
+                        text, reason = choices.take(index, event)
+                    except RuntimeError as failure:
+                        error = failure
+                        break
+                    if text:
+                        events.append(oai.sse(oai.chunk(self.id, self.model, self.chat, index, text=text)))
+                    if reason is not None:
+                        events.append(oai.sse(oai.chunk(self.id, self.model, self.chat, index, reason=reason)))
+                if events:
+                    yield "".join(events)  # one event per token still, in one write
+                if error is not None:
+                    raise error
             if include_usage:
                 usage = oai.usage(self.prompt_tokens, choices.completion_tokens)
                 yield oai.sse(oai.usage_chunk(self.id, self.model, self.chat, usage))

@@ -2,6 +2,7 @@
 or an error event in a stream) and cancels its other choices; a tokenizer without a chat
 template is a 400; the ``serve`` command's refusals and engine choice."""
 
+import asyncio
 import json
 import logging
 import threading
@@ -92,6 +93,7 @@ def test_an_engine_error_in_a_stream_is_an_error_event(app_client):
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "sampling failed" in json.loads(events[-2])["error"]["message"]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == ["!"]  # the token before the error
 
 
 def test_streamed_choices_merge_by_index(app_client):
@@ -159,3 +161,54 @@ def test_families_the_batching_engine_does_not_run_are_served_sequentially(caplo
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+class Held(Scripted):
+    """Keeps every stream open, with no events, until the test releases it."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[tuple[RequestStream, list[int]]] = []
+
+    def submit(self, prompt_ids, params):
+        self.count += 1
+        stream = RequestStream(f"r{self.count}", self._cancel)
+        self.held.append((stream, prompt_ids))
+        return stream
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_streamed_requests_take_no_thread_each():
+    import httpx
+
+    from shardwise.serve._http import create_app
+
+    engine, count = Held(), 40
+    app = create_app(engine, served_model_name="m")
+
+    def release():  # what the engine's thread does
+        for stream, prompt in engine.held:
+            for token in prompt:
+                stream.put(TokenEvent(token))
+            stream.put(TokenEvent(None, True, "length"))
+
+    async def load():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            before = threading.active_count()
+            body = {"prompt": "ab", "max_tokens": 2, "stream": True}
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(count)]
+            await asyncio.wait_for(_until(lambda: len(engine.held) == count), 20)
+            during = threading.active_count()
+            await asyncio.to_thread(release)
+            return before, during, await asyncio.gather(*tasks)
+
+    before, during, answers = asyncio.run(load())
+    assert during - before < count // 4, (before, during)
+    for answer in answers:
+        events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "ab"
