@@ -6,10 +6,13 @@ The chunks of a step are laid end to end as one flat batch of ``T`` tokens. Ever
 treats tokens independently (embeddings, norms, the q/k/v/o projections, rotary embeddings
 from each token's own position, the MLP) runs once over all ``T`` rows, with the model's own
 modules, which is where batching pays. Each token's key and value are written into its
-cache slot ([Note: paged KV cache]); then attention runs per sequence: its chunk's queries
-against the keys and values of its slots ``0..end-1``, gathered from the pool, with the
-causal rule on absolute positions (query at ``p`` sees keys at ``<= p``). Only the last row
-of a chunk that samples goes through the final norm and the LM head.
+cache slot ([Note: paged KV cache]); then each chunk's queries attend to the keys and values
+of its slots ``0..end-1``, gathered from the pool, with the causal rule on absolute positions
+(query at ``p`` sees keys at ``<= p``). The one-token chunks (every decode) do it in one call
+per layer, their slots padded to the longest and masked; longer chunks (prompt pieces) one
+call each. Where each reads is worked out once per step (``_Layout``), not per layer: the
+per-sequence loop of tensor building was most of a decode step's time on a CPU. Only the last
+row of a chunk that samples goes through the final norm and the LM head.
 
 Families: Llama, Mistral and Qwen2 (Hugging Face layouts with ``q_proj``/``k_proj``/
 ``v_proj``/``o_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``mlp`` and
@@ -117,18 +120,18 @@ class PagedDecoder:
         ids = torch.tensor(plan.ids, device=device)
         positions = torch.cat([torch.arange(start, end) for start, end in spans]).to(device)
         written = torch.cat([self.slots(t, s, e) for t, (s, e) in zip(plan.tables, spans)]).to(device)
-        context = [self.slots(t, 0, e).to(device) for t, (_, e) in zip(plan.tables, spans)]
+        layout = _Layout.of(self, plan, spans)
         x = self.inner.embed_tokens(ids)[None]
         cos, sin = self.inner.rotary_emb(x, positions[None])
         for index, layer in enumerate(self.inner.layers):
             hidden = layer.input_layernorm(x)
-            x = x + self._attention(layer.self_attn, hidden, cos, sin, index, spans, written, context)
+            x = x + self._attention(layer.self_attn, hidden, cos, sin, index, written, layout)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         rows = torch.tensor([row for row, samples in zip(_ends(spans), plan.samples) if samples], dtype=torch.long)
         last = x[0, rows.to(device)]
         return self.model.lm_head(self.inner.norm(last)).float()
 
-    def _attention(self, attention, hidden, cos, sin, index, spans, written, context) -> torch.Tensor:
+    def _attention(self, attention, hidden, cos, sin, index, written, layout: _Layout) -> torch.Tensor:
         tokens = hidden.shape[1]
         q = attention.q_proj(hidden).view(1, tokens, self.heads, self.head_dim).transpose(1, 2)
         k = attention.k_proj(hidden).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -136,22 +139,59 @@ class PagedDecoder:
         q, k = self._rotary(q, k, cos, sin)
         self.keys[index, written] = k[0].transpose(0, 1).to(self.keys.dtype)
         self.values[index, written] = v[0].to(self.values.dtype)
-        outputs, row = [], 0
-        for (start, end), slots in zip(spans, context):
-            length = end - start
-            query = q[:, :, row : row + length]  # [1, heads, length, d]
+        gqa = self.heads != self.kv_heads
+        out = q.new_empty(1, self.heads, tokens, self.head_dim)
+        if layout.decode_rows is not None:  # every one-token chunk in one call, keys padded
+            keys = self.keys[index, layout.decode_slots].permute(0, 2, 1, 3)  # [D, kv_heads, longest, d]
+            values = self.values[index, layout.decode_slots].permute(0, 2, 1, 3)
+            query = q[0, :, layout.decode_rows].transpose(0, 1)[:, :, None]  # [D, heads, 1, d]
+            attended = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=layout.decode_mask, scale=self.scaling, enable_gqa=gqa
+            )
+            out[0, :, layout.decode_rows] = attended[:, :, 0].transpose(0, 1)
+        for row, length, slots, mask in layout.prompts:
             keys = self.keys[index, slots].transpose(0, 1)[None]  # [1, kv_heads, end, d]
             values = self.values[index, slots].transpose(0, 1)[None]
-            key_positions = torch.arange(end, device=keys.device)
-            query_positions = torch.arange(start, end, device=keys.device)
-            mask = key_positions[None, :] <= query_positions[:, None]
-            out = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.heads != self.kv_heads
+            out[:, :, row : row + length] = F.scaled_dot_product_attention(
+                q[:, :, row : row + length], keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=gqa
             )
-            outputs.append(out)
-            row += length
-        out = torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, tokens, self.heads * self.head_dim)
-        return attention.o_proj(out)
+        return attention.o_proj(out.transpose(1, 2).reshape(1, tokens, self.heads * self.head_dim))
+
+
+@dataclass
+class _Layout:
+    """Where each chunk's attention reads, built once per step for every layer: the one-token
+    chunks (decodes) as one padded batch (their flat rows, their context slots padded to the
+    longest with slot 0, and a mask of the real ones), the longer chunks (prompt pieces) one by
+    one (flat row, length, context slots, causal mask on absolute positions)."""
+
+    decode_rows: torch.Tensor | None
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prompts: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, decoder: PagedDecoder, plan: StepPlan, spans: list[tuple[int, int]]) -> _Layout:
+        device = decoder.keys.device
+        rows, tables, lengths, prompts, row = [], [], [], [], 0
+        for table, (start, end) in zip(plan.tables, spans):
+            if end - start == 1:
+                rows.append(row)
+                tables.append(decoder.slots(table, 0, end))
+                lengths.append(end)
+            else:
+                positions = torch.arange(end, device=device)
+                mask = positions[None, :] <= positions[start:end, None]
+                prompts.append((row, end - start, decoder.slots(table, 0, end).to(device), mask))
+            row += end - start
+        if not rows:
+            return cls(None, None, None, prompts)
+        longest = max(lengths)
+        slots = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, context in enumerate(tables):
+            slots[i, : len(context)] = context
+        mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+        return cls(torch.tensor(rows, device=device), slots.to(device), mask[:, None, None].to(device), prompts)
 
 
 def _ends(spans: list[tuple[int, int]]) -> list[int]:
