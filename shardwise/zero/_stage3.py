@@ -40,7 +40,7 @@ from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._leaf import unit_roots
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy
-from shardwise.zero._unit import Stage3Unit
+from shardwise.zero._unit import Stage3Unit, ZeroParamStatus
 from shardwise.zero._views import Stage3Views
 
 
@@ -193,6 +193,7 @@ class Stage3Strategy(ShardedStrategy):
         for p, shape in zip(params, shapes):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
             p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size
+            p.ds_status = ZeroParamStatus.AVAILABLE  # laid out whole; freeing the unit changes it
         self.buckets.append(unit)
         self._bucket_of.update(dict.fromkeys(params, unit))
         self._offset_of.update(zip(params, offsets))
