@@ -48,9 +48,17 @@ def polite_reward(completions, **kwargs):
 def _save_tiny_llama(path, tokenizer):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None)
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(path)
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -74,15 +82,38 @@ def _grpo_job(rank, world_size, out):
     torch.distributed.barrier()
     generator = torch.Generator().manual_seed(0)
     prompts = [" ".join(WORDS[int(i)] for i in torch.randint(0, 60, (6,), generator=generator)) for _ in range(16)]
-    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 3}}
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3},
+    }
     args = GRPOConfig(
-        output_dir=os.path.join(out, "grpo"), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=8, max_steps=2, learning_rate=1e-2, beta=0.04, logging_steps=1, report_to=[],
-        seed=0, disable_tqdm=True, save_strategy="no", bf16=False, deepspeed=config,
-        accelerator_config={"use_configured_state": True}, ds3_gather_for_generation=False)
-    trainer = GRPOTrainer(model=path, reward_funcs=polite_reward, args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}))
+        output_dir=os.path.join(out, "grpo"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=1e-2,
+        beta=0.04,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        bf16=False,
+        deepspeed=config,
+        accelerator_config={"use_configured_state": True},
+        ds3_gather_for_generation=False,
+    )
+    trainer = GRPOTrainer(
+        model=path,
+        reward_funcs=polite_reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+    )
     trainer.train()
     engine, ref = trainer.model_wrapped, trainer.ref_model
     checks = {
@@ -97,8 +128,9 @@ def _grpo_job(rank, world_size, out):
 
 
 def test_grpo_trainer_with_zero3_config_trains(tmp_path):
-    results = run_distributed(_grpo_job, world_size=2, tmp_path=tmp_path, timeout_s=240, fresh_processes=True,
-                              out=str(tmp_path))
+    results = run_distributed(
+        _grpo_job, world_size=2, tmp_path=tmp_path, timeout_s=240, fresh_processes=True, out=str(tmp_path)
+    )
     for checks in results:
         assert checks["engines"] == [3, 3], checks["engines"]
         assert checks["ref_laid_out"], "the reference model (zero.Init, no optimizer) is laid out in units"
