@@ -5,12 +5,12 @@ reward function in Python, 2 steps).
 What TRL needs of DeepSpeed here: its reference model goes through
 ``deepspeed.initialize`` without an optimizer, built partitioned by ``zero.Init``, with
 section keys written at the top level of its config ("zero_optimization.reduce_bucket_size");
-its fused log-prob head reads ``param.ds_status``. ``ds3_gather_for_generation=False``:
-TRL's default (True) removes and re-adds DeepSpeed's own ZeRO-3 hooks around generation
-(``optimizer.parameter_offload.forward_hooks``...), which shardwise does not have.
-DeepSpeed's default ``stage3_param_persistence_threshold`` keeps this tiny model's
-parameters whole; with 0, TRL's fused head (``lm_head.weight`` used outside ``lm_head``'s
-forward, its gradient stashed in the forward) fails in the backward on shardwise.
+its fused log-prob head reads ``param.ds_status``; around generation it gathers every
+parameter and removes DeepSpeed's ZeRO-3 hooks (``optimizer.parameter_offload``,
+``ds3_gather_for_generation``, TRL's default). DeepSpeed's default
+``stage3_param_persistence_threshold`` keeps this tiny model's parameters whole; with 0,
+TRL's fused head (``lm_head.weight`` used outside ``lm_head``'s forward, its gradient
+stashed in the forward) fails in the backward on shardwise.
 """
 
 import importlib.util
@@ -24,7 +24,7 @@ import shardwise
 from shardwise.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("trl")  # not in the test extra: it brings datasets, pandas and pyarrow
+pytest.importorskip("trl")  # in the test extra (it brings datasets, pandas and pyarrow)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate")
 
 WORDS = [f"w{i}" for i in range(60)]
@@ -105,7 +105,6 @@ def _grpo_job(rank, world_size, out):
         bf16=False,
         deepspeed=config,
         accelerator_config={"use_configured_state": True},
-        ds3_gather_for_generation=False,
     )
     trainer = GRPOTrainer(
         model=path,
