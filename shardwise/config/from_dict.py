@@ -278,6 +278,8 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         | known_keys("")
         | {"memory_breakdown"}
     )
+    noted: list[str] = []
+    _drop_dotted_keys(raw, valid, noted)
     for key, value in raw.items():
         if key not in valid:
             raise unknown_key_error("", key, valid)
@@ -285,7 +287,6 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
             check_later_section(key, value)
         elif key in LATER_SCALARS:
             check_later_scalar(key, value)
-    noted: list[str] = []
     take_special_keys("", raw, noted)
     scalars = {k: raw[k] for k in _TOP_SCALARS if k in raw}
     if scalars.get("gradient_clipping") == AUTO:
@@ -314,6 +315,16 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
     )
     log_no_effect(noted)
     return config
+
+
+def _drop_dotted_keys(raw: dict, valid: set, noted: list[str]) -> None:
+    """Remove top-level keys that name a section's key with a dot ("zero_optimization.
+    reduce_bucket_size"), noting each: DeepSpeed reads only whole sections at the top level
+    and ignores them, and TRL's ``prepare_deepspeed`` writes them into the reference
+    model's config, so refusing them would stop every TRL trainer under ZeRO-3."""
+    for key in [k for k in raw if k not in valid and k.partition(".")[0] in valid and k.partition(".")[2]]:
+        del raw[key]
+        noted.append(f"{key} (a section's key written at the top level; DeepSpeed ignores it there too)")
 
 
 def activation_checkpointing_config(config: Any) -> ActivationCheckpointingConfig:

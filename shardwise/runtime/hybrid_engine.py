@@ -79,8 +79,13 @@ class HybridEngine(Engine):
         self.module.generate = _GenerateThroughEngine(self)
 
     def generate(self, *args, **kwargs):
-        """Hugging Face ``generate`` with the current weights; returns what it returns."""
-        return self.inference_view.generate(args, kwargs)
+        """Hugging Face ``generate`` with the current weights; returns what it returns, as
+        ordinary tensors that training may use (the token ids feed the PPO forward).
+        ``synced_gpus`` (DeepSpeed-Chat passes it under ZeRO-3) is accepted and ignored:
+        no rank waits for another between tokens here (the weights are gathered once
+        before decoding, and an inference tensor group decodes the same rows together)."""
+        kwargs.pop("synced_gpus", None)
+        return _trainable(self.inference_view.generate(args, kwargs))
 
     def prepare_shared_prefill(self, source_batch_size: int, repeats: int, prompt_length: int) -> None:
         """Make the next ``generate`` run each prompt's prefill once for a group of samples
@@ -115,6 +120,19 @@ class HybridEngine(Engine):
 
     def __repr__(self) -> str:
         return "Hybrid" + super().__repr__()
+
+
+def _trainable(out):
+    """``generate``'s output with its inference-mode tensors (the decoder runs under
+    ``torch.inference_mode``) copied into ordinary ones, which autograd accepts as inputs."""
+    if isinstance(out, torch.Tensor):
+        return out.clone() if out.is_inference() else out
+    if isinstance(out, tuple):
+        return type(out)(_trainable(item) for item in out)
+    if isinstance(out, dict):  # a ModelOutput (GenerateDecoderOnlyOutput) keeps its class
+        for key, value in out.items():
+            out[key] = _trainable(value)
+    return out
 
 
 DeepSpeedHybridEngine = HybridEngine

@@ -38,9 +38,10 @@ from shardwise.config import ConfigError
 from shardwise.zero._gatherer import UnitGatherer
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._leaf import unit_roots
+from shardwise.zero._parameter_offload import ParameterOffload
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy
-from shardwise.zero._unit import Stage3Unit
+from shardwise.zero._unit import Stage3Unit, ZeroParamStatus
 from shardwise.zero._views import Stage3Views
 
 
@@ -193,6 +194,7 @@ class Stage3Strategy(ShardedStrategy):
         for p, shape in zip(params, shapes):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
             p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size
+            p.ds_status = ZeroParamStatus.AVAILABLE  # laid out whole; freeing the unit changes it
         self.buckets.append(unit)
         self._bucket_of.update(dict.fromkeys(params, unit))
         self._offset_of.update(zip(params, offsets))
@@ -227,6 +229,13 @@ class Stage3Strategy(ShardedStrategy):
         for the block, over ``stage3_max_live_parameters`` if need be."""
         with self.gatherer.keep_gathered():
             yield
+
+    def adopt_client_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """As every sharded stage, and the optimizer gets DeepSpeed's ``parameter_offload``
+        (the ZeRO-3 hooks TRL removes around generation; see ``_parameter_offload.py``)."""
+        optimizer = super().adopt_client_optimizer(optimizer)
+        optimizer.parameter_offload = ParameterOffload(self)
+        return optimizer
 
     def gather_units(self, units) -> None:
         """Gather the given units (collective); see ``GatheredParameters``."""

@@ -43,6 +43,16 @@ class UnitState(enum.Enum):
     """The full buffer holds the parameters and they are views into it."""
 
 
+class ZeroParamStatus(enum.Enum):
+    """A stage-3 parameter's state, DeepSpeed's ``param.ds_status`` (TRL reads it to gather
+    a parameter it uses outside its module's forward): whole and usable, partitioned, or
+    being gathered. Each parameter's follows its unit's :class:`UnitState`."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
 @dataclass(eq=False)
 class Stage3Unit(ShardedBucket):
     """A :class:`ShardedBucket` whose full parameters exist only while gathered. See
@@ -105,6 +115,7 @@ class Stage3Unit(ShardedBucket):
         handle.wait()
         for p, off, shape in zip(self.params, self.offsets, self.shapes):
             p.data = self.flat_param[off : off + shape.numel()].view(shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
 
     def free(self) -> None:
         """READING, GATHERING or GATHERED -> SHARDED: finish what is in flight (a read nobody
@@ -122,6 +133,7 @@ class Stage3Unit(ShardedBucket):
         self.flat_param.untyped_storage().resize_(0)
         for p in self.params:  # an empty tensor, so reading a sharded parameter cannot crash
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
     def enter(self, position: int) -> None:
         """A user's forward call at trace ``position`` begins."""

@@ -11,26 +11,18 @@ the dtype of tensors a module builds), so patching it, as Hugging Face's
 from __future__ import annotations
 
 import functools
-from enum import Enum
 
 import torch
 
 from shardwise.accelerator import get_accelerator
 from shardwise.zero import GatheredParameters, Init, register_external_parameter
+from shardwise.zero._unit import ZeroParamStatus
 
 _orig_torch_arange = torch.arange
 _orig_torch_empty = torch.empty
 _orig_torch_zeros = torch.zeros
 _orig_torch_ones = torch.ones
 _orig_torch_full = torch.full
-
-
-class ZeroParamStatus(Enum):
-    """A stage-3 parameter's state: whole and usable, partitioned, or being gathered."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, target_device=None):

@@ -111,6 +111,7 @@ def _body(rank, world_size, stage, lora):
     penalised = engine.generate(prompt, max_new_tokens=4, do_sample=False, repetition_penalty=1.5)
     expected = _model_generate(replica, prompt, lora, max_new_tokens=4, repetition_penalty=1.5)
     report["penalised"] = (penalised.tolist(), expected.tolist())
+    report["inference_tensor"] = penalised.is_inference()  # its ids feed training (a PPO forward)
     report["gathers"].append((sum(engine.comm.calls.values()) - issued, len(engine.strategy.buckets)))
     for _ in range(STEPS):
         batch = torch.randint(3, VOCAB, (MICRO * world_size, 12), generator=generator)
@@ -141,6 +142,7 @@ def _body(rank, world_size, stage, lora):
 def _check(report, *, stage, lora):
     assert report["hybrid"] == "HybridEngine"
     assert report["penalised"][0] == report["penalised"][1], "the model's own generate on the copy"
+    assert not report["inference_tensor"], "generate returned an inference-mode tensor, which autograd refuses"
     for step, (out, through_module, expected) in enumerate(report["tokens"]):
         assert out == expected, f"step {step}: generate differs from the replica trained the same way"
         assert through_module == out, f"step {step}: engine.module.generate differs from engine.generate"

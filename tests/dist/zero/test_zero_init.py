@@ -140,3 +140,29 @@ def test_meta_model_materialised_partitioned_then_loaded(tmp_path):
         assert trained_diff < 1e-6
     for a, b in zip(results[0][2], results[1][2]):  # reset_parameters() values agree across ranks
         assert torch.equal(a, b)
+
+
+def _eval_engine(rank, world_size):
+    """A model built by zero.Init under an engine with no optimizer (TRL's and
+    DeepSpeed-Chat's reference model): its forward equals the plain model's, and each
+    parameter's ds_status says whether it is whole."""
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}}
+    with zero.Init(config_dict_or_path=config):
+        model = TinyMLP(seed=1)
+    plain = TinyMLP(seed=1)
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=2)[0]
+    with torch.no_grad():
+        same = torch.equal(engine(tokens, targets), plain(tokens, targets))
+    param = engine.module.fc1.weight
+    outside = (param.ds_status.name, param.numel())
+    with zero.GatheredParameters([param]):
+        inside = (param.ds_status.name, param.numel())
+    return same, outside, inside
+
+
+def test_init_model_without_optimizer_runs_its_forward(tmp_path):
+    for same, outside, inside in run_distributed(_eval_engine, world_size=2, tmp_path=tmp_path):
+        assert same, "the forward of a zero.Init model under an engine without optimizer"
+        assert outside == ("NOT_AVAILABLE", 0) and inside == ("AVAILABLE", 32 * 16), (outside, inside)

@@ -312,3 +312,20 @@ def test_legacy_names_map_with_a_warning():
         "bfloat16",
         "zero_optimization.stage3_gather_fp16_weights_on_model_save",
     }
+
+
+def test_a_sections_key_written_at_the_top_level_is_ignored_as_deepspeed_ignores_it(caplog):
+    """TRL's prepare_deepspeed puts "zero_optimization.reduce_bucket_size" (and two more)
+    at the top level of the reference model's config; DeepSpeed reads sections only."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        cfg = _load(
+            train_micro_batch_size_per_gpu=1,
+            zero_optimization={"stage": 3, "reduce_bucket_size": 1000},
+            **{"zero_optimization.reduce_bucket_size": 64, "zero_optimization.stage3_prefetch_bucket_size": 57.6},
+        )
+    assert cfg.zero.stage == 3 and cfg.zero.reduce_bucket_size == 1000
+    assert "zero_optimization.reduce_bucket_size (a section's key" in caplog.text
+    with pytest.raises(ConfigError, match="unknown config key 'zero_optimisation.stage'"):
+        _load(train_micro_batch_size_per_gpu=1, **{"zero_optimisation.stage": 3})
