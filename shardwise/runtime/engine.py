@@ -32,7 +32,6 @@ from shardwise.runtime.data import deepspeed_io
 # ``import deepspeed``, as in DeepSpeed (Accelerate reads VALID_LR_SCHEDULES that way)
 from shardwise.runtime.lr_schedules import build_lr_scheduler
 from shardwise.zero import ModelStateBytes, StepResult, build_strategy
-from shardwise.zero._init import init_shard
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +121,7 @@ class Engine(DeepSpeedNames, nn.Module):
         params = model_parameters if model_parameters is not None else self.module.parameters()
         params = list(params) if not isinstance(params, list) else params
         if client_optimizer is None and self.train_config.optimizer is None:
-            if any(init_shard(p) is not None for p in params):
-                # built partitioned by zero.Init (TRL's and DeepSpeed-Chat's reference and
-                # reward models under ZeRO-3): only the strategy's layout gathers them for the
-                # forward, so lay it out even with no optimizer to feed
-                self.strategy.optimizer_params(params)
+            self.strategy.without_optimizer(params)
             return None
         if isinstance(client_optimizer, torch.optim.Optimizer):
             return self.strategy.adopt_client_optimizer(client_optimizer)

@@ -129,6 +129,9 @@ class ShardedStrategy:
 
     # -- layout ---------------------------------------------------------------------------
 
+    def without_optimizer(self, params: list) -> None:
+        """An engine with no optimizer: parameters stay whole at stages 1 and 2."""
+
     def optimizer_params(self, model_parameters) -> list[dict]:
         """Lay out buckets for the user's parameter groups; returns groups of bucket shards."""
         if self.buckets:

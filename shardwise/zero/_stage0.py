@@ -188,6 +188,9 @@ class Stage0Strategy:
 
     # -- optimizer wiring ---------------------------------------------------------------
 
+    def without_optimizer(self, params: list) -> None:
+        """An engine with no optimizer: nothing to lay out."""
+
     def optimizer_params(self, model_parameters):
         """Map what the user passed as ``model_parameters`` to what the optimizer updates."""
         if not self._master:

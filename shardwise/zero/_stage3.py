@@ -111,6 +111,13 @@ class Stage3Strategy(ShardedStrategy):
 
     # -- layout: one unit per (owning module, param group) -----------------------------------
 
+    def without_optimizer(self, params: list) -> None:
+        """An engine with no optimizer (TRL's and DeepSpeed-Chat's reference and reward
+        models): parameters built partitioned by ``zero.Init`` are gathered for the forward
+        only by the units of the layout, so lay it out anyway."""
+        if any(init_shard(p) is not None for p in params):
+            self.optimizer_params(params)
+
     def optimizer_params(self, model_parameters) -> list[dict]:
         """Units for every owning module, then one persistent unit per param group (laid
         out last, so waiting for its gradients delays no other unit's reduction)."""
