@@ -18,6 +18,7 @@ VIEWS = _methods(ZeroViews)
 def test_the_protocols_split_lifecycle_from_views():
     assert _methods(ZeroStrategy) == {
         "optimizer_params",
+        "without_optimizer",
         "pre_backward",
         "finalize_backward",
         "step",
