@@ -114,8 +114,7 @@ def _check(code, out, elapsed, kind):
     assert elapsed < TIMEOUT_S + MARGIN_S, f"the job took {elapsed:.1f} s:\n{out[-3000:]}"
 
 
-@pytest.mark.parametrize("stage, kind", [(0, "all_reduce"), (1, "reduce_scatter"), (2, "reduce_scatter"),
-                                         (3, "reduce_scatter")])
+@pytest.mark.parametrize("stage, kind", [(0, "all_reduce"), (3, "reduce_scatter")])  # 2: under torchrun
 def test_diverged_ranks_fail_fast_under_shardwise_run(tmp_path, stage, kind):
     code, out, elapsed = _run_diverged("shardwise run", tmp_path, "--stage", str(stage))
     _check(code, out, elapsed, kind)

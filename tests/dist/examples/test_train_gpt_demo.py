@@ -1,4 +1,6 @@
-"""The demo trains unchanged under every ZeRO stage and precision: only the config differs."""
+"""The demo trains unchanged under ZeRO stages 0-3, bf16 and both offloads: only the config
+differs. A sample of the shipped configs runs here (each run is a launch of 2 processes);
+tests/unit/examples/test_example_configs.py reads every one of them."""
 
 import os
 import re
@@ -18,8 +20,7 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("config", ["zero0.json", "zero0_bf16.json", "zero1.json", "zero2.json",
-                                    "zero3.json", "zero3_bf16.json", "zero2_offload_cpu.json",
+@pytest.mark.parametrize("config", ["zero0_bf16.json", "zero1.json", "zero3.json", "zero2_offload_cpu.json",
                                     "zero3_offload_nvme.json"])
 def test_demo_runs_under_config(tmp_path, config):
     env = {k: v for k, v in os.environ.items()
