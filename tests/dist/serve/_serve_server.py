@@ -36,6 +36,22 @@ def save_tiny_model(path: Path, *, chat_template: str | None = CHAT_TEMPLATE) ->
     return path
 
 
+def greedy_answers(model_dir: Path, prompts: list[str], new_tokens: int) -> list[tuple[str, int]]:
+    """What the saved model's own ``generate`` answers to each prompt, greedily: (text, prompt tokens)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            new = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids) :]
+        out.append((tokenizer.decode(new, skip_special_tokens=True), len(ids)))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,8 +6,7 @@ what is not built by name."""
 import os
 
 import pytest
-import torch
-from _serve_server import save_tiny_model
+from _serve_server import greedy_answers, save_tiny_model
 
 import shardwise.mii as mii
 
@@ -23,17 +22,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    out = []
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt)
-        with torch.no_grad():
-            new = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids) :]
-        out.append((tokenizer.decode(new, skip_special_tokens=True), len(ids)))
-    return out
+    return greedy_answers(model_dir, PROMPTS, 6)
 
 
 def test_pipeline_greedy_equals_generate(model_dir, expected):

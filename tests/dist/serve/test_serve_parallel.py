@@ -10,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
-from _serve_server import Server, post, save_tiny_model
+from _serve_server import Server, greedy_answers, post, save_tiny_model
 
 pytest.importorskip("fastapi")
 
@@ -26,17 +25,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    out = []
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt)
-        with torch.no_grad():
-            new = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)[0, len(ids) :]
-        out.append(tokenizer.decode(new, skip_special_tokens=True))
-    return out
+    return [text for text, _ in greedy_answers(model_dir, PROMPTS, NEW)]
 
 
 def descendants(pid: int) -> set[int]:

@@ -10,33 +10,19 @@ from shardwise.serve import SamplingParams, SequentialEngine
 from shardwise.serve._batching import BatchingEngine
 
 transformers = pytest.importorskip("transformers")
+from serve_models import greedy, tiny_llama  # noqa: E402 - needs transformers
+
 WAIT = 20  # seconds any one token may take before a test fails instead of hanging
 
 
-def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-MODEL = _llama()
+MODEL = tiny_llama()
 PROMPTS = [
     torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 1, 14, 6, 11)
 ]
 
 
 def _generate(prompt, tokens):
-    out = MODEL.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+    return greedy(MODEL, prompt, tokens)
 
 
 def _tokens(stream):

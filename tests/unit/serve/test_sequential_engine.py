@@ -9,31 +9,12 @@ from shardwise.serve import SamplingParams, SequentialEngine
 from shardwise.serve._batching import BatchingEngine
 
 transformers = pytest.importorskip("transformers")
+from serve_models import greedy, tiny_llama  # noqa: E402 - needs transformers
+
 WAIT = 20  # seconds any one token may take before a test fails instead of hanging
 
 
-def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 PROMPTS = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 3)]
-
-
-def _greedy(model, prompt, tokens):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(prompt) :].tolist()
 
 
 def _run(engine, requests):
@@ -46,9 +27,9 @@ def _run(engine, requests):
 
 
 def test_counters_equal_the_batching_engines():
-    model = _llama()
-    model.generation_config.eos_token_id = _greedy(model, PROMPTS[0], 3)[2]  # request 0 ends on it
-    stop_token = _greedy(model, PROMPTS[2], 2)[1]
+    model = tiny_llama()
+    model.generation_config.eos_token_id = greedy(model, PROMPTS[0], 3)[2]  # request 0 ends on it
+    stop_token = greedy(model, PROMPTS[2], 2)[1]
     requests = [
         (PROMPTS[0], SamplingParams(max_tokens=8, temperature=0)),
         (PROMPTS[1], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)),
@@ -70,7 +51,7 @@ def test_counters_equal_the_batching_engines():
 
 
 def test_cancels_leave_nothing_behind():
-    engine = SequentialEngine(_llama(), None)
+    engine = SequentialEngine(tiny_llama(), None)
     try:
         done = engine.submit(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         assert list(done.events(timeout=WAIT))[-1].finish_reason == "length"
