@@ -437,14 +437,18 @@ def _fill(target: torch.Tensor, full: torch.Tensor) -> None:
     _copy_into(target, part.t() if transposed else part)
 
 
-def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
-    """``target.copy_(source)``, walking an input-major ``target`` (a transposed view, see
-    [Note: input-major weights]) in its memory order: 3x faster on the CPU for a
-    512 x 32000 weight (130 against 440 ms)."""
-    if target.dim() == 2 and target.stride(0) == 1 and target.stride(1) != 1:
-        target.t().copy_(source.t())
-    else:
+def _copy_into(target: torch.Tensor, source: torch.Tensor, rows: int = 64) -> None:
+    """``target.copy_(source)``; into an input-major ``target`` (a transposed view, see
+    [Note: input-major weights]) a block of ``rows`` source rows at a time, so each block's
+    reads and writes stay in the cache. One thread of this machine's CPU: a Llama MLP's
+    gate (1376 x 512 into its fused 512 x 2752 storage) 1.8 against 13 ms walking the
+    target's memory order and 12 ms plain; a 32000 x 512 LM head 86 against 147 and 405 ms."""
+    if not (target.dim() == 2 and target.stride(0) == 1 and target.stride(1) != 1):
         target.copy_(source)
+        return
+    out = target.t()
+    for start in range(0, source.shape[0], rows):
+        out[:, start : start + rows].copy_(source[start : start + rows].t())
 
 
 def _prompt_length(args: tuple, kwargs: dict) -> int:
