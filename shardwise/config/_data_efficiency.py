@@ -207,3 +207,244 @@ def progressive_layer_drop_config(section: Any) -> ProgressiveLayerDropConfig:
         return ProgressiveLayerDropConfig()
     section = check_keys("progressive_layer_drop", section, {"enabled", "theta", "gamma"})
     return ProgressiveLayerDropConfig(**section)
+
+
+# -- the data_efficiency section (DeepSpeed's data-efficiency library) --------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurriculumMetricConfig:
+    """One metric of ``data_efficiency.data_sampling.curriculum_learning.curriculum_metrics``:
+    where the data analyzer's index files are, and the metric's schedule."""
+
+    index_to_sample_path: str | None = None
+    """The index file of samples by metric value (needed unless ``clustering_type`` is
+    ``single_cluster``)."""
+    index_to_metric_path: str | None = None
+    """The index file of metric values (needed for ``difficulty_type`` ``value``)."""
+    difficulty_type: str
+    """``value`` (difficulties are metric values) or ``percentile`` (1-100)."""
+    clustering_type: str
+    """``single_cluster`` (one cluster, no index files) or ``schedule_based``."""
+    schedule: CurriculumScheduleConfig
+    """``min_difficulty``, ``max_difficulty``, ``schedule_type``, ``schedule_config``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSamplingCurriculumConfig:
+    """``data_efficiency.data_sampling.curriculum_learning``: curriculum data sampling."""
+
+    enabled: bool = False
+    """Sample by scheduled difficulty (not built yet: refused when true)."""
+    data_cluster_path: str | None = None
+    """Where the sampler keeps its clusters of samples."""
+    curriculum_metrics: Mapping[str, CurriculumMetricConfig] = dataclasses.field(default_factory=dict)
+    """The metrics by name (at least one when enabled)."""
+
+
+LR_SCALING_METHODS = ("linear", "sqrt", "none")
+SEQUENCE_PICKING_ORDERS = ("dataloader", "random", "seqlen")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicBatchingConfig:
+    """``data_efficiency.data_sampling.dynamic_batching``: batches of a token budget."""
+
+    enabled: bool = False
+    """Pack variable-length samples into batches of ``max_tokens`` (not built yet: refused
+    when true)."""
+    metrics_path: str | None = None
+    """The data analyzer's output with the sequence lengths."""
+    lr_scaling_method: str = "linear"
+    """How the learning rate follows the batch size: ``linear``, ``sqrt`` or ``none``."""
+    min_batch_size: int = 1
+    """The fewest samples in a batch."""
+    max_batch_size: int | None = None
+    """The most samples in a batch (None: no limit)."""
+    sequence_picking_order: str = "dataloader"
+    """The order samples are packed in: ``dataloader``, ``random`` or ``seqlen``."""
+    max_tokens: int | None = None
+    """Tokens per batch (required when enabled)."""
+    verbose: bool = False
+    """Log the batches built."""
+
+    def __post_init__(self) -> None:
+        path = "data_efficiency.data_sampling.dynamic_batching"
+        as_bool(f"{path}.enabled", self.enabled)
+        as_bool(f"{path}.verbose", self.verbose)
+        as_choice(f"{path}.lr_scaling_method", self.lr_scaling_method, LR_SCALING_METHODS, case_insensitive=False)
+        as_choice(f"{path}.sequence_picking_order", self.sequence_picking_order, SEQUENCE_PICKING_ORDERS)
+        as_int(f"{path}.min_batch_size", self.min_batch_size, minimum=1)
+        if self.max_batch_size is not None:
+            as_int(f"{path}.max_batch_size", self.max_batch_size, minimum=self.min_batch_size)
+        if self.enabled and self.max_tokens is None:
+            raise ConfigError(f"{path}.max_tokens is required when dynamic batching is enabled")
+        if self.max_tokens is not None:
+            as_int(f"{path}.max_tokens", self.max_tokens, minimum=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSamplingConfig:
+    """``data_efficiency.data_sampling``."""
+
+    enabled: bool = False
+    """DeepSpeed's switch of the section (its features have their own)."""
+    num_epochs: int = 1000
+    """Epochs the curriculum sampler plans for."""
+    num_workers: int = 0
+    """Data-loader worker processes of the sampler's loader."""
+    pin_memory: bool = False
+    """Pin the sampler's batches in host memory."""
+    curriculum_learning: DataSamplingCurriculumConfig = dataclasses.field(default_factory=DataSamplingCurriculumConfig)
+    """Curriculum data sampling."""
+    dynamic_batching: DynamicBatchingConfig = dataclasses.field(default_factory=DynamicBatchingConfig)
+    """Token-budget batches."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataRoutingConfig:
+    """``data_efficiency.data_routing``."""
+
+    enabled: bool = False
+    """DeepSpeed's switch of the section (random-LTD has its own)."""
+    random_ltd: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The ``random_ltd`` section as given (random layerwise token drop; not built yet:
+    refused when enabled)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataEfficiencyConfig:
+    """``data_efficiency``: DeepSpeed's data-efficiency library. Each feature has its own
+    ``enabled``, which alone switches it on (as in DeepSpeed, whatever the section
+    switches say)."""
+
+    enabled: bool = False
+    """DeepSpeed's switch of the section."""
+    seed: int = 1234
+    """Seed of the curriculum sampler's random numbers."""
+    data_sampling: DataSamplingConfig = dataclasses.field(default_factory=DataSamplingConfig)
+    """Curriculum data sampling and dynamic batching."""
+    data_routing: DataRoutingConfig = dataclasses.field(default_factory=DataRoutingConfig)
+    """Random layerwise token drop."""
+
+
+def _metric(path: str, section: Any) -> CurriculumMetricConfig:
+    valid = {"index_to_sample_path", "index_to_metric_path", "difficulty_type", "clustering_type"}
+    section = check_keys(
+        path, section, valid | {"min_difficulty", "max_difficulty", "schedule_type", "schedule_config"}
+    )
+    why = "every curriculum metric needs difficulty_type (value|percentile) and clustering_type"
+    difficulty_type = as_choice(
+        f"{path}.difficulty_type",
+        _need(path, section, "difficulty_type", why),
+        ("value", "percentile"),
+        case_insensitive=False,
+    )
+    clustering_type = as_choice(
+        f"{path}.clustering_type", _need(path, section, "clustering_type", why), ("single_cluster", "schedule_based")
+    )
+    if clustering_type != "single_cluster":
+        _need(path, section, "index_to_sample_path", "clustering_type schedule_based reads the data analyzer's index")
+        if difficulty_type == "value":
+            _need(path, section, "index_to_metric_path", "difficulty_type value reads the data analyzer's metric index")
+    return CurriculumMetricConfig(
+        index_to_sample_path=section.get("index_to_sample_path"),
+        index_to_metric_path=section.get("index_to_metric_path"),
+        difficulty_type=difficulty_type,
+        clustering_type=clustering_type,
+        schedule=curriculum_schedule_config(path, section),
+    )
+
+
+def _sampling_curriculum(path: str, section: Any) -> DataSamplingCurriculumConfig:
+    """The metrics are read when the curriculum is enabled (as DeepSpeed reads them)."""
+    section = check_keys(path, section, {"enabled", "data_cluster_path", "curriculum_metrics"})
+    enabled = as_bool(f"{path}.enabled", section.get("enabled", False))
+    if not enabled:
+        return DataSamplingCurriculumConfig(data_cluster_path=section.get("data_cluster_path"))
+    why = "curriculum data sampling needs data_cluster_path and one curriculum_metrics entry per metric"
+    cluster_path = _need(path, section, "data_cluster_path", why)
+    metrics = _need(path, section, "curriculum_metrics", why)
+    if not isinstance(metrics, Mapping) or not metrics:
+        raise ConfigError(f"{path}.curriculum_metrics must be a non-empty object of metrics by name, got {metrics!r}")
+    return DataSamplingCurriculumConfig(
+        enabled=True,
+        data_cluster_path=cluster_path,
+        curriculum_metrics={name: _metric(f"{path}.curriculum_metrics.{name}", m) for name, m in metrics.items()},
+    )
+
+
+def _data_sampling(path: str, section: Any) -> DataSamplingConfig:
+    valid = {"enabled", "num_epochs", "num_workers", "pin_memory", "curriculum_learning", "dynamic_batching"}
+    section = check_keys(path, section, valid)
+    dynamic = check_keys(
+        f"{path}.dynamic_batching", section.get("dynamic_batching", {}), _field_names(DynamicBatchingConfig)
+    )
+    return DataSamplingConfig(
+        enabled=as_bool(f"{path}.enabled", section.get("enabled", False)),
+        num_epochs=as_int(f"{path}.num_epochs", section.get("num_epochs", 1000), minimum=1),
+        num_workers=as_int(f"{path}.num_workers", section.get("num_workers", 0), minimum=0),
+        pin_memory=as_bool(f"{path}.pin_memory", section.get("pin_memory", False)),
+        curriculum_learning=_sampling_curriculum(f"{path}.curriculum_learning", section.get("curriculum_learning", {})),
+        dynamic_batching=DynamicBatchingConfig(**dynamic),
+    )
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def data_efficiency_config(section: Any) -> DataEfficiencyConfig:
+    """The validated ``data_efficiency`` section (None: the defaults, off).
+
+    Raises:
+        ConfigError: an unknown key, a bad value, a missing key an enabled feature needs,
+            or an enabled feature that is not built yet (named).
+    """
+    if section is None:
+        return DataEfficiencyConfig()
+    path = "data_efficiency"
+    section = check_keys(path, section, {"enabled", "seed", "data_sampling", "data_routing"})
+    routing = check_keys(f"{path}.data_routing", section.get("data_routing", {}), {"enabled", "random_ltd"})
+    random_ltd = routing.get("random_ltd", {})
+    if not isinstance(random_ltd, Mapping):
+        raise ConfigError(f"'{path}.data_routing.random_ltd' must be a JSON object, got {random_ltd!r}")
+    as_bool(f"{path}.data_routing.random_ltd.enabled", random_ltd.get("enabled", False))
+    config = DataEfficiencyConfig(
+        enabled=as_bool(f"{path}.enabled", section.get("enabled", False)),
+        seed=as_int(f"{path}.seed", section.get("seed", 1234)),
+        data_sampling=_data_sampling(f"{path}.data_sampling", section.get("data_sampling", {})),
+        data_routing=DataRoutingConfig(
+            enabled=as_bool(f"{path}.data_routing.enabled", routing.get("enabled", False)), random_ltd=random_ltd
+        ),
+    )
+    refuse_unbuilt_data_efficiency(config)
+    return config
+
+
+def refuse_unbuilt_data_efficiency(config: DataEfficiencyConfig) -> None:
+    """Refuse each enabled feature of ``data_efficiency`` that this version lacks, by name."""
+    unbuilt = {  # key -> (switched on, feature, what to use instead)
+        "data_efficiency.data_sampling.curriculum_learning": (
+            config.data_sampling.curriculum_learning.enabled,
+            "curriculum data sampling",
+            "; the legacy top-level 'curriculum_learning' section (a sequence-length curriculum passed "
+            "to the model's forward) is available",
+        ),
+        "data_efficiency.data_sampling.dynamic_batching": (
+            config.data_sampling.dynamic_batching.enabled,
+            "dynamic batching",
+            "",
+        ),
+        "data_efficiency.data_routing.random_ltd": (
+            config.data_routing.random_ltd.get("enabled", False) is True,
+            "random layerwise token drop (random-LTD)",
+            "",
+        ),
+    }
+    for key, (enabled, feature, instead) in unbuilt.items():
+        if enabled:
+            raise ConfigError(
+                f"{feature} ('{key}') is not available in this version of shardwise yet; "
+                f"set '{key}.enabled' to false{instead}"
+            )

@@ -25,7 +25,6 @@ LATER_SECTIONS: dict[str, set[str] | None] = {
     "pipeline": None,
     "sparse_attention": None,
     "compression_training": None,
-    "data_efficiency": None,
     "elasticity": None,
     "autotuning": None,
     "nebula": None,
@@ -53,7 +52,6 @@ LATER_SCALARS = {
 
 _NAMES = {
     "amp": 'NVIDIA Apex AMP (use "fp16" or "bf16" instead)',
-    "data_efficiency": "data efficiency",
     "elasticity": "elastic training",
     "autotuning": "the autotuner",
     "nebula": "Nebula checkpointing",

@@ -28,7 +28,11 @@ from shardwise.config._components import (
     SchedulerConfig,
     ZeroConfig,
 )
-from shardwise.config._data_efficiency import legacy_curriculum_config, progressive_layer_drop_config
+from shardwise.config._data_efficiency import (
+    data_efficiency_config,
+    legacy_curriculum_config,
+    progressive_layer_drop_config,
+)
 from shardwise.config._errors import AUTO, ConfigError, as_bool, as_choice, as_int, check_keys, unknown_key_error
 from shardwise.config._hybrid_engine import hybrid_engine_config
 from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
@@ -66,6 +70,7 @@ _SECTIONS = {
     "hybrid_engine",
     "curriculum_learning",
     "progressive_layer_drop",
+    "data_efficiency",
 } | set(_MONITOR_SECTIONS)
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "batch",
@@ -84,6 +89,7 @@ _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "hybrid_engine",
     "curriculum_learning",
     "progressive_layer_drop",
+    "data_efficiency",
 }
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {
@@ -317,6 +323,7 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         hybrid_engine=hybrid_engine_config(raw.get("hybrid_engine")),
         curriculum_learning=legacy_curriculum_config(raw.get("curriculum_learning")),
         progressive_layer_drop=progressive_layer_drop_config(raw.get("progressive_layer_drop")),
+        data_efficiency=data_efficiency_config(raw.get("data_efficiency")),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )

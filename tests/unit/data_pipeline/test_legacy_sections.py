@@ -44,7 +44,10 @@ def _config(**sections):
         ({"progressive_layer_drop": {"enabled": True, "theta": 1.5}}, r"theta is a keep probability"),
         ({"progressive_layer_drop": {"enabled": True, "gamma": -1}}, r"gamma must be >= 0"),
         ({"progressive_layer_drop": {"enabled": True, "thetta": 0.5}}, r"did you mean 'progressive_layer_drop.theta'"),
-        ({"data_efficiency": {"enabled": True}}, r"data efficiency \('data_efficiency'\) is not available"),
+        (
+            {"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}},
+            r"random-LTD\) \('data_efficiency.data_routing.random_ltd'\) is not available",
+        ),
     ],
 )
 def test_config_errors_name_the_key(sections, match):
