@@ -120,6 +120,8 @@ def build_training_features(config, model: nn.Module) -> TrainingFeatures:
         names = " and ".join(f"'{f.name}'" for f in features)
         raise ConfigError(
             f"{names} pass keywords to the model's forward, which a PipelineModule's stages do not "
-            "take; not available with pipeline parallelism: remove the section(s) or set enabled to false"
+            "take (DeepSpeed's pipeline engine did not pass them either); not available with pipeline "
+            "parallelism: set enabled to false, and for a sequence-length curriculum cut the batches in "
+            "the data iterator (shardwise.runtime.data_pipeline.CurriculumScheduler and truncate_to_curriculum)"
         )
     return TrainingFeatures(features)

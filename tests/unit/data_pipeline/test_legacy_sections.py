@@ -99,7 +99,8 @@ def test_custom_schedule_pld_theta_and_eval_forward():
     engine.set_custom_curriculum_learning_schedule(lambda step: 2 + step)
     _steps(engine, 3)
     assert [seen[0] for seen in model.seen] == [3, 4, 5]
-    assert engine.get_pld_theta() == 0.5 * math.exp(-0.1 * 2) + 0.5
+    assert engine.get_pld_theta() == 0.5 * math.exp(-0.1 * 2) + 0.5 == engine.progressive_layer_drop.get_theta()
+    assert engine.curriculum_scheduler_legacy.get_current_difficulty() == 5
     engine.eval()
     engine(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     assert model.seen[-1] == (None, False, None)  # eval forwards get no keywords, as in DeepSpeed
@@ -108,6 +109,7 @@ def test_custom_schedule_pld_theta_and_eval_forward():
 def test_engine_methods_without_the_sections():
     engine = _engine(TinyMLP(seed=1))
     assert engine.get_pld_theta() is None and not engine.curriculum_enabled_legacy()
+    assert engine.progressive_layer_drop is None and engine.curriculum_scheduler_legacy is None
     with pytest.raises(ValueError, match=r"'curriculum_learning' section, which must be enabled"):
         engine.set_custom_curriculum_learning_schedule(lambda step: step)
 
