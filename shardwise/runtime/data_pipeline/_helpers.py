@@ -12,9 +12,9 @@ def truncate_to_curriculum(batch, curriculum_seqlen: int | None, *, dim: int = 1
     """``batch`` cut to its first ``curriculum_seqlen`` positions along ``dim``, as
     Megatron-style models do with the ``curriculum_seqlen`` the engine passes.
 
-    Every tensor of at least ``dim + 1`` dimensions in ``batch`` (a tensor, or dicts, lists
-    and tuples of them, nested) is sliced (a view, no copy); other values are returned as
-    they are. ``curriculum_seqlen`` None (an eval forward) leaves the batch whole. A
+    Every tensor of at least ``dim + 1`` dimensions in ``batch`` (a tensor, or dicts, lists,
+    tuples and namedtuples of them, nested) is sliced (a view, no copy); other values are
+    returned as they are. ``curriculum_seqlen`` None (an eval forward) leaves the batch whole. A
     tensor whose sequence is not on ``dim`` (a ``[batch, 1, seq, seq]`` attention mask)
     needs its own slicing.
     """
@@ -24,8 +24,9 @@ def truncate_to_curriculum(batch, curriculum_seqlen: int | None, *, dim: int = 1
         return batch.narrow(dim, 0, min(curriculum_seqlen, batch.shape[dim])) if batch.dim() > dim else batch
     if isinstance(batch, dict):
         return type(batch)((k, truncate_to_curriculum(v, curriculum_seqlen, dim=dim)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(truncate_to_curriculum(v, curriculum_seqlen, dim=dim) for v in batch)
+    if isinstance(batch, (list, tuple)):
+        items = [truncate_to_curriculum(v, curriculum_seqlen, dim=dim) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)  # namedtuples take fields
     return batch
 
 

@@ -2,6 +2,7 @@
 one: config errors, what the engine passes to the forward (and when not), the DeepSpeed
 engine methods, a model that cannot take the keywords, and the helpers for models."""
 
+import collections
 import math
 
 import pytest
@@ -154,6 +155,9 @@ def test_truncate_to_curriculum_cuts_every_sequence_tensor():
     assert cut["weights"].shape == (2,) and cut["nested"][0].shape == (2, 4, 3) and cut["n"] == 3
     assert truncate_to_curriculum(batch, None) is batch
     assert truncate_to_curriculum(torch.zeros(2, 3), 8).shape == (2, 3)
+    pair = collections.namedtuple("Pair", "tokens targets")(torch.zeros(2, 6), torch.zeros(2, 6))
+    cut_pair = truncate_to_curriculum(pair, 2)
+    assert type(cut_pair) is type(pair) and cut_pair.targets.shape == (2, 2)
 
 
 def test_progressive_layer_drop_follows_theta_and_gamma():
