@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
+    from shardwise.runtime.data_pipeline import drop_layer, truncate_to_curriculum
     from shardwise.zero import GatheredParameters
-except ImportError:  # the benchmarks run this model under other libraries too
-    GatheredParameters = None
+except ImportError:  # the benchmarks run this model under other libraries too (no keywords passed)
+    GatheredParameters = drop_layer = truncate_to_curriculum = None
 
 
 def _gathered(params):
@@ -86,6 +87,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.width, config.vocab_size, bias=False)
         if config.tie_weights:
             self.head.weight = self.tok_emb.weight
+        self._layer_drop_draws: torch.Generator | None = None
         residual = {block.proj for block in self.blocks} | {block.out for block in self.blocks}
         for module in self.modules():
             # built under zero.Init a module's parameters are partitioned already: gather them
@@ -102,11 +104,37 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        curriculum_seqlen: int | None = None,
+        progressive_layer_drop: bool = False,
+        pld_theta: float | None = None,
+    ) -> torch.Tensor:
+        """The engine passes ``curriculum_seqlen`` (the config's ``curriculum_learning``: the
+        batch is cut to it) and ``pld_theta`` (``progressive_layer_drop``: blocks are skipped
+        with it while training, by draws alike on every rank) to training forwards."""
+        del progressive_layer_drop  # pld_theta is None when layer drop is off
+        if curriculum_seqlen is not None:
+            idx, targets = truncate_to_curriculum((idx, targets), curriculum_seqlen)
+        if pld_theta is not None and self._layer_drop_draws is None:  # the same seed on every rank
+            self._layer_drop_draws = torch.Generator().manual_seed(self.config.seq_len)
         positions = torch.arange(idx.size(1), device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            if pld_theta is None:
+                x = block(x)
+            else:
+                x = drop_layer(
+                    block,
+                    x,
+                    theta=pld_theta,
+                    layer_index=i,
+                    num_layers=len(self.blocks),
+                    generator=self._layer_drop_draws,
+                )
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
