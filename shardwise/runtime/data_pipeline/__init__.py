@@ -1,0 +1,1 @@
+"""Data efficiency: curriculum learning, data sampling and data routing (random-LTD)."""
