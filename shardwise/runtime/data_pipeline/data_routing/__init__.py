@@ -12,11 +12,24 @@ from shardwise.runtime.data_pipeline.data_routing._config import (
     RandomLTDSchedule,
     parse_random_ltd,
 )
+from shardwise.runtime.data_pipeline.data_routing._random_ltd import RandomLTD, random_ltd_layers
+from shardwise.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
+from shardwise.runtime.data_pipeline.data_routing.helper import (
+    convert_to_random_ltd,
+    remove_random_ltd_state_dict,
+    save_without_random_ltd,
+)
 from shardwise.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
 
 __all__ = [
+    "RandomLTD",
     "RandomLTDConfig",
     "RandomLTDSchedule",
     "RandomLTDScheduler",
+    "RandomLayerTokenDrop",
+    "convert_to_random_ltd",
     "parse_random_ltd",
+    "random_ltd_layers",
+    "remove_random_ltd_state_dict",
+    "save_without_random_ltd",
 ]
