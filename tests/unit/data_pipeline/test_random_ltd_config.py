@@ -9,8 +9,8 @@ from torch import nn
 
 from shardwise.config._errors import ConfigError
 from shardwise.runtime.data_pipeline.data_routing import (
-    RandomLTD,
     RandomLayerTokenDrop,
+    RandomLTD,
     convert_to_random_ltd,
     parse_random_ltd,
 )

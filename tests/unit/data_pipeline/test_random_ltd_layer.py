@@ -94,7 +94,7 @@ def test_forward_and_gradients_equal_the_hand_reference(kind, order):
     indices = wrapper.last_kept_indices
     assert indices.shape == (BATCH, KEPT)
     for row in indices.tolist():
-        assert row == sorted(set(row)) and 0 <= row[0] and row[-1] < SEQ
+        assert row == sorted(set(row)) and row[0] >= 0 and row[-1] < SEQ
     got = _grads(layer, hidden, out, weights)
 
     expected_out = _reference(layer, hidden, indices.sort(dim=1).values, lengths, batch_first)

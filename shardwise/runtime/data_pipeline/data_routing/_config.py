@@ -22,9 +22,17 @@ HIDDEN_STATE_ORDERS = ("batch_seq_dim", "seq_batch_dim")
 SCHEDULE_TYPES = ("fixed_linear",)
 
 _TOP_KEYS = (
-    "enabled", "total_layer_num", "random_ltd_layer_num", "random_ltd_layer_id", "model_mask_name",
-    "model_type", "hidden_state_order", "random_ltd_schedule", "layer_token_lr_schedule",
-    "global_batch_size", "micro_batch_size",
+    "enabled",
+    "total_layer_num",
+    "random_ltd_layer_num",
+    "random_ltd_layer_id",
+    "model_mask_name",
+    "model_type",
+    "hidden_state_order",
+    "random_ltd_schedule",
+    "layer_token_lr_schedule",
+    "global_batch_size",
+    "micro_batch_size",
 )
 _SCHEDULE_KEYS = ("min_value", "max_value", "schedule_type", "schedule_config")
 _STEP_KEYS = ("require_steps", "seq_per_step")

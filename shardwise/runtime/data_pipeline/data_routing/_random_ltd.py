@@ -40,8 +40,8 @@ class RandomLTD:
         ``random_ltd_layer_id`` counts ``RandomLayerTokenDrop`` modules in module order
         (DeepSpeed matches the id inside the module name instead). Converted layers not
         listed keep every token. The schedule starts at step 0 (``before_forward(0)``
-        again is a no-op; ``load_state_dict`` replaces it on resume). Raises ConfigError if the model has no converted layers or
-        fewer than the largest id needs.
+        again is a no-op; ``load_state_dict`` replaces it on resume). Raises ConfigError if
+        the model has no converted layers or fewer than the largest id needs.
         """
         config = section if isinstance(section, RandomLTDConfig) else parse_random_ltd(section)
         if not config.enabled:
