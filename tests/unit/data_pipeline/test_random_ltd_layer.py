@@ -184,3 +184,25 @@ def test_state_dict_without_wrappers_loads_into_the_plain_model():
     mask = _mask(torch.arange(SEQ).expand(BATCH, SEQ), torch.full((BATCH,), SEQ))
     model.eval()
     torch.testing.assert_close(model(x, mask), plain(x, mask), rtol=0, atol=0)
+
+
+def test_activation_checkpointing_recomputes_the_same_tokens():
+    torch.manual_seed(5)
+    layer = Block()
+    wrapper = RandomLayerTokenDrop(layer, mask_name="attention_mask")
+    wrapper.kept_length = KEPT
+    hidden = torch.randn(BATCH, SEQ, WIDTH, requires_grad=True)
+    mask = _mask(torch.arange(SEQ).expand(BATCH, SEQ), torch.full((BATCH,), SEQ))
+    weights = torch.randn(BATCH, SEQ, WIDTH)
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(6)
+        if recompute:
+            out = torch.utils.checkpoint.checkpoint(wrapper, hidden, attention_mask=mask, use_reentrant=False)
+        else:
+            out = wrapper(hidden, attention_mask=mask)
+        results.append((out.detach(), _grads(layer, hidden, out, weights)))
+    (plain, plain_grads), (ckpt, ckpt_grads) = results
+    assert torch.equal(plain, ckpt)
+    for a, b in zip(plain_grads, ckpt_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
