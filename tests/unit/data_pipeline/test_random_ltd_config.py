@@ -112,6 +112,9 @@ def test_drives_the_listed_layers_and_resumes():
     assert kept == [16, 24, 32, 40, 48, 56, 64, 64]
     # per step: 2 samples * (kept * 2 layers + 64 * 2 other layers)
     assert ltd.consumed_layer_tokens == sum(2 * (k * 2 + 64 * 2) for k in kept)
+    assert ltd.forward_kwargs(8) == {} and ltd.scheduler.current_steps == 8
+    ltd.before_model_step(8)
+    assert ltd.name == "random_ltd" and ltd.scheduler.current_steps == 8
     saved = ltd.state_dict()
     other = RandomLTD.from_config(SECTION, convert_to_random_ltd(Model(), nn.Linear), global_batch_size=2)
     other.load_state_dict(saved)

@@ -9,6 +9,11 @@ Contract for the engine (DeepSpeed's places, ``engine.py`` 0.19.8):
   with the count after the step is the same update done early, for engines that hook there;
 - save ``state_dict()`` under the checkpoint's ``random_ltd`` key and give it back to
   ``load_state_dict`` on resume; save model weights through ``remove_random_ltd_state_dict``.
+
+It is also a training feature of the engine's extension point (``name``,
+``keyword_help``, ``forward_kwargs``, ``before_model_step``, ``state_dict``,
+``load_state_dict``): ``forward_kwargs(global_steps)``, called before each training
+forward, is ``before_forward`` and passes no keywords; ``before_model_step`` does nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from shardwise.runtime.data_pipeline.data_routing.scheduler import RandomLTDSche
 class RandomLTD:
     """The scheduler plus ``layers``, the converted layers that drop tokens (in
     ``random_ltd_layer_id`` order), whose kept length it sets (see the module docstring)."""
+
+    name = "random_ltd"
+    """Its key in checkpoints (DeepSpeed's)."""
+    keyword_help: dict[str, str] = {}
+    """It passes no keywords to the model's forward."""
 
     def __init__(self, scheduler: RandomLTDScheduler, layers: list[RandomLayerTokenDrop]):
         self.scheduler = scheduler
@@ -77,6 +87,14 @@ class RandomLTD:
     def after_model_step(self, global_steps: int) -> None:
         """Same as ``before_forward(global_steps)`` with the step count after the step."""
         self.before_forward(global_steps)
+
+    def forward_kwargs(self, global_steps: int) -> dict:
+        """``before_forward(global_steps)``; no keywords for the forward."""
+        self.before_forward(global_steps)
+        return {}
+
+    def before_model_step(self, global_steps: int) -> None:
+        """Nothing: the kept length moves before the forward, as in DeepSpeed."""
 
     def state_dict(self) -> dict[str, int]:
         """The scheduler's state under DeepSpeed's keys (the checkpoint's ``random_ltd``)."""
