@@ -1,17 +1,19 @@
 """RandomLayerTokenDrop: forward and gradients equal running the layer on the kept tokens by
 hand (gathered with Python indexing, the mask built from the kept positions, scattered back
-with a loop), for both hidden-state orders; dropped tokens pass through; eval keeps all."""
+with a loop), for both hidden-state orders; dropped tokens pass through; eval keeps all; a
+transformers GPT-2 model, which passes its blocks the mask by position, trains converted."""
 
 import math
 
 import pytest
 import torch
 from torch import nn
-from transformers import GPT2Config
+from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from shardwise.runtime.data_pipeline.data_routing import (
     RandomLayerTokenDrop,
+    RandomLTD,
     convert_to_random_ltd,
     remove_random_ltd_state_dict,
     save_without_random_ltd,
@@ -76,12 +78,18 @@ def _grads(layer, hidden, out, weights):
 
 
 @pytest.mark.parametrize(
-    "kind, order", [("block", "batch_seq_dim"), ("block", "seq_batch_dim"), ("gpt2", "batch_seq_dim")]
+    "kind, order",
+    [
+        ("block", "batch_seq_dim"),
+        ("block", "seq_batch_dim"),
+        ("gpt2", "batch_seq_dim"),
+        ("gpt2-positional", "batch_seq_dim"),
+    ],
 )
 def test_forward_and_gradients_equal_the_hand_reference(kind, order):
     batch_first = order == "batch_seq_dim"
     torch.manual_seed(0)
-    layer = _gpt2() if kind == "gpt2" else Block(seq_first=not batch_first)
+    layer = _gpt2() if kind.startswith("gpt2") else Block(seq_first=not batch_first)
     wrapper = RandomLayerTokenDrop(layer, mask_name="attention_mask", hidden_state_order=order)
     wrapper.kept_length = KEPT
     shape = (BATCH, SEQ, WIDTH) if batch_first else (SEQ, BATCH, WIDTH)
@@ -90,7 +98,10 @@ def test_forward_and_gradients_equal_the_hand_reference(kind, order):
     lengths = torch.tensor([SEQ, 7, 5])
     full_mask = _mask(torch.arange(SEQ).expand(BATCH, SEQ), lengths)
 
-    out = wrapper(hidden, attention_mask=full_mask)
+    if kind == "gpt2-positional":  # as GPT2Model calls its blocks: (hidden, cache, mask)
+        out = wrapper(hidden, None, full_mask)
+    else:
+        out = wrapper(hidden, attention_mask=full_mask)
     indices = wrapper.last_kept_indices
     assert indices.shape == (BATCH, KEPT)
     for row in indices.tolist():
@@ -206,3 +217,33 @@ def test_activation_checkpointing_recomputes_the_same_tokens():
     assert torch.equal(plain, ckpt)
     for a, b in zip(plain_grads, ckpt_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_hugging_face_gpt2_model_trains_with_its_blocks_converted():
+    torch.manual_seed(7)
+    config = GPT2Config(n_embd=WIDTH, n_head=2, n_layer=3, n_positions=SEQ, vocab_size=32, resid_pdrop=0.0)
+    config._attn_implementation = "eager"  # the model hands its blocks a 4-D mask, by position
+    model = convert_to_random_ltd(GPT2LMHeadModel(config), GPT2Block)
+    section = {
+        "enabled": True,
+        "total_layer_num": 3,
+        "random_ltd_layer_num": 1,
+        "random_ltd_layer_id": [1],
+        "model_mask_name": "attention_mask",
+        "model_type": "decoder",
+        "hidden_state_order": "batch_seq_dim",
+        "random_ltd_schedule": {
+            "min_value": KEPT,
+            "max_value": SEQ,
+            "schedule_config": {"require_steps": 9, "seq_per_step": 2},
+        },
+    }
+    RandomLTD.from_config(section, model, global_batch_size=BATCH)
+    seen = []
+    model.transformer.h[1].random_ltd_layer.register_forward_hook(lambda m, args, out: seen.append(args[2].shape))
+    ids = torch.randint(32, (BATCH, SEQ))
+    padding = (torch.arange(SEQ) < torch.tensor([[SEQ], [7], [5]])).long()
+    loss = model(input_ids=ids, attention_mask=padding, labels=ids).loss
+    loss.backward()
+    assert seen == [(BATCH, 1, KEPT, KEPT)] and torch.isfinite(loss)
+    assert model.transformer.h[1].random_ltd_layer.attn.c_attn.weight.grad.abs().sum() > 0

@@ -7,6 +7,8 @@ DeepSpeed's wrapper gathers and scatters with a CUDA op; here both are ``torch.g
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 
@@ -64,10 +66,23 @@ def gather_mask(mask: Tensor, indices: Tensor, *, name: str) -> Tensor:
     return mask.gather(-1, cols)
 
 
+def _positional_index(layer: nn.Module, name: str) -> int | None:
+    """Where ``layer.forward`` takes ``name`` among the positional arguments after the
+    hidden states (Hugging Face's GPT-2 model passes its blocks the mask by position)."""
+    try:
+        parameters = inspect.signature(layer.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: only the keyword is known
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in parameters if p.kind in kinds][1:]
+    return names.index(name) if name in names else None
+
+
 class RandomLayerTokenDrop(nn.Module):
     """Wraps ``layer``; in training with ``kept_length`` below the sequence length, each
     sample's layer input is a random sorted subset of ``kept_length`` of its tokens (and the
-    matching mask rows and columns under the keyword ``mask_name``); the layer's output goes
+    matching rows and columns of the mask argument ``mask_name``, by keyword or by position
+    in the layer's signature); the layer's output goes
     back to those positions, and the dropped tokens pass through unchanged.
 
     In eval, with ``kept_length`` None, or with ``kept_length >= seq`` the layer sees every
@@ -96,8 +111,8 @@ class RandomLayerTokenDrop(nn.Module):
             hidden_states.size(batch_dim), hidden_states.size(seq_dim), kept, device=hidden_states.device
         )
         self.last_kept_indices = indices
-        if self.mask_name is not None and kwargs.get(self.mask_name) is not None:
-            kwargs[self.mask_name] = gather_mask(kwargs[self.mask_name], indices, name=self.mask_name)
+        if self.mask_name is not None:
+            args, kwargs = self._gather_mask_argument(args, kwargs, indices)
         part = gather_tokens(hidden_states, indices, batch_first=self.batch_first)
         outputs = self.random_ltd_layer(part, *args, **kwargs)
         if isinstance(outputs, Tensor):
@@ -109,3 +124,16 @@ class RandomLayerTokenDrop(nn.Module):
             f"random-LTD needs the wrapped {type(self.random_ltd_layer).__name__} to return a tensor or a tuple "
             f"whose first element is the hidden states, got {type(outputs).__name__}"
         )
+
+    def _gather_mask_argument(self, args: tuple, kwargs: dict, indices: Tensor) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with the mask called ``mask_name`` (by keyword, as
+        DeepSpeed reads it, or by its position in the layer's signature) gathered."""
+        name = self.mask_name
+        if name in kwargs:
+            if kwargs[name] is not None:
+                kwargs = {**kwargs, name: gather_mask(kwargs[name], indices, name=name)}
+            return args, kwargs
+        index = _positional_index(self.random_ltd_layer, name)
+        if index is not None and index < len(args) and args[index] is not None:
+            args = (*args[:index], gather_mask(args[index], indices, name=name), *args[index + 1 :])
+        return args, kwargs
