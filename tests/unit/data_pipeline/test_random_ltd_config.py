@@ -99,9 +99,10 @@ class Model(nn.Module):
 
 def test_drives_the_listed_layers_and_resumes():
     model = convert_to_random_ltd(Model(), nn.Linear)
-    ltd = RandomLTD.from_config(SECTION, model, global_batch_size=2)
+    ltd = RandomLTD.from_config(SECTION, model, global_batch_size=2, token_kwargs=["position_ids"])
     wrapped = [m for m in model.modules() if isinstance(m, RandomLayerTokenDrop)]
     assert ltd.layers == wrapped[1:3]
+    assert [m.token_kwargs for m in wrapped] == [(), ("position_ids",), ("position_ids",), ()]
     assert [m.kept_length for m in wrapped] == [None, 16, 16, None]
     assert not ltd.layers[0].batch_first and ltd.layers[0].mask_name == "attention_mask"
     kept = []

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from shardwise.runtime.data_pipeline.data_routing import (
     RandomLayerTokenDrop,
@@ -247,3 +248,37 @@ def test_hugging_face_gpt2_model_trains_with_its_blocks_converted():
     loss.backward()
     assert seen == [(BATCH, 1, KEPT, KEPT)] and torch.isfinite(loss)
     assert model.transformer.h[1].random_ltd_layer.attn.c_attn.weight.grad.abs().sum() > 0
+
+
+def test_llama_layer_gets_the_kept_tokens_rotary_positions():
+    torch.manual_seed(8)
+    config = LlamaConfig(
+        hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2, num_key_value_heads=1,
+        num_hidden_layers=1, vocab_size=32, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    layer, rope = LlamaDecoderLayer(config, layer_idx=0), LlamaRotaryEmbedding(config)
+    token_kwargs = ("position_embeddings", "position_ids")
+    wrapper = RandomLayerTokenDrop(layer, mask_name="attention_mask", token_kwargs=token_kwargs)
+    wrapper.kept_length = KEPT
+    hidden = torch.randn(BATCH, SEQ, WIDTH, requires_grad=True)
+    weights = torch.randn(BATCH, SEQ, WIDTH)
+    lengths = torch.tensor([SEQ, 7, 5])
+    positions = torch.arange(SEQ)[None]  # [1, seq], as LlamaModel builds them
+    out = wrapper(
+        hidden,
+        attention_mask=_mask(positions.expand(BATCH, SEQ), lengths),
+        position_embeddings=rope(hidden, positions),
+        position_ids=positions,
+    )
+    got = _grads(layer, hidden, out, weights)
+    kept = wrapper.last_kept_indices
+    part = torch.stack([hidden[b, kept[b]] for b in range(BATCH)])
+    part_out = layer(part, attention_mask=_mask(kept, lengths), position_embeddings=rope(part, kept), position_ids=kept)
+    expected_out = hidden.clone()
+    for b in range(BATCH):
+        expected_out[b, kept[b]] = part_out[b]
+    expected = _grads(layer, hidden, expected_out, weights)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-6)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

@@ -43,13 +43,17 @@ class RandomLTD:
         self.layers = layers
 
     @classmethod
-    def from_config(cls, section: Any, model, *, global_batch_size: int | None = None) -> RandomLTD:
+    def from_config(
+        cls, section: Any, model, *, global_batch_size: int | None = None, token_kwargs: tuple[str, ...] = ()
+    ) -> RandomLTD:
         """Turn on the section's layers among ``model``'s converted ones.
 
         ``section``: the ``random_ltd`` dict or a ``RandomLTDConfig`` (enabled).
         ``random_ltd_layer_id`` counts ``RandomLayerTokenDrop`` modules in module order
         (DeepSpeed matches the id inside the module name instead). Converted layers not
-        listed keep every token. The schedule starts at step 0 (``before_forward(0)``
+        listed keep every token. ``token_kwargs``: keyword arguments of the layers that hold
+        per-token tensors to gather with the hidden states (a Llama layer's
+        ``("position_embeddings", "position_ids")``). The schedule starts at step 0 (``before_forward(0)``
         again is a no-op; ``load_state_dict`` replaces it on resume). Raises ConfigError if
         the model has no converted layers or fewer than the largest id needs.
         """
@@ -70,6 +74,7 @@ class RandomLTD:
         layers = [wrapped[i] for i in config.random_ltd_layer_id]
         for layer in layers:
             _configure(layer, config)
+            layer.token_kwargs = tuple(token_kwargs)
         ltd = cls(RandomLTDScheduler(config, global_batch_size=global_batch_size), layers)
         ltd.before_forward(0)
         return ltd

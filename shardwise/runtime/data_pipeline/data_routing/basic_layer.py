@@ -66,6 +66,18 @@ def gather_mask(mask: Tensor, indices: Tensor, *, name: str) -> Tensor:
     return mask.gather(-1, cols)
 
 
+def gather_per_token(value, indices: Tensor):
+    """``value`` at the kept positions: a [batch or 1, seq, ...] tensor gathered along its
+    second dimension (a batch of 1 broadcast first), a tuple or list of them item by item,
+    anything else unchanged (rotary ``position_embeddings``, ``position_ids``)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(gather_per_token(item, indices) for item in value)
+    if not isinstance(value, Tensor) or value.dim() < 2:
+        return value
+    value = value.expand(indices.size(0), *value.shape[1:])
+    return value.gather(1, _expand(indices, value, True))
+
+
 def _positional_index(layer: nn.Module, name: str) -> int | None:
     """Where ``layer.forward`` takes ``name`` among the positional arguments after the
     hidden states (Hugging Face's GPT-2 model passes its blocks the mask by position)."""
@@ -82,7 +94,10 @@ class RandomLayerTokenDrop(nn.Module):
     """Wraps ``layer``; in training with ``kept_length`` below the sequence length, each
     sample's layer input is a random sorted subset of ``kept_length`` of its tokens (and the
     matching rows and columns of the mask argument ``mask_name``, by keyword or by position
-    in the layer's signature); the layer's output goes
+    in the layer's signature; and of the keyword arguments named in ``token_kwargs``, which
+    hold [batch or 1, seq, ...] tensors or tuples of them, such as a Llama layer's rotary
+    ``position_embeddings`` and ``position_ids``: DeepSpeed has no such option); the layer's
+    output goes
     back to those positions, and the dropped tokens pass through unchanged.
 
     In eval, with ``kept_length`` None, or with ``kept_length >= seq`` the layer sees every
@@ -92,13 +107,21 @@ class RandomLayerTokenDrop(nn.Module):
     dict keys read ``<path>.random_ltd_layer.<param>`` as in DeepSpeed.
     """
 
-    def __init__(self, layer: nn.Module, *, mask_name: str | None = None, hidden_state_order: str = BATCH_SEQ):
+    def __init__(
+        self,
+        layer: nn.Module,
+        *,
+        mask_name: str | None = None,
+        hidden_state_order: str = BATCH_SEQ,
+        token_kwargs: tuple[str, ...] = (),
+    ):
         super().__init__()
         if hidden_state_order not in (BATCH_SEQ, SEQ_BATCH):
             raise ValueError(f"hidden_state_order must be {BATCH_SEQ} or {SEQ_BATCH}, got {hidden_state_order!r}")
         self.random_ltd_layer = layer
         self.mask_name = mask_name
         self.batch_first = hidden_state_order == BATCH_SEQ
+        self.token_kwargs = tuple(token_kwargs)
         self.kept_length: int | None = None
         self.last_kept_indices: Tensor | None = None
 
@@ -113,6 +136,9 @@ class RandomLayerTokenDrop(nn.Module):
         self.last_kept_indices = indices
         if self.mask_name is not None:
             args, kwargs = self._gather_mask_argument(args, kwargs, indices)
+        for name in self.token_kwargs:
+            if name in kwargs:
+                kwargs[name] = gather_per_token(kwargs[name], indices)
         part = gather_tokens(hidden_states, indices, batch_first=self.batch_first)
         outputs = self.random_ltd_layer(part, *args, **kwargs)
         if isinstance(outputs, Tensor):
