@@ -92,19 +92,19 @@ def _positional_index(layer: nn.Module, name: str) -> int | None:
 
 class RandomLayerTokenDrop(nn.Module):
     """Wraps ``layer``; in training with ``kept_length`` below the sequence length, each
-    sample's layer input is a random sorted subset of ``kept_length`` of its tokens (and the
-    matching rows and columns of the mask argument ``mask_name``, by keyword or by position
-    in the layer's signature; and of the keyword arguments named in ``token_kwargs``, which
-    hold [batch or 1, seq, ...] tensors or tuples of them, such as a Llama layer's rotary
-    ``position_embeddings`` and ``position_ids``: DeepSpeed has no such option); the layer's
-    output goes
-    back to those positions, and the dropped tokens pass through unchanged.
+    sample's layer input is a random sorted subset of ``kept_length`` of its tokens; the
+    layer's output goes back to those positions, and the dropped tokens pass through
+    unchanged. Gathered with the tokens: the rows and columns of the mask argument
+    ``mask_name`` (by keyword or by its position in the layer's signature), and the keyword
+    arguments named in ``token_kwargs``, [batch or 1, seq, ...] tensors or tuples of them
+    (a Llama layer's rotary ``position_embeddings`` and ``position_ids``; DeepSpeed has no
+    such option).
 
     In eval, with ``kept_length`` None, or with ``kept_length >= seq`` the layer sees every
     token. ``kept_length`` is set by ``RandomLTD`` (the engine's component) from the
     scheduler; ``last_kept_indices`` holds the [batch, kept] positions of the last dropping
-    forward, for inspection. The layer is ``self.random_ltd_layer``, DeepSpeed's attribute name, so state
-    dict keys read ``<path>.random_ltd_layer.<param>`` as in DeepSpeed.
+    forward, for inspection. The layer is ``self.random_ltd_layer``, DeepSpeed's attribute
+    name, so state dict keys read ``<path>.random_ltd_layer.<param>`` as in DeepSpeed.
     """
 
     def __init__(
