@@ -74,6 +74,7 @@ __all__ = [
 _DEEPSPEED_SUBMODULES = (
     "checkpoint.utils",
     "profiling.flops_profiler.profiler",
+    "runtime.data_pipeline.data_routing",
     "runtime.dataloader",
     "runtime.fp16",
     "runtime.pipe.engine",
