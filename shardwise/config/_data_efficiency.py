@@ -308,8 +308,8 @@ class DataRoutingConfig:
     enabled: bool = False
     """DeepSpeed's switch of the section (random-LTD has its own)."""
     random_ltd: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """The ``random_ltd`` section as given (random layerwise token drop; not built yet:
-    refused when enabled)."""
+    """The ``random_ltd`` section as given (random layerwise token drop), checked by
+    ``parse_random_ltd`` when enabled; the engine's training features drive it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -409,7 +409,11 @@ def data_efficiency_config(section: Any) -> DataEfficiencyConfig:
     random_ltd = routing.get("random_ltd", {})
     if not isinstance(random_ltd, Mapping):
         raise ConfigError(f"'{path}.data_routing.random_ltd' must be a JSON object, got {random_ltd!r}")
-    as_bool(f"{path}.data_routing.random_ltd.enabled", random_ltd.get("enabled", False))
+    if as_bool(f"{path}.data_routing.random_ltd.enabled", random_ltd.get("enabled", False)):
+        # imported here: the data_pipeline package imports the runtime, which imports the config
+        from shardwise.runtime.data_pipeline.data_routing._config import parse_random_ltd
+
+        parse_random_ltd(random_ltd)
     config = DataEfficiencyConfig(
         enabled=as_bool(f"{path}.enabled", section.get("enabled", False)),
         seed=as_int(f"{path}.seed", section.get("seed", 1234)),
@@ -434,11 +438,6 @@ def refuse_unbuilt_data_efficiency(config: DataEfficiencyConfig) -> None:
         "data_efficiency.data_sampling.dynamic_batching": (
             config.data_sampling.dynamic_batching.enabled,
             "dynamic batching",
-            "",
-        ),
-        "data_efficiency.data_routing.random_ltd": (
-            config.data_routing.random_ltd.get("enabled", False) is True,
-            "random layerwise token drop (random-LTD)",
             "",
         ),
     }

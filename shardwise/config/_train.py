@@ -75,8 +75,8 @@ class TrainConfig:
     progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
     """Progressive layer drop (``pld_theta`` passed to the forward)."""
     data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
-    """DeepSpeed's data-efficiency library (curriculum data sampling, dynamic batching,
-    random-LTD): parsed, each feature refused when enabled (not built yet)."""
+    """DeepSpeed's data-efficiency library: random-LTD (driven by the engine's training
+    features); curriculum data sampling and dynamic batching refused when enabled."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

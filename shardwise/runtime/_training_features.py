@@ -116,11 +116,16 @@ def build_training_features(config, model: nn.Module) -> TrainingFeatures:
         features.append(SeqlenCurriculum(config.curriculum_learning))
     if config.progressive_layer_drop.enabled:
         features.append(LayerDrop(config.progressive_layer_drop))
+    random_ltd = config.data_efficiency.data_routing.random_ltd
+    if random_ltd.get("enabled", False):
+        from shardwise.runtime.data_pipeline.data_routing import RandomLTD
+
+        features.append(RandomLTD.from_config(random_ltd, model, global_batch_size=config.batch.train_batch_size))
     if features and isinstance(model, PipelineModule):
         names = " and ".join(f"'{f.name}'" for f in features)
         raise ConfigError(
-            f"{names} pass keywords to the model's forward, which a PipelineModule's stages do not "
-            "take (DeepSpeed's pipeline engine did not pass them either); not available with pipeline "
+            f"{names} act on the model's forward (keywords a PipelineModule's stages do not take, layers "
+            "converted for random-LTD; DeepSpeed's pipeline engine ran neither); not available with pipeline "
             "parallelism: set enabled to false, and for a sequence-length curriculum cut the batches in "
             "the data iterator (shardwise.runtime.data_pipeline.CurriculumScheduler and truncate_to_curriculum)"
         )

@@ -120,11 +120,17 @@ def test_what_an_enabled_feature_needs_is_named(path, value, match):
             "data_sampling.dynamic_batching",
             "dynamic batching",
         ),
-        ("data_routing", {"random_ltd": {"enabled": True}}, "data_routing.random_ltd", "random layerwise token drop"),
     ],
 )
 def test_each_enabled_feature_is_refused_by_name(path, value, key, feature):
     section = _with(path, value)
     section["enabled"] = False  # DeepSpeed switches a feature on by its own "enabled" alone
     with pytest.raises(ConfigError, match=rf"{feature} .*\('data_efficiency.{key}'\) is not available in this version"):
+        _load(section)
+
+
+def test_an_enabled_random_ltd_section_is_checked_when_the_config_is_read():
+    section = _with("data_routing", {"random_ltd": {"enabled": True}})
+    section["enabled"] = False  # its own "enabled" alone switches it on
+    with pytest.raises(ConfigError, match="random_ltd.total_layer_num is required when random-LTD is enabled"):
         _load(section)

@@ -47,7 +47,7 @@ def _config(**sections):
         ({"progressive_layer_drop": {"enabled": True, "thetta": 0.5}}, r"did you mean 'progressive_layer_drop.theta'"),
         (
             {"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}},
-            r"random-LTD\) \('data_efficiency.data_routing.random_ltd'\) is not available",
+            r"data_efficiency.data_routing.random_ltd.total_layer_num is required when random-LTD is enabled",
         ),
     ],
 )
@@ -144,7 +144,7 @@ def test_a_pipeline_module_is_refused_by_name(tmp_path):
     # a PipelineModule needs a process group to be built (the autouse fixture destroys it)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     model = PipelineModule([PipelineBlock(4), PipelineBlock(4)], num_stages=1, loss_fn=nn.MSELoss())
-    with pytest.raises(ConfigError, match=r"'progressive_layer_drop' pass keywords .* PipelineModule"):
+    with pytest.raises(ConfigError, match=r"'progressive_layer_drop' act on the model's forward .* PipelineModule"):
         _engine(model, progressive_layer_drop={"enabled": True})
 
 
