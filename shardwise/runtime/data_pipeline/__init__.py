@@ -1,0 +1,1 @@
+"""Data efficiency: curriculum scheduling, data sampling and data routing (DeepSpeed-compatible)."""

@@ -1,0 +1,85 @@
+"""Write the reference index files the data-sampling tests compare against, with DeepSpeed.
+
+Run with a Python that has DeepSpeed 0.19.8 (not a shardwise dependency), from the repo root:
+
+    /work/ds-env/bin/python tests/unit/data_pipeline/make_deepspeed_reference.py
+
+It rewrites ``tests/unit/data_pipeline/deepspeed_reference/``:
+- ``rows``: an index of uint16 rows (one empty) in two documents, from DeepSpeed's builder;
+- ``analyzer/``: DeepSpeed's DataAnalyzer output for ``analyzer_dataset()`` (map on two
+  workers, then reduce), without the per-worker map files.
+The dataset and metric functions are defined here and imported by the tests, so both
+libraries analyze the same thing.
+"""
+
+import os
+import shutil
+import sys
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "deepspeed_reference")
+NUM_SAMPLES = 23
+ROW_LEN = 6
+VOCAB = 8
+ANALYZER_KWARGS = dict(
+    batch_size=4,
+    metric_names=["seqlen", "vocab"],
+    metric_types=["single_value_per_sample", "accumulate_value_over_samples"],
+    metric_dtypes=[torch.int64, torch.int64],
+)
+ROWS = [[1, 2, 3], [], [65535, 0], [7] * 5, [4]]
+
+
+def analyzer_dataset() -> torch.Tensor:
+    """NUM_SAMPLES rows of ROW_LEN token ids; trailing zeros are padding, lengths 1..ROW_LEN."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, VOCAB, (NUM_SAMPLES, ROW_LEN), generator=gen)
+    lengths = torch.randint(1, ROW_LEN + 1, (NUM_SAMPLES,), generator=gen)
+    return tokens * (torch.arange(ROW_LEN)[None, :] < lengths[:, None])
+
+
+def seqlen_metric(batch: torch.Tensor) -> torch.Tensor:
+    return (batch != 0).sum(dim=1)
+
+
+def vocab_metric(batch: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(batch.flatten(), minlength=VOCAB)
+
+
+def _write_rows(prefix: str) -> None:
+    from deepspeed.runtime.data_pipeline.data_sampling.utils import (
+        close_mmap_dataset_builder,
+        create_mmap_dataset_builder,
+    )
+
+    builder = create_mmap_dataset_builder(prefix, np.uint16)
+    for i, row in enumerate(ROWS):
+        builder.add_item_numpy(np.array(row, dtype=np.uint16))
+        if i == 2:
+            builder.end_document()
+    close_mmap_dataset_builder(builder, prefix)
+
+
+def _run_analyzer(save_path: str) -> None:
+    from deepspeed.runtime.data_pipeline.data_sampling.data_analyzer import DataAnalyzer
+
+    kwargs = dict(ANALYZER_KWARGS, metric_functions=[seqlen_metric, vocab_metric], save_path=save_path)
+    for worker_id in range(2):
+        DataAnalyzer(analyzer_dataset(), num_workers=2, worker_id=worker_id, **kwargs).run_map()
+    DataAnalyzer(analyzer_dataset(), num_workers=2, worker_id=0, **kwargs).run_reduce()
+    for metric in kwargs["metric_names"]:
+        for name in os.listdir(os.path.join(save_path, metric)):
+            if name.startswith("worker") or "_thread" in name:
+                path = os.path.join(save_path, metric, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    shutil.rmtree(OUT, ignore_errors=True)
+    os.makedirs(OUT)
+    _write_rows(os.path.join(OUT, "rows"))
+    _run_analyzer(os.path.join(OUT, "analyzer"))
