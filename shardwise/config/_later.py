@@ -25,9 +25,7 @@ LATER_SECTIONS: dict[str, set[str] | None] = {
     "pipeline": None,
     "sparse_attention": None,
     "compression_training": None,
-    "curriculum_learning": None,
     "data_efficiency": None,
-    "progressive_layer_drop": None,
     "elasticity": None,
     "autotuning": None,
     "nebula": None,
@@ -55,9 +53,7 @@ LATER_SCALARS = {
 
 _NAMES = {
     "amp": 'NVIDIA Apex AMP (use "fp16" or "bf16" instead)',
-    "curriculum_learning": "curriculum learning",
     "data_efficiency": "data efficiency",
-    "progressive_layer_drop": "progressive layer drop",
     "elasticity": "elastic training",
     "autotuning": "the autotuner",
     "nebula": "Nebula checkpointing",

@@ -21,6 +21,7 @@ from shardwise.config._components import (
     SchedulerConfig,
     ZeroConfig,
 )
+from shardwise.config._data_efficiency import LegacyCurriculumConfig, ProgressiveLayerDropConfig
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
 from shardwise.config._hybrid_engine import HybridEngineConfig
 from shardwise.config._monitor import MonitorConfig
@@ -69,6 +70,10 @@ class TrainConfig:
     and the memory breakdown."""
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """The Hybrid Engine (generation with the training weights); off unless enabled."""
+    curriculum_learning: LegacyCurriculumConfig = field(default_factory=LegacyCurriculumConfig)
+    """The legacy sequence-length curriculum (``curriculum_seqlen`` passed to the forward)."""
+    progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
+    """Progressive layer drop (``pld_theta`` passed to the forward)."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

@@ -28,6 +28,7 @@ from shardwise.config._components import (
     SchedulerConfig,
     ZeroConfig,
 )
+from shardwise.config._data_efficiency import legacy_curriculum_config, progressive_layer_drop_config
 from shardwise.config._errors import AUTO, ConfigError, as_bool, as_choice, as_int, check_keys, unknown_key_error
 from shardwise.config._hybrid_engine import hybrid_engine_config
 from shardwise.config._later import LATER_SCALARS, LATER_SECTIONS, check_later_scalar, check_later_section
@@ -63,6 +64,8 @@ _SECTIONS = {
     "aio",
     "activation_checkpointing",
     "hybrid_engine",
+    "curriculum_learning",
+    "progressive_layer_drop",
 } | set(_MONITOR_SECTIONS)
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "batch",
@@ -79,6 +82,8 @@ _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "activation_checkpointing",
     "monitor",
     "hybrid_engine",
+    "curriculum_learning",
+    "progressive_layer_drop",
 }
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {
@@ -310,6 +315,8 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         activation_checkpointing=_activation_checkpointing(raw),
         monitor=_monitor(raw, noted),
         hybrid_engine=hybrid_engine_config(raw.get("hybrid_engine")),
+        curriculum_learning=legacy_curriculum_config(raw.get("curriculum_learning")),
+        progressive_layer_drop=progressive_layer_drop_config(raw.get("progressive_layer_drop")),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )

@@ -132,3 +132,6 @@ class Stateful:
     step boundary, whatever the saved run's were (a different world size changes them)."""
     rng: RngState = field(default_factory=RngState)
     client: ClientState = field(default_factory=ClientState)
+    features: Any | None = None
+    """The engine's ``TrainingFeatures`` (curriculum, layer drop): ``state_dict`` /
+    ``load_state_dict`` of plain data, saved with the engine state."""

@@ -9,7 +9,8 @@ never a rank or an optimizer index, so any later layout can read it):
 - ``optimizer.safetensors``: optimizer state per parameter name, plus fp32 master
   weights when the module trains in fp16/bf16; the per-element tensors of sharded stages
   and of tensor-parallel parameters are in ``optimizer-00001.safetensors`` and on.
-- ``engine_state.safetensors``: tensors of the LR scheduler, loss scaler and client state.
+- ``engine_state.safetensors``: tensors of the LR scheduler, loss scaler, client state and
+  training features (curriculum, layer drop).
 - ``rng_rank<R>.safetensors``: each rank's random number generator states (R: global rank).
 - ``optimizer_rank<R>.safetensors``: optimizer state that differs between ranks, when the
   optimizer has some (``optimizer.rank_state_dict()``: the 1-bit optimizers' error
@@ -147,6 +148,7 @@ def _write_rank_files(parts: Stateful, place: Placement, staging, skeletons: dic
             "lr_scheduler": parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None,
             "loss_scaler": parts.loss_scaler.state_dict() if parts.loss_scaler is not None else None,
             "client_state": parts.client.state_dict(),
+            "training_features": parts.features.state_dict() if parts.features is not None else {},
         }
         files[_ENGINE], skeletons["engine_state"] = ckpt.flatten_state(engine_state)
     files[_rng_file(place.global_rank)], rng_skeleton = ckpt.flatten_state(parts.rng.state_dict())
@@ -495,11 +497,13 @@ def _load_optimizer_rank_state(optimizer: OptimizerState, path: Path, manifest: 
 
 def _load_engine_state(parts: Stateful, engine_state: dict, *, load_scheduler: bool) -> None:
     """The scheduler (unless ``load_scheduler`` is False) and the loss scaler, where both
-    the engine and the checkpoint have one."""
+    the engine and the checkpoint have one, and the training features' state."""
     if load_scheduler and parts.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
         parts.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
     if parts.loss_scaler is not None and engine_state["loss_scaler"] is not None:
         parts.loss_scaler.load_state_dict(engine_state["loss_scaler"])
+    if parts.features is not None:  # checkpoints from before training features have none
+        parts.features.load_state_dict(engine_state.get("training_features", {}))
 
 
 def _load_counters(parts: Stateful, manifest: dict) -> None:

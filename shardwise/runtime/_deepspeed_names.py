@@ -189,6 +189,32 @@ class DeepSpeedNames:
 
         return sparsity_config_from_dict(self.config.get("sparse_attention"), num_heads)
 
+    # -- the legacy curriculum and progressive layer drop (runtime/data_pipeline/) -----------
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.train_config.curriculum_learning.enabled
+
+    def curriculum_params_legacy(self) -> dict:
+        """The ``curriculum_learning`` section without ``enabled``."""
+        return self.train_config.curriculum_learning.scheduler_config()
+
+    def set_custom_curriculum_learning_schedule(self, schedule_function) -> None:
+        """Give the ``custom`` schedule of ``curriculum_learning`` its function
+        ``schedule_function(global_steps) -> difficulty``."""
+        curriculum = self.training_features.find("curriculum_learning")
+        if curriculum is None or not callable(schedule_function):
+            raise ValueError(
+                "set_custom_curriculum_learning_schedule(fn) sets the schedule of the top-level "
+                "'curriculum_learning' section, which must be enabled, and fn must be a function of the "
+                f"step (the data_efficiency curriculum sampler is not built yet); got {schedule_function!r}"
+            )
+        curriculum.scheduler.set_custom_get_difficulty(schedule_function)
+
+    def get_pld_theta(self) -> float | None:
+        """Progressive layer drop's keep probability now (None when it is off)."""
+        layer_drop = self.training_features.find("progressive_layer_drop")
+        return None if layer_drop is None else layer_drop.schedule.get_theta()
+
     # -- saving -----------------------------------------------------------------------------
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False) -> dict:

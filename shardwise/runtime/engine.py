@@ -26,6 +26,7 @@ from shardwise.runtime._deepspeed_names import DeepSpeedNames
 from shardwise.runtime._offload_states import StateOffloader
 from shardwise.runtime._placement import placement
 from shardwise.runtime._progress import ProgressReporter
+from shardwise.runtime._training_features import build_training_features
 from shardwise.runtime.data import deepspeed_io
 
 # imported here also so that ``deepspeed.runtime.lr_schedules`` is an attribute after
@@ -102,6 +103,8 @@ class Engine(DeepSpeedNames, nn.Module):
         self._progress = ProgressReporter(self, enabled=grid.global_rank == 0)
         self.strategy.timer = self._progress.timer
         self._offloader = StateOffloader(self.strategy, get_accelerator().device())
+        self.training_features = build_training_features(config, model)
+        """What acts around the training step (see [Note: training features])."""
 
     global_steps = counter("global_steps")
     global_samples = counter("global_samples")
@@ -159,7 +162,9 @@ class Engine(DeepSpeedNames, nn.Module):
     # -- the training step ------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
-        """Run the wrapped module (floating inputs cast to fp16 when fp16.auto_cast)."""
+        """Run the wrapped module (floating inputs cast to fp16 when fp16.auto_cast); a
+        training forward also gets the training features' keywords."""
+        kwargs.update(self.training_features.forward_kwargs(self.module, self.global_steps))
         with self._progress.timer("forward"):
             return self.module(*self.policy.cast_inputs(inputs), **self.policy.cast_inputs(kwargs))
 
@@ -190,6 +195,7 @@ class Engine(DeepSpeedNames, nn.Module):
         """End a micro-step; at the accumulation boundary update the parameters."""
         with self._progress.timer("step"):
             if self.is_gradient_accumulation_boundary():
+                self.training_features.before_model_step(self.global_steps)
                 self._take_model_step(lr_kwargs)
             self.micro_steps += 1
             self.global_samples += self.train_micro_batch_size_per_gpu() * self.comm.world_size
@@ -365,6 +371,7 @@ class Engine(DeepSpeedNames, nn.Module):
             self.counters,
             self.gradient_accumulation_steps(),
             client=ClientState(client_state or {}),
+            features=self.training_features,
         )
 
     def _placement(self):

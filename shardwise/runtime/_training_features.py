@@ -1,0 +1,125 @@
+"""The engine's one extension point for features that act around the training step
+without being part of it (the legacy curriculum, progressive layer drop).
+
+[Note: training features]
+A training feature is an object with a ``name`` (its key in checkpoints), a
+``keyword_help`` (for each keyword it passes, how a model that lacks it can take it) and
+four methods: ``forward_kwargs(global_steps)`` (keywords for the training forward),
+``before_model_step(global_steps)`` (called at each optimizer step, before the step count
+moves), ``state_dict()`` and ``load_state_dict(state)`` (plain data, saved with the
+engine state). :func:`build_training_features` makes them from the config; the engine
+calls :class:`TrainingFeatures` at those three points and never knows which features
+there are.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from torch import nn
+
+from shardwise.config._errors import ConfigError
+from shardwise.runtime.data_pipeline._features import LayerDrop, SeqlenCurriculum
+
+logger = logging.getLogger("shardwise")
+
+
+class TrainingFeature(Protocol):
+    """See [Note: training features]."""
+
+    name: str
+    keyword_help: Mapping[str, str]
+
+    def forward_kwargs(self, global_steps: int) -> dict: ...
+
+    def before_model_step(self, global_steps: int) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def _check_forward_accepts(module: nn.Module, kwargs: Mapping, helps: Mapping[str, str]) -> None:
+    """Raise TypeError naming the first keyword of ``kwargs`` that ``module.forward`` cannot
+    take, and how to take it (a forward with ``**kwargs`` takes everything)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a C extension): let the call decide
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for keyword in kwargs:
+        if keyword not in names:
+            raise TypeError(
+                f"{type(module).__name__}.forward does not accept the keyword '{keyword}', which the "
+                f"engine passes to every training forward for this config; {helps[keyword]}"
+            )
+
+
+class TrainingFeatures:
+    """The config's training features, in a fixed order (see [Note: training features])."""
+
+    def __init__(self, features: Sequence[TrainingFeature] = ()):
+        self._features = tuple(features)
+        self._checked = False
+
+    def find(self, name: str) -> TrainingFeature | None:
+        """The feature called ``name``; None when the config does not enable it."""
+        return next((f for f in self._features if f.name == name), None)
+
+    def forward_kwargs(self, module: nn.Module, global_steps: int) -> dict:
+        """The keywords for a forward of ``module`` (none in eval mode, as DeepSpeed). The
+        first call checks that ``module.forward`` takes them."""
+        if not self._features or not module.training:
+            return {}
+        kwargs: dict = {}
+        helps: dict = {}
+        for feature in self._features:
+            kwargs.update(feature.forward_kwargs(global_steps))
+            helps.update(feature.keyword_help)
+        if not self._checked:
+            _check_forward_accepts(module, kwargs, helps)
+            self._checked = True
+        return kwargs
+
+    def before_model_step(self, global_steps: int) -> None:
+        for feature in self._features:
+            feature.before_model_step(global_steps)
+
+    def state_dict(self) -> dict:
+        return {feature.name: feature.state_dict() for feature in self._features}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore each feature the checkpoint has; one it lacks starts afresh (logged)."""
+        for feature in self._features:
+            if feature.name in state:
+                feature.load_state_dict(state[feature.name])
+            else:
+                logger.warning("the checkpoint has no %s state; it starts from the beginning", feature.name)
+
+
+def build_training_features(config, model: nn.Module) -> TrainingFeatures:
+    """The training features ``config`` (a ``TrainConfig``) enables, for ``model``.
+
+    Raises:
+        ConfigError: a feature that passes keywords to the forward, with a PipelineModule
+            (its stages take one input each; DeepSpeed's pipeline engine skipped them too).
+    """
+    from shardwise.pipe.module import PipelineModule  # the pipeline package imports the engine
+
+    features: list[TrainingFeature] = []
+    if config.curriculum_learning.enabled:
+        features.append(SeqlenCurriculum(config.curriculum_learning))
+    if config.progressive_layer_drop.enabled:
+        features.append(LayerDrop(config.progressive_layer_drop))
+    if features and isinstance(model, PipelineModule):
+        names = " and ".join(f"'{f.name}'" for f in features)
+        raise ConfigError(
+            f"{names} pass keywords to the model's forward, which a PipelineModule's stages do not "
+            "take; not available with pipeline parallelism: remove the section(s) or set enabled to false"
+        )
+    return TrainingFeatures(features)
