@@ -7,7 +7,9 @@ Run with a Python that has DeepSpeed 0.19.8 (not a shardwise dependency), from t
 It rewrites ``tests/unit/data_pipeline/deepspeed_reference/``:
 - ``rows``: an index of uint16 rows (one empty) in two documents, from DeepSpeed's builder;
 - ``analyzer/``: DeepSpeed's DataAnalyzer output for ``analyzer_dataset()`` (map on two
-  workers, then reduce), without the per-worker map files.
+  workers, then reduce), without the per-worker map files;
+- ``sampler_batches.json``: the first micro-batches DeepSpeed's DeepSpeedDataSampler yields
+  over that index for each config of ``sampler_configs()`` (one rank, gloo).
 The dataset and metric functions are defined here and imported by the tests, so both
 libraries analyze the same thing.
 """
@@ -21,7 +23,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "deepspeed_reference")
-NUM_SAMPLES = 23
+NUM_SAMPLES = 200
 ROW_LEN = 6
 VOCAB = 8
 ANALYZER_KWARGS = dict(
@@ -77,9 +79,79 @@ def _run_analyzer(save_path: str) -> None:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
+def sampler_configs(index_root: str, cluster_root: str) -> dict:
+    """data_efficiency dicts: value-based linear, percentile-based discrete, and both at once."""
+    prefix = os.path.join(index_root, "seqlen", "seqlen")
+    by_value = {
+        "index_to_sample_path": f"{prefix}_index_to_sample",
+        "index_to_metric_path": f"{prefix}_index_to_metric",
+        "difficulty_type": "value",
+        "clustering_type": "schedule_based",
+        "min_difficulty": 1,
+        "max_difficulty": 6,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 50, "difficulty_step": 1},
+    }
+    by_percentile = {
+        "index_to_sample_path": f"{prefix}_index_to_sample_percentile_merged",
+        "index_to_metric_path": f"{prefix}_index_to_metric",
+        "difficulty_type": "percentile",
+        "clustering_type": "schedule_based",
+        "min_difficulty": 10,
+        "max_difficulty": 100,
+        "schedule_type": "fixed_discrete",
+        "schedule_config": {"difficulty": [10, 70, 100], "max_step": [10, 20]},
+    }
+    cases = {
+        "value": {"seqlen": by_value},
+        "percentile": {"pct": by_percentile},
+        "both": {"seqlen": by_value, "pct": by_percentile},
+    }
+    return {
+        name: {
+            "enabled": True,
+            "seed": 7,
+            "data_sampling": {
+                "enabled": True,
+                "num_epochs": 2,
+                "curriculum_learning": {
+                    "enabled": True,
+                    "data_cluster_path": os.path.join(cluster_root, name),
+                    "curriculum_metrics": metrics,
+                },
+            },
+        }
+        for name, metrics in cases.items()
+    }
+
+
+SAMPLER_MICRO, SAMPLER_GAS, SAMPLER_ROWS = 2, 2, 48
+
+
+def _run_sampler() -> dict:
+    import json
+    import tempfile
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.data_pipeline.data_sampling.data_sampler import DeepSpeedDataSampler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {}
+    with tempfile.TemporaryDirectory() as clusters:
+        for name, config in sampler_configs(os.path.join(OUT, "analyzer"), clusters).items():
+            sampler = DeepSpeedDataSampler(config, NUM_SAMPLES, SAMPLER_MICRO, 0, 1, dist.group.WORLD, SAMPLER_GAS, 0)
+            rows = iter(sampler)
+            out[name] = [[int(i) for i in next(rows)] for _ in range(SAMPLER_ROWS)]
+    with open(os.path.join(OUT, "sampler_batches.json"), "w") as f:
+        json.dump(out, f)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
     shutil.rmtree(OUT, ignore_errors=True)
     os.makedirs(OUT)
     _write_rows(os.path.join(OUT, "rows"))
     _run_analyzer(os.path.join(OUT, "analyzer"))
+    _run_sampler()

@@ -269,9 +269,14 @@ class DataAnalyzer:
         """Merge every worker's and thread's map outputs into the final index files."""
         if self.custom_reduce is not None:
             self.custom_reduce(
-                self.dataset, self.metric_names, self.metric_types, self.save_path,
-                self.num_workers, self.num_threads, self.num_threads_reduce,
-            )  # fmt: skip
+                self.dataset,
+                self.metric_names,
+                self.metric_types,
+                self.save_path,
+                self.num_workers,
+                self.num_threads,
+                self.num_threads_reduce,
+            )
             return
         parts = [(w, t) for w in range(self.num_workers) for t in range(self.num_threads)]
         for name, metric_type in zip(self.metric_names, self.metric_types):
@@ -311,9 +316,13 @@ class DataAnalyzer:
                         ids.extend(int(x) for row in csv.reader(f) for x in row)
             samples_by_value[value] = ids
         write_single_value_index(
-            metric_save_path, name, values.tolist(), samples_by_value,
-            part_sizes=part_sizes, reduce_chunks=self.num_threads_reduce,
-        )  # fmt: skip
+            metric_save_path,
+            name,
+            values.tolist(),
+            samples_by_value,
+            part_sizes=part_sizes,
+            reduce_chunks=self.num_threads_reduce,
+        )
 
     def run_map_reduce(self, comm_group=None):
         """``run_map()`` on every worker, then ``run_reduce()`` on worker 0, with barriers over
