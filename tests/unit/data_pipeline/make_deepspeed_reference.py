@@ -9,7 +9,9 @@ It rewrites ``tests/unit/data_pipeline/deepspeed_reference/``:
 - ``analyzer/``: DeepSpeed's DataAnalyzer output for ``analyzer_dataset()`` (map on two
   workers, then reduce), without the per-worker map files;
 - ``sampler_batches.json``: the first micro-batches DeepSpeed's DeepSpeedDataSampler yields
-  over that index for each config of ``sampler_configs()`` (one rank, gloo).
+  over that index for each config of ``sampler_configs()`` (one rank, gloo);
+- ``dynamic_batching.json``: DeepSpeed's ``batch_by_seqlens`` for each of ``BATCHING_CASES``
+  over the dataset's lengths, and the learning rates its VariableBatchSizeLR sets.
 The dataset and metric functions are defined here and imported by the tests, so both
 libraries analyze the same thing.
 """
@@ -148,6 +150,57 @@ def _run_sampler() -> dict:
         json.dump(out, f)
 
 
+BATCHING_CASES = {
+    "dataloader": dict(max_tokens=10, effective_batch_size=2),
+    "seqlen_same_size": dict(
+        max_tokens=12,
+        min_batch_size=2,
+        max_batch_size=4,
+        sequence_picking_order="seqlen",
+        effective_batch_size=2,
+        required_microbatches_of_same_size=True,
+    ),
+}
+LR_STEPS = 6
+
+
+def lr_schedulers(optimizer_factory):
+    """The wrapped schedules the LR reference covers: a constant rate and a halving LambdaLR."""
+    return {
+        "constant": optimizer_factory(),
+        "halving": torch.optim.lr_scheduler.LambdaLR(optimizer_factory(), lambda step: 0.5**step),
+    }
+
+
+def lr_optimizer():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def _run_batching() -> None:
+    import json
+
+    from deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import (
+        batch_by_seqlens,
+        lr_scheduler_for_variable_batch_size,
+    )
+
+    seqlens = seqlen_metric(analyzer_dataset()).tolist()
+    out = {"batches": {}, "lrs": {}}
+    for name, case in BATCHING_CASES.items():
+        ids, sizes, longest = batch_by_seqlens(seqlens, **case)
+        out["batches"][name] = [[[b, list(map(int, m))] for b, m in ids], sizes, longest]
+    sizes = out["batches"]["dataloader"][1]
+    for name, base in lr_schedulers(lr_optimizer).items():
+        scheduler = lr_scheduler_for_variable_batch_size(4, sizes, None, base, lr_scaling_method="sqrt")
+        lrs = [scheduler.get_lr()[0]]
+        for _ in range(LR_STEPS):
+            scheduler.step()
+            lrs.append(scheduler.get_lr()[0])
+        out["lrs"][name] = lrs
+    with open(os.path.join(OUT, "dynamic_batching.json"), "w") as f:
+        json.dump(out, f)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
     shutil.rmtree(OUT, ignore_errors=True)
@@ -155,3 +208,4 @@ if __name__ == "__main__":
     _write_rows(os.path.join(OUT, "rows"))
     _run_analyzer(os.path.join(OUT, "analyzer"))
     _run_sampler()
+    _run_batching()
