@@ -7,7 +7,8 @@ Run with a Python that has DeepSpeed 0.19.8 (not a shardwise dependency), from t
 It rewrites ``tests/unit/data_pipeline/deepspeed_reference/``:
 - ``rows``: an index of uint16 rows (one empty) in two documents, from DeepSpeed's builder;
 - ``analyzer/``: DeepSpeed's DataAnalyzer output for ``analyzer_dataset()`` (map on two
-  workers, then reduce), without the per-worker map files;
+  workers, then reduce), without the per-worker map files; ``analyzer_map/``: the map
+  files alone (before the reduce), which the tests reduce here;
 - ``sampler_batches.json``: the first micro-batches DeepSpeed's DeepSpeedDataSampler yields
   over that index for each config of ``sampler_configs()`` (one rank, gloo);
 - ``dynamic_batching.json``: DeepSpeed's ``batch_by_seqlens`` for each of ``BATCHING_CASES``
@@ -73,6 +74,7 @@ def _run_analyzer(save_path: str) -> None:
     kwargs = dict(ANALYZER_KWARGS, metric_functions=[seqlen_metric, vocab_metric], save_path=save_path)
     for worker_id in range(2):
         DataAnalyzer(analyzer_dataset(), num_workers=2, worker_id=worker_id, **kwargs).run_map()
+    shutil.copytree(save_path, os.path.join(OUT, "analyzer_map"))
     DataAnalyzer(analyzer_dataset(), num_workers=2, worker_id=0, **kwargs).run_reduce()
     for metric in kwargs["metric_names"]:
         for name in os.listdir(os.path.join(save_path, metric)):

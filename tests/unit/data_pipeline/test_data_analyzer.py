@@ -2,6 +2,7 @@
 (reference written by make_deepspeed_reference.py), whatever the worker/thread split."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -44,6 +45,24 @@ def test_files_equal_deepspeed(tmp_path, num_workers, num_threads):
     lengths = seqlen_metric(data)
     for k in range(len(index)):
         assert (lengths[torch.from_numpy(index[k].astype("int64"))] == int(metric[k][0])).all()
+
+
+def test_map_files_equal_deepspeed_and_reduce_its_map(tmp_path):
+    """The per-worker map files are DeepSpeed's too: ours equal its files, and its map
+    reduces here into its final files."""
+    kwargs = dict(ANALYZER_KWARGS, metric_functions=[seqlen_metric, vocab_metric], save_path=str(tmp_path / "ours"))
+    for worker_id in range(2):
+        DataAnalyzer(analyzer_dataset(), num_workers=2, worker_id=worker_id, **kwargs).run_map()
+    map_root = os.path.join(os.path.dirname(REFERENCE), "analyzer_map")
+    for folder, _, names in os.walk(map_root):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), map_root)
+            with open(os.path.join(map_root, rel), "rb") as want, open(tmp_path / "ours" / rel, "rb") as ours:
+                assert ours.read() == want.read(), rel
+    shutil.copytree(map_root, tmp_path / "theirs")
+    kwargs["save_path"] = str(tmp_path / "theirs")
+    DataAnalyzer(analyzer_dataset(), num_workers=2, **kwargs).run_reduce()
+    assert_same_files(tmp_path / "theirs")
 
 
 def test_run_map_reduce_single_worker_without_group(tmp_path):
