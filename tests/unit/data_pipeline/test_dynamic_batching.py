@@ -105,3 +105,19 @@ def test_dataloader_from_config_dict():
     assert len(batches) == len(ids) // 2
     assert all(torch.equal(b, data[ids[2 * k + 1][1]]) for k, b in enumerate(batches))
     assert scheduler.get_lr()[0] == pytest.approx(0.1 * sizes[0] / 2)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no training here
+def test_lr_scheduler_resumes_from_state_dict():
+    sizes = REFERENCE["batches"]["dataloader"][1]
+    whole = lr_scheduler_for_variable_batch_size(4, sizes, None, lr_schedulers(lr_optimizer)["halving"], "linear")
+    first = lr_scheduler_for_variable_batch_size(4, sizes, None, lr_schedulers(lr_optimizer)["halving"], "linear")
+    for _ in range(3):
+        whole.step()
+        first.step()
+    resumed = lr_scheduler_for_variable_batch_size(4, sizes, None, lr_schedulers(lr_optimizer)["halving"], "linear")
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.get_lr() == whole.get_lr()
+    whole.step()
+    resumed.step()
+    assert resumed.get_lr() == pytest.approx(whole.get_lr(), rel=1e-12)
