@@ -75,6 +75,7 @@ _DEEPSPEED_SUBMODULES = (
     "checkpoint.utils",
     "profiling.flops_profiler.profiler",
     "runtime.data_pipeline.data_routing",
+    "runtime.data_pipeline.data_sampling",
     "runtime.dataloader",
     "runtime.fp16",
     "runtime.pipe.engine",
