@@ -235,7 +235,8 @@ class DataSamplingCurriculumConfig:
     """``data_efficiency.data_sampling.curriculum_learning``: curriculum data sampling."""
 
     enabled: bool = False
-    """Sample by scheduled difficulty (not built yet: refused when true)."""
+    """Sample by scheduled difficulty: ``engine.deepspeed_io`` (and ``initialize``'s
+    ``training_data``) draw micro-batches from a ``DeepSpeedDataSampler``."""
     data_cluster_path: str | None = None
     """Where the sampler keeps its clusters of samples."""
     curriculum_metrics: Mapping[str, CurriculumMetricConfig] = dataclasses.field(default_factory=dict)
@@ -251,8 +252,9 @@ class DynamicBatchingConfig:
     """``data_efficiency.data_sampling.dynamic_batching``: batches of a token budget."""
 
     enabled: bool = False
-    """Pack variable-length samples into batches of ``max_tokens`` (not built yet: refused
-    when true)."""
+    """Pack variable-length samples into batches of ``max_tokens``: allows
+    ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(dataset, engine)``
+    (DeepSpeed's engine builds no such loader by itself either)."""
     metrics_path: str | None = None
     """The data analyzer's output with the sequence lengths."""
     lr_scaling_method: str = "linear"
@@ -398,8 +400,8 @@ def data_efficiency_config(section: Any) -> DataEfficiencyConfig:
     """The validated ``data_efficiency`` section (None: the defaults, off).
 
     Raises:
-        ConfigError: an unknown key, a bad value, a missing key an enabled feature needs,
-            or an enabled feature that is not built yet (named).
+        ConfigError: an unknown key, a bad value, or a missing key an enabled feature
+            needs (named).
     """
     if section is None:
         return DataEfficiencyConfig()
@@ -422,28 +424,4 @@ def data_efficiency_config(section: Any) -> DataEfficiencyConfig:
             enabled=as_bool(f"{path}.data_routing.enabled", routing.get("enabled", False)), random_ltd=random_ltd
         ),
     )
-    refuse_unbuilt_data_efficiency(config)
     return config
-
-
-def refuse_unbuilt_data_efficiency(config: DataEfficiencyConfig) -> None:
-    """Refuse each enabled feature of ``data_efficiency`` that this version lacks, by name."""
-    unbuilt = {  # key -> (switched on, feature, what to use instead)
-        "data_efficiency.data_sampling.curriculum_learning": (
-            config.data_sampling.curriculum_learning.enabled,
-            "curriculum data sampling",
-            "; the legacy top-level 'curriculum_learning' section (a sequence-length curriculum passed "
-            "to the model's forward) is available",
-        ),
-        "data_efficiency.data_sampling.dynamic_batching": (
-            config.data_sampling.dynamic_batching.enabled,
-            "dynamic batching",
-            "",
-        ),
-    }
-    for key, (enabled, feature, instead) in unbuilt.items():
-        if enabled:
-            raise ConfigError(
-                f"{feature} ('{key}') is not available in this version of shardwise yet; "
-                f"set '{key}.enabled' to false{instead}"
-            )

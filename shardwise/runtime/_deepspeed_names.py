@@ -211,16 +211,34 @@ class DeepSpeedNames:
         return None if layer_drop is None else layer_drop.schedule
 
     def set_custom_curriculum_learning_schedule(self, schedule_function) -> None:
-        """Give the ``custom`` schedule of ``curriculum_learning`` its function
-        ``schedule_function(global_steps) -> difficulty``."""
+        """Give a ``custom`` curriculum schedule its function: a dict ``{metric: fn}`` for the
+        metrics of ``data_efficiency``'s curriculum sampler (DeepSpeed 0.19.8's form; the
+        training loader must exist), or one ``fn(global_steps) -> difficulty`` for the
+        top-level ``curriculum_learning`` section."""
+        if isinstance(schedule_function, dict):
+            sampler = getattr(self.training_dataloader, "data_sampler", None)
+            if not hasattr(sampler, "set_custom_curriculum_learning_schedule"):
+                raise ValueError(
+                    "set_custom_curriculum_learning_schedule({metric: fn}) sets the schedules of the "
+                    "data_efficiency curriculum sampler, which needs data_sampling.curriculum_learning enabled "
+                    "and the training loader built (initialize(training_data=...))"
+                )
+            sampler.set_custom_curriculum_learning_schedule(schedule_function)
+            return
         scheduler = self.curriculum_scheduler_legacy
         if scheduler is None or not callable(schedule_function):
             raise ValueError(
                 "set_custom_curriculum_learning_schedule(fn) sets the schedule of the top-level "
                 "'curriculum_learning' section, which must be enabled, and fn must be a function of the "
-                f"step (the data_efficiency curriculum sampler is not built yet); got {schedule_function!r}"
+                f"step (for the data_efficiency sampler pass {{metric: fn}}); got {schedule_function!r}"
             )
         scheduler.set_custom_get_difficulty(schedule_function)
+
+    def set_data_post_process_func(self, post_process_func) -> None:
+        """Apply ``post_process_func(batch, data_sampler_state)`` to every batch of the
+        curriculum sampler's training loader (DeepSpeed's; nothing without that loader)."""
+        if hasattr(self.training_dataloader, "post_process_func"):
+            self.training_dataloader.post_process_func = post_process_func
 
     def get_pld_theta(self) -> float | None:
         """Progressive layer drop's keep probability now (None when it is off)."""

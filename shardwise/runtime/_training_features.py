@@ -67,6 +67,11 @@ class TrainingFeatures:
         self._features = tuple(features)
         self._checked = False
 
+    def add(self, feature: TrainingFeature) -> None:
+        """Add ``feature`` after those of the config (the curriculum sampler of a loader
+        ``deepspeed_io`` built); one of the same name is replaced."""
+        self._features = tuple(f for f in self._features if f.name != feature.name) + (feature,)
+
     def find(self, name: str) -> TrainingFeature | None:
         """The feature called ``name``; None when the config does not enable it."""
         return next((f for f in self._features if f.name == name), None)

@@ -31,6 +31,106 @@ class DistributedLoader:
     def dataset(self):
         return self.loader.dataset
 
+    @property
+    def data_sampler(self):
+        """The sampler (DeepSpeed's name)."""
+        return self.sampler
+
+
+class CurriculumLoader:
+    """DeepSpeed's loader under curriculum data sampling: ``data_sampler`` (a
+    ``DeepSpeedDataSampler``) hands this rank the sample indices of each micro-batch, and
+    ``post_process_func(batch, data_sampler.state_dict())`` (``engine.set_data_post_process_func``)
+    is applied to every batch."""
+
+    def __init__(self, dataset, data_sampler, *, collate_fn=None, pin_memory=False, num_workers=0):
+        self.data_sampler = data_sampler
+        self.post_process_func = None
+        self.loader = DataLoader(
+            dataset, batch_sampler=data_sampler, collate_fn=collate_fn, pin_memory=pin_memory, num_workers=num_workers
+        )
+        self._batches = None
+
+    def __iter__(self):
+        self._batches = iter(self.loader)
+        return self
+
+    def __next__(self):
+        if self._batches is None:
+            iter(self)
+        batch = next(self._batches)
+        if self.post_process_func is not None:
+            batch = self.post_process_func(batch, self.data_sampler.state_dict())
+        return batch
+
+    def __len__(self) -> int:
+        """Micro-batches over all planned epochs (DeepSpeed's length)."""
+        return len(self.data_sampler) // self.data_sampler.micro_batch_size
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+
+class _SamplerState:
+    """The curriculum sampler's position as a training feature of the engine, so that
+    checkpoints save it and a resume continues the sampling exactly (DeepSpeed's
+    ``data_sampler`` checkpoint entry); it passes nothing to the forward."""
+
+    name = "data_sampler"
+    keyword_help: dict = {}
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def forward_kwargs(self, global_steps: int) -> dict:
+        return {}
+
+    def before_model_step(self, global_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def engine_loader(engine, dataset, *, batch_size: int, pin_memory: bool, data_sampler, collate_fn, num_workers):
+    """The loader ``engine.deepspeed_io`` returns: with ``data_efficiency.data_sampling.
+    curriculum_learning`` enabled and no sampler given, a :class:`CurriculumLoader` over a
+    ``DeepSpeedDataSampler`` whose state the engine's checkpoints keep (as DeepSpeed's
+    engine does); otherwise :func:`deepspeed_io`'s shard of ``dataset``."""
+    sampling = engine.train_config.data_efficiency.data_sampling
+    if not sampling.curriculum_learning.enabled or data_sampler is not None:
+        return deepspeed_io(
+            dataset,
+            batch_size=batch_size,
+            rank=engine.comm.rank,
+            world_size=engine.comm.world_size,
+            pin_memory=pin_memory,
+            data_sampler=data_sampler,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            drop_last=engine.train_config.dataloader_drop_last,
+        )
+    from shardwise.runtime.data_pipeline.data_sampling import DeepSpeedDataSampler
+
+    sampler = DeepSpeedDataSampler(
+        engine.config["data_efficiency"],
+        len(dataset),
+        batch_size,
+        engine.comm.rank,
+        engine.comm.world_size,
+        engine.comm.group,
+        engine.gradient_accumulation_steps(),
+        engine.global_rank,
+        drop_last=engine.train_config.dataloader_drop_last,
+    )
+    engine.training_features.add(_SamplerState(sampler))
+    workers = num_workers or sampling.num_workers
+    return CurriculumLoader(dataset, sampler, collate_fn=collate_fn, pin_memory=pin_memory, num_workers=workers)
+
 
 class RepeatingLoader:
     """Iterate ``loader`` forever: when it is exhausted it is restarted (a new epoch for a

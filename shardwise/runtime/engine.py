@@ -27,7 +27,7 @@ from shardwise.runtime._offload_states import StateOffloader
 from shardwise.runtime._placement import placement
 from shardwise.runtime._progress import ProgressReporter
 from shardwise.runtime._training_features import build_training_features
-from shardwise.runtime.data import deepspeed_io
+from shardwise.runtime.data import engine_loader
 
 # imported here also so that ``deepspeed.runtime.lr_schedules`` is an attribute after
 # ``import deepspeed``, as in DeepSpeed (Accelerate reads VALID_LR_SCHEDULES that way)
@@ -89,6 +89,8 @@ class Engine(DeepSpeedNames, nn.Module):
         self.lr_scheduler = self._configure_lr_scheduler(lr_scheduler)
         if self.optimizer is not None:
             self.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped
+        self.training_features = build_training_features(config, model)
+        """What acts around the training step (see [Note: training features])."""
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         )
@@ -103,8 +105,6 @@ class Engine(DeepSpeedNames, nn.Module):
         self._progress = ProgressReporter(self, enabled=grid.global_rank == 0)
         self.strategy.timer = self._progress.timer
         self._offloader = StateOffloader(self.strategy, get_accelerator().device())
-        self.training_features = build_training_features(config, model)
-        """What acts around the training step (see [Note: training features])."""
 
     global_steps = counter("global_steps")
     global_samples = counter("global_samples")
@@ -311,18 +311,17 @@ class Engine(DeepSpeedNames, nn.Module):
         collate_fn=None,
         num_local_io_workers=None,
     ):
-        """A DataLoader over ``dataset`` that gives each data-parallel rank its own shard."""
+        """A DataLoader over ``dataset`` that gives each data-parallel rank its own shard (its
+        micro-batches from the curriculum sampler under ``data_efficiency``'s data sampling)."""
         del route
-        return deepspeed_io(
+        return engine_loader(
+            self,
             dataset,
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-            rank=self.comm.rank,
-            world_size=self.comm.world_size,
             pin_memory=pin_memory and self.device.type == "cuda",
             data_sampler=data_sampler,
             collate_fn=collate_fn,
             num_workers=num_local_io_workers or 0,
-            drop_last=self.train_config.dataloader_drop_last,
         )
 
     # -- checkpoints ----------------------------------------------------------------------

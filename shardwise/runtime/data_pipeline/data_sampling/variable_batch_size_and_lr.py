@@ -327,6 +327,75 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     return dataloader, scheduler, io_kwargs
 
 
+def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
+    dataset,
+    engine,
+    dataset_seqlens=None,
+    dataset_filter_ids=None,
+    dataloader_collate_fn=None,
+    sample_padding_fn=None,
+    batch_seqlens_fn=None,
+):
+    """:func:`get_dataloader_and_lr_scheduler_for_variable_batch_size` with the settings of
+    ``engine``'s config (``data_efficiency.data_sampling.dynamic_batching``, which must be
+    enabled): its global batch, micro-batch, data-parallel rank and size, and its lr
+    scheduler (or optimizer). Each sample's length comes from ``dataset_seqlens``, else from
+    the analyzer's files under ``dynamic_batching.metrics_path``, which are written first
+    with ``batch_seqlens_fn`` (a function of a collated batch giving its samples' lengths)
+    when they are missing. DeepSpeed's function and arguments."""
+    from shardwise.runtime.data_pipeline.data_sampling.data_analyzer import DistributedDataAnalyzer
+
+    section = engine.config.get("data_efficiency", {})
+    sampling = engine.train_config.data_efficiency.data_sampling
+    if not sampling.dynamic_batching.enabled:
+        raise ValueError(
+            "dynamic batching is not enabled: set data_efficiency.data_sampling.dynamic_batching.enabled "
+            "to true (with max_tokens) in the config"
+        )
+    if dataset_seqlens is None:
+        metrics_path = sampling.dynamic_batching.metrics_path
+        if metrics_path is None:
+            raise ValueError("pass dataset_seqlens, or set data_sampling.dynamic_batching.metrics_path")
+        index = os.path.join(metrics_path, "seqlen", "seqlen_sample_to_metric")
+        if not (os.path.exists(index + ".bin") and os.path.exists(index + ".idx")):
+            if batch_seqlens_fn is None:
+                raise ValueError(f"no sequence lengths at {index}.bin/.idx: pass dataset_seqlens or batch_seqlens_fn")
+            DistributedDataAnalyzer(
+                dataset=dataset,
+                metric_functions=[batch_seqlens_fn],
+                collate_fn=dataloader_collate_fn,
+                batch_size=2**10,
+                save_path=metrics_path,
+                metric_types=["single_value_per_sample"],
+                metric_names=["seqlen"],
+                device=engine.device,
+                comm_group=engine.comm.group,
+            ).run_map_reduce()
+        dataset_seqlens = read_seqlens(metrics_path)
+        if len(dataset_seqlens) != len(dataset):
+            raise ValueError(
+                f"{index} holds {len(dataset_seqlens)} lengths for a dataset of {len(dataset)}; delete "
+                f"{metrics_path} to measure them again"
+            )
+    return get_dataloader_and_lr_scheduler_for_variable_batch_size(
+        dataset=dataset,
+        dataset_seqlens=dataset_seqlens,
+        dataset_filter_ids=dataset_filter_ids,
+        effective_batch_size=engine.train_batch_size(),
+        dataloader_batch_size=engine.train_micro_batch_size_per_gpu(),
+        dataloader_rank=engine.comm.rank,
+        dataloader_num_replicas=engine.comm.world_size,
+        dataloader_num_workers=sampling.num_workers,
+        dataloader_collate_fn=dataloader_collate_fn,
+        dataloader_pin_memory=sampling.pin_memory,
+        sample_padding_fn=sample_padding_fn,
+        lr_scheduler_or_optimizer=engine.lr_scheduler or engine.optimizer,
+        required_microbatches_of_same_size=type(engine).__name__ == "PipelineEngine",
+        required_microbatches_of_same_seqlen=type(engine).__name__ == "PipelineEngine",
+        **dynamic_batching_kwargs(section),
+    )
+
+
 def dynamic_batching_kwargs(data_efficiency_config: Mapping) -> dict:
     """The keyword arguments of ``get_dataloader_and_lr_scheduler_for_variable_batch_size``
     that DeepSpeed's ``data_efficiency`` dict sets (``data_sampling.dynamic_batching`` keys,
