@@ -38,6 +38,7 @@ from shardwise.config import ConfigError
 from shardwise.zero._gatherer import UnitGatherer
 from shardwise.zero._init import full_shape, gather_init_params, init_shard
 from shardwise.zero._leaf import unit_roots
+from shardwise.zero._param_reads import gather_on_read
 from shardwise.zero._parameter_offload import ParameterOffload
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy
@@ -126,6 +127,8 @@ class Stage3Strategy(ShardedStrategy):
             self._add_bucket(params, group, module=self.module, persistent=True)
         self._persistent_params.clear()
         self._check_param_buffer_size()
+        self.gatherer.watch(self.module)  # see [Note: reading a sharded parameter]
+        gather_on_read(self.module)
         return [
             {**options, "params": [b.master for b in self.buckets if b.group == g]}
             for g, options in enumerate(self._group_options)
