@@ -325,12 +325,12 @@ class UnitGatherer:
         if module is self.strategy.module:
             # a forward that raised, or a checkpoint's recompute stopped early, never popped
             self._in_forward.clear()
-            # the root's units stay gathered until the end of backward; without one coming,
-            # those it reads from other modules are freed (its own stay, see ``reshard``)
+            # the root's units (its shared parameters, those it reads from other modules) stay
+            # gathered until the end of backward; with no backward coming they are freed now
             for unit in units:
                 unit.exit()
                 if unit.active == 0 and not torch.is_grad_enabled():
-                    self.reshard(unit)
+                    self.reshard(unit, force=not self._keeping)
             return output
         for unit in units:
             position = unit.exit()

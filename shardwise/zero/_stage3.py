@@ -114,10 +114,10 @@ class Stage3Strategy(ShardedStrategy):
 
     def without_optimizer(self, params: list) -> None:
         """An engine with no optimizer (TRL's and DeepSpeed-Chat's reference and reward
-        models): parameters built partitioned by ``zero.Init`` are gathered for the forward
-        only by the units of the layout, so lay it out anyway."""
-        if any(init_shard(p) is not None for p in params):
-            self.optimizer_params(params)
+        models) partitions the model as DeepSpeed does, whether it was built by ``zero.Init``
+        or whole: lay the units out anyway (their gradient shards cost no memory until a
+        backward writes them)."""
+        self.optimizer_params(params)
 
     def optimizer_params(self, model_parameters) -> list[dict]:
         """Units for every owning module, then one persistent unit per param group (laid

@@ -159,10 +159,21 @@ def _eval_engine(rank, world_size):
     outside = (param.ds_status.name, param.numel())
     with zero.GatheredParameters([param]):
         inside = (param.ds_status.name, param.numel())
-    return same, outside, inside
+    # built whole (DeepSpeed-Chat's reference and reward models): partitioned all the same
+    whole, *_ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
+    with torch.no_grad():
+        same_whole = torch.equal(whole(tokens, targets), plain(tokens, targets))
+    units = whole.strategy.buckets
+    held = (sum(p.numel() for p in whole.module.parameters()), sum(u.master.numel() for u in units), len(units))
+    return same, outside, inside, same_whole, held
 
 
 def test_init_model_without_optimizer_runs_its_forward(tmp_path):
-    for same, outside, inside in run_distributed(_eval_engine, world_size=2, tmp_path=tmp_path):
+    total = sum(p.numel() for p in TinyMLP().parameters())
+    for same, outside, inside, same_whole, held in run_distributed(_eval_engine, world_size=2, tmp_path=tmp_path):
         assert same, "the forward of a zero.Init model under an engine without optimizer"
         assert outside == ("NOT_AVAILABLE", 0) and inside == ("AVAILABLE", 32 * 16), (outside, inside)
+        assert same_whole, "the forward of a model built whole under an engine without optimizer"
+        whole_numel, shard_numel, units = held
+        assert whole_numel == 0, f"{whole_numel} parameter elements left whole after a forward without grad"
+        assert 0 <= 2 * shard_numel - total < 2 * units, f"rank holds {shard_numel} of {total} elements in shards"
