@@ -36,7 +36,7 @@ from torch import nn
 
 from shardwise.config import ConfigError
 from shardwise.zero._gatherer import UnitGatherer
-from shardwise.zero._init import full_shape, gather_init_params, init_shard
+from shardwise.zero._init import full_shape, gather_init_params, give_ds_id, init_shard
 from shardwise.zero._leaf import unit_roots
 from shardwise.zero._param_reads import gather_on_read
 from shardwise.zero._parameter_offload import ParameterOffload
@@ -204,6 +204,7 @@ class Stage3Strategy(ShardedStrategy):
         for p, shape in zip(params, shapes):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
             p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size
+            give_ds_id(p)
             p.ds_status = ZeroParamStatus.AVAILABLE  # laid out whole; freeing the unit changes it
         self.buckets.append(unit)
         self._bucket_of.update(dict.fromkeys(params, unit))
