@@ -408,9 +408,7 @@ def _empty_copy(module: nn.Module, tensor_comm=None) -> tuple[nn.Module | None, 
         copy_marks(on_meta[name], param)
     twin.to(reference.dtype).eval().requires_grad_(False)
     # a head tied to the input embedding is a tensor of its own in a split copy
-    missing = {n for n, _ in twin.named_parameters()} - {
-        n for n, _ in module.named_parameters(remove_duplicate=False)
-    }
+    missing = {n for n, _ in twin.named_parameters()} - {n for n, _ in module.named_parameters(remove_duplicate=False)}
     if missing:
         return None, f"a {name} built from its config has parameters the model lacks {sorted(missing)}"
     return twin, None
