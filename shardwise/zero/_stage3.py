@@ -67,6 +67,7 @@ class Stage3Strategy(ShardedStrategy):
                 p.data = p.data.clone()
                 del p._shardwise_init, p.ds_tensor
                 p.__dict__.pop("__deepcopy__", None)
+                p.ds_status = ZeroParamStatus.AVAILABLE  # keeps its ds_id: whole for good
         super().__init__(module, stage=3, **kwargs)
         self.gatherer = UnitGatherer(
             self,
