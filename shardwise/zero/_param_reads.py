@@ -8,18 +8,21 @@ module's attribute inside another module's forward: a fused loss head multiplies
 gradient then reaches a parameter that is empty unless the unit is gathered again. As in
 DeepSpeed (which discovers such external parameters through each module's parameter
 dictionary during the engine's forward), reading a parameter of a unit that is not
-gathered, through its module's attribute, while a hooked module's forward runs, gathers
-the unit and makes the innermost such module one of its users: from then on the unit is
-gathered before that module's forward and its backward, like any declared external
-parameter. Shardwise hooks only the modules that use units and the root, so the user may
-be an outer module than the one DeepSpeed picks (the unit is then whole a little longer).
-Reads outside any forward (inspecting a weight between steps) gather nothing.
+gathered, through its module's attribute, while the model's (the root module's) forward
+runs, gathers the unit and makes the innermost hooked module whose forward is running one
+of its users: from then on the unit is gathered before that module's forward and its
+backward, like any declared external parameter. Shardwise hooks only the modules that use
+units and the root, so the user may be an outer module than the one DeepSpeed picks (the
+unit is then whole a little longer). Reads outside the model's forward (inspecting a
+weight between steps, a checkpoint's recompute in backward) gather nothing.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from shardwise.zero._unit import UnitState
 
 
 class GatherOnRead(dict):
@@ -32,7 +35,7 @@ class GatherOnRead(dict):
     def __getitem__(self, key: str):
         param = dict.__getitem__(self, key)
         owner = None if param is None else param.__dict__.get("_shardwise_unit")
-        if owner is not None and not torch.compiler.is_compiling():
+        if owner is not None and owner[1].state is not UnitState.GATHERED and not torch.compiler.is_compiling():
             strategy, unit = owner
             strategy.gatherer.gather_for_read(unit)
         return param
