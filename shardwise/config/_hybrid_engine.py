@@ -25,7 +25,8 @@ class HybridEngineConfig:
     inference_tp_size: int = 1
     """Ranks (consecutive blocks of the world) that generate together, each holding a
     tensor-parallel slice of the weights; must divide the world size. 1: each rank
-    generates its own batch alone. Above 1: greedy decoding only in this version."""
+    generates its own batch alone. Above 1, a sampling group draws from its first rank's
+    random stream."""
     release_inference_cache: bool = False
     """Free the KV cache after every ``generate`` (otherwise it is kept and reused by the
     next call of the same batch size and length)."""

@@ -8,12 +8,14 @@ The engine keeps its validated config as ``engine.train_config`` (a ``TrainConfi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 
 import torch
 
 from shardwise.accelerator import get_accelerator
 from shardwise.config._components import BatchConfig
+from shardwise.runtime._throughput import ThroughputTimer
 
 
 class DeepSpeedNames:
@@ -33,6 +35,11 @@ class DeepSpeedNames:
             "eval_batch() runs a pipeline: the model passed to initialize() must be a "
             "shardwise.pipe.PipelineModule; for other models call engine(batch) under torch.no_grad()"
         )
+
+    @functools.cached_property
+    def tput_timer(self) -> ThroughputTimer:
+        """DeepSpeed's throughput timer, made on first use (see ``_throughput.py``)."""
+        return ThroughputTimer(self)
 
     # -- batch sizes ------------------------------------------------------------------------
 

@@ -3,6 +3,8 @@ rank's own rows out (see [Note: inference tensor parallelism] below)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -13,19 +15,16 @@ from torch import nn
 # fills its slices from the gathered full weights), every rank's batch is gathered
 # (same shape on every rank of the group), the group generates the whole batch, each
 # rank computing its heads and MLP slice, and each rank returns its own rows. The
-# tokens of all ranks are equal because the all-reduced logits are; sampling would
-# need one random stream shared by the group, so greedy decoding only in this version.
+# tokens of all ranks are equal because the all-reduced logits are, and, when sampling,
+# because the group draws from one random stream: its first rank's. The other ranks take
+# a copy of that rank's random state for the generation and get their own back after, so
+# the first rank draws exactly as one process generating the group's rows would, and no
+# rank's own stream (dropout in training) is changed by the group's.
 
 
 def gather_rows(comm, module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, tuple, dict]:
     """The input ids (and attention mask) of every rank of the tensor group, stacked in
     rank order, and this rank's row count."""
-    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
-    if kwargs.get("do_sample", getattr(config, "do_sample", False)):
-        raise ValueError(
-            "hybrid_engine.inference_tp_size > 1 generates greedily only in this version (do_sample=True would "
-            "need one random stream across the tensor group); pass do_sample=False or set inference_tp_size to 1"
-        )
     kwargs = dict(kwargs)
     ids = args[0] if args else kwargs.pop("input_ids", kwargs.pop("inputs", None))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -45,6 +44,35 @@ def gather_rows(comm, module: nn.Module, args: tuple, kwargs: dict) -> tuple[int
             gathered[name] = whole
     kwargs.update(gathered)
     return ids.shape[0], args[1:], kwargs
+
+
+def samples(module: nn.Module, kwargs: dict) -> bool:
+    """Whether ``generate(**kwargs)`` samples (``do_sample``, or the generation config's)."""
+    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
+    return bool(kwargs.get("do_sample", getattr(config, "do_sample", False)))
+
+
+@contextlib.contextmanager
+def first_rank_random_stream(comm, device: torch.device):
+    """Every rank of ``comm``'s group draws from the group's first rank's random stream
+    inside the block (the CPU generator, and ``device``'s when it is a GPU); the others
+    get their own state back after it (see [Note: inference tensor parallelism])."""
+    gpu = device.type == "cuda"
+    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if gpu else [])
+    wire = device if gpu else torch.device("cpu")  # NCCL moves device tensors only
+    shared = []
+    for state in states:
+        state = state.to(wire)
+        comm.broadcast(state, src=0, tag="sampling random state").wait()
+        shared.append(state.cpu())
+    if comm.rank == 0:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if gpu else []):
+        torch.set_rng_state(shared[0])
+        if gpu:
+            torch.cuda.set_rng_state(shared[1], device)
+        yield
 
 
 def own_rows(out, rows: int, rank: int):

@@ -44,7 +44,7 @@ from torch import nn
 
 from shardwise.config._hybrid_engine import HybridEngineConfig
 from shardwise.inference._generate import GenerationStats, fast_request, run_fast
-from shardwise.runtime._inference_rows import gather_rows, own_rows
+from shardwise.runtime._inference_rows import first_rank_random_stream, gather_rows, own_rows, samples
 from shardwise.tensor_parallel._partition import copy_marks, shard_info
 from shardwise.zero import GatheredParameters
 
@@ -248,8 +248,12 @@ class InferenceView:
         if self._shared is not None:
             self._shared = None
             raise ValueError("prepare_shared_prefill with hybrid_engine.inference_tp_size > 1 is not available yet")
+        sampling = samples(self.module, kwargs)
         rows, args, kwargs = gather_rows(self.tensor_comm, self.module, args, kwargs)
-        return own_rows(self._generate(args, kwargs), rows, self.tensor_comm.rank)
+        device = next(self.module.parameters()).device
+        with first_rank_random_stream(self.tensor_comm, device) if sampling else contextlib.nullcontext():
+            out = self._generate(args, kwargs)
+        return own_rows(out, rows, self.tensor_comm.rank)
 
     def _generate(self, args: tuple, kwargs: dict):
         shared, self._shared, self._last_shared = self._shared, None, None
@@ -403,7 +407,8 @@ def _empty_copy(module: nn.Module, tensor_comm=None) -> tuple[nn.Module | None, 
     for name, param in twin.named_parameters():
         copy_marks(on_meta[name], param)
     twin.to(reference.dtype).eval().requires_grad_(False)
-    missing = {n for n, _ in twin.named_parameters()} - {n for n, _ in module.named_parameters()}
+    # a head tied to the input embedding is a tensor of its own in a split copy
+    missing = {n for n, _ in twin.named_parameters()} - {n for n, _ in module.named_parameters(remove_duplicate=False)}
     if missing:
         return None, f"a {name} built from its config has parameters the model lacks {sorted(missing)}"
     return twin, None

@@ -153,6 +153,9 @@ class UnitGatherer:
         self._keeping = False
         """Inside ``keep_gathered``: units stay whole until it ends."""
         self._units_of: dict[nn.Module, list[Stage3Unit]] = {}
+        self._in_forward: list[nn.Module] = []
+        """The hooked modules whose forward is running, innermost last (see [Note: reading
+        a sharded parameter])."""
         self._reading: collections.deque[Stage3Unit] = collections.deque()
         """Units whose shards are being read from swap files, in the order the reads began."""
         self._holding: collections.deque[Stage3Unit] = collections.deque()
@@ -169,6 +172,24 @@ class UnitGatherer:
             module.register_forward_hook(self._post_forward)
         if unit not in self._units_of[module]:
             self._units_of[module].append(unit)
+
+    def watch(self, root: nn.Module) -> None:
+        """Hook ``root``'s forward even if it owns no unit, so that a parameter read in its
+        own code (outside every user's forward) has a module to be gathered for."""
+        if root not in self._units_of:
+            self._units_of[root] = []
+            root.register_forward_pre_hook(self._pre_forward)
+            root.register_forward_hook(self._post_forward)
+
+    def gather_for_read(self, unit: Stage3Unit) -> None:
+        """A parameter of ``unit`` is read while it is not gathered: during a forward, gather
+        it and make the innermost running module one of its users. See [Note: reading a
+        sharded parameter]."""
+        if unit.state is UnitState.GATHERED or not self._in_forward or self._in_forward[0] is not self.strategy.module:
+            return  # whole already, or no forward of the model running
+        module = self._in_forward[-1]
+        self.add_user(module, unit)
+        self._enter(unit)  # as the module's pre-forward will from now on
 
     def add_sharer(self, module: nn.Module, unit: Stage3Unit) -> None:
         """``module`` uses a parameter of the root ``unit`` (a tied weight): gather the unit
@@ -259,17 +280,23 @@ class UnitGatherer:
         self.strategy._ensure_layout()
         if module is self.strategy.module:
             self._cursor = 0  # a new forward
+            self._in_forward.clear()
+        self._in_forward.append(module)
         units = self._units_of.get(module, ())
         for unit in units:
-            unit.enter(self._cursor)  # nested users keep it gathered
-            self._cursor += 1
-            self.unshard(unit)
-            if not self._order_recorded:
-                self._trace.append(unit)
-                if unit not in self._forward_order:
-                    self._forward_order.append(unit)
+            self._enter(unit)
         if units and self._order_recorded:
             self._prefetch(units[-1], step=1)
+
+    def _enter(self, unit: Stage3Unit) -> None:
+        """A user's forward call of ``unit`` begins at the next trace position: gather it."""
+        unit.enter(self._cursor)  # nested users keep it gathered
+        self._cursor += 1
+        self.unshard(unit)
+        if not self._order_recorded:
+            self._trace.append(unit)
+            if unit not in self._forward_order:
+                self._forward_order.append(unit)
 
     def _prefetch(self, unit: Stage3Unit, *, step: int) -> None:
         """Start gathering the units that ran after (``step=1``, forward) or before
@@ -293,7 +320,17 @@ class UnitGatherer:
 
     def _post_forward(self, module: nn.Module, args, output):
         units = self._units_of.get(module, ())
+        if self._in_forward and self._in_forward[-1] is module:
+            self._in_forward.pop()
         if module is self.strategy.module:
+            # a forward that raised, or a checkpoint's recompute stopped early, never popped
+            self._in_forward.clear()
+            # the root's units (its shared parameters, those it reads from other modules) stay
+            # gathered until the end of backward; with no backward coming they are freed now
+            for unit in units:
+                unit.exit()
+                if unit.active == 0 and not torch.is_grad_enabled():
+                    self.reshard(unit, force=not self._keeping)
             return output
         for unit in units:
             position = unit.exit()

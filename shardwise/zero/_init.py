@@ -24,6 +24,7 @@ by the unit rule, then the buffer is freed (``Stage3Strategy._add_bucket``).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import weakref
@@ -88,8 +89,20 @@ def _partition_param(
     param.data = torch.empty(0, dtype=full.dtype, device=full.device)
 
 
+_DS_IDS = itertools.count()
+"""DeepSpeed's ``param.ds_id``: one number per partitioned parameter of the process."""
+
+
+def give_ds_id(param: nn.Parameter) -> None:
+    """Number ``param`` as DeepSpeed numbers partitioned parameters (``ds_id``; scripts test
+    ``hasattr(p, "ds_id")`` to tell a stage-3 parameter), unless it has its number."""
+    if "ds_id" not in param.__dict__:
+        param.ds_id = next(_DS_IDS)
+
+
 def _mark_partitioned(param: nn.Parameter, shard: InitShard) -> None:
     param._shardwise_init = shard
+    give_ds_id(param)
     param.ds_shape, param.ds_numel, param.ds_tensor = shard.shape, shard.numel, shard.local  # DeepSpeed's names
     # copy.deepcopy looks __deepcopy__ up on the instance; torch's Parameter copy would drop
     # the slice (nn.TransformerEncoder deep-copies its layer under zero.Init)

@@ -36,8 +36,9 @@ from torch import nn
 
 from shardwise.config import ConfigError
 from shardwise.zero._gatherer import UnitGatherer
-from shardwise.zero._init import full_shape, gather_init_params, init_shard
+from shardwise.zero._init import full_shape, gather_init_params, give_ds_id, init_shard
 from shardwise.zero._leaf import unit_roots
+from shardwise.zero._param_reads import gather_on_read
 from shardwise.zero._parameter_offload import ParameterOffload
 from shardwise.zero._partition import partition
 from shardwise.zero._sharded import ShardedStrategy
@@ -66,6 +67,7 @@ class Stage3Strategy(ShardedStrategy):
                 p.data = p.data.clone()
                 del p._shardwise_init, p.ds_tensor
                 p.__dict__.pop("__deepcopy__", None)
+                p.ds_status = ZeroParamStatus.AVAILABLE  # keeps its ds_id: whole for good
         super().__init__(module, stage=3, **kwargs)
         self.gatherer = UnitGatherer(
             self,
@@ -113,10 +115,10 @@ class Stage3Strategy(ShardedStrategy):
 
     def without_optimizer(self, params: list) -> None:
         """An engine with no optimizer (TRL's and DeepSpeed-Chat's reference and reward
-        models): parameters built partitioned by ``zero.Init`` are gathered for the forward
-        only by the units of the layout, so lay it out anyway."""
-        if any(init_shard(p) is not None for p in params):
-            self.optimizer_params(params)
+        models) partitions the model as DeepSpeed does, whether it was built by ``zero.Init``
+        or whole: lay the units out anyway (their gradient shards cost no memory until a
+        backward writes them)."""
+        self.optimizer_params(params)
 
     def optimizer_params(self, model_parameters) -> list[dict]:
         """Units for every owning module, then one persistent unit per param group (laid
@@ -126,6 +128,8 @@ class Stage3Strategy(ShardedStrategy):
             self._add_bucket(params, group, module=self.module, persistent=True)
         self._persistent_params.clear()
         self._check_param_buffer_size()
+        self.gatherer.watch(self.module)  # see [Note: reading a sharded parameter]
+        gather_on_read(self.module)
         return [
             {**options, "params": [b.master for b in self.buckets if b.group == g]}
             for g, options in enumerate(self._group_options)
@@ -201,6 +205,7 @@ class Stage3Strategy(ShardedStrategy):
         for p, shape in zip(params, shapes):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
             p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size
+            give_ds_id(p)
             p.ds_status = ZeroParamStatus.AVAILABLE  # laid out whole; freeing the unit changes it
         self.buckets.append(unit)
         self._bucket_of.update(dict.fromkeys(params, unit))

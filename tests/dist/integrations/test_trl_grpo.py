@@ -7,10 +7,12 @@ What TRL needs of DeepSpeed here: its reference model goes through
 section keys written at the top level of its config ("zero_optimization.reduce_bucket_size");
 its fused log-prob head reads ``param.ds_status``; around generation it gathers every
 parameter and removes DeepSpeed's ZeRO-3 hooks (``optimizer.parameter_offload``,
-``ds3_gather_for_generation``, TRL's default). DeepSpeed's default
-``stage3_param_persistence_threshold`` keeps this tiny model's parameters whole; with 0,
-TRL's fused head (``lm_head.weight`` used outside ``lm_head``'s forward, its gradient
-stashed in the forward) fails in the backward on shardwise.
+``ds3_gather_for_generation``, TRL's default). ``stage3_param_persistence_threshold`` is 0
+(DeepSpeed's default would keep this tiny model's parameters whole), so every parameter is
+partitioned, ``lm_head.weight`` too: TRL's fused log-prob head multiplies by it without
+calling ``lm_head`` (in the forward and again in the backward), which works because, as in
+DeepSpeed, a sharded parameter read during a forward is gathered ([Note: reading a sharded
+parameter]).
 """
 
 import importlib.util
@@ -87,7 +89,7 @@ def _grpo_job(rank, world_size, out):
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
     args = GRPOConfig(
         output_dir=os.path.join(out, "grpo"),
@@ -117,6 +119,7 @@ def _grpo_job(rank, world_size, out):
     engine, ref = trainer.model_wrapped, trainer.ref_model
     checks = {
         "engines": [isinstance(e, shardwise.DeepSpeedEngine) and e.zero_optimization_stage() for e in (engine, ref)],
+        "head": [e.module.lm_head.weight.ds_status.name for e in (engine, ref)],
         "ref_laid_out": all(hasattr(p, "ds_status") for p in ref.module.parameters()) and ref.optimizer is None,
         "log": [(h["loss"], h["reward"]) for h in trainer.state.log_history if "loss" in h],
     }
@@ -132,6 +135,7 @@ def test_grpo_trainer_with_zero3_config_trains(tmp_path):
     )
     for checks in results:
         assert checks["engines"] == [3, 3], checks["engines"]
+        assert checks["head"] == ["NOT_AVAILABLE"] * 2, "threshold 0: lm_head.weight is partitioned between steps"
         assert checks["ref_laid_out"], "the reference model (zero.Init, no optimizer) is laid out in units"
         assert len(checks["log"]) == 2 and all(math.isfinite(x) for step in checks["log"] for x in step)
     assert results[0]["changed"] > 1e-3, "two GRPO steps at lr 1e-2 move the policy's weights"

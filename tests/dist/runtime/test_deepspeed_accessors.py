@@ -55,6 +55,13 @@ def _accessors(rank, world_size):
     engine.load_module_state_dict({"module": other.state_dict()}, custom_load_fn=copy_in, fetch_z3_params=True)
     out["custom"] = all(torch.equal(shardwise.utils.safe_get_full_fp32_param(p), other.get_parameter(n))
                         for n, p in engine.module.named_parameters())
+    ids = [getattr(p, "ds_id", None) for p in engine.module.parameters()]  # DeepSpeed-Chat's stage-3 test
+    out["ds_ids"] = (len(ids), len(set(ids)), all(isinstance(i, int) for i in ids))
+    timer = engine.tput_timer  # DeepSpeed-Chat calls update_epoch_count() after each epoch
+    timer.update_epoch_count()
+    engine.backward(engine(*token_batches(num_steps=1, batch=1, seed=rank)[0]))
+    engine.step()
+    out["tput"] = (timer.epoch_count, timer.micro_step_count, timer.global_step_count)
     return out
 
 
@@ -64,5 +71,8 @@ def test_deepspeed_accessors_and_load_module_state_dict(tmp_path):
         assert r["dtype"] == torch.float32 and r["name"] == "adamw" and r["print"] == 1000
         assert r["scale"] == 0.0 and r["dynamic"] and r["offload"] == "none" and r["config"] == 2
         assert r["after_batch"] == (8, 2, 2) and r["steps"] == [0, 1, 1, 2]
+        count, distinct, ints = r["ds_ids"]
+        assert count == distinct == 7 and ints, r["ds_ids"]
+        assert r["tput"] == (1, 1, 2), r["tput"]  # 4 micro-steps at 2 per step, then one more
         assert r["after_micro"] == (4, 1, 2)
         assert r["returned"] is None and r["loaded"] and r["custom"]

@@ -5,7 +5,9 @@ for token, and the losses equal the replica's; under ZeRO-3 no parameter is left
 after generate, and each unit is gathered once per generate (not once per token). LoRA
 layers (DeepSpeed-Chat's fuse / unfuse methods): generation equals the fused replica's,
 the base weights after generate are bit-identical to before, and training goes on equal
-to the replica's."""
+to the replica's. With ``inference_tp_size`` 2 greedy generation equals the replica's,
+a sample equals one process sampling both ranks' rows from the first rank's seed, and a
+tied head (OPT) is split too."""
 
 import copy
 
@@ -203,10 +205,29 @@ def _tensor_parallel_body(rank, world_size):
         optimizer.zero_grad()
     full_bytes = sum(p.numel() * p.element_size() for p in replica.parameters())
     report["held"] = engine.inference_memory().weights_bytes / full_bytes
-    try:
-        engine.generate(prompts[rank], max_new_tokens=2, do_sample=True)
-    except ValueError as exc:
-        report["sampling"] = str(exc)
+    # sampling: the ranks' own streams differ, the group draws from its first rank's (seed
+    # 100), as one process generating both ranks' rows would; rank 1 gets its own back
+    torch.manual_seed(100 + rank)
+    sampled = engine.generate(prompts[rank], max_new_tokens=NEW, do_sample=True, top_k=20)
+    own = torch.rand(1).item()
+    torch.manual_seed(100)
+    expected = replica.generate(prompts.reshape(-1, 5), max_new_tokens=NEW, do_sample=True, top_k=20)
+    report["sampled"] = (sampled.tolist(), expected[rank * 2 : (rank + 1) * 2].tolist())
+    report["own_stream"] = own == torch.rand(1, generator=torch.Generator().manual_seed(101)).item()
+    # a head tied to the input embedding (OPT) is split as a tensor of its own
+    tied = tiny_lm("opt")
+    tied_engine, _, _, _ = shardwise.initialize(
+        model=copy.deepcopy(tied),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL},
+            "hybrid_engine": {"enabled": True, "inference_tp_size": 2},
+        },
+    )
+    report["tied"] = (
+        tied_engine.generate(prompts[rank], max_new_tokens=NEW, do_sample=False).tolist(),
+        tied.generate(prompts[rank], max_new_tokens=NEW, do_sample=False).tolist(),
+    )
     try:
         shardwise.initialize(
             model=_model(lora=False),
@@ -222,10 +243,15 @@ def _tensor_parallel_body(rank, world_size):
 
 
 def test_inference_tp_size_2_generates_each_ranks_batch_with_split_weights(tmp_path):
-    for report in run_distributed(_tensor_parallel_body, world_size=2, tmp_path=tmp_path):
+    reports = run_distributed(_tensor_parallel_body, world_size=2, tmp_path=tmp_path)
+    assert reports[0]["sampled"] != reports[1]["sampled"], "each rank returns its own rows"
+    for report in reports:
         for step, (out, expected) in enumerate(report["tokens"]):
             assert out == expected, f"step {step}: the tensor-parallel generation differs from the replica's"
         assert report["tokens"][0][0] != report["tokens"][1][0], "training must change the generations"
         assert report["held"] < 0.6, "each rank holds about half of the weights"
-        assert "greedily only" in report["sampling"]
+        sampled, expected = report["sampled"]
+        assert sampled == expected, "the group's sample differs from one process sampling its rows"
+        assert report["own_stream"] or report is reports[0], "rank 1's own random stream is given back"
+        assert report["tied"][0] == report["tied"][1], "a tied head, split over the tensor group"
         assert "hybrid_engine with training tensor parallelism (2 ranks)" in report["training_tp"]

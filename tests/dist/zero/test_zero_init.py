@@ -149,20 +149,35 @@ def _eval_engine(rank, world_size):
 
     config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}}
     with zero.Init(config_dict_or_path=config):
-        model = TinyMLP(seed=1)
+        model = TinyMLP(seed=1, freeze_first=True)  # frozen fc1: made whole (DeepSpeed-Chat's LoRA base)
     plain = TinyMLP(seed=1)
     engine, *_ = shardwise.initialize(model=model, config=config)
+    frozen = engine.module.fc1.weight
+    frozen = (hasattr(frozen, "ds_id"), frozen.ds_status.name, frozen.numel())
     tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=2)[0]
     with torch.no_grad():
         same = torch.equal(engine(tokens, targets), plain(tokens, targets))
-    param = engine.module.fc1.weight
+    param = engine.module.fc2.weight
     outside = (param.ds_status.name, param.numel())
     with zero.GatheredParameters([param]):
         inside = (param.ds_status.name, param.numel())
-    return same, outside, inside
+    # built whole (DeepSpeed-Chat's reference and reward models): partitioned all the same
+    whole, *_ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
+    with torch.no_grad():
+        same_whole = torch.equal(whole(tokens, targets), plain(tokens, targets))
+    units = whole.strategy.buckets
+    held = (sum(p.numel() for p in whole.module.parameters()), sum(u.master.numel() for u in units), len(units))
+    return same, outside, inside, same_whole, held, frozen
 
 
 def test_init_model_without_optimizer_runs_its_forward(tmp_path):
-    for same, outside, inside in run_distributed(_eval_engine, world_size=2, tmp_path=tmp_path):
+    total = sum(p.numel() for p in TinyMLP().parameters())
+    for same, outside, inside, same_whole, held, frozen in run_distributed(
+            _eval_engine, world_size=2, tmp_path=tmp_path):
         assert same, "the forward of a zero.Init model under an engine without optimizer"
         assert outside == ("NOT_AVAILABLE", 0) and inside == ("AVAILABLE", 32 * 16), (outside, inside)
+        assert same_whole, "the forward of a model built whole under an engine without optimizer"
+        assert frozen == (True, "AVAILABLE", 32 * 16), f"a frozen zero.Init parameter made whole: {frozen}"
+        whole_numel, shard_numel, units = held
+        assert whole_numel == 0, f"{whole_numel} parameter elements left whole after a forward without grad"
+        assert 0 <= 2 * shard_numel - total < 2 * units, f"rank holds {shard_numel} of {total} elements in shards"

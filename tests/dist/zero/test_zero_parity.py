@@ -167,35 +167,60 @@ def test_sgd_matches_single_process_at_every_stage(tmp_path):
     assert all(r == reports[0] for r in reports)
 
 
-class _ExternalUse(torch.nn.Module):
-    """Uses ``a.weight`` in its own forward as well as inside ``a``."""
+class _HeadLogits(torch.autograd.Function):
+    """``h @ weight.T`` as a fused loss head computes it (TRL's chunked log-probabilities):
+    the weight is saved in the forward and read again in the backward."""
 
-    def __init__(self):
+    @staticmethod
+    def forward(ctx, h, weight):
+        ctx.save_for_backward(h, weight)
+        return h @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        return grad @ weight, grad.reshape(-1, grad.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+
+
+class _ExternalUse(torch.nn.Module):
+    """Uses ``a.weight`` in its own forward as well as inside ``a``; declared with
+    ``register_external_parameter``, or not (then it also reads ``out``'s parameters
+    without calling ``out``, through a fused head: DeepSpeed gathers a parameter read
+    during a forward)."""
+
+    def __init__(self, declared: bool):
         super().__init__()
         generator = torch.Generator().manual_seed(3)
         self.embed = torch.nn.Embedding(32, 16)
         self.a = torch.nn.Linear(16, 16)
         self.out = torch.nn.Linear(16, 32)
+        self.declared = declared
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
-        from shardwise.zero import register_external_parameter
-        register_external_parameter(self, self.a.weight)
+        if declared:
+            from shardwise.zero import register_external_parameter
+            register_external_parameter(self, self.a.weight)
 
     def forward(self, tokens, targets):
-        h = torch.tanh(self.embed(tokens) @ self.a.weight.t())
-        logits = self.out(self.a(h))
+        h = self.a(torch.tanh(self.embed(tokens) @ self.a.weight.t()))
+        logits = self.out(h) if self.declared else _HeadLogits.apply(h, self.out.weight) + self.out.bias
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
 
 
 def _external(rank, world_size):
-    model = _ExternalUse()
-    batches = token_batches(num_steps=3, batch=MICRO * world_size, seed=2)
-    reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=0.0, split_groups=False)
-    engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(3, 1, 0.0, "fp32", 300))
-    engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
-    return max_param_diff(reference, engine.module)
+    diffs = []
+    for declared in (True, False):
+        model = _ExternalUse(declared)
+        batches = token_batches(num_steps=3, batch=MICRO * world_size, seed=2)
+        reference = reference_train(model, batches, lr=LR, weight_decay=WD, clip=0.0, split_groups=False)
+        engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(3, 1, 0.0, "fp32", 300))
+        engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
+        diffs.append(max_param_diff(reference, engine.module))
+    return diffs
 
 
 def test_stage3_parameter_used_outside_its_module(tmp_path):
-    assert max(run_distributed(_external, world_size=2, tmp_path=tmp_path)) < TOLERANCE["fp32"]
+    for declared, undeclared in run_distributed(_external, world_size=2, tmp_path=tmp_path):
+        assert declared < TOLERANCE["fp32"], f"register_external_parameter: max |diff| {declared}"
+        assert undeclared < TOLERANCE["fp32"], f"read during the forward, not declared: max |diff| {undeclared}"
