@@ -1,5 +1,6 @@
 """The engine's one extension point for features that act around the training step
-without being part of it (the legacy curriculum, progressive layer drop).
+without being part of it (the legacy curriculum, progressive layer drop, the compression
+scheduler).
 
 [Note: training features]
 A training feature is an object with a ``name`` (its key in checkpoints), a
@@ -102,6 +103,19 @@ class TrainingFeatures:
                 logger.warning("the checkpoint has no %s state; it starts from the beginning", feature.name)
 
 
+def _compression_feature(config, model: nn.Module) -> TrainingFeature:
+    """The compression scheduler; ZeRO-3 is refused (its layers see partitioned weights)."""
+    from shardwise.compression.scheduler import CompressionFeature
+
+    if config.zero.stage == 3:
+        raise ConfigError(
+            "compression_training (quantization-aware training, pruning) is not available with ZeRO "
+            "stage 3: the compressed layers quantize and mask whole weights, which stage 3 partitions; "
+            "use zero_optimization.stage 0, 1 or 2"
+        )
+    return CompressionFeature(model)
+
+
 def build_training_features(config, model: nn.Module) -> TrainingFeatures:
     """The training features ``config`` (a ``TrainConfig``) enables, for ``model``.
 
@@ -116,12 +130,15 @@ def build_training_features(config, model: nn.Module) -> TrainingFeatures:
         features.append(SeqlenCurriculum(config.curriculum_learning))
     if config.progressive_layer_drop.enabled:
         features.append(LayerDrop(config.progressive_layer_drop))
-    if features and isinstance(model, PipelineModule):
-        names = " and ".join(f"'{f.name}'" for f in features)
+    keyworded = [f for f in features if f.keyword_help]
+    if keyworded and isinstance(model, PipelineModule):
+        names = " and ".join(f"'{f.name}'" for f in keyworded)
         raise ConfigError(
             f"{names} pass keywords to the model's forward, which a PipelineModule's stages do not "
             "take (DeepSpeed's pipeline engine did not pass them either); not available with pipeline "
             "parallelism: set enabled to false, and for a sequence-length curriculum cut the batches in "
             "the data iterator (shardwise.runtime.data_pipeline.CurriculumScheduler and truncate_to_curriculum)"
         )
+    if config.compression_training.enabled:
+        features.append(_compression_feature(config, model))
     return TrainingFeatures(features)
