@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.compression._layers import CompressedLinear, WeightQuantization, weight_bits
+from shardwise.compression._layers import ActivationQuantization, CompressedLinear, WeightQuantization, weight_bits
 from shardwise.compression._quantizers import QuantSpec, fake_quantize, quantize_values, topk_mask_values
 
 
@@ -66,6 +66,20 @@ def test_activations_are_quantized_per_token():
     quantized = fake_quantize(x, QuantSpec(bits=4, groups=6))
     assert all(row.unique().numel() <= 16 for row in quantized.reshape(6, -1))
     assert not torch.equal(quantized, quantize_values(x, QuantSpec(bits=4)))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_layer_quantizes_its_input_per_token_or_in_a_running_range(static):
+    layer = CompressedLinear(64, 4)
+    layer.enable_activation_quantization(ActivationQuantization(bits=8, symmetric=False, static=static, offset=0))
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2))
+    out = layer(x)
+    if static:  # the first training batch sets the range
+        expected = quantize_values(x, QuantSpec(bits=8, symmetric=False), (x.min(), x.max()))
+        assert torch.equal(layer.x_min_max, torch.stack([x.min(), x.max()]))
+    else:
+        expected = quantize_values(x, QuantSpec(bits=8, groups=6, symmetric=False))
+    assert torch.equal(out, F.linear(expected, layer.weight, layer.bias))
 
 
 def test_topk_mask_keeps_the_dense_ratio_of_largest_scores():
