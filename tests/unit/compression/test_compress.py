@@ -5,7 +5,12 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.compression.compress import init_compression, redundancy_clean, student_initialization
+from shardwise.compression.compress import (
+    convert_conv1d_to_linear,
+    init_compression,
+    redundancy_clean,
+    student_initialization,
+)
 from shardwise.config import ConfigError
 from shardwise.testing.models import TinyMLP, token_batches
 
@@ -211,3 +216,24 @@ def test_the_engine_refuses_zero3_and_a_model_without_compressed_layers():
         )
     with pytest.raises(ConfigError, match="call shardwise.compression.compress.init_compression"):
         shardwise.initialize(model=TinyMLP(seed=1), config=_config(compression))
+
+
+class _Conv1D(nn.Module):
+    """transformers' Conv1D layout: weight (in, out), y = x @ W + b."""
+
+    def __init__(self, fan_out, fan_in):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(fan_in, fan_out))
+        self.bias = nn.Parameter(torch.randn(fan_out))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+def test_conv1d_layers_become_equal_linears_that_patterns_can_name():
+    model = nn.Sequential(_Conv1D(6, 4), nn.ReLU(), _Conv1D(3, 6))
+    x = torch.randn(5, 4)
+    before = model(x)
+    convert_conv1d_to_linear(model, _Conv1D)
+    assert isinstance(model[0], nn.Linear) and (model[0].in_features, model[0].out_features) == (4, 6)
+    assert torch.allclose(model(x), before, atol=1e-6, rtol=0)
