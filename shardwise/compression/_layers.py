@@ -74,12 +74,10 @@ def weight_bits(spec: WeightQuantization, step: int) -> int | None:
     runs = max(0, step - spec.offset) + (1 if spec.offset == 0 else 0)
     if runs == 0:
         return None
-    bits, period = spec.start_bits, spec.period
-    for run in range(1, runs + 1):
-        if bits == spec.target_bits:
-            break
-        if run >= period:
-            bits, period = bits - 1, period * 2
+    # the k-th drop happens at run period * 2**(k - 1): the period doubles after each drop
+    bits, at_run = spec.start_bits, spec.period
+    while bits > spec.target_bits and runs >= at_run:
+        bits, at_run = bits - 1, at_run * 2
     return bits
 
 
@@ -100,9 +98,18 @@ class CompressedLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> CompressedLinear:
-        """A compressed layer holding ``linear``'s own parameters (not copies)."""
+        """A compressed layer holding ``linear``'s own parameters (not copies).
+
+        Raises:
+            ValueError: ``linear`` is a subclass of ``nn.Linear`` (its own forward would be lost).
+        """
         if isinstance(linear, CompressedLinear):
             return linear
+        if type(linear) is not nn.Linear:
+            raise ValueError(
+                f"{type(linear).__name__} is a subclass of nn.Linear with its own behaviour, which a "
+                "compressed layer would drop; only plain nn.Linear layers are compressed"
+            )
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         layer.weight = linear.weight
         layer.bias = linear.bias

@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardwise.compression._clean import clean_layer, shrink_related
@@ -28,7 +29,7 @@ from shardwise.compression._quantizers import QuantSpec
 from shardwise.config._compression import CompressionConfig, CompressionGroup, TechniqueConfig, compression_config
 from shardwise.utils._modules import recursive_getattr, recursive_setattr
 
-__all__ = ["init_compression", "redundancy_clean", "student_initialization"]
+__all__ = ["convert_conv1d_to_linear", "init_compression", "redundancy_clean", "student_initialization"]
 
 
 def _read_config(deepspeed_config: Any) -> CompressionConfig:
@@ -221,3 +222,20 @@ def student_initialization(student_model: nn.Module, teacher_model: nn.Module, d
     from shardwise.compression._layer_reduction import copy_teacher_layers
 
     copy_teacher_layers(student_model, teacher_model, _read_config(deepspeed_config).layer_reduction)
+
+
+@torch.no_grad()
+def convert_conv1d_to_linear(model: nn.Module, convert_type: type) -> nn.Module:
+    """Replace every ``convert_type`` module (transformers' ``Conv1D``: a ``(in, out)``
+    weight) by the ``nn.Linear`` computing the same, so the compression patterns can
+    name it (GPT-2's ``c_attn``, ``c_fc``...). Returns ``model``, changed in place."""
+    target = _unwrap(model)
+    for name, module in list(target.named_modules()):
+        if isinstance(module, convert_type):
+            fan_in, fan_out = module.weight.shape
+            linear = nn.Linear(fan_in, fan_out, bias=module.bias is not None, device="meta")
+            linear.weight = nn.Parameter(module.weight.t().contiguous(), requires_grad=module.weight.requires_grad)
+            if module.bias is not None:
+                linear.bias = nn.Parameter(module.bias.reshape(-1).clone(), requires_grad=module.bias.requires_grad)
+            recursive_setattr(target, name, linear)
+    return model

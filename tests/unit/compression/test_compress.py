@@ -237,3 +237,14 @@ def test_conv1d_layers_become_equal_linears_that_patterns_can_name():
     convert_conv1d_to_linear(model, _Conv1D)
     assert isinstance(model[0], nn.Linear) and (model[0].in_features, model[0].out_features) == (4, 6)
     assert torch.allclose(model(x), before, atol=1e-6, rtol=0)
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_subclass_of_linear_is_refused_not_silently_replaced():
+    compression = _technique("row_pruning", {"dense_ratio": 0.5}, ["0"])
+    with pytest.raises(ValueError, match="_ScaledLinear is a subclass of nn.Linear"):
+        init_compression(nn.Sequential(_ScaledLinear(4, 4)), {"compression_training": compression})
