@@ -39,6 +39,16 @@ class CompressionScheduler:
         self.set_step(self.training_steps if step_zero_check else self.training_steps + 1)
 
 
+def has_scheduled_layers(model: nn.Module) -> bool:
+    """Whether ``model`` has compressed layers with a technique that moves with the step
+    (weight quantization or pruning not yet folded in by ``redundancy_clean``)."""
+    return any(
+        m.weight_quantization or m.sparse_pruning or m.row_pruning or m.head_pruning
+        for m in model.modules()
+        if isinstance(m, CompressedLinear)
+    )
+
+
 compression_scheduler = CompressionScheduler
 """DeepSpeed's class name."""
 

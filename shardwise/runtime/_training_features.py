@@ -116,6 +116,19 @@ def _compression_feature(config, model: nn.Module) -> TrainingFeature:
     return CompressionFeature(model)
 
 
+def _refuse_unscheduled_compression(model: nn.Module) -> None:
+    """A model prepared by ``init_compression`` needs the section that schedules it: without
+    it the layers would stay at step 0 (DeepSpeed's would silently not compress)."""
+    from shardwise.compression.scheduler import has_scheduled_layers
+
+    if has_scheduled_layers(model):
+        raise ConfigError(
+            "the model has compressed layers (shardwise.compression.compress.init_compression) but the "
+            "config given to initialize() enables no compression_training technique to schedule them; "
+            "pass the config given to init_compression, or call redundancy_clean first"
+        )
+
+
 def build_training_features(config, model: nn.Module) -> TrainingFeatures:
     """The training features ``config`` (a ``TrainConfig``) enables, for ``model``.
 
@@ -141,4 +154,6 @@ def build_training_features(config, model: nn.Module) -> TrainingFeatures:
         )
     if config.compression_training.enabled:
         features.append(_compression_feature(config, model))
+    else:
+        _refuse_unscheduled_compression(model)
     return TrainingFeatures(features)

@@ -207,7 +207,7 @@ def test_init_compression_names_what_cannot_be_compressed(compression, error, me
         init_compression(TinyMLP(seed=1), {"compression_training": compression})
 
 
-def test_the_engine_refuses_zero3_and_a_model_without_compressed_layers():
+def test_the_engine_refuses_zero3_and_a_config_that_does_not_match_the_model():
     compression = _technique("row_pruning", {"dense_ratio": 0.5}, ["fc1"])
     with pytest.raises(ConfigError, match="not available with ZeRO stage 3"):
         shardwise.initialize(
@@ -216,6 +216,12 @@ def test_the_engine_refuses_zero3_and_a_model_without_compressed_layers():
         )
     with pytest.raises(ConfigError, match="call shardwise.compression.compress.init_compression"):
         shardwise.initialize(model=TinyMLP(seed=1), config=_config(compression))
+    compressed = init_compression(TinyMLP(seed=1), {"compression_training": compression})
+    plain = {k: v for k, v in _config(compression).items() if k != "compression_training"}
+    with pytest.raises(ConfigError, match="enables no compression_training technique to schedule them"):
+        shardwise.initialize(model=compressed, config=plain)
+    redundancy_clean(compressed, {"compression_training": compression})
+    shardwise.initialize(model=compressed, config=plain)  # folded in: nothing left to schedule
 
 
 class _Conv1D(nn.Module):
