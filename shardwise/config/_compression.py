@@ -183,7 +183,7 @@ def _group_params(technique: str, path: str, params: Any, shared: Mapping) -> di
     check_keys(path, params, set(needed) | set(defaults))
     for key in needed:
         if key not in params:
-            raise ConfigError(f"{path} needs '{key}' ({technique} is enabled)")
+            raise ConfigError(f"{path} needs '{key}' (every {technique} group has one)")
     out = {**defaults, **params}
     if technique == "weight_quantization":
         start = _bits(f"{path}.start_bits", out["start_bits"], 1)
@@ -285,11 +285,7 @@ def _technique(name: str, section: Any) -> TechniqueConfig:
         if not groups_raw:
             raise ConfigError(f"{path} is enabled: it needs 'different_groups' naming the modules to compress")
     check_keys(f"{path}.different_groups", groups_raw, set(groups_raw))
-    groups = (
-        tuple(_group(name, f"{path}.different_groups.{g}", g, body, shared) for g, body in groups_raw.items())
-        if shared["enabled"]
-        else ()
-    )
+    groups = tuple(_group(name, f"{path}.different_groups.{g}", g, body, shared) for g, body in groups_raw.items())
     return TechniqueConfig(name=name, shared=shared, groups=groups)
 
 

@@ -103,6 +103,10 @@ def test_the_engine_config_carries_the_section():
             "keep_number_layer (3) must equal the length of teacher_layer (2)",
         ),
         ({"weight_quantisation": {}}, "did you mean 'compression_training.weight_quantization'"),
+        (
+            {"row_pruning": {"different_groups": {"g": {"params": {"dense_ratio": 0.5}, "module": ["fc"]}}}},
+            "did you mean 'compression_training.row_pruning.different_groups.g.modules'",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error(section, message):
