@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT, ByteBlocks, GPTConfig, byte_corpus  # noqa: E402
 
 import shardwise  # noqa: E402
+from shardwise.compression.compress import init_compression  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,7 +95,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
     with open(args.deepspeed_config) as f:
-        stage = json.load(f).get("zero_optimization", {}).get("stage", 0)
+        ds_config = json.load(f)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     # under ZeRO-3 the model is built partitioned: no rank ever holds all of it
     with shardwise.zero.Init(config_dict_or_path=args.deepspeed_config, enabled=stage == 3):
         model = GPT(
@@ -102,6 +104,8 @@ def main() -> None:
                 vocab_size=256, width=args.width, num_layers=args.layers, num_heads=args.heads, seq_len=args.seq_len
             )
         )
+    if "compression_training" in ds_config:  # QAT / pruning: swap the named layers before initialize
+        model = init_compression(model, ds_config)
     dataset = ByteBlocks(byte_corpus(max_bytes=args.corpus_bytes), seq_len=args.seq_len)
     engine, _, loader, _ = shardwise.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset

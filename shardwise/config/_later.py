@@ -11,6 +11,7 @@ import json
 import logging
 from typing import Any
 
+from shardwise.config._compression import compression_config
 from shardwise.config._errors import ConfigError, check_keys
 from shardwise.config._expert_parallel import check_expert_parallel
 from shardwise.config._pipeline import check_pipeline
@@ -65,13 +66,6 @@ _NAMES = {
 _ON_BY_DEFAULT = {"weight_quantization"}  # DeepSpeed enables it when the section is present
 
 
-def _any_enabled(value: Any) -> bool:
-    """Whether any nested object of ``value`` has "enabled": true (compression's techniques)."""
-    if isinstance(value, dict):
-        return value.get("enabled") is True or any(_any_enabled(v) for v in value.values())
-    return False
-
-
 # sections switched on by a key other than "enabled": section -> (key, values that leave it off)
 _SWITCHES = {"compile": ("deepcompile", (False,))}
 
@@ -102,13 +96,8 @@ def check_later_section(key: str, value: Any) -> None:
     if key == "expert_parallel":  # built: AutoEP (moe/_autoep.py)
         check_expert_parallel(value)
         return
-    if key == "compression_training":
-        if _any_enabled(value):
-            raise ConfigError(
-                "compression (quantization-aware training, pruning) ('compression_training') is "
-                "not available in this version of shardwise yet; remove the section or set "
-                'every "enabled" in it to false'
-            )
+    if key == "compression_training":  # built: shardwise/compression (the rest refused by name)
+        compression_config(value)
         return
     if key in _SWITCHES:
         switch, off = _SWITCHES[key]

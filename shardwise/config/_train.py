@@ -21,6 +21,7 @@ from shardwise.config._components import (
     SchedulerConfig,
     ZeroConfig,
 )
+from shardwise.config._compression import CompressionConfig
 from shardwise.config._data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig, ProgressiveLayerDropConfig
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number
 from shardwise.config._hybrid_engine import HybridEngineConfig
@@ -76,7 +77,10 @@ class TrainConfig:
     """Progressive layer drop (``pld_theta`` passed to the forward)."""
     data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
     """DeepSpeed's data-efficiency library: random-LTD (driven by the engine's training
-    features); curriculum data sampling and dynamic batching refused when enabled."""
+    features), curriculum data sampling (the engine's loader) and dynamic batching."""
+    compression_training: CompressionConfig = field(default_factory=CompressionConfig)
+    """Compression (QAT, pruning): which techniques the engine's compression scheduler
+    advances; ``shardwise.compression.compress.init_compression`` replaces the layers."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

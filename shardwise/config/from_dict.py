@@ -28,6 +28,7 @@ from shardwise.config._components import (
     SchedulerConfig,
     ZeroConfig,
 )
+from shardwise.config._compression import compression_config
 from shardwise.config._data_efficiency import (
     data_efficiency_config,
     legacy_curriculum_config,
@@ -90,6 +91,7 @@ _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "curriculum_learning",
     "progressive_layer_drop",
     "data_efficiency",
+    "compression_training",
 }
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {
@@ -324,6 +326,7 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         curriculum_learning=legacy_curriculum_config(raw.get("curriculum_learning")),
         progressive_layer_drop=progressive_layer_drop_config(raw.get("progressive_layer_drop")),
         data_efficiency=data_efficiency_config(raw.get("data_efficiency")),
+        compression_training=compression_config(raw.get("compression_training")),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )

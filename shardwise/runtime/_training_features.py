@@ -1,5 +1,6 @@
 """The engine's one extension point for features that act around the training step
-without being part of it (the legacy curriculum, progressive layer drop).
+without being part of it (the legacy curriculum, progressive layer drop, the compression
+scheduler).
 
 [Note: training features]
 A training feature is an object with a ``name`` (its key in checkpoints), a
@@ -107,6 +108,32 @@ class TrainingFeatures:
                 logger.warning("the checkpoint has no %s state; it starts from the beginning", feature.name)
 
 
+def _compression_feature(config, model: nn.Module) -> TrainingFeature:
+    """The compression scheduler; ZeRO-3 is refused (its layers see partitioned weights)."""
+    from shardwise.compression.scheduler import CompressionFeature
+
+    if config.zero.stage == 3:
+        raise ConfigError(
+            "compression_training (quantization-aware training, pruning) is not available with ZeRO "
+            "stage 3: the compressed layers quantize and mask whole weights, which stage 3 partitions; "
+            "use zero_optimization.stage 0, 1 or 2"
+        )
+    return CompressionFeature(model)
+
+
+def _refuse_unscheduled_compression(model: nn.Module) -> None:
+    """A model prepared by ``init_compression`` needs the section that schedules it: without
+    it the layers would stay at step 0 (DeepSpeed's would silently not compress)."""
+    from shardwise.compression.scheduler import has_scheduled_layers
+
+    if has_scheduled_layers(model):
+        raise ConfigError(
+            "the model has compressed layers (shardwise.compression.compress.init_compression) but the "
+            "config given to initialize() enables no compression_training technique to schedule them; "
+            "pass the config given to init_compression, or call redundancy_clean first"
+        )
+
+
 def build_training_features(config, model: nn.Module) -> TrainingFeatures:
     """The training features ``config`` (a ``TrainConfig``) enables, for ``model``.
 
@@ -126,12 +153,19 @@ def build_training_features(config, model: nn.Module) -> TrainingFeatures:
         from shardwise.runtime.data_pipeline.data_routing import RandomLTD
 
         features.append(RandomLTD.from_config(random_ltd, model, global_batch_size=config.batch.train_batch_size))
-    if features and isinstance(model, PipelineModule):
-        names = " and ".join(f"'{f.name}'" for f in features)
+    # keywords a PipelineModule's stages do not take; random-LTD's layers move with the
+    # engine's forward, which the pipeline engine does not run
+    refused = [f for f in features if f.keyword_help or f.name == "random_ltd"]
+    if refused and isinstance(model, PipelineModule):
+        names = " and ".join(f"'{f.name}'" for f in refused)
         raise ConfigError(
             f"{names} act on the model's forward (keywords a PipelineModule's stages do not take, layers "
             "converted for random-LTD; DeepSpeed's pipeline engine ran neither); not available with pipeline "
             "parallelism: set enabled to false, and for a sequence-length curriculum cut the batches in "
             "the data iterator (shardwise.runtime.data_pipeline.CurriculumScheduler and truncate_to_curriculum)"
         )
+    if config.compression_training.enabled:
+        features.append(_compression_feature(config, model))
+    else:
+        _refuse_unscheduled_compression(model)
     return TrainingFeatures(features)

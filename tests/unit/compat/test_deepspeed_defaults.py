@@ -157,6 +157,13 @@ KEPT_DIFFERENCES = {
 }
 """Keys whose default differs on purpose, with the reason."""
 
+def _leaves(tree, path=()):
+    for key, value in tree.items():
+        yield ".".join(path + (key,))
+        if isinstance(value, dict) and value and (path + (key,))[0] not in ("optimizer", "scheduler"):
+            yield from _leaves(value, path + (key,))
+
+
 _LEGACY_KEYS = {
     "curriculum_learning": ("enabled", "curriculum_type", "min_difficulty", "max_difficulty", "schedule_type"),
     "progressive_layer_drop": ("enabled", "theta", "gamma"),
@@ -167,10 +174,12 @@ REMOVED_IN_0_19_8 = {
     "curriculum_learning.schedule_config",
     *_LEGACY_KEYS,
     *(f"{section}.{key}" for section, keys in _LEGACY_KEYS.items() for key in keys),
+    *_leaves({"compression_training": SCHEMA["compression_training"]}),
 }
-"""Keys 0.19.8 rejects (MiCS, the legacy curriculum and progressive layer drop were
-removed), so it has no default to compare with; shardwise keeps the legacy sections with
-the defaults of the last DeepSpeed that had them (``tests/unit/data_pipeline``)."""
+"""Keys 0.19.8 rejects (MiCS, the legacy curriculum, progressive layer drop and the
+compression library were removed), so it has no default to compare with; shardwise keeps
+the legacy sections with the defaults of the last DeepSpeed that had them
+(``tests/unit/data_pipeline``, ``tests/unit/compression``)."""
 
 _SAME_MEANING = {
     "checkpoint.tag_validation": str.lower,  # DeepSpeed stores "WARN", shardwise "Warn": one choice
@@ -195,13 +204,6 @@ _SECTIONS = {
     "memory_breakdown": "monitor",
 }
 _MISSING = object()
-
-
-def _leaves(tree, path=()):
-    for key, value in tree.items():
-        yield ".".join(path + (key,))
-        if isinstance(value, dict) and value and (path + (key,))[0] not in ("optimizer", "scheduler"):
-            yield from _leaves(value, path + (key,))
 
 
 def _resolved(config, key: str):

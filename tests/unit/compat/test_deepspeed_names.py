@@ -89,7 +89,10 @@ NAMES = {
     "utils.logging": ["logger", "log_dist", "log_dist_once", "print_dist", "set_log_level_from_string"],
     "utils.module_utils": ["recursive_getattr", "recursive_setattr"],
     "utils.init_on_device": ["OnDevice"],
-    "compression.helper": ["recursive_getattr", "recursive_setattr"],
+    "compression": ["init_compression", "redundancy_clean", "compression_scheduler", "convert_conv1d_to_linear"],
+    "compression.compress": ["init_compression", "redundancy_clean", "student_initialization"],
+    "compression.scheduler": ["compression_scheduler"],
+    "compression.helper": ["recursive_getattr", "recursive_setattr", "convert_conv1d_to_linear"],
     "module_inject": [
         "replace_policy",
         "HFGPT2LayerPolicy",

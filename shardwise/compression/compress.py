@@ -1,0 +1,241 @@
+"""``deepspeed.compression.compress``: :func:`init_compression` swaps the ``nn.Linear`` layers
+the config names for :class:`CompressedLinear`; the engine advances them with the training
+step (``scheduler.CompressionFeature``); :func:`redundancy_clean` then folds the techniques
+into the weights and removes pruned rows and heads.
+
+Module patterns are matched as DeepSpeed matched them: ``re.search(pattern, name)`` over the
+names of ``model.named_modules()``, keeping ``nn.Linear`` layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.compression._clean import clean_layer, shrink_related
+from shardwise.compression._layers import (
+    ActivationQuantization,
+    CompressedLinear,
+    Pruning,
+    WeightQuantization,
+)
+from shardwise.compression._quantizers import QuantSpec
+from shardwise.config._compression import CompressionConfig, CompressionGroup, TechniqueConfig, compression_config
+from shardwise.utils._modules import recursive_getattr, recursive_setattr
+
+__all__ = ["convert_conv1d_to_linear", "init_compression", "redundancy_clean", "student_initialization"]
+
+
+def _read_config(deepspeed_config: Any) -> CompressionConfig:
+    """The ``compression_training`` section of a config dict or JSON file path."""
+    if isinstance(deepspeed_config, (str, os.PathLike)):
+        if not os.path.exists(deepspeed_config):
+            raise ValueError(f"expected a DeepSpeed config dict or the path of one, got {deepspeed_config!r}")
+        with open(deepspeed_config) as handle:
+            deepspeed_config = json.load(handle)
+    if not isinstance(deepspeed_config, Mapping):
+        raise ValueError(f"expected a DeepSpeed config dict or the path of one, got {type(deepspeed_config).__name__}")
+    return compression_config(deepspeed_config.get("compression_training"))
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+
+
+def _check_mpu(mpu) -> None:
+    if mpu is not None:
+        raise NotImplementedError(
+            "compression of tensor-parallel layers (mpu=...) is not available in this version of shardwise; "
+            "compress the model before sharding it, or pass mpu=None"
+        )
+
+
+def match_modules(model: nn.Module, pattern: str, where: str) -> list[str]:
+    """The names of ``model``'s ``nn.Linear`` layers that ``re.search(pattern, name)`` finds.
+
+    Raises:
+        ValueError: the pattern is not a regular expression, or matches no ``nn.Linear``.
+    """
+    try:
+        compiled = re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"{where}: {pattern!r} is not a valid regular expression ({error})") from None
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and compiled.search(name)]
+    if not names:
+        others = [name for name, m in model.named_modules() if name and compiled.search(name)]
+        found = f" (it matches {', '.join(others[:3])}, which are not nn.Linear)" if others else ""
+        raise ValueError(f"{where}: the pattern {pattern!r} matches no nn.Linear module of the model{found}")
+    return names
+
+
+def group_modules(model: nn.Module, technique: TechniqueConfig) -> Iterator[tuple[CompressionGroup, int, list[str]]]:
+    """(group, pattern index, matched names) for each pattern of each group of ``technique``.
+
+    Raises:
+        ValueError: a pattern matches nothing, or a module is matched twice by the technique.
+    """
+    seen: dict[str, str] = {}
+    for group in technique.groups:
+        for index, pattern in enumerate(group.modules):
+            where = f"compression_training.{technique.name}.different_groups.{group.name}.modules"
+            names = match_modules(model, pattern, where)
+            for name in names:
+                if name in seen:
+                    raise ValueError(
+                        f"{where}: module {name!r} is already compressed by {technique.name} group {seen[name]!r}"
+                    )
+                seen[name] = group.name
+            yield group, index, names
+
+
+def _weight_spec(shared: Mapping, params: Mapping) -> WeightQuantization:
+    grid = QuantSpec(
+        bits=params["target_bits"],
+        groups=shared["quantize_groups"],
+        symmetric=shared["quantization_type"] == "symmetric",
+        stochastic=shared["rounding"] == "stochastic",
+    )
+    return WeightQuantization(
+        start_bits=params["start_bits"],
+        target_bits=params["target_bits"],
+        period=params["quantization_period"],
+        offset=shared["schedule_offset"],
+        in_forward=shared["quantize_weight_in_forward"],
+        grid=grid,
+    )
+
+
+def _enable(layer: CompressedLinear, technique: TechniqueConfig, params: Mapping) -> None:
+    shared = technique.shared
+    if technique.name == "weight_quantization":
+        layer.enable_weight_quantization(_weight_spec(shared, params))
+    elif technique.name == "activation_quantization":
+        layer.enable_activation_quantization(
+            ActivationQuantization(
+                bits=params["bits"],
+                symmetric=shared["quantization_type"] == "symmetric",
+                static=shared["range_calibration"] == "static",
+                offset=shared["schedule_offset"],
+            )
+        )
+    else:
+        spec = Pruning(
+            method=shared["method"],
+            ratio=params["dense_ratio"],
+            offset=shared["schedule_offset"],
+            num_heads=shared.get("num_heads", 0),
+        )
+        getattr(layer, f"enable_{technique.name}")(spec)
+
+
+def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Module | None = None, mpu=None) -> nn.Module:
+    """Replace the ``nn.Linear`` layers that ``compression_training`` names by
+    :class:`CompressedLinear` (sharing their parameters) and enable each technique on them.
+    Call it before ``initialize`` (topk pruning adds score parameters the optimizer must
+    see); the engine then advances the schedule (see [Note: compression schedule]).
+
+    Args:
+        model: the model (or an engine / wrapper with ``.module``); changed in place.
+        deepspeed_config: the config dict or the path of its JSON file.
+        teacher_model: the teacher for layer reduction.
+        mpu: must be None (tensor-parallel layers are not compressed).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ConfigError: a bad ``compression_training`` section.
+        ValueError: a pattern that matches no ``nn.Linear``, a module named twice by one
+            technique, or a technique the matched layer cannot take (quantize_groups that do
+            not divide the weight, num_heads that do not divide in_features).
+    """
+    _check_mpu(mpu)
+    config = _read_config(deepspeed_config)
+    target = _unwrap(model)
+    if config.layer_reduction.enabled:
+        if teacher_model is None:
+            raise ValueError("compression_training.layer_reduction is enabled: pass teacher_model")
+        student_initialization(target, teacher_model, deepspeed_config)
+    for technique in config.techniques():
+        if not technique.enabled:
+            continue
+        for group, _, names in group_modules(target, technique):
+            for name in names:
+                layer = CompressedLinear.from_linear(recursive_getattr(target, name))
+                _enable(layer, technique, group.params)
+                recursive_setattr(target, name, layer)
+    return model
+
+
+def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
+    """Fold the compression into the weights: quantized weights are written at
+    ``target_bits``, pruned weights are zeroed, and where a group names
+    ``related_modules`` the pruned rows (row pruning) or heads (head pruning) are removed,
+    with the matching input columns of the related layers (Q/K/V's rows for heads). The
+    layers keep activation quantization. The result computes what the compressed model
+    computed at the end of the schedule, with fewer parameters.
+
+    Raises:
+        ValueError: the layers were not prepared by :func:`init_compression`, or a related
+            pattern matches a different number of modules than its module pattern.
+    """
+    _check_mpu(mpu)
+    config = _read_config(deepspeed_config)
+    target = _unwrap(model)
+    for technique in config.techniques():
+        if not technique.enabled or technique.name == "activation_quantization":
+            continue
+        for group, index, names in group_modules(target, technique):
+            where = f"compression_training.{technique.name}.different_groups.{group.name}"
+            for name in names:
+                if not isinstance(recursive_getattr(target, name), CompressedLinear):
+                    raise ValueError(f"{where}: {name!r} is not compressed; call init_compression first")
+            related = group.related_modules[index] if group.related_modules else ()
+            related_names = [match_modules(target, p, f"{where}.related_modules") for p in related]
+            for names_of_pattern in related_names:
+                if len(names_of_pattern) != len(names):
+                    raise ValueError(
+                        f"{where}: a related_modules pattern matches {len(names_of_pattern)} modules but "
+                        f"its module pattern matches {len(names)}; they are paired in order"
+                    )
+            for j, name in enumerate(names):
+                kept = clean_layer(recursive_getattr(target, name), technique.name, shrink=bool(related))
+                for names_of_pattern in related_names:
+                    shrink_related(recursive_getattr(target, names_of_pattern[j]), technique.name, kept)
+    return model
+
+
+def student_initialization(student_model: nn.Module, teacher_model: nn.Module, deepspeed_config) -> None:
+    """Copy the teacher layers ``layer_reduction.teacher_layer`` into the student's layers
+    0, 1, ... under ``module_name_prefix``, and the ``other_module_name`` modules whole.
+
+    Raises:
+        ValueError: a teacher layer the teacher does not have, more teacher layers than the
+            student has, or modules whose parameter shapes differ.
+    """
+    from shardwise.compression._layer_reduction import copy_teacher_layers
+
+    copy_teacher_layers(student_model, teacher_model, _read_config(deepspeed_config).layer_reduction)
+
+
+@torch.no_grad()
+def convert_conv1d_to_linear(model: nn.Module, convert_type: type) -> nn.Module:
+    """Replace every ``convert_type`` module (transformers' ``Conv1D``: a ``(in, out)``
+    weight) by the ``nn.Linear`` computing the same, so the compression patterns can
+    name it (GPT-2's ``c_attn``, ``c_fc``...). Returns ``model``, changed in place."""
+    target = _unwrap(model)
+    for name, module in list(target.named_modules()):
+        if isinstance(module, convert_type):
+            fan_in, fan_out = module.weight.shape
+            linear = nn.Linear(fan_in, fan_out, bias=module.bias is not None, device="meta")
+            linear.weight = nn.Parameter(module.weight.t().contiguous(), requires_grad=module.weight.requires_grad)
+            if module.bias is not None:
+                linear.bias = nn.Parameter(module.bias.reshape(-1).clone(), requires_grad=module.bias.requires_grad)
+            recursive_setattr(target, name, linear)
+    return model
