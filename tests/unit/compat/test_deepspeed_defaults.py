@@ -157,6 +157,7 @@ KEPT_DIFFERENCES = {
 }
 """Keys whose default differs on purpose, with the reason."""
 
+
 def _leaves(tree, path=()):
     for key, value in tree.items():
         yield ".".join(path + (key,))
