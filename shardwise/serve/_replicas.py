@@ -53,7 +53,7 @@ logger = logging.getLogger("shardwise.serve")
 
 _START_S = 600
 _REPLY_S = 30
-"""How long the front end waits for a live replica's answer to a submit or a metrics query."""
+"""How long the front end waits for a live replica's answer to a metrics query."""
 _EXIT_S = 60
 
 
