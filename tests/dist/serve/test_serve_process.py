@@ -1,4 +1,4 @@
-"""``shardwise serve`` with its engine in a process of its own (the default, one replica):
+"""``shardwise serve --engine-own-process`` (the engine in a process of its own, one replica):
 the real server on a free loopback port answers the ``openai`` client with ``generate``'s
 greedy text, streamed and not; killing the engine's process fails the running stream with an
 error, ``/health`` then answers 503 naming it, and later requests fail instead of hanging."""
@@ -34,7 +34,7 @@ def _health(url: str) -> tuple[int, str]:
 
 def test_the_engine_in_its_own_process_serves_and_its_death_is_reported(model_dir, tmp_path):
     ((expected, _),) = greedy_answers(model_dir, [PROMPT], NEW)
-    server = Server(model_dir, tmp_path / "server.log", "--max-model-len", "256")
+    server = Server(model_dir, tmp_path / "server.log", "--max-model-len", "256", "--engine-own-process")
     try:
         server.wait_ready()
         (engine_pid,) = descendants(server.proc.pid)  # the replica process runs the engine
