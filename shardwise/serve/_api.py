@@ -10,8 +10,12 @@ request failed, with its message). Everything text-level (detokenizing, stop str
 choices, chat templates) belongs to the front end, which cancels a request once a stop string
 appears; cancelling frees whatever the request held at once. ``submit`` raises
 :class:`QueueFull` when the engine is at capacity (HTTP 503) and ``ValueError`` for a prompt
-that cannot be served (HTTP 400). ``metrics()`` returns :class:`EngineMetrics`. Engines run
-their own thread; all methods are thread-safe.
+that cannot be served (HTTP 400). ``metrics()`` returns :class:`EngineMetrics`. ``failed``
+is why the engine stopped serving (its process or its tensor-parallel group died; ``/health``
+then answers 503 with it), None while it serves. Engines run their own thread; all methods
+are thread-safe. The engines of this package also take ``on_step(fn)`` (called after each
+step's events were put; a replica process sends them as one message) and say how many
+requests run at once (``max_num_seqs``).
 """
 
 from __future__ import annotations
@@ -171,6 +175,10 @@ class SequentialEngine:
     KV cache (``past_key_values``), in submission order. Correct and simple; the batching
     engine is tested against it."""
 
+    max_num_seqs = 1
+    failed = None
+    """It never stops serving: a request's failure ends that request only."""
+
     def __init__(self, model, tokenizer, *, max_model_len: int | None = None, max_queue: int = 64):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -187,6 +195,7 @@ class SequentialEngine:
         self._metrics = EngineMetrics()
         self._ids = itertools.count()
         self._running = 0
+        self._step_listeners: list = []
         self._thread = threading.Thread(target=self._loop, name="shardwise-serve", daemon=True)
         self._stop = False
         self._thread.start()
@@ -223,6 +232,14 @@ class SequentialEngine:
                 time_to_first_token_seconds=list(m.time_to_first_token_seconds),
             )
 
+    def on_step(self, fn) -> None:
+        """Call ``fn()`` in the engine's thread after each event it puts (one token is its step)."""
+        self._step_listeners.append(fn)
+
+    def _stepped(self) -> None:
+        for fn in self._step_listeners:
+            fn()
+
     def shutdown(self) -> None:
         self._stop = True
         self._queue.put(None)
@@ -245,6 +262,7 @@ class SequentialEngine:
                 self._live.discard(stream.request_id)
                 self._cancelled.discard(stream.request_id)
             stream.put(end)  # after the bookkeeping: a caller that saw the end sees it done
+            self._stepped()
 
     @torch.no_grad()
     def _serve(self, stream: RequestStream, prompt: list[int], params: SamplingParams, submitted: float) -> TokenEvent:
@@ -273,6 +291,7 @@ class SequentialEngine:
             if stop:
                 return TokenEvent(None, True, "stop")
             stream.put(TokenEvent(token))
+            self._stepped()
             if produced >= limit:
                 return TokenEvent(None, True, "length")
             ids = torch.tensor([[token]], device=device)

@@ -123,6 +123,8 @@ class BatchingEngine:
         self.decoder = (decoder or PagedDecoder)(model, num_blocks=num_blocks, block_size=block_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_queue = max_queue
+        self.max_num_seqs = max_num_seqs
+        self._step_listeners: list[Callable[[], None]] = []
         self._incoming: queue.Queue = queue.Queue()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
@@ -175,6 +177,12 @@ class BatchingEngine:
         """Why the engine stopped serving (its decoder failed), or None while it serves."""
         return self._failed
 
+    def on_step(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` in the engine's thread after each turn of its loop, once the events
+        of that turn's step (and of its cancellations or failures) were put: a consumer that
+        collects events from subscribers can send each step's events together."""
+        self._step_listeners.append(fn)
+
     def shutdown(self) -> None:
         """Stop accepting, finish what runs, stop the loop."""
         with self._lock:
@@ -187,13 +195,18 @@ class BatchingEngine:
     def _loop(self) -> None:
         try:
             while self._serve_once():
-                pass
+                self._stepped()
         except Exception as error:  # noqa: BLE001 - the decoder failed: end every request, refuse new ones
             with self._lock:
                 self._failed = self.decoder.failed or f"{type(error).__name__}: {error}"
             self._fail_all(self._failed)
+            self._stepped()
         else:
             self.decoder.close()
+
+    def _stepped(self) -> None:
+        for fn in self._step_listeners:
+            fn()
 
     def _serve_once(self) -> bool:
         """One turn of the loop; False once stopping and idle. Raises when the decoder failed."""

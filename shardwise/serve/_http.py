@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server over an engine (see [Note: the serving engine interface]):
-``create_app(engine, served_model_name=...)`` is a FastAPI app with ``/health``, ``/v1/models``,
-``/v1/completions``, ``/v1/chat/completions`` and ``/metrics``. Needs the ``serve`` extra.
+``create_app(engine, served_model_name=...)`` is a FastAPI app with ``/health`` (503 once the
+engine stopped serving), ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and
+``/metrics``. Needs the ``serve`` extra.
 
 [Note: engine streams in the event loop]
 The front end subscribes to each engine stream (``RequestStream.subscribe``): the engine's
@@ -128,6 +129,9 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None) ->
 
     @app.get("/health")
     async def health():
+        failed = engine.failed
+        if failed is not None:  # the engine's process or group died: it serves nothing any more
+            return PlainTextResponse(f"the engine stopped: {failed}", status_code=503)
         return PlainTextResponse("")
 
     @v1.get("/models")

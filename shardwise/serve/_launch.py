@@ -91,14 +91,16 @@ class Launched:
             dist.destroy_process_group()
 
 
-def launch(spec: EngineSpec, *, replicas: int = 1) -> Launched:
+def launch(spec: EngineSpec, *, replicas: int = 1, in_process: bool = True) -> Launched:
     """The engine of ``spec`` in this process (rank 0), with its followers when
-    ``tensor_parallel_size`` > 1 (see [Note: serving processes]); with ``replicas`` > 1, a
+    ``tensor_parallel_size`` > 1 (see [Note: serving processes]); with ``replicas`` > 1, or
+    with ``in_process=False`` and ``tensor_parallel_size`` 1, a
     :class:`~shardwise.serve._replicas.ReplicaSet` of that many engines in their own
-    processes (see [Note: serving replicas])."""
+    processes (see [Note: serving replicas]). A replica process launches its own engine in
+    process (else each replica would start another replica, and none would become ready)."""
     from shardwise.serve._cli import build_engine, load_model
 
-    if replicas > 1:
+    if replicas > 1 or (not in_process and spec.tensor_parallel_size == 1):
         import transformers
 
         from shardwise.serve._replicas import ReplicaSet

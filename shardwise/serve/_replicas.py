@@ -1,31 +1,40 @@
-"""Several engines behind one front end (MII's ``replica_num``, vLLM's
-``--data-parallel-size``).
+"""Engines in processes of their own behind one front end (``shardwise serve
+--engine-own-process``; MII's ``replica_num``, vLLM's ``--data-parallel-size``).
 
 [Note: serving replicas]
 :class:`ReplicaSet` implements [Note: the serving engine interface] over ``R`` replica
 processes (``python -m shardwise.serve._replicas``), each with its own copy of the model and
 its own engine, built from the :class:`~shardwise.serve._launch.EngineSpec` (so a replica
 may itself be tensor-parallel and start its own followers; replica ``i`` then uses GPUs
-``i * N .. i * N + N - 1``). The front end holds one socket pair per replica (a
-``multiprocessing`` connection: pickled tuples) and one reader thread per replica:
+``i * N .. i * N + N - 1``). With ``R = 1`` it only moves the engine out of the HTTP
+process: uvicorn, JSON and detokenizing no longer share a GIL with the model's forward. The
+front end holds one socket pair per replica (a ``multiprocessing`` connection: pickled
+tuples) and one reader thread per replica:
 
-- ``submit`` picks the live replica with the fewest unfinished requests (ties in turn),
-  sends ``("submit", id, prompt_ids, params)`` and waits for its ``("ack", id, refusal)``,
-  so a full queue (``QueueFull``) or a prompt the replica refuses (``ValueError``) is raised
-  to the caller as with one engine; the replica streams ``("event", id, TokenEvent)`` back;
-- ``cancel`` sends ``("cancel", id)``; ``metrics`` asks every live replica and sums the
+- ``submit`` checks what the front end can check (the length against ``max_model_len``; the
+  requests a replica holds against its capacity, ``max_queue + max_num_seqs``, else
+  ``QueueFull``), picks the live replica with the fewest unfinished requests (ties in turn),
+  sends ``("submit", key, prompt_ids, params)`` and returns at once: no round trip. A replica
+  whose engine still refuses (its queue counts requests its loop has not admitted yet) ends
+  that request with an error event naming the refusal;
+- a replica subscribes to each request's stream and sends the events of one engine step
+  together, ``("events", [(key, token_id, finished, finish_reason, error), ...])`` (the
+  engine's ``on_step``), which the reader thread hands to the streams;
+- ``cancel`` sends ``("cancel", key)``; ``metrics`` asks every live replica and sums the
   counters; ``kv_cache_usage_perc`` is the mean over the live replicas (each one's fraction
   of its own pool, and the pools are equal);
 - ``shutdown`` sends ``("shutdown",)``: each replica drains, stops its followers, and exits.
 
 A replica that dies (its socket closes) fails the requests it held with an error and gets no
-new ones; the others keep serving. A replica whose front end dies sees its socket close,
-shuts down and exits.
+new ones; the others keep serving; once none is left, ``failed`` says why (``/health`` answers
+503). A replica whose front end dies sees its socket close, shuts down and exits.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -44,7 +53,7 @@ logger = logging.getLogger("shardwise.serve")
 
 _START_S = 600
 _REPLY_S = 30
-"""How long the front end waits for a live replica's answer to a submit or a metrics query."""
+"""How long the front end waits for a live replica's answer to a metrics query."""
 _EXIT_S = 60
 
 
@@ -55,13 +64,13 @@ class _Replica:
     conn: Connection
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     streams: dict[str, RequestStream] = field(default_factory=dict)
-    acks: dict[str, list] = field(default_factory=dict)
-    """Request id -> [event, refusal] of a submit awaiting its ack."""
+    """The unfinished requests it holds, by request id (their key on the wire)."""
     metrics_reply: list = field(default_factory=list)
     metrics_ready: threading.Event = field(default_factory=threading.Event)
     last_metrics: EngineMetrics = field(default_factory=EngineMetrics)
     info: dict = field(default_factory=dict)
-    """The replica's ``ready`` message: ``max_model_len`` and its followers' ``pids``."""
+    """The replica's ``ready`` message: ``max_model_len``, ``capacity`` (requests it holds at
+    most: running and waiting) and its followers' ``pids``."""
     dead: str | None = None
     served: int = 0
 
@@ -103,26 +112,34 @@ class ReplicaSet:
         """Every process this set started: the replicas and their followers."""
         return [pid for r in self.replicas for pid in (r.process.pid, *r.info.get("pids", ()))]
 
+    @property
+    def failed(self) -> str | None:
+        """Why the set stopped serving (every replica ended), or None while one serves."""
+        with self._lock:
+            dead = [r.dead for r in self.replicas]
+        return None if any(d is None for d in dead) else "; ".join(dead)
+
     # -- the interface -----------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         check_length(prompt_ids, params, self.max_model_len)
-        request_id = f"req-{next(self._ids)}"
-        while True:
+        key = f"req-{next(self._ids)}"
+        with self._lock:
             replica = self._least_loaded()
             if replica is None:
-                stream = RequestStream(request_id, lambda _: None)
+                stream = RequestStream(key, lambda _: None)
                 stream.put(TokenEvent(None, True, "error", "every replica has ended"))
                 return stream
-            stream, refusal = self._submit_to(replica, request_id, list(prompt_ids), params)
-            if refusal is None:
-                return stream  # it may have finished already: the reader no longer holds it
-            kind, message = refusal
-            if kind == "QueueFull":
-                raise QueueFull(message)
-            if kind == "ValueError":
-                raise ValueError(message)
-            # the replica died meanwhile: try the next one
+            if len(replica.streams) >= replica.info["capacity"]:
+                raise QueueFull(f"{len(replica.streams)} requests are running or waiting; retry later")
+            stream = RequestStream(key, lambda _: self._cancel(replica, key))
+            replica.streams[key] = stream
+            replica.served += 1
+        try:
+            replica.send(("submit", key, list(prompt_ids), params))
+        except OSError as error:
+            self._died(replica, f"replica {replica.index}: {error}")  # fails the stream
+        return stream
 
     def metrics(self) -> EngineMetrics:
         with self._metrics_lock:
@@ -180,39 +197,16 @@ class ReplicaSet:
         replica.info = info
 
     def _least_loaded(self) -> _Replica | None:
-        with self._lock:
-            live = [r for r in self.replicas if r.dead is None]
-            if not live:
-                return None
-            turn = next(self._turn)
-            return min(live, key=lambda r: (len(r.streams), (r.index - turn) % len(self.replicas)))
+        """The live replica holding the fewest requests (ties in turn); the caller holds ``_lock``."""
+        live = [r for r in self.replicas if r.dead is None]
+        if not live:
+            return None
+        turn = next(self._turn)
+        return min(live, key=lambda r: (len(r.streams), (r.index - turn) % len(self.replicas)))
 
-    def _submit_to(self, replica: _Replica, request_id: str, prompt_ids, params):
-        """(the request's stream, None) once ``replica`` took it, else (None, (kind, message))."""
-        ack = [threading.Event(), None]
-        stream = RequestStream(request_id, lambda rid: self._cancel(replica, rid))
-        with self._lock:
-            if replica.dead is not None:
-                return None, ("dead", replica.dead)
-            replica.streams[request_id] = stream
-            replica.acks[request_id] = ack
+    def _cancel(self, replica: _Replica, key: str) -> None:
         try:
-            replica.send(("submit", request_id, prompt_ids, params))
-        except OSError as error:
-            self._died(replica, f"replica {replica.index}: {error}")
-        if not ack[0].wait(_REPLY_S):
-            self._died(replica, f"replica {replica.index} did not answer a submit within {_REPLY_S} s")
-        with self._lock:
-            replica.acks.pop(request_id, None)
-            if ack[1] is not None:
-                replica.streams.pop(request_id, None)
-            else:
-                replica.served += 1
-        return (stream, None) if ack[1] is None else (None, ack[1])
-
-    def _cancel(self, replica: _Replica, request_id: str) -> None:
-        try:
-            replica.send(("cancel", request_id))
+            replica.send(("cancel", key))
         except OSError:
             pass  # the replica is gone; its requests end with an error
 
@@ -224,23 +218,25 @@ class ReplicaSet:
             except (EOFError, OSError):
                 break
             match message:
-                case ("ack", request_id, refusal):
-                    with self._lock:
-                        ack = replica.acks.get(request_id)
-                    if ack is not None:
-                        ack[1] = refusal
-                        ack[0].set()
-                case ("event", request_id, event):
-                    with self._lock:
-                        streams = replica.streams
-                        stream = streams.pop(request_id, None) if event.finished else streams.get(request_id)
-                    if stream is not None:
-                        stream.put(event)
+                case ("events", batch):
+                    self._dispatch(replica, batch)
                 case ("metrics", metrics):
                     replica.metrics_reply.append(metrics)
                     replica.metrics_ready.set()
         code = replica.process.poll()
         self._died(replica, f"replica {replica.index} ended" + (f" (exit code {code})" if code is not None else ""))
+
+    def _dispatch(self, replica: _Replica, batch: list[tuple]) -> None:
+        """Hand one step's events to their streams (outside the lock: subscribers run here)."""
+        deliveries = []
+        with self._lock:
+            streams = replica.streams
+            for key, token_id, finished, reason, error in batch:
+                stream = streams.pop(key, None) if finished else streams.get(key)
+                if stream is not None:
+                    deliveries.append((stream, TokenEvent(token_id, finished, reason, error)))
+        for stream, event in deliveries:
+            stream.put(event)
 
     def _died(self, replica: _Replica, why: str) -> None:
         """Fail what ``replica`` held; it gets no new requests."""
@@ -249,12 +245,7 @@ class ReplicaSet:
                 return
             replica.dead = why
             streams, replica.streams = replica.streams, {}
-            acks, replica.acks = replica.acks, {}
         logger.error("%s; its %d request(s) fail, the other replicas keep serving", why, len(streams))
-        for request_id, ack in acks.items():
-            streams.pop(request_id, None)
-            ack[1] = ("dead", why)
-            ack[0].set()
         for stream in streams.values():
             stream.put(TokenEvent(None, True, "error", why))
         replica.metrics_ready.set()
@@ -287,14 +278,15 @@ def _replica_main(argv: list[str]) -> int:
     exit_with_parent()
     conn = Connection(fd)
     try:
-        launched = launch(spec)
+        launched = launch(spec, in_process=True)  # the engine runs here, not in yet another replica
     except Exception as error:  # noqa: BLE001 - the front end reports it
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         raise
     engine = launched.engine
     if launched.followers:  # a tensor-parallel engine that failed is a dead replica: end, so the front end sees it
         threading.Thread(target=_exit_when_failed, args=(engine,), name="replica-watch", daemon=True).start()
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "pids": launched.follower_pids}))
+    info = {"max_model_len": engine.max_model_len, "capacity": spec.max_queue + engine.max_num_seqs}
+    conn.send(("ready", {**info, "pids": launched.follower_pids}))
     _ReplicaServer(engine, conn).run()
     launched.close()
     return 0
@@ -308,13 +300,31 @@ def _exit_when_failed(engine) -> None:
 
 
 class _ReplicaServer:
-    """The replica's side of the connection: one thread reads, one thread per request sends
-    its events."""
+    """The replica's side of the connection: this thread reads the front end's messages; the
+    engine's subscribers collect events in ``outbox``, and whoever ends a step (the engine's
+    thread, through ``on_step``; this thread after each message) sends what was collected as
+    one message."""
 
     def __init__(self, engine, conn: Connection):
         self.engine, self.conn = engine, conn
         self.send_lock = threading.Lock()
+        """Held from taking the outbox to sending it, so batches go out in order."""
+        self.outbox: collections.deque = collections.deque()
         self.streams: dict[str, RequestStream] = {}
+        engine.on_step(self.flush)
+
+    def flush(self) -> None:
+        """Send the events collected so far as one ``("events", ...)`` message."""
+        with self.send_lock:
+            batch = []
+            while self.outbox:
+                batch.append(self.outbox.popleft())
+            if not batch:
+                return
+            try:
+                self.conn.send(("events", batch))
+            except OSError:
+                pass  # the front end is gone; run() returns and the engine shuts down
 
     def send(self, message: tuple) -> None:
         with self.send_lock:
@@ -328,35 +338,32 @@ class _ReplicaServer:
             except (EOFError, OSError):
                 return
             match message:
-                case ("submit", request_id, prompt_ids, params):
-                    self._submit(request_id, prompt_ids, params)
-                case ("cancel", request_id):
-                    stream = self.streams.get(request_id)
+                case ("submit", key, prompt_ids, params):
+                    self._submit(key, prompt_ids, params)
+                case ("cancel", key):
+                    stream = self.streams.get(key)
                     if stream is not None:
                         stream.cancel()
                 case ("metrics",):
                     self.send(("metrics", self.engine.metrics()))
                 case ("shutdown",):
                     return
+            self.flush()
 
-    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> None:
         try:
             stream = self.engine.submit(prompt_ids, params)
         except (QueueFull, ValueError) as error:
-            self.send(("ack", request_id, (type(error).__name__, str(error))))
+            self.outbox.append((key, None, True, "error", f"{type(error).__name__}: {error}"))
             return
-        self.streams[request_id] = stream
-        self.send(("ack", request_id, None))
-        threading.Thread(target=self._pump, args=(request_id, stream), daemon=True).start()
+        self.streams[key] = stream
+        stream.subscribe(functools.partial(self._collect, key))
 
-    def _pump(self, request_id: str, stream: RequestStream) -> None:
-        try:
-            for event in stream:
-                self.send(("event", request_id, event))
-        except OSError:
-            pass  # the front end is gone; run() returns and the engine shuts down
-        finally:
-            self.streams.pop(request_id, None)
+    def _collect(self, key: str, event: TokenEvent) -> None:
+        """A stream's subscriber (the engine's thread): keep the event for the next flush."""
+        if event.finished:
+            self.streams.pop(key, None)
+        self.outbox.append((key, event.token_id, event.finished, event.finish_reason, event.error))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ class Scripted:
 
     tokenizer = Bytes()
     max_model_len = 64
+    failed = None
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=256))
 
     def __init__(self):
