@@ -371,8 +371,8 @@ def _http_lines(args, rows, notes) -> list[str]:
         tpot = [q["decode"] / (q["tokens"] - 1) for q in r["requests"] if q["tokens"] > 1]
         tokens, chunks = sum(q["tokens"] for q in r["requests"]), sum(q["chunks"] for q in r["requests"])
         lines.append(
-            f"| {round_} | {name} | {r['total']:.2f} | {r['cpu']:.2f} | {tokens / r['total']:.0f} | {_ms(ttft, 0)} | {_ms(tpot)} "
-            f"| {_ms(itl)} | {chunks} / {tokens} | {load:.2f} |"
+            f"| {round_} | {name} | {r['total']:.2f} | {r['cpu']:.2f} | {tokens / r['total']:.0f} "
+            f"| {_ms(ttft, 0)} | {_ms(tpot)} | {_ms(itl)} | {chunks} / {tokens} | {load:.2f} |"
         )
     for name in dict.fromkeys(n for _, n, _, _ in rows):
         totals = [r["total"] for _, n, r, _ in rows if n == name]
