@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardwise.config._autotuning import AutotuningConfig
 from shardwise.config._components import (
     ONEBIT_OPTIMIZERS,
     ONEBIT_ZERO_REFUSAL,
@@ -77,6 +78,9 @@ class TrainConfig:
     data_efficiency: DataEfficiencyConfig = field(default_factory=DataEfficiencyConfig)
     """DeepSpeed's data-efficiency library (curriculum data sampling, dynamic batching,
     random-LTD): parsed, each feature refused when enabled (not built yet)."""
+    autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
+    """The autotuner's search (``shardwise run --autotuning``) and, inside one of its
+    experiments, the profiled window after which the engine exits."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

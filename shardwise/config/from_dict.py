@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from shardwise.config._autotuning import autotuning_config
 from shardwise.config._components import (
     OPTIMIZERS,
     ActivationCheckpointingConfig,
@@ -71,6 +72,7 @@ _SECTIONS = {
     "curriculum_learning",
     "progressive_layer_drop",
     "data_efficiency",
+    "autotuning",
 } | set(_MONITOR_SECTIONS)
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "batch",
@@ -90,6 +92,7 @@ _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "curriculum_learning",
     "progressive_layer_drop",
     "data_efficiency",
+    "autotuning",
 }
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {
@@ -324,6 +327,7 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         curriculum_learning=legacy_curriculum_config(raw.get("curriculum_learning")),
         progressive_layer_drop=progressive_layer_drop_config(raw.get("progressive_layer_drop")),
         data_efficiency=data_efficiency_config(raw.get("data_efficiency")),
+        autotuning=autotuning_config(raw.get("autotuning")),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )
