@@ -1,5 +1,6 @@
 """The engine's one extension point for features that act around the training step
-without being part of it (the legacy curriculum, progressive layer drop).
+without being part of it (the legacy curriculum, progressive layer drop, the profiled
+window of an autotuning experiment).
 
 [Note: training features]
 A training feature is an object with a ``name`` (its key in checkpoints), a
@@ -22,6 +23,7 @@ from typing import Protocol
 from torch import nn
 
 from shardwise.config._errors import ConfigError
+from shardwise.runtime._autotuning_profile import autotuning_profile
 from shardwise.runtime.data_pipeline._features import LayerDrop, SeqlenCurriculum
 
 logger = logging.getLogger("shardwise")
@@ -116,7 +118,7 @@ def build_training_features(config, model: nn.Module) -> TrainingFeatures:
         features.append(SeqlenCurriculum(config.curriculum_learning))
     if config.progressive_layer_drop.enabled:
         features.append(LayerDrop(config.progressive_layer_drop))
-    if features and isinstance(model, PipelineModule):
+    if features and isinstance(model, PipelineModule):  # the features above all pass keywords
         names = " and ".join(f"'{f.name}'" for f in features)
         raise ConfigError(
             f"{names} pass keywords to the model's forward, which a PipelineModule's stages do not "
@@ -124,4 +126,7 @@ def build_training_features(config, model: nn.Module) -> TrainingFeatures:
             "parallelism: set enabled to false, and for a sequence-length curriculum cut the batches in "
             "the data iterator (shardwise.runtime.data_pipeline.CurriculumScheduler and truncate_to_curriculum)"
         )
+    profile = autotuning_profile(config, model)  # passes no keyword: fine with a pipeline
+    if profile is not None:
+        features.append(profile)
     return TrainingFeatures(features)
