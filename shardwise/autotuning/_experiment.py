@@ -106,17 +106,26 @@ def _write_json(path: Path, payload: dict) -> None:
 
 
 def run_experiment(
-    candidate: Candidate, config: dict, *, launch: Launch, folder: Path, exps_dir: Path, timeout_s: float
+    candidate: Candidate,
+    config: dict,
+    *,
+    launch: Launch,
+    folder: Path,
+    exps_dir: Path,
+    timeout_s: float,
+    name: str | None = None,
 ) -> Outcome:
-    """Write ``candidate``'s files, run it under ``timeout_s`` and read what it gave."""
+    """Write ``candidate``'s files (under ``name``, default the candidate's), run it under
+    ``timeout_s`` and read what it gave."""
+    name = name or candidate.name
     folder.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.json", "stdout.log", "stderr.log"):
         (folder / stale).unlink(missing_ok=True)
     config_path = folder / "ds_config.json"
     _write_json(config_path, config)
     command = launch.user_command(str(config_path.resolve()), config)
-    description = {"name": candidate.name, "ds_config": config, "cmd": shlex.join(command)}
-    _write_json(exps_dir / f"{candidate.name}.json", description)
+    description = {"name": name, "ds_config": config, "cmd": shlex.join(command)}
+    _write_json(exps_dir / f"{name}.json", description)
     _write_json(folder / "exp.json", description)
     (folder / "cmd.txt").write_text(shlex.join(command) + "\n")
     code = run_with_deadline(launch.process_command(command), folder=folder, timeout_s=timeout_s)

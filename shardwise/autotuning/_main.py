@@ -5,7 +5,6 @@ estimator, run the survivors one at a time under a deadline, write the results, 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import time
@@ -19,8 +18,6 @@ from shardwise.autotuning._space import Candidate, build_space, experiment_confi
 from shardwise.autotuning._tuner import Outcome, Status, best_outcome, search
 from shardwise.config import ConfigError, load_config
 from shardwise.config._autotuning import AutotuningConfig, autotuning_config
-
-logger = logging.getLogger("shardwise")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,9 +83,14 @@ def _count_params(user, candidate, tuning, *, launch, results_dir, exps_dir, dp)
     info_path.unlink(missing_ok=True)
     config = experiment_config(user, candidate, dp=dp, metric_path=str(folder / "metrics.json"))
     config["autotuning"].update(model_info={"profile": True}, model_info_path=str(info_path.resolve()))
-    probe = Candidate(candidate.stage, candidate.micro_batch, candidate.gas)
     outcome = run_experiment(
-        probe, config, launch=launch, folder=folder, exps_dir=exps_dir, timeout_s=tuning.experiment_timeout_s
+        candidate,
+        config,
+        launch=launch,
+        folder=folder,
+        exps_dir=exps_dir,
+        timeout_s=tuning.experiment_timeout_s,
+        name=folder.name,
     )
     if not info_path.is_file():
         raise AutotuningError(
@@ -130,15 +132,7 @@ def tune(*, launcher_args: list[str], script: str, script_args: list[str], resou
     if not space:
         raise nothing_runnable([], rejected, results_dir)
     num_params = _count_params(user, space[0], tuning, launch=launch, results_dir=results_dir, exps_dir=exps_dir, dp=dp)
-    budget = MemoryBudget(
-        num_params=num_params,
-        dtype=_dtype(user),
-        num_nodes=resources.num_nodes,
-        ranks_per_node=resources.ranks_per_node // tuning.mp_size or 1,
-        bytes_per_rank=memory_per_rank(tuning, resources),
-        on_cpu=resources.on_cpu,
-    )
-    space, too_big = prune(space, budget)
+    space, too_big = prune(space, _budget(user, tuning, resources, num_params))
     rejected.update(too_big)
 
     def run_one(candidate: Candidate) -> Outcome:
@@ -149,7 +143,7 @@ def tune(*, launcher_args: list[str], script: str, script_args: list[str], resou
         outcome = run_experiment(
             candidate, config, launch=launch, folder=folder, exps_dir=exps_dir, timeout_s=tuning.experiment_timeout_s
         )
-        logger.warning("autotuning: %s %s %s", candidate.name, outcome.status.value, outcome.metrics or outcome.error)
+        print(f"autotuning: {candidate.name}: {outcome.status.value} {outcome.metrics or outcome.error}", flush=True)
         return outcome
 
     outcomes = search(space, tuning, run_one)
@@ -159,12 +153,22 @@ def tune(*, launcher_args: list[str], script: str, script_args: list[str], resou
         best_config = json.loads((results_dir / best.candidate.name / "ds_config.json").read_text())
         config_path = str((results_dir / "ds_config_optimal.json").resolve())
         optimal = (optimal_config(best_config), launch.user_command(config_path, best_config))
-    write_results(
-        results_dir, outcomes, rejected, metric=tuning.metric, seconds=time.monotonic() - started, optimal=optimal
-    )
+    seconds = time.monotonic() - started
+    write_results(results_dir, outcomes, rejected, metric=tuning.metric, seconds=seconds, optimal=optimal)
     if best is None:
         raise nothing_runnable(outcomes, rejected, results_dir)
     return outcomes, best, launch.process_command(optimal[1])
+
+
+def _budget(user: dict, tuning: AutotuningConfig, resources: Resources, num_params: int) -> MemoryBudget:
+    return MemoryBudget(
+        num_params=num_params,
+        dtype=_dtype(user),
+        num_nodes=resources.num_nodes,
+        ranks_per_node=resources.ranks_per_node // tuning.mp_size or 1,
+        bytes_per_rank=memory_per_rank(tuning, resources),
+        on_cpu=resources.on_cpu,
+    )
 
 
 def autotune(mode: str, *, launcher_args: list[str], script: str, script_args: list[str], resources: Resources) -> int:

@@ -11,9 +11,11 @@ import pytest
 
 from shardwise.autotuning import AutotuningError, Candidate, Status
 from shardwise.autotuning._experiment import Launch, descendants, run_experiment, split_config_arg
+from shardwise.autotuning._main import _count_params
+from shardwise.config._autotuning import autotuning_config
 
 # micro-batch 1: crash; 2: hang with a child in a session of its own (as torchrun starts
-# ranks); 3: exit cleanly without metrics; 4: write metrics
+# ranks); 3: exit cleanly without metrics; 4: write metrics; 5: write a model-info file
 JOB = """
 import json, os, subprocess, sys, time
 config = json.load(open(sys.argv[sys.argv.index("--deepspeed_config") + 1]))
@@ -26,6 +28,8 @@ if micro == 2:
     time.sleep(600)
 if micro == 4:
     json.dump({"throughput": 5.0, "latency": 2.0}, open(config["autotuning"]["metric_path"], "w"))
+if micro == 5:
+    json.dump({"num_params": 123}, open(config["autotuning"]["model_info_path"], "w"))
 """
 
 
@@ -35,13 +39,16 @@ class _PlainLaunch(Launch):
         return [sys.executable, self.script, *user_command[3 + len(self.launcher_args) :]]
 
 
-def _run(tmp_path, micro, timeout_s=30.0):
+def _launch(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    pids = tmp_path / "pids.txt"
-    launch = _PlainLaunch(launcher_args=("--nproc", "2"), script=str(script),
-                          script_args=("--deepspeed_config", "x.json", "--pids", str(pids)),
-                          config_index=1, arg_mappings={})  # fmt: skip
+    return _PlainLaunch(launcher_args=("--nproc", "2"), script=str(script),
+                        script_args=("--deepspeed_config", "x.json", "--pids", str(tmp_path / "pids.txt")),
+                        config_index=1, arg_mappings={})  # fmt: skip
+
+
+def _run(tmp_path, micro, timeout_s=30.0):
+    launch, pids = _launch(tmp_path), tmp_path / "pids.txt"
     folder = tmp_path / "results" / f"m{micro}"
     metric_path = str(folder / "metrics.json")
     config = {"train_micro_batch_size_per_gpu": micro, "autotuning": {"metric_path": metric_path}}
@@ -114,3 +121,15 @@ def test_arg_mappings_pass_the_experiment_values_to_the_script():
     assert launch.user_command("b.json", config) == [
         "shardwise", "run", "s.py", "--deepspeed", "b.json", "--bs", "2", "--stage", "3"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("micro", [5, 1])
+def test_the_model_info_run_counts_the_parameters_or_says_why_not(tmp_path, micro):
+    user = {"train_micro_batch_size_per_gpu": micro}
+    kwargs = dict(launch=_launch(tmp_path), results_dir=tmp_path / "r", exps_dir=tmp_path / "e", dp=1)
+    if micro == 5:
+        assert _count_params(user, Candidate(1, micro, 1), autotuning_config({}), **kwargs) == 123
+        assert [p.name for p in (tmp_path / "e").iterdir()] == ["profile_model_info.json"]
+        return
+    with pytest.raises(AutotuningError, match=r"wrote no parameter count \(failed: exit code 1: injected failure\)"):
+        _count_params(user, Candidate(1, micro, 1), autotuning_config({}), **kwargs)
