@@ -173,7 +173,7 @@ def error_tail(stderr_log: Path) -> str:
     text = stderr_log.read_text(errors="replace") if stderr_log.is_file() else ""
     marker = text.rfind("shardwise run: rank")
     lines = (text[marker:] if marker >= 0 else text).strip().splitlines()
-    return " | ".join(line.strip() for line in lines[-_ERROR_LINES:] if line.strip()) or "(no error output)"
+    return " / ".join(line.strip() for line in lines[-_ERROR_LINES:] if line.strip()) or "(no error output)"
 
 
 def _children_map() -> dict[int, list[int]]:

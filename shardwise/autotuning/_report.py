@@ -38,7 +38,7 @@ def _table(headers: list[str], rows: list[list], numeric: set[int]) -> str:
 
 
 def _cell(value) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
+    return f"{value:.6g}" if isinstance(value, float) else str(value).replace("|", "/")  # keep the columns
 
 
 def summary_text(outcomes: list[Outcome], rejected: dict[Candidate, str], *, metric: str, seconds: float) -> str:
