@@ -158,6 +158,9 @@ def run_with_deadline(command: list[str], *, folder: Path, timeout_s: float) -> 
         except subprocess.TimeoutExpired:
             kill_tree(proc)
             return None
+        except BaseException:  # Ctrl-C reaches only the tuner (the job has its own session)
+            kill_tree(proc)
+            raise
 
 
 NO_METRIC_ERROR = (
