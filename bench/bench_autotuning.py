@@ -149,7 +149,7 @@ def main() -> int:
         ("shardwise", ours, str(Path(sys.executable).parent)),
         ("deepspeed", theirs, ds_bin),
     ):
-        folder = root / name
+        folder = root / f"tuned-by-{name}"  # not "deepspeed": the script's folder is on its sys.path
         folder.mkdir()
         (folder / "ds_config.json").write_text(json.dumps(_config(args, folder)))
         command = [*launcher, str(workload), "--deepspeed", "--deepspeed_config", str(folder / "ds_config.json")]
