@@ -72,6 +72,7 @@ __all__ = [
 ]
 
 _DEEPSPEED_SUBMODULES = (
+    "autotuning",
     "checkpoint.utils",
     "profiling.flops_profiler.profiler",
     "runtime.data_pipeline.data_routing",

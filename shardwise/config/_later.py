@@ -27,7 +27,6 @@ LATER_SECTIONS: dict[str, set[str] | None] = {
     "sparse_attention": None,
     "compression_training": None,
     "elasticity": None,
-    "autotuning": None,
     "nebula": None,
     "eigenvalue": None,
     "quantize_training": None,
@@ -54,7 +53,6 @@ LATER_SCALARS = {
 _NAMES = {
     "amp": 'NVIDIA Apex AMP (use "fp16" or "bf16" instead)',
     "elasticity": "elastic training",
-    "autotuning": "the autotuner",
     "nebula": "Nebula checkpointing",
     "eigenvalue": "eigenvalue computation",
     "quantize_training": "quantized training",

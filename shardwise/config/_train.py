@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardwise.config._autotuning import AutotuningConfig
 from shardwise.config._components import (
     ONEBIT_OPTIMIZERS,
     ONEBIT_ZERO_REFUSAL,
@@ -81,6 +82,9 @@ class TrainConfig:
     compression_training: CompressionConfig = field(default_factory=CompressionConfig)
     """Compression (QAT, pruning): which techniques the engine's compression scheduler
     advances; ``shardwise.compression.compress.init_compression`` replaces the layers."""
+    autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
+    """The autotuner's search (``shardwise run --autotuning``) and, inside one of its
+    experiments, the profiled window after which the engine exits."""
     communication_data_type: str | None = None
     """dtype of gradient collectives (None: the gradient dtype)."""
     dump_state: bool = False

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from shardwise.config._autotuning import autotuning_config
 from shardwise.config._components import (
     OPTIMIZERS,
     ActivationCheckpointingConfig,
@@ -72,6 +73,7 @@ _SECTIONS = {
     "curriculum_learning",
     "progressive_layer_drop",
     "data_efficiency",
+    "autotuning",
 } | set(_MONITOR_SECTIONS)
 _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "batch",
@@ -92,6 +94,7 @@ _TOP_SCALARS = {f.name for f in dataclasses.fields(TrainConfig)} - {
     "progressive_layer_drop",
     "data_efficiency",
     "compression_training",
+    "autotuning",
 }
 _LEGACY_TOP = {"bfloat16": "bf16"}
 _LEGACY_ZERO = {
@@ -327,6 +330,7 @@ def load_config(config: Any, *, world_size: int) -> TrainConfig:
         progressive_layer_drop=progressive_layer_drop_config(raw.get("progressive_layer_drop")),
         data_efficiency=data_efficiency_config(raw.get("data_efficiency")),
         compression_training=compression_config(raw.get("compression_training")),
+        autotuning=autotuning_config(raw.get("autotuning")),
         raw=raw,
         **_coerce(TrainConfig, "", scalars),
     )

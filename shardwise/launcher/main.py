@@ -62,6 +62,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add("--launcher_args", default="", help="extra arguments for pdsh / srun / mpirun")
     add("--force_multi", action="store_true", help="use the multi-node path even for one host")
     add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    add(
+        "--autotuning",
+        default="",
+        choices=["", "tune", "run"],
+        help="tune: find the fastest configuration that fits (the script's --deepspeed config has the "
+        "'autotuning' section), writing it to results_dir; run: tune, then train with it",
+    )
     add("script", help="the training script")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -154,9 +161,65 @@ def run(args) -> int:
     return run_multinode(commands)
 
 
+def planned_ranks(args) -> tuple[int, int]:
+    """(machines, ranks per machine) the flags ``args`` start a job on, as :func:`run`
+    resolves them."""
+    cuda = _cuda_count()
+    if args.node_rank >= 0:
+        return args.num_nodes, _local_ranks(args, cuda or 1)
+    hosts = _hosts(args) if args.launcher != "local" else None
+    if hosts is None:
+        if not (args.include or args.exclude):
+            return 1, _local_ranks(args, cuda or 1)
+        hosts = {"localhost": _local_ranks(args, cuda or 1)}
+    resources = select_resources(
+        hosts, include=args.include, exclude=args.exclude, num_nodes=args.num_nodes, num_slots=args.num_gpus
+    )
+    slots = min(len(s) for s in resources.values())
+    return len(resources), args.nproc if args.nproc > 0 else slots
+
+
+def _launcher_flags(argv: list[str], args) -> list[str]:
+    """The launcher flags of ``argv`` (everything before the script), ``--autotuning`` left out."""
+    flags = argv[: len(argv) - len(args.script_args) - 1]
+    out, skip = [], False
+    for token in flags:
+        if skip:
+            skip = False
+        elif token == "--autotuning":
+            skip = True
+        elif not token.startswith("--autotuning="):
+            out.append(token)
+    return out
+
+
+def _autotune(argv: list[str], args) -> int:
+    from shardwise.autotuning import AutotuningError, Resources, autotune
+    from shardwise.config import ConfigError
+
+    if not Path(args.script).is_file():
+        raise HostfileError(f"training script {args.script!r} does not exist")
+    nodes, ranks = planned_ranks(args)
+    resources = Resources(num_nodes=nodes, ranks_per_node=ranks, on_cpu=_cuda_count() == 0)
+    try:
+        return autotune(
+            args.autotuning,
+            launcher_args=_launcher_flags(argv, args),
+            script=args.script,
+            script_args=list(args.script_args),
+            resources=resources,
+        )
+    except (AutotuningError, ConfigError) as exc:
+        print(f"shardwise run --autotuning: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        if args.autotuning:
+            return _autotune(argv, args)
         return run(args)
     except (HostfileError, PortInUseError) as exc:
         print(f"shardwise run: {exc}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The engine's one extension point for features that act around the training step
-without being part of it (the legacy curriculum, progressive layer drop, the compression
-scheduler).
+without being part of it (the legacy curriculum, progressive layer drop, random-LTD, the
+compression scheduler, the profiled window of an autotuning experiment).
 
 [Note: training features]
 A training feature is an object with a ``name`` (its key in checkpoints), a
@@ -23,6 +23,7 @@ from typing import Protocol
 from torch import nn
 
 from shardwise.config._errors import ConfigError
+from shardwise.runtime._autotuning_profile import autotuning_profile
 from shardwise.runtime.data_pipeline._features import LayerDrop, SeqlenCurriculum
 
 logger = logging.getLogger("shardwise")
@@ -168,4 +169,7 @@ def build_training_features(config, model: nn.Module) -> TrainingFeatures:
         features.append(_compression_feature(config, model))
     else:
         _refuse_unscheduled_compression(model)
+    profile = autotuning_profile(config, model)  # passes no keyword: fine with a pipeline
+    if profile is not None:
+        features.append(profile)
     return TrainingFeatures(features)
