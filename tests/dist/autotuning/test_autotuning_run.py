@@ -1,8 +1,8 @@
-"""``shardwise run --autotuning run`` on 2 CPU ranks, in one tuning run of four short jobs:
-configurations the estimator rejects never run, a crashing one is recorded and skipped, the
-choice is the fastest measured one, the result files have DeepSpeed's layout, and ``run``
-then trains with the choice. (Hangs and the search rules are tested without launching
-jobs: tests/unit/autotuning.)"""
+"""``shardwise run --autotuning run`` on 2 CPU ranks, in one tuning run of three short jobs:
+configurations the estimator rejects never run, the choice is the fastest measured one, the
+result files have DeepSpeed's layout, and ``run`` then trains with the choice. (Crashes,
+hangs and the search rules are tested without launching training jobs:
+tests/unit/autotuning.)"""
 
 import json
 import os
@@ -34,25 +34,24 @@ def test_tune_then_run(tmp_path):
             "exps_dir": str(tmp_path / "exps"),
             "model_info": {"num_params": 2**20},
             "memory_per_rank": 14 * _MIB,
-            "max_train_micro_batch_size_per_gpu": 4,
+            "max_train_micro_batch_size_per_gpu": 2,
         },
     }
     (tmp_path / "ds_config.json").write_text(json.dumps(config))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
     command = [sys.executable, "-m", "shardwise.cli", "run", "--autotuning", "run", "--nproc", "2", str(SCRIPT)]
-    command += ["--deepspeed_config", str(tmp_path / "ds_config.json"), "--crash_micro", "1"]
+    command += ["--deepspeed_config", str(tmp_path / "ds_config.json")]
     command += ["--done_file", str(tmp_path / "done.json")]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     results, exps = tmp_path / "results", tmp_path / "exps"
-    ran = ["z1_gas1_tmbspg1", "z1_gas1_tmbspg2", "z1_gas1_tmbspg4"]
+    ran = ["z1_gas1_tmbspg1", "z1_gas1_tmbspg2"]
     assert sorted(p.name for p in exps.iterdir()) == [f"{name}.json" for name in ran]
     assert not any(p.name.startswith("z0") for p in results.iterdir())  # pruned: never run
-    assert "injected crash at micro-batch 1" in (results / ran[0] / "stderr.log").read_text()
     measured = {p.parent.name: json.loads(p.read_text()) for p in results.glob("*/metrics.json")}
-    assert set(measured) == set(ran[1:])
+    assert set(measured) == set(ran)
     fastest = max(measured, key=lambda name: measured[name]["throughput"])
     micro = int(fastest.rpartition("tmbspg")[2])
 
@@ -61,7 +60,7 @@ def test_tune_then_run(tmp_path):
     assert (optimal["zero_optimization"]["stage"], optimal["train_micro_batch_size_per_gpu"]) == (1, micro)
     assert (results / "cmd_optimal.txt").read_text().split() == [
         "shardwise", "run", "--nproc", "2", str(SCRIPT), "--deepspeed_config",
-        str(results / "ds_config_optimal.json"), "--crash_micro", "1", "--done_file", str(tmp_path / "done.json"),
+        str(results / "ds_config_optimal.json"), "--done_file", str(tmp_path / "done.json"),
     ]  # fmt: skip
     for name in ran:
         assert {p.name for p in (results / name).iterdir()} >= {"ds_config.json", "exp.json", "cmd.txt", "stderr.log"}
@@ -69,10 +68,10 @@ def test_tune_then_run(tmp_path):
     lines = (results / "summary.txt").read_text().splitlines()
     assert _cells(lines[0]) == ["tuning_space", "num_experiments", "best_metric_val", "best_exp_name"]
     global_row = _cells(next(line for line in lines if line.startswith("| global")))
-    assert global_row[1] == "3" and global_row[3] == fastest
-    assert "Total number of experiments: 3." in "\n".join(lines)
+    assert global_row[1] == "2" and global_row[3] == fastest
+    assert "Total number of experiments: 2." in "\n".join(lines)
     statuses = {_cells(line)[0]: _cells(line)[1] for line in lines if line.startswith("| z")}
-    assert statuses["z1_gas1_tmbspg1"] == "failed" and statuses["z0_gas1_tmbspg2"] == "pruned"
+    assert statuses["z1_gas1_tmbspg1"] == "measured" and statuses["z0_gas1_tmbspg2"] == "pruned"
 
     # run: the chosen config trained to the end (no autotuning section, so no early exit)
     assert json.loads((tmp_path / "done.json").read_text()) == {"stage": 1, "micro": micro, "gas": 1, "steps": 6}
