@@ -1,22 +1,12 @@
-"""Launch a 2-rank job under ``torchrun`` or ``shardwise run`` and bound it; start the
-launched jobs of a test module in the background.
+"""Launch a 2-rank job under ``torchrun`` or ``shardwise run`` and bound it (the failure
+tests of comm/ and pipe/ start theirs with ``shardwise.testing.background``)."""
 
-A job that checks a failure spends most of its time waiting: for its deadline to pass, for
-the grace the launcher gives the peers, for the launcher to stop them. So a module starts
-its jobs a few at a time in background threads, in the order its tests run, and each test
-waits for the result of its own job only: one job's start-up overlaps another's wait. Each
-job still runs as its own processes and is timed from its own start.
-"""
-
-import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -70,26 +60,3 @@ def _descendants(pid):
             found.append(child)
             todo.append(child)
     return found
-
-
-@contextlib.contextmanager
-def in_background(request, tmp_path_factory, job_for: Callable, *, at_once: int) -> Iterator[dict[str, Future]]:
-    """Start the job of every test of ``request``'s module that this session runs, in the
-    order they run, at most ``at_once`` at a time; leaving the block waits for all of them.
-
-    ``job_for(item)`` gives a test's job as a callable of a fresh working directory, or None
-    for a test without one. Yields {test name: Future of the job's result}; a test takes its
-    own with ``jobs[request.node.name].result()``.
-    """
-    items = [item for item in request.session.items if item.module is request.module]
-    with ThreadPoolExecutor(max_workers=at_once) as pool:
-        jobs = {}
-        for item in items:
-            job = job_for(item)
-            if job is not None:
-                jobs[item.name] = pool.submit(job, tmp_path_factory.mktemp("job"))
-        try:
-            yield jobs
-        finally:
-            for job in jobs.values():
-                job.cancel()  # those not started yet: an interrupted session waits for no more

@@ -12,7 +12,9 @@ the clean exit through the exit barrier.
 from pathlib import Path
 
 import pytest
-from launched_jobs import in_background, launch
+from launched_jobs import launch
+
+from shardwise.testing.background import in_background
 
 SCRIPT = Path(__file__).with_name("diverged_script.py")
 TIMEOUT_S = 3
@@ -41,7 +43,7 @@ USER_KILL_AFTER_S = 60
 
 
 AT_ONCE = 3
-"""Jobs of this module running at once (see launched_jobs.in_background): each is mostly
+"""Jobs of this module running at once (see shardwise.testing.background): each is mostly
 waiting (for its deadline, the grace and the launcher), about half a core on average."""
 
 

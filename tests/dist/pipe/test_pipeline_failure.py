@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.testing.background import in_background
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "comm"))
-from launched_jobs import in_background, launch  # noqa: E402 -- the launch-and-kill helpers of the comm tests
+from launched_jobs import launch  # noqa: E402 -- the launch-and-kill helper of the comm tests
 
 DEADLINE_S, MARGIN_S = 4, 45
 """The deadline bounds every receive of the job, so it must exceed the longest legitimate
 wait of one stage for the other (a few micro-batches of tiny layers: well under a second);
 each case waits it out once."""
 AT_ONCE = 3
-"""Jobs of this module running at once (see launched_jobs.in_background): each is mostly
+"""Jobs of this module running at once (see shardwise.testing.background): each is mostly
 waiting (for its deadline, the grace and the launcher), about half a core on average."""
 
 
