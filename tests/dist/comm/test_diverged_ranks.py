@@ -9,15 +9,12 @@ rank that leaves with ``sys.exit(3)`` ends the job at once, while ``sys.exit(0)`
 the clean exit through the exit barrier.
 """
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from launched_jobs import launch
+
+from shardwise.testing.background import in_background
 
 SCRIPT = Path(__file__).with_name("diverged_script.py")
 TIMEOUT_S = 3
@@ -45,66 +42,49 @@ USER_STALL_S = 90
 USER_KILL_AFTER_S = 60
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+AT_ONCE = 2
+"""Jobs of this module running at once (see shardwise.testing.background): each is mostly
+waiting (for its deadline, the grace and the launcher), about half a core on average. Each
+job's time counts against its margin, so no more: at 3 and a load of 18 on 2 cores, jobs
+went past it."""
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
-    return env
+def _run_diverged(launcher, *script_args):
+    return lambda cwd: launch(launcher, cwd, SCRIPT, "--timeout_s", str(TIMEOUT_S), "--stall_s", str(STALL_S),
+                              *script_args, kill_after_s=KILL_AFTER_S)
 
 
-def _launch(launcher, tmp_path, script, *script_args, kill_after_s):
-    port = str(_free_port())
-    if launcher == "shardwise run":
-        cmd = [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", port]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", port, "--max_restarts", "0"]
-    start = time.monotonic()
-    proc = subprocess.Popen([*cmd, str(script), *script_args], cwd=tmp_path, env=_env(), text=True,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out, _ = proc.communicate(timeout=kill_after_s)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each rank in a session of its own: kill them by ancestry.
-        for pid in [*_descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out, _ = proc.communicate()
-    return proc.returncode, out, time.monotonic() - start
+def _run_user_script(*script_args):
+    return lambda cwd: launch("torchrun", cwd, USER_SCRIPT, "--stall_s", str(USER_STALL_S), *script_args,
+                              kill_after_s=USER_KILL_AFTER_S)
 
 
-def _descendants(pid):
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+def _job_for(item):
+    """The launched job of a test of this module, from its name and parameters."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    match item.originalname:
+        case "test_diverged_ranks_fail_fast_under_shardwise_run":
+            return _run_diverged("shardwise run", "--stage", str(params["stage"]))
+        case "test_diverged_ranks_fail_fast_under_torchrun":
+            offload = ["--offload"] if params["offload"] else []
+            return _run_diverged("torchrun", "--stage", str(params["stage"]), *offload)
+        case "test_a_diverged_functional_collective_fails_the_job_within_the_deadline":
+            # The deadline comes from the engine's comm.timeout_s (the group keeps torch's 30 min,
+            # which gloo would wait for, and which its reduce-scatter ignores) or from the group's
+            # own timeout (which gloo enforces too, but without naming the collective).
+            source = "--engine_timeout_s" if params["deadline_from"] == "engine" else "--group_timeout_s"
+            return _run_user_script("--op", params["op"], source, str(USER_TIMEOUT_S))
+        case "test_sys_exit_with_a_failure_status_on_one_rank_ends_the_job_at_once":
+            return _run_user_script("--exit", "3")
+        case "test_sys_exit_0_on_one_rank_leaves_through_the_exit_barrier":
+            return _run_user_script("--exit", "0", "--stall_s", "3")
+    return None
 
 
-def _run_diverged(launcher, tmp_path, *script_args):
-    return _launch(launcher, tmp_path, SCRIPT, "--timeout_s", str(TIMEOUT_S), "--stall_s", str(STALL_S),
-                   *script_args, kill_after_s=KILL_AFTER_S)
-
-
-def _run_user_script(tmp_path, *script_args):
-    return _launch("torchrun", tmp_path, USER_SCRIPT, "--stall_s", str(USER_STALL_S), *script_args,
-                   kill_after_s=USER_KILL_AFTER_S)
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    with in_background(request, tmp_path_factory, _job_for, at_once=AT_ONCE) as started:
+        yield started
 
 
 def _check(code, out, elapsed, kind):
@@ -115,42 +95,36 @@ def _check(code, out, elapsed, kind):
 
 
 @pytest.mark.parametrize("stage, kind", [(0, "all_reduce"), (3, "reduce_scatter")])  # 2: under torchrun
-def test_diverged_ranks_fail_fast_under_shardwise_run(tmp_path, stage, kind):
-    code, out, elapsed = _run_diverged("shardwise run", tmp_path, "--stage", str(stage))
+def test_diverged_ranks_fail_fast_under_shardwise_run(jobs, request, stage, kind):
+    code, out, elapsed = jobs[request.node.name].result()
     _check(code, out, elapsed, kind)
     assert "shardwise run: rank 1 (local rank 1" in out and "failed first" in out
 
 
 @pytest.mark.parametrize("stage, offload, kind", [(0, False, "all_reduce"), (2, True, "reduce_scatter")])
-def test_diverged_ranks_fail_fast_under_torchrun(tmp_path, stage, offload, kind):
-    code, out, elapsed = _run_diverged("torchrun", tmp_path, "--stage", str(stage),
-                                       *(["--offload"] if offload else []))
-    _check(code, out, elapsed, kind)
+def test_diverged_ranks_fail_fast_under_torchrun(jobs, request, stage, offload, kind):
+    _check(*jobs[request.node.name].result(), kind)
 
 
 @pytest.mark.parametrize("op, deadline_from", [("all_reduce", "engine"), ("all_reduce", "group"),
                                                 ("reduce_scatter_tensor", "engine")])
-def test_a_diverged_functional_collective_fails_the_job_within_the_deadline(tmp_path, op, deadline_from):
-    # The deadline comes from the engine's comm.timeout_s (the group keeps torch's 30 min,
-    # which gloo would wait for, and which its reduce-scatter ignores) or from the group's
-    # own timeout (which gloo enforces too, but without naming the collective).
-    source = "--engine_timeout_s" if deadline_from == "engine" else "--group_timeout_s"
-    code, out, elapsed = _run_user_script(tmp_path, "--op", op, source, str(USER_TIMEOUT_S))
+def test_a_diverged_functional_collective_fails_the_job_within_the_deadline(jobs, request, op, deadline_from):
+    code, out, elapsed = jobs[request.node.name].result()
     assert code != 0, out[-3000:]
     assert (f"CollectiveError: rank 1 waited in world group rank 1: {op} #2 (4 x float32) which did "
             f"not complete within {USER_TIMEOUT_S} s." in out), out[-3000:]
     assert elapsed < USER_TIMEOUT_S + USER_MARGIN_S, f"the job took {elapsed:.1f} s:\n{out[-3000:]}"
 
 
-def test_sys_exit_with_a_failure_status_on_one_rank_ends_the_job_at_once(tmp_path):
-    code, out, elapsed = _run_user_script(tmp_path, "--exit", "3")
+def test_sys_exit_with_a_failure_status_on_one_rank_ends_the_job_at_once(jobs, request):
+    code, out, elapsed = jobs[request.node.name].result()
     assert code != 0 and "exitcode  : 3" in out, out[-3000:]
     assert "rank 1 passed the exit barrier" not in out, out[-3000:]
     assert elapsed < USER_MARGIN_S, f"the job took {elapsed:.1f} s:\n{out[-3000:]}"
 
 
-def test_sys_exit_0_on_one_rank_leaves_through_the_exit_barrier(tmp_path):
-    code, out, _ = _run_user_script(tmp_path, "--exit", "0", "--stall_s", "3")
+def test_sys_exit_0_on_one_rank_leaves_through_the_exit_barrier(jobs, request):
+    code, out, _ = jobs[request.node.name].result()
     assert code == 0, out[-3000:]
     assert "rank 0 done" in out and "rank 0 passed the exit barrier" in out, out[-3000:]
     assert out.index("rank 0 done") < out.index("rank 1 passed the exit barrier"), out[-3000:]
