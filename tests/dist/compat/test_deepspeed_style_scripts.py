@@ -12,12 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing.background import in_background
-
 HERE = Path(__file__).parent
-AT_ONCE = 2
-"""Scripts running at once (see shardwise.testing.background): two ranks of a tiny model
-leave part of a 2-core machine idle, above all while they start and exchange."""
 
 
 def _env():
@@ -47,39 +42,9 @@ def _launch(launcher, script, args, tmp_path):
     return json.loads(found[1]), proc
 
 
-def _bert_resumed(tmp_path):
-    """Run 6 steps saving every 3, rewind to the step-3 checkpoint and resume from it: each
-    run's RESULT and its losses by step."""
-    full, proc = _launch("shardwise", "bert_style.py", ["--offload"], tmp_path)
-    straight = _steps(proc.stdout)
-    (tmp_path / "bert_ckpt" / "latest").write_text("global_step3")  # rewind to the step-3 checkpoint
-    resumed, proc = _launch("torchrun", "bert_style.py", ["--load_checkpoint_dir", "bert_ckpt",
-                                                          "--checkpoint_dir", "again"], tmp_path)
-    return (full, straight), (resumed, _steps(proc.stdout))
-
-
-def _job_for(item):
-    """A test's script runs, from its name and parameters."""
-    match item.originalname:
-        case "test_cifar_style_script":
-            launcher, stage = item.callspec.params["launcher"], item.callspec.params["stage"]
-            return lambda cwd: _launch(launcher, "cifar_style.py", ["--stage", str(stage), "--moe-param-group"], cwd)
-        case "test_bert_style_script_resumes_exactly":
-            return _bert_resumed
-        case "test_pipeline_style_script":
-            return lambda cwd: _launch("shardwise", "pipeline_style.py", ["--steps", "40"], cwd)
-    return None
-
-
-@pytest.fixture(scope="module")
-def jobs(request, tmp_path_factory):
-    with in_background(request, tmp_path_factory, _job_for, at_once=AT_ONCE) as started:
-        yield started
-
-
 @pytest.mark.parametrize("launcher,stage", [("shardwise", 2), ("torchrun", 3), ("torchrun", 1)])
-def test_cifar_style_script(jobs, request, launcher, stage):
-    r, _ = jobs[request.node.name].result()
+def test_cifar_style_script(tmp_path, launcher, stage):
+    r, _ = _launch(launcher, "cifar_style.py", ["--stage", str(stage), "--moe-param-group"], tmp_path)
     assert r["world_size"] == 2 and r["stage"] == stage and r["backend"] == "gloo" and r["device"] == "cpu"
     # shardwise run passes --local_rank=N; torchrun does not (the script's default stays)
     assert r["local_rank_arg"] == (0 if launcher == "shardwise" else -1)
@@ -95,20 +60,25 @@ def _steps(text):
     return {int(m[1]): float(m[2]) for m in re.finditer(r"^STEP (\d+) ([\d.]+)$", text, re.M)}
 
 
-def test_bert_style_script_resumes_exactly(jobs, request):
+def test_bert_style_script_resumes_exactly(tmp_path):
     """Run 6 steps saving every 3 (with offload_states round trips); then resume from the
     step-3 checkpoint: steps 4-6 give the same losses as the uninterrupted run."""
-    (full, straight), (resumed, again) = jobs[request.node.name].result()
+    full, proc = _launch("shardwise", "bert_style.py", ["--offload"], tmp_path)
+    straight = _steps(proc.stdout)
     assert full["partitioned_at_init"] and full["global_steps"] == 6 and full["gas"] == 2
     assert full["exp_avg_shape"] == full["saved_head"] == [50, 32]
+    (tmp_path / "bert_ckpt" / "latest").write_text("global_step3")  # rewind to the step-3 checkpoint
+    resumed, proc = _launch("torchrun", "bert_style.py", ["--load_checkpoint_dir", "bert_ckpt",
+                                                          "--checkpoint_dir", "again"], tmp_path)
+    again = _steps(proc.stdout)
     assert sorted(again) == [4, 5, 6] and resumed["global_steps"] == 6
     for step in (4, 5, 6):
         assert again[step] == pytest.approx(straight[step], abs=1e-6), (step, again, straight)
     assert straight[6] < straight[1]
 
 
-def test_pipeline_style_script(jobs, request):
-    r, _ = jobs[request.node.name].result()
+def test_pipeline_style_script(tmp_path):
+    r, _ = _launch("shardwise", "pipeline_style.py", ["--steps", "40"], tmp_path)
     assert r["stages"] == 2 and r["first"] and r["gas"] == 4 and r["global_steps"] == 40
     assert r["layers"] == ["0"]  # by parameters: stage 0 holds layers 0-1 (1088), stage 1 layers 2-4 (4420)
     first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
