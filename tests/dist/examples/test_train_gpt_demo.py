@@ -11,14 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing.background import in_background
-
 REPO = Path(__file__).resolve().parents[3]
-
-
-AT_ONCE = 2
-"""Demo runs at once (see shardwise.testing.background): two ranks of a tiny model take
-about 1.5 cores of a 2-core machine, less during their start-up and their collectives."""
 
 
 def _free_port():
@@ -27,56 +20,40 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _demo(config, steps):
-    """The demo on 2 ranks for ``steps`` steps under a shipped config, saving to ckpt/ in the
-    directory it is given; returns its process and that directory."""
-    def run(cwd):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
-        proc = subprocess.run(
-            [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", str(_free_port()),
-             str(REPO / "examples" / "train_gpt.py"), "--steps", str(steps), "--width", "32", "--layers", "2",
-             "--seq_len", "32", "--corpus_bytes", "100000", "--deepspeed_config",
-             str(REPO / "examples" / "configs" / config), "--save", str(cwd / "ckpt")],
-            capture_output=True, text=True, timeout=240, env=env, cwd=cwd)
-        return proc, cwd
-    return run
-
-
-def _job_for(item):
-    match item.originalname:
-        case "test_demo_runs_under_config":
-            return _demo(item.callspec.params["config"], 6)
-        case "test_demo_with_onebit_adam":
-            return _demo("onebit_adam.json", 30)
-    return None
-
-
-@pytest.fixture(scope="module")
-def jobs(request, tmp_path_factory):
-    with in_background(request, tmp_path_factory, _job_for, at_once=AT_ONCE) as started:
-        yield started
-
-
 @pytest.mark.parametrize("config", ["zero0_bf16.json", "zero1.json", "zero3.json", "zero2_offload_cpu.json",
                                     "zero3_offload_nvme.json"])
-def test_demo_runs_under_config(jobs, request, config):
-    proc, cwd = jobs[request.node.name].result()
+def test_demo_runs_under_config(tmp_path, config):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", str(_free_port()),
+         str(REPO / "examples" / "train_gpt.py"), "--steps", "6", "--width", "32", "--layers", "2",
+         "--seq_len", "32", "--corpus_bytes", "100000", "--deepspeed_config",
+         str(REPO / "examples" / "configs" / config), "--save", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
     match = re.search(r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+)", proc.stdout)
     assert match and int(match[1]) == 6, proc.stdout[-2000:]
     assert float(match[3]) < float(match[2])  # the loss falls even in 6 steps
     # the full parameter count, also when zero.Init built the model partitioned (stage 3)
     assert "model: 0.03M parameters" in proc.stdout, proc.stdout[:500]
-    assert (cwd / "ckpt" / "latest").read_text().strip() == "global_step6"
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"
 
 
-def test_demo_with_onebit_adam(jobs, request):
+def test_demo_with_onebit_adam(tmp_path):
     """DeepSpeed's 1-bit Adam tutorial in miniature: the same script, a config with type
     OneBitAdam and fp16; after freeze_step (20) the progress lines show the compressed
     exchange instead of the gradient all-reduce."""
-    proc, cwd = jobs[request.node.name].result()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", str(_free_port()),
+         str(REPO / "examples" / "train_gpt.py"), "--steps", "30", "--width", "32", "--layers", "2",
+         "--seq_len", "32", "--corpus_bytes", "100000", "--deepspeed_config",
+         str(REPO / "examples" / "configs" / "onebit_adam.json"), "--save", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
     assert "OneBitAdam: warm-up of 20 steps done" in proc.stderr, proc.stderr[-3000:]
     lines = {int(m[1]): m[2] for m in re.finditer(r"step (\d+) \|.*data-parallel payload ([^\n]*)", proc.stderr)}
@@ -84,4 +61,4 @@ def test_demo_with_onebit_adam(jobs, request):
     assert "all_to_all" in lines[30] and "all_gather" in lines[30], lines
     match = re.search(r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+)", proc.stdout)
     assert match and int(match[1]) == 30 and float(match[3]) < float(match[2]), proc.stdout[-2000:]
-    assert (cwd / "ckpt" / "global_step30" / "optimizer_rank1.safetensors").is_file()
+    assert (tmp_path / "ckpt" / "global_step30" / "optimizer_rank1.safetensors").is_file()
