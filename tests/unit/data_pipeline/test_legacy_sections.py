@@ -113,6 +113,24 @@ def test_engine_methods_without_the_sections():
     assert engine.progressive_layer_drop is None and engine.curriculum_scheduler_legacy is None
     with pytest.raises(ValueError, match=r"'curriculum_learning' section, which must be enabled"):
         engine.set_custom_curriculum_learning_schedule(lambda step: step)
+    with pytest.raises(ValueError, match=r"\{metric: fn\}\) sets the schedules of the data_efficiency curriculum"):
+        engine.set_custom_curriculum_learning_schedule({"seqlen": lambda step: step})
+
+
+def test_the_metric_schedules_and_the_post_process_go_to_the_curriculum_loader():
+    class Sampler:
+        def set_custom_curriculum_learning_schedule(self, schedules):
+            self.schedules = schedules
+
+    class Loader:
+        data_sampler, post_process_func = Sampler(), None
+
+    engine = _engine(TinyMLP(seed=1))
+    engine.training_dataloader = Loader()
+    schedules, post = {"seqlen": lambda step: step}, lambda batch, state: batch
+    engine.set_custom_curriculum_learning_schedule(schedules)
+    engine.set_data_post_process_func(post)
+    assert Loader.data_sampler.schedules is schedules and engine.training_dataloader.post_process_func is post
 
 
 @pytest.mark.parametrize(
