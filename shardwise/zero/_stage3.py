@@ -202,9 +202,10 @@ class Stage3Strategy(ShardedStrategy):
         )
         unit.grad_shard = self._new_grad_shard(shard, host)
         unit.master.grad = unit.grad_shard
-        for p, shape in zip(params, shapes):
+        for p, shape, off in zip(params, shapes, offsets):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
             p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size
+            p.ds_tensor = _rank_piece(unit.master, off, shape.numel(), rank * shard)
             give_ds_id(p)
             p.ds_status = ZeroParamStatus.AVAILABLE  # laid out whole; freeing the unit changes it
         self.buckets.append(unit)
@@ -269,3 +270,14 @@ class Stage3Strategy(ShardedStrategy):
                     with self._resident([unit]):
                         unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
                 self.gatherer.reshard(unit, force=not self.gatherer.keeping)
+
+
+def _rank_piece(master: torch.Tensor, offset: int, numel: int, shard_start: int) -> torch.Tensor:
+    """DeepSpeed's ``param.ds_tensor``: this rank's piece of one parameter, a view of the
+    unit's master shard (fp32). Scripts test ``hasattr(p, "ds_tensor")`` to tell a
+    partitioned parameter and count ``ds_numel`` then (DeepSpeed-Chat's throughput print).
+    A unit is sharded flat, so a piece is this rank's overlap with the parameter: any
+    length from 0 to the whole shard, not DeepSpeed's even ceil(numel / world)."""
+    begin = min(max(offset - shard_start, 0), master.numel())
+    end = min(max(offset + numel - shard_start, 0), master.numel())
+    return master.detach()[begin:end]

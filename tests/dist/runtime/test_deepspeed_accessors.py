@@ -57,6 +57,10 @@ def _accessors(rank, world_size):
                         for n, p in engine.module.named_parameters())
     ids = [getattr(p, "ds_id", None) for p in engine.module.parameters()]  # DeepSpeed-Chat's stage-3 test
     out["ds_ids"] = (len(ids), len(set(ids)), all(isinstance(i, int) for i in ids))
+    params = list(engine.module.parameters())  # DeepSpeed-Chat's perf.py counts the full size by ds_tensor
+    out["counted"] = sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    out["pieces"] = [p.ds_tensor.clone() for p in params]
+    out["full"] = [shardwise.utils.safe_get_full_fp32_param(p).reshape(-1) for p in params]
     timer = engine.tput_timer  # DeepSpeed-Chat calls update_epoch_count() after each epoch
     timer.update_epoch_count()
     engine.backward(engine(*token_batches(num_steps=1, batch=1, seed=rank)[0]))
@@ -66,13 +70,18 @@ def _accessors(rank, world_size):
 
 
 def test_deepspeed_accessors_and_load_module_state_dict(tmp_path):
-    for r in run_distributed(_accessors, world_size=2, tmp_path=tmp_path):
+    results = run_distributed(_accessors, world_size=2, tmp_path=tmp_path)
+    for r in results:
         assert r["info"] == (4, 2, 1) and r["zero"] == (True, True, True)
         assert r["dtype"] == torch.float32 and r["name"] == "adamw" and r["print"] == 1000
         assert r["scale"] == 0.0 and r["dynamic"] and r["offload"] == "none" and r["config"] == 2
         assert r["after_batch"] == (8, 2, 2) and r["steps"] == [0, 1, 1, 2]
         count, distinct, ints = r["ds_ids"]
         assert count == distinct == 7 and ints, r["ds_ids"]
+        assert r["counted"] == sum(f.numel() for f in r["full"])
+    for piece0, piece1, full in zip(results[0]["pieces"], results[1]["pieces"], results[0]["full"]):
+        assert torch.equal(torch.cat([piece0, piece1]), full)  # each rank's piece of the parameter
+    for r in results:
         assert r["tput"] == (1, 1, 2), r["tput"]  # 4 micro-steps at 2 per step, then one more
         assert r["after_micro"] == (4, 1, 2)
         assert r["returned"] is None and r["loaded"] and r["custom"]
