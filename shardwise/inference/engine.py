@@ -8,7 +8,8 @@ previous one:
 2. fill it from the checkpoint, each rank reading only its slices of each tensor;
 3. cast it to the float dtype and move it to the accelerator;
 4. store the linear weights as int8 (``dtype=torch.int8``), after the split, so every
-   rank's scales are those of its own shard;
+   rank's scales are those of its own shard; a compressed model's ZeroQuant layers go to
+   int8 kernels instead (``_int8_kernels.py``);
 5. build the fast decoder (``replace_with_kernel_inject``), which fuses the layers'
    final weights.
 Experts are split (``moe.ep_size``) after step 2, so the checkpoint is read whole.
@@ -164,10 +165,7 @@ def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = N
     model.to(device=device, dtype=float_dtype)
     int8_report = None
     if cfg.int8_weights:
-        from shardwise.inference._quant import quantize_linears
-
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        int8_report = quantize_linears(model, dtype=float_dtype, skip=(head,) if head is not None else ())
+        int8_report = _int8(model, float_dtype)
     decoder = None
     if cfg.replace_with_kernel_inject:
         from shardwise.inference._fast import build_decoder
@@ -215,6 +213,23 @@ def _decode_graphs(cfg: InferenceConfig, device: torch.device, decoder, tp: int)
     if wanted:
         raise ConfigError(f"enable_cuda_graph=True: {problem}")
     return None
+
+
+def _int8(model: nn.Module, float_dtype: torch.dtype) -> dict:
+    """Step 4 of [Note: inference setup order]. A model compressed by ``init_compression``
+    or ``zeroquant`` has its ZeroQuant layers put on int8 kernels ([Note: int8 kernel
+    arithmetic]) and its other layers left as the compression config chose; in any other
+    model the linear layers store int8 weights (the output head excepted)."""
+    from shardwise.compression._layers import CompressedLinear
+
+    if any(isinstance(m, CompressedLinear) for m in model.modules()):
+        from shardwise.inference._int8_kernels import pack_int8_layers
+
+        return pack_int8_layers(model)
+    from shardwise.inference._quant import quantize_linears
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return quantize_linears(model, dtype=float_dtype, skip=(head,) if head is not None else ())
 
 
 def _check_materialised(model: nn.Module) -> None:
