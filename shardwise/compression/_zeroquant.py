@@ -20,6 +20,7 @@ calibration batches x the hidden states).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -109,12 +110,17 @@ def find_blocks(model: nn.Module, blocks: str | None) -> tuple[str, nn.ModuleLis
 
 def run_batch(model: nn.Module, batch: Any) -> Any:
     """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, else
-    ``model(batch)``."""
+    ``model(batch)``. A model whose forward takes ``use_cache`` (Hugging Face) gets
+    ``use_cache=False`` unless the batch sets it: a KV cache handed to the blocks would
+    be recorded and grow each time a block is replayed."""
+    extra = {}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        extra = {"use_cache": False}
     if isinstance(batch, Mapping):
-        return model(**batch)
+        return model(**{**extra, **batch})
     if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
+        return model(*batch, **extra)
+    return model(batch, **extra)
 
 
 def _first_tensor(output: Any) -> torch.Tensor:
@@ -210,7 +216,9 @@ def layer_by_layer_distillation(
             quantization grid they started on.
 
     Returns:
-        A :class:`BlockError` per block: the MSE before and after its distillation.
+        A :class:`BlockError` per block: the MSE before and after its distillation. A
+        block whose error rose gets its parameters back (with a warning), so ``after``
+        never exceeds ``before``.
 
     Raises:
         ValueError: no calibration batch, ``steps`` < 1, or blocks that cannot be found or
@@ -235,8 +243,20 @@ def layer_by_layer_distillation(
     report = []
     for index, block in enumerate(student_layers):
         before = _block_error(block, records[index])
+        start = {k: v.detach().clone() for k, v in block.state_dict().items()}
         _distill_block(block, records[index], steps=steps, lr=lr)
-        report.append(BlockError(f"{name}.{index}", before, _block_error(block, records[index])))
+        after = _block_error(block, records[index])
+        if after > before:  # too high a learning rate: keep the block as quantized
+            block.load_state_dict(start)
+            logger.warning(
+                "zeroquant LKD: %s.%d's error rose (%.3g -> %.3g) and its parameters were put back; lower lkd_lr",
+                name,
+                index,
+                before,
+                after,
+            )
+            after = before
+        report.append(BlockError(f"{name}.{index}", before, after))
         logger.debug("zeroquant LKD %s: mse %.3g -> %.3g", *vars(report[-1]).values())
     student.train(was_training[0])
     teacher.train(was_training[1])

@@ -155,3 +155,12 @@ def test_int8_kernels_without_torchao_name_the_extra(monkeypatch):
     zeroquant(model, zq_config(8, 32))
     with pytest.raises(ImportError, match=r"pip install 'shardwise\[quant\]'"):
         shardwise.init_inference(model, dtype=torch.int8)
+
+
+def test_lkd_puts_back_a_block_whose_error_rose():
+    student, teacher = TinyDecoder(), TinyDecoder()
+    init_compression(student, zq_config(4, 8))
+    start = copy.deepcopy(student.state_dict())
+    report = layer_by_layer_distillation(student, teacher, calibration(1), steps=2, lr=10.0)
+    assert all(e.after == e.before for e in report)
+    assert all(torch.equal(v, start[k]) for k, v in student.state_dict().items())
