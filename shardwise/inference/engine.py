@@ -64,7 +64,8 @@ class InferenceEngine(nn.Module):
         self._decoder = decoder
         self._steps = steps
         self.int8_report = int8_report
-        """``{"layers", "bytes_before", "bytes_after"}`` of the int8 weights, or None."""
+        """``{"layers", "bytes_before", "bytes_after"}`` of the int8 weights (with
+        ``"kernel_layers"``, the layers on int8 kernels, for a ZeroQuant model), or None."""
         self.last_generation = GenerationStats()
         """Timings of the last ``generate`` call (time to first token, tokens per second)."""
         self._fallback_logged: set[str] = set()
@@ -170,7 +171,10 @@ def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = N
     if cfg.replace_with_kernel_inject:
         from shardwise.inference._fast import build_decoder
 
-        decoder, why = build_decoder(model)
+        if int8_report is not None and int8_report.get("kernel_layers"):
+            why = "the fast decoder fuses float or weight-only int8 weights, not ZeroQuant's int8 kernel layers"
+        else:
+            decoder, why = build_decoder(model)
         if decoder is None:
             logger.warning(
                 "init_inference: replace_with_kernel_inject: %s; generation runs the model's own "
@@ -225,7 +229,8 @@ def _int8(model: nn.Module, float_dtype: torch.dtype) -> dict:
     if any(isinstance(m, CompressedLinear) for m in model.modules()):
         from shardwise.inference._int8_kernels import pack_int8_layers
 
-        return pack_int8_layers(model)
+        report = pack_int8_layers(model)
+        return {**report, "kernel_layers": report["layers"]}
     from shardwise.inference._quant import quantize_linears
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

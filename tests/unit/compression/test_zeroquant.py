@@ -135,7 +135,7 @@ def test_init_inference_runs_zeroquant_layers_on_int8_kernels(bits, group):
         expected = model(prompt)
     engine = shardwise.init_inference(copy.deepcopy(model), dtype=torch.int8)
     kernels = [m for m in engine.module.modules() if isinstance(m, Int8DynamicLinear)]
-    assert len(kernels) == 8 and engine.int8_report["layers"] == 8
+    assert len(kernels) == 8 and engine.int8_report["kernel_layers"] == 8
     assert engine.module.head.weight.dtype == torch.float32  # not named by the config: left as it is
     assert all(not any(p.is_floating_point() and p.dim() == 2 for p in k.parameters()) for k in kernels)
     assert kernels[0].qweight.dtype == torch.int8
