@@ -43,6 +43,17 @@ def _uniform(flat: torch.Tensor, spec: QuantSpec, low: torch.Tensor, high: torch
     return ((flat - zero) / scale + noise).round().clamp(0, levels - 1) * scale + zero
 
 
+def symmetric_ints(flat: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of the symmetric ``bits`` grid of each row of ``flat`` (groups x n):
+    ``q * scale`` is what :func:`quantize_values` gives with nearest rounding, and ``q``
+    (int8) takes at most ``2**bits`` values, from ``-2**(bits-1)`` to ``2**(bits-1) - 1``.
+    The int8 kernels of ``init_inference`` multiply these integers."""
+    levels = 2**bits
+    scale = (2 * flat.abs().amax(dim=1, keepdim=True) / levels).clamp_min(torch.finfo(flat.dtype).tiny)
+    q = (flat / scale).round().clamp(-levels // 2, levels // 2 - 1)
+    return q.to(torch.int8), scale
+
+
 def _ternary(flat: torch.Tensor) -> torch.Tensor:
     # values beyond 0.7 x the mean magnitude become +-alpha, the mean magnitude of those values
     threshold = 0.7 * flat.abs().mean(dim=1, keepdim=True)

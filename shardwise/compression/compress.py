@@ -94,10 +94,24 @@ def group_modules(model: nn.Module, technique: TechniqueConfig) -> Iterator[tupl
             yield group, index, names
 
 
-def _weight_spec(shared: Mapping, params: Mapping) -> WeightQuantization:
+def _weight_groups(shared: Mapping, layer: nn.Linear, where: str) -> int:
+    """``quantize_groups``, or with ``quantize_group_size`` (columns per group) the count
+    that gives each row ``in_features / quantize_group_size`` groups."""
+    size = shared.get("quantize_group_size")
+    if size is None:
+        return shared["quantize_groups"]
+    if layer.in_features % size:
+        raise ValueError(
+            f"{where}: quantize_group_size={size} does not divide the {layer.in_features} input features of a "
+            "matched layer; pick a divisor of every matched layer's in_features"
+        )
+    return layer.out_features * (layer.in_features // size)
+
+
+def _weight_spec(shared: Mapping, params: Mapping, groups: int) -> WeightQuantization:
     grid = QuantSpec(
         bits=params["target_bits"],
-        groups=shared["quantize_groups"],
+        groups=groups,
         symmetric=shared["quantization_type"] == "symmetric",
         stochastic=shared["rounding"] == "stochastic",
     )
@@ -114,7 +128,8 @@ def _weight_spec(shared: Mapping, params: Mapping) -> WeightQuantization:
 def _enable(layer: CompressedLinear, technique: TechniqueConfig, params: Mapping) -> None:
     shared = technique.shared
     if technique.name == "weight_quantization":
-        layer.enable_weight_quantization(_weight_spec(shared, params))
+        groups = _weight_groups(shared, layer, "compression_training.weight_quantization.shared_parameters")
+        layer.enable_weight_quantization(_weight_spec(shared, params, groups))
     elif technique.name == "activation_quantization":
         layer.enable_activation_quantization(
             ActivationQuantization(

@@ -40,6 +40,7 @@ _SHARED: dict[str, dict[str, Any]] = {
         "rounding": "nearest",
         "quantize_weight_in_forward": False,
         "fp16_mixed_quantize": {},
+        "quantize_group_size": None,  # shardwise: groups of N input columns (ZeroQuant), instead of quantize_groups
     },
     "activation_quantization": {
         "enabled": False,
@@ -246,6 +247,13 @@ def _shared(technique: str, path: str, section: Any) -> dict:
         out["method"] = as_choice(f"{path}.method", out["method"], _METHODS[technique])
     if technique == "weight_quantization":
         as_int(f"{path}.quantize_groups", out["quantize_groups"], minimum=1)
+        if "quantize_group_size" in out:
+            as_int(f"{path}.quantize_group_size", out["quantize_group_size"], minimum=1)
+            if "quantize_groups" in section:
+                raise ConfigError(
+                    f"{path}: give quantize_groups (groups per weight) or quantize_group_size (input columns "
+                    "per group), not both"
+                )
         check_keys(f"{path}.fp16_mixed_quantize", out["fp16_mixed_quantize"], {"enabled", "quantize_change_ratio"})
     if technique == "sparse_pruning":
         out.setdefault("schedule_offset_end", out["schedule_offset"])

@@ -8,7 +8,8 @@ previous one:
 2. fill it from the checkpoint, each rank reading only its slices of each tensor;
 3. cast it to the float dtype and move it to the accelerator;
 4. store the linear weights as int8 (``dtype=torch.int8``), after the split, so every
-   rank's scales are those of its own shard;
+   rank's scales are those of its own shard; a compressed model's ZeroQuant layers go to
+   int8 kernels instead (``_int8_kernels.py``);
 5. build the fast decoder (``replace_with_kernel_inject``), which fuses the layers'
    final weights.
 Experts are split (``moe.ep_size``) after step 2, so the checkpoint is read whole.
@@ -63,7 +64,8 @@ class InferenceEngine(nn.Module):
         self._decoder = decoder
         self._steps = steps
         self.int8_report = int8_report
-        """``{"layers", "bytes_before", "bytes_after"}`` of the int8 weights, or None."""
+        """``{"layers", "bytes_before", "bytes_after"}`` of the int8 weights (with
+        ``"kernel_layers"``, the layers on int8 kernels, for a ZeroQuant model), or None."""
         self.last_generation = GenerationStats()
         """Timings of the last ``generate`` call (time to first token, tokens per second)."""
         self._fallback_logged: set[str] = set()
@@ -164,15 +166,15 @@ def init_inference(model: nn.Module, config: str | os.PathLike | dict | None = N
     model.to(device=device, dtype=float_dtype)
     int8_report = None
     if cfg.int8_weights:
-        from shardwise.inference._quant import quantize_linears
-
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        int8_report = quantize_linears(model, dtype=float_dtype, skip=(head,) if head is not None else ())
+        int8_report = _int8(model, float_dtype)
     decoder = None
     if cfg.replace_with_kernel_inject:
         from shardwise.inference._fast import build_decoder
 
-        decoder, why = build_decoder(model)
+        if int8_report is not None and int8_report.get("kernel_layers"):
+            why = "the fast decoder fuses float or weight-only int8 weights, not ZeroQuant's int8 kernel layers"
+        else:
+            decoder, why = build_decoder(model)
         if decoder is None:
             logger.warning(
                 "init_inference: replace_with_kernel_inject: %s; generation runs the model's own "
@@ -215,6 +217,24 @@ def _decode_graphs(cfg: InferenceConfig, device: torch.device, decoder, tp: int)
     if wanted:
         raise ConfigError(f"enable_cuda_graph=True: {problem}")
     return None
+
+
+def _int8(model: nn.Module, float_dtype: torch.dtype) -> dict:
+    """Step 4 of [Note: inference setup order]. A model compressed by ``init_compression``
+    or ``zeroquant`` has its ZeroQuant layers put on int8 kernels ([Note: int8 kernel
+    arithmetic]) and its other layers left as the compression config chose; in any other
+    model the linear layers store int8 weights (the output head excepted)."""
+    from shardwise.compression._layers import CompressedLinear
+
+    if any(isinstance(m, CompressedLinear) for m in model.modules()):
+        from shardwise.inference._int8_kernels import pack_int8_layers
+
+        report = pack_int8_layers(model)
+        return {**report, "kernel_layers": report["layers"]}
+    from shardwise.inference._quant import quantize_linears
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return quantize_linears(model, dtype=float_dtype, skip=(head,) if head is not None else ())
 
 
 def _check_materialised(model: nn.Module) -> None:
