@@ -10,7 +10,8 @@ batches; it imports ``deepspeed`` where that is installed (DeepSpeed's environme
 ``--ds-python``) and shardwise otherwise, and takes the config through ``--deepspeed
 --deepspeed_config PATH`` as DeepSpeed's tuner expects. Both tuners get the same
 ``autotuning`` section (``--stages``, micro-batch bounds, ``--profile START,END``).
-Afterwards the two chosen configs are run ``--rounds`` times each, alternating, under
+Each tuner runs ``--repeat`` times, alternating (A B, then B A; median wall times). Then the
+first choice of each is run ``--rounds`` times, alternating, under
 shardwise's engine in profile mode (steps 3..12, same script, same ranks) and their medians
 compared on one yardstick::
 
@@ -153,7 +154,7 @@ def _describe(config: dict | None) -> str:
 
 def _compare(runs: list[dict], workload: Path, args, root: Path) -> list[str]:
     """The chosen configs measured in alternating rounds: one line per round, then medians."""
-    chosen = [run for run in runs if run["chosen"]]
+    chosen = list({run["name"]: run for run in reversed(runs) if run["chosen"]}.values())[::-1]  # each's first
     samples: dict[str, list[float]] = {run["name"]: [] for run in chosen}
     for index in range(args.rounds):
         for run in chosen if index % 2 == 0 else chosen[::-1]:
@@ -179,6 +180,7 @@ def main() -> int:
     parser.add_argument("--profile", default="3,5", help="start_profile_step,end_profile_step (DeepSpeed's defaults)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating measurements of each choice")
     parser.add_argument("--tuners", default="shardwise,deepspeed")
+    parser.add_argument("--repeat", type=int, default=2, help="tuning runs of each tuner, alternating")
     parser.add_argument(
         "--nproc",
         type=int,
@@ -200,16 +202,19 @@ def main() -> int:
                       _env(ds_bin, pythonpath=False)),
     }  # fmt: skip
     runs = []
-    for name in args.tuners.split(","):
-        launcher, env = tuners[name]
-        folder = root / f"tuned-by-{name}"  # not "deepspeed": the script's folder is on its sys.path
-        folder.mkdir()
-        (folder / "ds_config.json").write_text(json.dumps(_config(args, folder)))
-        command = [*launcher, str(workload), "--deepspeed", "--deepspeed_config", str(folder / "ds_config.json")]
-        runs.append(_tune(name, command + _script_args(args), folder, args.timeout, env=env))
-        print(
-            f"{name}: {runs[-1]['seconds']:.1f} s, exit {runs[-1]['code']}, {_describe(runs[-1]['chosen'])}", flush=True
-        )
+    names = args.tuners.split(",")
+    for repeat in range(args.repeat):  # alternating: A B, then B A
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            launcher, env = tuners[name]
+            folder = root / f"tuned-by-{name}-{repeat}"  # not "deepspeed": the script's folder is on its sys.path
+            folder.mkdir()
+            (folder / "ds_config.json").write_text(json.dumps(_config(args, folder)))
+            command = [*launcher, str(workload), "--deepspeed", "--deepspeed_config", str(folder / "ds_config.json")]
+            runs.append(_tune(name, command + _script_args(args), folder, args.timeout, env=env))
+            print(
+                f"{name}: {runs[-1]['seconds']:.1f} s, exit {runs[-1]['code']}, {_describe(runs[-1]['chosen'])}",
+                flush=True,
+            )
     rounds = _compare(runs, workload, args, root)
     shape = f"GPT width {args.width} x {args.layers} layers, seq {args.seq}" if args.model == "gpt" else (
         f"MLP width {args.width} x {args.layers} layers")  # fmt: skip
@@ -221,12 +226,14 @@ def main() -> int:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
-        value = f"{run['throughput']:.2f}" if run.get("throughput") else "n/a"
+        value = f"{run['throughput']:.2f}" if run.get("throughput") else "(its first run's choice is measured)"
         lines.append(
             f"| {run['name']} | {run['code']} | {run['seconds']:.1f} | {', '.join(run['experiments'])} | "
             f"{_describe(run['chosen'])} | {value} |"
         )
-    lines += ["", *rounds, *(f"- {run['name']} output tail: {run['tail']}" for run in runs)]
+    medians = {name: statistics.median(r["seconds"] for r in runs if r["name"] == name) for name in names}
+    lines += ["", "- median tuning wall s: " + ", ".join(f"{n} {v:.1f}" for n, v in medians.items())]
+    lines += [*rounds, *(f"- {run['name']} output tail: {run['tail']}" for run in runs)]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
