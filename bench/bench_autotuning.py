@@ -2,17 +2,22 @@
 on the same script and config: tuning wall time, what each chose, and the chosen
 configurations' throughput measured the same way afterwards.
 
-The workload (written to a temporary folder) is an MLP (``--width``, ``--layers``) trained
-with AdamW on random batches; it imports ``deepspeed`` where that is installed (DeepSpeed's
-environment, ``--ds-python``) and shardwise otherwise, and takes the config through
-``--deepspeed --deepspeed_config PATH`` as DeepSpeed's tuner expects. Both tuners get the same
-``autotuning`` section (``--stages``, micro-batch bounds, profile steps 2..4). Afterwards each
-chosen config is run once more under shardwise's engine in profile mode (same script, same
-ranks) so the two choices are compared on one yardstick::
+The workload (written to a temporary folder) is ``--model gpt`` (examples/gpt_model.py's GPT,
+byte vocabulary, ``--width``, ``--layers``, ``--seq``: steps of tens to hundreds of ms on one
+CPU thread) or ``--model mlp`` (an MLP, ``--width`` x ``--layers``), trained with a torch
+AdamW the script passes to ``initialize`` (so DeepSpeed JIT-builds no optimizer op) on random
+batches; it imports ``deepspeed`` where that is installed (DeepSpeed's environment,
+``--ds-python``) and shardwise otherwise, and takes the config through ``--deepspeed
+--deepspeed_config PATH`` as DeepSpeed's tuner expects. Both tuners get the same
+``autotuning`` section (``--stages``, micro-batch bounds, ``--profile START,END``).
+Each tuner runs ``--repeat`` times, alternating (A B, then B A; median wall times). Then the
+first choice of each is run ``--rounds`` times, alternating, under
+shardwise's engine in profile mode (steps 3..12, same script, same ranks) and their medians
+compared on one yardstick::
 
-    python bench/bench_autotuning.py --out bench/results/<date>-cpu-autotuning.md
-    # a quick smoke run
-    python bench/bench_autotuning.py --width 64 --layers 2 --stages 0,1 --max-micro 2
+    python bench/bench_autotuning.py --out bench/results/<date>-cpu-autotuning-gpt.md
+    # the earlier MLP run (bench/results/2026-11-28-cpu-autotuning.md)
+    python bench/bench_autotuning.py --model mlp --width 64 --layers 2 --stages 0,1 --max-micro 2 --profile 2,4
 
 A tuner that fails, or is still running after ``--timeout`` (its whole process tree is then
 killed), is reported with its exit code and the tail of its output.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +38,7 @@ from pathlib import Path
 from shardwise.autotuning._experiment import kill_tree
 
 WORKLOAD = """
-import argparse, os
+import argparse, os, sys
 import torch
 try:
     import deepspeed
@@ -40,33 +46,46 @@ except ImportError:
     import shardwise as deepspeed
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
 parser.add_argument("--local_rank", type=int, default=-1)
-parser.add_argument("--width", type=int, default=512)
-parser.add_argument("--layers", type=int, default=4)
-parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--model", default="gpt")
+parser.add_argument("--examples", default="")
+parser.add_argument("--width", type=int, default=128)
+parser.add_argument("--layers", type=int, default=2)
+parser.add_argument("--seq", type=int, default=128)
+parser.add_argument("--steps", type=int, default=20)
 args = parser.parse_args()
 torch.manual_seed(0)
-blocks = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.GELU()) for _ in range(args.layers)]
-model = torch.nn.Sequential(*blocks, torch.nn.Linear(args.width, 1))
-engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+if args.model == "gpt":
+    sys.path.insert(0, args.examples)
+    from gpt_model import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=256, width=args.width, num_layers=args.layers, num_heads=4, seq_len=args.seq)
+    model = GPT(cfg)
+else:
+    blocks = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.GELU()) for _ in range(args.layers)]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(args.width, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer)
 micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 for _ in range(args.steps * gas):
-    x = torch.randn(micro, args.width)
-    loss = engine(x).square().mean()
+    if args.model == "gpt":
+        tokens = torch.randint(0, 256, (micro, args.seq))
+        loss = engine(tokens, tokens)
+    else:
+        loss = engine(torch.randn(micro, args.width)).square().mean()
     engine.backward(loss)
     engine.step()
 """
 
 
 def _config(args, results: Path) -> dict:
+    start, end = (int(v) for v in args.profile.split(","))
     return {
         "train_micro_batch_size_per_gpu": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": [int(s) for s in args.stages.split(",")]},
         "autotuning": {
             "enabled": True,
             "fast": True,
-            "start_profile_step": 2,
-            "end_profile_step": 4,
+            "start_profile_step": start,
+            "end_profile_step": end,
             "results_dir": str(results / "autotuning_results"),
             "exps_dir": str(results / "autotuning_exps"),
             "max_train_micro_batch_size_per_gpu": args.max_micro,
@@ -75,9 +94,15 @@ def _config(args, results: Path) -> dict:
     }
 
 
-def _tune(name: str, command: list[str], cwd: Path, timeout_s: float, *, path_dir: str) -> dict:
+def _env(path_dir: str, *, pythonpath: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDWISE_ACCELERATOR": "cpu", "DS_ACCELERATOR": "cpu"}
     env["PATH"] = f"{path_dir}{os.pathsep}{env.get('PATH', '')}"  # DeepSpeed's tuner runs `deepspeed` from PATH
+    if not pythonpath:
+        env.pop("PYTHONPATH", None)  # DeepSpeed's run: examples/gpt_model.py then finds no shardwise
+    return env
+
+
+def _tune(name: str, command: list[str], cwd: Path, timeout_s: float, *, env: dict) -> dict:
     started = time.monotonic()
     log = cwd / "tuner.log"
     with open(log, "wb") as out:
@@ -89,17 +114,20 @@ def _tune(name: str, command: list[str], cwd: Path, timeout_s: float, *, path_di
             code = f"killed after {timeout_s:g} s"
     seconds = time.monotonic() - started
     output = log.read_text(errors="replace")
-    optimal = cwd / "autotuning_results" / "ds_config_optimal.json"
+    results = cwd / "autotuning_results"
+    optimal = results / "ds_config_optimal.json"
     chosen = json.loads(optimal.read_text()) if optimal.is_file() else None
+    experiments = sorted(p.parent.name for p in results.glob("*/ds_config.json")) if results.is_dir() else []
     tail = " | ".join(str(output).strip().splitlines()[-6:])
-    return {"name": name, "code": code, "seconds": seconds, "chosen": chosen, "tail": tail}
+    return {"name": name, "code": code, "seconds": seconds, "chosen": chosen, "tail": tail, "experiments": experiments}
 
 
 def _measure(config: dict, workload: Path, args, folder: Path) -> float | None:
     """Throughput of ``config`` under shardwise's engine in profile mode (samples/s)."""
     folder.mkdir(parents=True, exist_ok=True)
     metrics = folder / "metrics.json"
-    config = {**config, "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 8,
+    metrics.unlink(missing_ok=True)
+    config = {**config, "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 12,
                                        "metric_path": str(metrics)}}  # fmt: skip
     (folder / "ds_config.json").write_text(json.dumps(config))
     command = [sys.executable, "-m", "shardwise.cli", "run", "--nproc", str(args.nproc), str(workload),
@@ -111,7 +139,9 @@ def _measure(config: dict, workload: Path, args, folder: Path) -> float | None:
 
 
 def _script_args(args) -> list[str]:
-    return ["--width", str(args.width), "--layers", str(args.layers)]
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    return ["--model", args.model, "--examples", examples, "--width", str(args.width), "--layers", str(args.layers),
+            "--seq", str(args.seq)]  # fmt: skip
 
 
 def _describe(config: dict | None) -> str:
@@ -122,12 +152,35 @@ def _describe(config: dict | None) -> str:
     return f"stage {zero.get('stage')}, micro-batch {micro}, accumulation {gas}"
 
 
+def _compare(runs: list[dict], workload: Path, args, root: Path) -> list[str]:
+    """The chosen configs measured in alternating rounds: one line per round, then medians."""
+    chosen = list({run["name"]: run for run in reversed(runs) if run["chosen"]}.values())[::-1]  # each's first
+    samples: dict[str, list[float]] = {run["name"]: [] for run in chosen}
+    for index in range(args.rounds):
+        for run in chosen if index % 2 == 0 else chosen[::-1]:
+            value = _measure(run["chosen"], workload, args, root / f"measure-{run['name']}")
+            if value is not None:
+                samples[run["name"]].append(value)
+    for run in chosen:
+        values = samples[run["name"]]
+        run["throughput"] = statistics.median(values) if values else None
+        run["samples"] = values
+    return [f"- {name}'s choice, each round (samples/s): {', '.join(f'{v:.2f}' for v in values)}"
+            for name, values in samples.items()]  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--stages", default="0,1,2,3")
-    parser.add_argument("--max-micro", type=int, default=16)
+    parser.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sample (gpt)")
+    parser.add_argument("--stages", default="0,1,2")
+    parser.add_argument("--max-micro", type=int, default=8)
+    parser.add_argument("--profile", default="3,5", help="start_profile_step,end_profile_step (DeepSpeed's defaults)")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating measurements of each choice")
+    parser.add_argument("--tuners", default="shardwise,deepspeed")
+    parser.add_argument("--repeat", type=int, default=2, help="tuning runs of each tuner, alternating")
     parser.add_argument(
         "--nproc",
         type=int,
@@ -141,32 +194,46 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-autotuning-"))
     workload = root / "workload.py"
     workload.write_text(WORKLOAD)
-    runs = []
-    ours = [sys.executable, "-m", "shardwise.cli", "run", "--autotuning", "run", "--nproc", str(args.nproc)]
     ds_bin = str(Path(args.ds_python).parent)
-    theirs = [f"{ds_bin}/deepspeed", "--autotuning", "run", "--num_gpus", str(args.nproc)]
-    for name, launcher, path_dir in (
-        ("shardwise", ours, str(Path(sys.executable).parent)),
-        ("deepspeed", theirs, ds_bin),
-    ):
-        folder = root / f"tuned-by-{name}"  # not "deepspeed": the script's folder is on its sys.path
-        folder.mkdir()
-        (folder / "ds_config.json").write_text(json.dumps(_config(args, folder)))
-        command = [*launcher, str(workload), "--deepspeed", "--deepspeed_config", str(folder / "ds_config.json")]
-        run = _tune(name, command + _script_args(args), folder, args.timeout, path_dir=path_dir)
-        run["throughput"] = _measure(run["chosen"], workload, args, folder / "measure") if run["chosen"] else None
-        runs.append(run)
+    tuners = {
+        "shardwise": ([sys.executable, "-m", "shardwise.cli", "run", "--autotuning", "run", "--nproc", str(args.nproc)],
+                      _env(str(Path(sys.executable).parent), pythonpath=True)),
+        "deepspeed": ([f"{ds_bin}/deepspeed", "--autotuning", "run", "--num_gpus", str(args.nproc)],
+                      _env(ds_bin, pythonpath=False)),
+    }  # fmt: skip
+    runs = []
+    names = args.tuners.split(",")
+    for repeat in range(args.repeat):  # alternating: A B, then B A
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            launcher, env = tuners[name]
+            folder = root / f"tuned-by-{name}-{repeat}"  # not "deepspeed": the script's folder is on its sys.path
+            folder.mkdir()
+            (folder / "ds_config.json").write_text(json.dumps(_config(args, folder)))
+            command = [*launcher, str(workload), "--deepspeed", "--deepspeed_config", str(folder / "ds_config.json")]
+            runs.append(_tune(name, command + _script_args(args), folder, args.timeout, env=env))
+            print(
+                f"{name}: {runs[-1]['seconds']:.1f} s, exit {runs[-1]['code']}, {_describe(runs[-1]['chosen'])}",
+                flush=True,
+            )
+    rounds = _compare(runs, workload, args, root)
+    shape = f"GPT width {args.width} x {args.layers} layers, seq {args.seq}" if args.model == "gpt" else (
+        f"MLP width {args.width} x {args.layers} layers")  # fmt: skip
     lines = [
-        f"MLP width {args.width} x {args.layers} layers, {args.nproc} CPU ranks, stages {args.stages}, "
-        f"micro-batch <= {args.max_micro}",
+        f"{shape}, {args.nproc} CPU rank(s), stages {args.stages}, micro-batch <= {args.max_micro}, "
+        f"profile steps {args.profile}",
         "",
-        "| tuner | exit | tuning wall s | chosen | chosen's throughput (samples/s, shardwise engine) |",
-        "| --- | --- | --- | --- | --- |",
+        "| tuner | exit | tuning wall s | experiments run | chosen | chosen's throughput, median (samples/s) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
-        value = f"{run['throughput']:.1f}" if run["throughput"] else "n/a"
-        lines.append(f"| {run['name']} | {run['code']} | {run['seconds']:.1f} | {_describe(run['chosen'])} | {value} |")
-    lines += ["", *(f"- {run['name']} output tail: {run['tail']}" for run in runs)]
+        value = f"{run['throughput']:.2f}" if run.get("throughput") else "(its first run's choice is measured)"
+        lines.append(
+            f"| {run['name']} | {run['code']} | {run['seconds']:.1f} | {', '.join(run['experiments'])} | "
+            f"{_describe(run['chosen'])} | {value} |"
+        )
+    medians = {name: statistics.median(r["seconds"] for r in runs if r["name"] == name) for name in names}
+    lines += ["", "- median tuning wall s: " + ", ".join(f"{n} {v:.1f}" for n, v in medians.items())]
+    lines += [*rounds, *(f"- {run['name']} output tail: {run['tail']}" for run in runs)]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

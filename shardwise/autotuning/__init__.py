@@ -1,10 +1,11 @@
 """Autotuning: find the fastest configuration that fits (ZeRO stage, micro-batch,
-accumulation, offload) by pruning with the memory estimator and measuring short runs.
+accumulation, offload, tensor and pipeline degrees) by pruning with the memory estimator
+and measuring short runs.
 
 Started by ``shardwise run --autotuning tune|run ... script.py ... --deepspeed ds_config.json``.
 The space, the pruning and the search are plain data computed by pure functions
-(``_space``, ``_prune``, ``_tuner``); running experiments is separate (``_experiment``),
-and the engine's side of an experiment is ``runtime/_autotuning_profile.py``.
+(``_space``, ``_prune``, ``_tuner``); running experiments is separate (``_experiment``,
+with the launcher of ``_launchers``), and the engine's side of an experiment is ``runtime/_autotuning_profile.py``.
 """
 
 from shardwise.autotuning._experiment import AutotuningError

@@ -1,13 +1,15 @@
 """Running one experiment: its files in DeepSpeed's layout, the launched job, its deadline.
 
 Each experiment is a ``shardwise run`` job (the launcher's own flags, so the same ranks and
-hosts as the tuner was given) of the user's script, with the config path among the script's
-arguments replaced by the experiment's config. Its folder ``results_dir/<name>/`` holds
-``ds_config.json``, ``exp.json``, ``cmd.txt``, ``stdout.log``, ``stderr.log`` and, when it
-reached ``end_profile_step``, ``metrics.json``; ``exps_dir/<name>.json`` describes it
-before it starts. A job still running at its deadline is ended with its whole process
-tree: the launcher's process group and every descendant (torchrun starts each rank in a
-session of its own, out of reach of the group), SIGTERM first, SIGKILL after a grace.
+hosts as the tuner was given), or a ``torchrun`` / ``accelerate launch`` job with the flags
+the user gave that launcher (see [Note: autotuning launchers]), of the user's script, with
+the config path among the script's arguments replaced by the experiment's config. Its folder
+``results_dir/<name>/`` holds ``ds_config.json``, ``exp.json``, ``cmd.txt``, ``stdout.log``,
+``stderr.log`` and, when it reached ``end_profile_step``, ``metrics.json``;
+``exps_dir/<name>.json`` describes it before it starts. A job still running at its deadline
+is ended with its whole process tree: the launcher's process group and every descendant
+(torchrun starts each rank in a session of its own, out of reach of the group), SIGTERM
+first, SIGKILL after a grace.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardwise.autotuning._errors import AutotuningError
+from shardwise.autotuning._launchers import launcher_head, launcher_module
 from shardwise.autotuning._space import Candidate
 from shardwise.autotuning._tuner import Outcome, Status
 
@@ -29,11 +33,6 @@ CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
 """The script flags DeepSpeed's tuner reads the config path from, in its order."""
 _KILL_GRACE_S = 3.0
 _ERROR_LINES = 15
-
-
-class AutotuningError(RuntimeError):
-    """The tuning run cannot go on or found nothing; the message says what each experiment
-    failed with."""
 
 
 def split_config_arg(script_args: list[str]) -> tuple[list[str], int]:
@@ -63,17 +62,20 @@ class Launch:
     """How every experiment (and the final run) is started."""
 
     launcher_args: tuple[str, ...]
-    """``shardwise run`` flags the tuner was given (hosts, ranks, ports...)."""
+    """The launcher's flags the tuner was given (hosts, ranks, ports...)."""
     script: str
     script_args: tuple[str, ...]
     """The script's arguments, the config path at ``config_index``."""
     config_index: int
     arg_mappings: dict
     """Config key (dotted for nested keys) -> script flag given the experiment's value."""
+    launcher: str = "shardwise"
+    """``shardwise``, ``torchrun`` or ``accelerate`` (see [Note: autotuning launchers])."""
     python: str = sys.executable
 
     def user_command(self, config_path: str, config: dict) -> list[str]:
-        """``shardwise run ... script args`` with ``config_path`` as the config."""
+        """``shardwise run ... script args`` (or the torchrun / accelerate line) with
+        ``config_path`` as the config."""
         args = list(self.script_args)
         args[self.config_index] = config_path
         for key, flag in self.arg_mappings.items():
@@ -84,11 +86,12 @@ class Launch:
                 args[args.index(flag) + 1] = str(value)
             else:
                 args += [flag, str(value)]
-        return ["shardwise", "run", *self.launcher_args, self.script, *args]
+        return [*launcher_head(self.launcher), *self.launcher_args, self.script, *args]
 
     def process_command(self, user_command: list[str]) -> list[str]:
         """The command line that runs ``user_command`` with this interpreter."""
-        return [self.python, "-m", "shardwise.cli", *user_command[1:]]
+        head = len(launcher_head(self.launcher))
+        return [self.python, "-m", *launcher_module(self.launcher), *user_command[head:]]
 
 
 def _lookup(config: dict, key: str):

@@ -1,6 +1,14 @@
 """``shardwise run --autotuning tune|run``: build the space, prune it with the memory
 estimator, run the survivors one at a time under a deadline, write the results, and (with
-``run``) train with the best configuration."""
+``run``) train with the best configuration.
+
+[Note: autotuning pruning order]
+With ``model_info.num_params`` in the config (or, with ``overwrite: false``, a count an
+earlier tuning run wrote to ``results_dir/model_info.json``), the estimator prunes before
+anything runs. Without it, the first experiment the search picks also writes the count
+(the engine writes it when it is built and trains on; no separate model-info job as
+DeepSpeed's tuner starts) and the estimator prunes the rest of the space from then on.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ from pathlib import Path
 from shardwise.autotuning._experiment import AutotuningError, Launch, run_experiment, split_config_arg
 from shardwise.autotuning._prune import MemoryBudget, prune
 from shardwise.autotuning._report import nothing_runnable, write_results
-from shardwise.autotuning._space import Candidate, build_space, experiment_config, optimal_config
+from shardwise.autotuning._space import Candidate, build_space, data_parallel, experiment_config, optimal_config
 from shardwise.autotuning._tuner import Outcome, Status, best_outcome, search
 from shardwise.config import ConfigError, load_config
 from shardwise.config._autotuning import AutotuningConfig, autotuning_config
@@ -61,10 +69,11 @@ def _read_user_config(path: str) -> dict:
         raise AutotuningError(f"the DeepSpeed config {path!r} is not valid JSON: {exc}") from None
 
 
-def _checked(user: dict, space: list[Candidate], dp: int) -> tuple[list[Candidate], dict[Candidate, str]]:
+def _checked(user: dict, space: list[Candidate], tuning: AutotuningConfig, world_size: int):
     """Candidates whose config loads, and the others with the config error."""
     kept, rejected = [], {}
     for candidate in space:
+        dp = data_parallel(candidate, world_size=world_size, mp_size=tuning.mp_size)
         try:
             load_config(experiment_config(user, candidate, dp=dp, metric_path="metrics.json"), world_size=dp)
         except ConfigError as exc:
@@ -74,30 +83,13 @@ def _checked(user: dict, space: list[Candidate], dp: int) -> tuple[list[Candidat
     return kept, rejected
 
 
-def _count_params(user, candidate, tuning, *, launch, results_dir, exps_dir, dp) -> int:
-    """The model's parameter count: ``model_info.num_params``, else a model-info run."""
+def _known_params(tuning: AutotuningConfig, info_path: Path) -> int | None:
+    """``model_info.num_params``, or the count an earlier run wrote (``overwrite: false``)."""
     if tuning.model_info is not None and tuning.model_info.num_params is not None:
         return tuning.model_info.num_params
-    folder = results_dir / "profile_model_info"
-    info_path = folder / "model_info.json"
-    info_path.unlink(missing_ok=True)
-    config = experiment_config(user, candidate, dp=dp, metric_path=str(folder / "metrics.json"))
-    config["autotuning"].update(model_info={"profile": True}, model_info_path=str(info_path.resolve()))
-    outcome = run_experiment(
-        candidate,
-        config,
-        launch=launch,
-        folder=folder,
-        exps_dir=exps_dir,
-        timeout_s=tuning.experiment_timeout_s,
-        name=folder.name,
-    )
-    if not info_path.is_file():
-        raise AutotuningError(
-            f"the model-info run ({folder}) wrote no parameter count ({outcome.status.value}: {outcome.error}); "
-            "fix the script, or give autotuning.model_info.num_params"
-        )
-    return int(json.loads(info_path.read_text())["num_params"])
+    if not tuning.overwrite and info_path.is_file():
+        return int(json.loads(info_path.read_text())["num_params"])
+    return None
 
 
 def _reused(folder: Path, candidate: Candidate) -> Outcome | None:
@@ -107,9 +99,87 @@ def _reused(folder: Path, candidate: Candidate) -> Outcome | None:
     return None
 
 
-def tune(*, launcher_args: list[str], script: str, script_args: list[str], resources: Resources):
+@dataclass
+class _Experiments:
+    """Runs the search's candidates; the first one run also counts the model's parameters
+    when the config does not give them, and pruning applies from then on (see
+    [Note: autotuning pruning order])."""
+
+    user: dict
+    tuning: AutotuningConfig
+    launch: Launch
+    resources: Resources
+    num_params: int | None
+    rejected: dict[Candidate, str]
+    space: list[Candidate]
+
+    @property
+    def results_dir(self) -> Path:
+        return Path(self.tuning.results_dir)
+
+    @property
+    def info_path(self) -> Path:
+        return (self.results_dir / "model_info.json").resolve()
+
+    def prune(self) -> None:
+        kept, too_big = prune(self.space, _budget(self.user, self.tuning, self.resources, self.num_params))
+        self.rejected.update(too_big)
+        self.space = kept
+
+    def __call__(self, candidate: Candidate) -> Outcome | None:
+        if candidate in self.rejected:
+            return None
+        folder = self.results_dir / candidate.name
+        if not self.tuning.overwrite and (reused := _reused(folder, candidate)) is not None and self.num_params:
+            return reused
+        dp = data_parallel(candidate, world_size=self.resources.world_size, mp_size=self.tuning.mp_size)
+        config = experiment_config(self.user, candidate, dp=dp, metric_path=str((folder / "metrics.json").resolve()))
+        counting = self.num_params is None
+        if counting:
+            self.info_path.unlink(missing_ok=True)
+            config["autotuning"]["model_info_path"] = str(self.info_path)
+        outcome = run_experiment(
+            candidate,
+            config,
+            launch=self.launch,
+            folder=folder,
+            exps_dir=Path(self.tuning.exps_dir),
+            timeout_s=self.tuning.experiment_timeout_s,
+        )
+        print(f"autotuning: {candidate.name}: {outcome.status.value} {outcome.metrics or outcome.error}", flush=True)
+        if counting:
+            if not self.info_path.is_file():
+                raise AutotuningError(
+                    f"the first experiment ({folder}) wrote no parameter count ({outcome.status.value}: "
+                    f"{outcome.error}); fix the script, or give autotuning.model_info.num_params"
+                )
+            self.num_params = int(json.loads(self.info_path.read_text())["num_params"])
+            self.prune()
+        return outcome
+
+
+def _launch(script: str, args: list[str], index: int, launcher_args: list[str], tuning, launcher: str) -> Launch:
+    return Launch(
+        launcher_args=tuple(launcher_args),
+        script=script,
+        script_args=tuple(args),
+        config_index=index,
+        arg_mappings=dict(tuning.arg_mappings or {}),
+        launcher=launcher,
+    )
+
+
+def tune(
+    *,
+    launcher_args: list[str],
+    script: str,
+    script_args: list[str],
+    resources: Resources,
+    launcher: str = "shardwise",
+):
     """Run the whole search; returns (outcomes, best outcome, the command that trains with
-    the best config).
+    the best config). ``launcher`` starts the experiments with ``launcher_args`` (see
+    [Note: autotuning launchers]).
 
     Raises:
         AutotuningError: no config argument, nothing runnable (each configuration and why).
@@ -119,38 +189,23 @@ def tune(*, launcher_args: list[str], script: str, script_args: list[str], resou
     args, index = split_config_arg(script_args)
     user = _read_user_config(args[index])
     tuning = autotuning_config(user.get("autotuning"))
-    launch = Launch(
-        launcher_args=tuple(launcher_args),
-        script=script,
-        script_args=tuple(args),
-        config_index=index,
-        arg_mappings=dict(tuning.arg_mappings or {}),
+    launch = _launch(script, args, index, launcher_args, tuning, launcher)
+    results_dir = Path(tuning.results_dir)
+    space, rejected = _checked(
+        user, build_space(user, tuning, world_size=resources.world_size), tuning, resources.world_size
     )
-    results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
-    dp = resources.world_size // tuning.mp_size
-    space, rejected = _checked(user, build_space(user, tuning, world_size=resources.world_size), dp)
     if not space:
         raise nothing_runnable([], rejected, results_dir)
-    num_params = _count_params(user, space[0], tuning, launch=launch, results_dir=results_dir, exps_dir=exps_dir, dp=dp)
-    space, too_big = prune(space, _budget(user, tuning, resources, num_params))
-    rejected.update(too_big)
-
-    def run_one(candidate: Candidate) -> Outcome:
-        folder = results_dir / candidate.name
-        if not tuning.overwrite and (reused := _reused(folder, candidate)) is not None:
-            return reused
-        config = experiment_config(user, candidate, dp=dp, metric_path=str((folder / "metrics.json").resolve()))
-        outcome = run_experiment(
-            candidate, config, launch=launch, folder=folder, exps_dir=exps_dir, timeout_s=tuning.experiment_timeout_s
-        )
-        print(f"autotuning: {candidate.name}: {outcome.status.value} {outcome.metrics or outcome.error}", flush=True)
-        return outcome
-
-    outcomes = search(space, tuning, run_one)
+    runner = _Experiments(user, tuning, launch, resources, None, rejected, space)
+    runner.num_params = _known_params(tuning, runner.info_path)
+    if runner.num_params is not None:
+        runner.prune()  # before anything runs
+    outcomes = search(space, tuning, runner)
     best = best_outcome(outcomes, tuning.metric)
     optimal = None
     if best is not None:
         best_config = json.loads((results_dir / best.candidate.name / "ds_config.json").read_text())
+        best_config["autotuning"].pop("model_info_path", None)
         config_path = str((results_dir / "ds_config_optimal.json").resolve())
         optimal = (optimal_config(best_config), launch.user_command(config_path, best_config))
     seconds = time.monotonic() - started
@@ -165,16 +220,26 @@ def _budget(user: dict, tuning: AutotuningConfig, resources: Resources, num_para
         num_params=num_params,
         dtype=_dtype(user),
         num_nodes=resources.num_nodes,
-        ranks_per_node=resources.ranks_per_node // tuning.mp_size or 1,
+        ranks_per_node=resources.ranks_per_node // tuning.mp_size or 1,  # tp/pp divide it further
         bytes_per_rank=memory_per_rank(tuning, resources),
         on_cpu=resources.on_cpu,
     )
 
 
-def autotune(mode: str, *, launcher_args: list[str], script: str, script_args: list[str], resources: Resources) -> int:
+def autotune(
+    mode: str,
+    *,
+    launcher_args: list[str],
+    script: str,
+    script_args: list[str],
+    resources: Resources,
+    launcher: str = "shardwise",
+) -> int:
     """``tune``: search and write the results; ``run``: then train with the best config.
     Returns the exit code."""
-    _, best, command = tune(launcher_args=launcher_args, script=script, script_args=script_args, resources=resources)
+    _, best, command = tune(
+        launcher_args=launcher_args, script=script, script_args=script_args, resources=resources, launcher=launcher
+    )
     print(f"shardwise run --autotuning: the best configuration is {best.candidate.name} ({best.metrics})")
     if mode == "tune":
         return 0

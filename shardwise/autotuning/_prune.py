@@ -5,6 +5,14 @@ Only model states (parameters, gradients, optimizer state; ``tools/estimate.py``
 estimated: activations grow with the micro-batch and are left to the experiments (one
 that runs out of memory fails, is recorded and skipped). Training on CPU, offloaded state
 lands in the same memory, so it still counts.
+
+[Note: dominated candidates]
+A candidate is also pruned when another one of the same batch shape (micro-batch,
+accumulation, tensor and pipeline degrees) does strictly less work (a lower ZeRO stage, or
+less offload) and the estimator puts it at no more memory per rank: sharding over one
+data-parallel rank saves nothing, nor does offloading to the CPU a CPU run already uses,
+so such a candidate can only be as fast or slower. On several data-parallel ranks, or on
+GPUs with offload, the memory differs and both are kept.
 """
 
 from __future__ import annotations
@@ -35,29 +43,53 @@ class MemoryBudget:
 
 def required_bytes(candidate: Candidate, budget: MemoryBudget) -> float:
     """Model-state bytes one rank of ``candidate`` needs in the memory ``budget`` counts."""
+    shards = candidate.tp * candidate.pp  # each tensor/pipeline rank holds 1/shards of the model
+    ranks = max(budget.ranks_per_node // shards, 1)  # data-parallel ranks per machine
     row = estimate(
-        budget.num_params,
+        -(-budget.num_params // shards),
         num_nodes=budget.num_nodes,
-        devices_per_node=budget.ranks_per_node,
+        devices_per_node=ranks,
         dtype=budget.dtype,
         stage=candidate.stage,
         offload_optimizer=candidate.offload_optimizer,
         offload_param=candidate.offload_param,
     )
     if budget.on_cpu:
-        return row.device_bytes + row.cpu_bytes_per_node / budget.ranks_per_node
+        return row.device_bytes + row.cpu_bytes_per_node / ranks
     return row.device_bytes
 
 
+def _less_work(a: Candidate, b: Candidate) -> bool:
+    """``a`` shards and offloads no more than ``b``, and is not ``b``."""
+    return (
+        a != b
+        and (a.micro_batch, a.gas, a.tp, a.pp) == (b.micro_batch, b.gas, b.tp, b.pp)
+        and a.stage <= b.stage
+        and a.offload_optimizer <= b.offload_optimizer
+        and a.offload_param <= b.offload_param
+    )
+
+
 def prune(candidates: list[Candidate], budget: MemoryBudget) -> tuple[list[Candidate], dict[Candidate, str]]:
-    """Split ``candidates`` into those that fit ``budget`` and those that do not (with why)."""
-    kept, rejected = [], {}
+    """Split ``candidates`` into those that fit ``budget`` and are not dominated, and the
+    others (with why; see [Note: dominated candidates])."""
+    fitting, rejected = [], {}
+    need = {candidate: required_bytes(candidate, budget) for candidate in candidates}
     for candidate in candidates:
-        need = required_bytes(candidate, budget)
-        if need > budget.bytes_per_rank:
+        if need[candidate] > budget.bytes_per_rank:
             rejected[candidate] = (
-                f"the memory estimator puts its model states at {_gib(need)} per rank; "
+                f"the memory estimator puts its model states at {_gib(need[candidate])} per rank; "
                 f"{_gib(budget.bytes_per_rank)} is available"
+            )
+        else:
+            fitting.append(candidate)
+    kept = []
+    for candidate in fitting:
+        better = [c for c in fitting if _less_work(c, candidate) and need[c] <= need[candidate]]
+        if better:
+            rejected[candidate] = (
+                f"dominated by {min(better).name}: the memory estimator puts both at {_gib(need[candidate])} "
+                "per rank or less, and that one shards or offloads less"
             )
         else:
             kept.append(candidate)

@@ -17,7 +17,14 @@ it, and whether the optimizer state (stage >= 1) and the parameters (stage 3) ar
   global batch follows. Either way it must lie within ``min_``/``max_train_batch_size``.
 - Offload: ``fast`` keeps the user's offload settings; otherwise each stage >= 1 is tried
   without and with optimizer offload, and stage 3 also with parameter offload.
-Data-parallel ranks are the world size divided by ``mp_size``.
+- Tensor and pipeline degrees (beyond DeepSpeed's tuner): ``tensor_parallel.autotp_size``
+  and ``pipeline.stages`` as a number are kept; as a list, each value whose product with
+  ``mp_size`` and the other degree divides the world size is tried; ``autotp_size: "auto"``
+  tries every such divisor. ``pipeline.stages: "auto"`` keeps DeepSpeed's meaning (the
+  script's ``PipelineModule`` decides) and is not searched: the script must build its
+  pipeline from the experiment's ``pipeline.stages`` (read from the config, or passed to
+  a flag with ``arg_mappings``), so the tuner searches it only when asked with a list.
+Data-parallel ranks are the world size divided by ``mp_size x tp x pp``.
 """
 
 from __future__ import annotations
@@ -38,12 +45,18 @@ class Candidate:
     gas: int
     offload_optimizer: bool = False
     offload_param: bool = False
+    tp: int = 1
+    """Tensor-parallel degree (``tensor_parallel.autotp_size``)."""
+    pp: int = 1
+    """Pipeline degree (``pipeline.stages``)."""
 
     @property
     def name(self) -> str:
-        """DeepSpeed's experiment name (``z1_gas2_tmbspg4``), with the offload marked."""
+        """DeepSpeed's experiment name (``z1_gas2_tmbspg4``), with the offload and the
+        tensor/pipeline degrees above 1 marked (``_offopt``, ``_offparam``, ``_tp2``, ``_pp2``)."""
         name = f"z{self.stage}_gas{self.gas}_tmbspg{self.micro_batch}"
-        return name + ("_offopt" if self.offload_optimizer else "") + ("_offparam" if self.offload_param else "")
+        name += ("_offopt" if self.offload_optimizer else "") + ("_offparam" if self.offload_param else "")
+        return name + (f"_tp{self.tp}" if self.tp > 1 else "") + (f"_pp{self.pp}" if self.pp > 1 else "")
 
 
 def _stages(user: dict) -> list[int]:
@@ -61,7 +74,7 @@ def micro_batch_sizes(user: dict, tuning: AutotuningConfig) -> list[int]:
     if given != "auto":
         values = given if isinstance(given, list) else [given]
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
-            raise ConfigError(f"train_micro_batch_size_per_gpu must be a positive integer or a list, got {given!r}")
+            raise ConfigError(f"train_micro_batch_size_per_gpu must be a positive integer (or a list, got {given!r}")
         return sorted(set(values))
     low, high = tuning.min_train_micro_batch_size_per_gpu, tuning.max_train_micro_batch_size_per_gpu
     ladder = sorted({low, high} | {2**k for k in range(high.bit_length()) if low <= 2**k <= high})
@@ -104,38 +117,78 @@ def _offloaded(section) -> bool:
     return isinstance(section, dict) and section.get("device", "none") not in ("none", None)
 
 
+def _degree_values(section_name: str, key: str, value, ranks: int) -> list[int]:
+    if value == "auto":
+        return [d for d in range(1, ranks + 1) if ranks % d == 0]
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= (key == "stages") for v in values):
+        extra = ' or "auto"' if key == "autotp_size" else ""
+        raise ConfigError(
+            f"{section_name}.{key} must be a positive integer (or a list of them to tune){extra}, got {value!r}"
+        )
+    return sorted({max(v, 1) for v in values})  # autotp_size 0 means no tensor parallelism
+
+
+def parallel_degrees(user: dict, world_size: int, mp_size: int) -> list[tuple[int, int]]:
+    """The (tp, pp) pairs to try whose product with ``mp_size`` divides ``world_size``
+    (see [Note: autotuning space]).
+
+    Raises:
+        ConfigError: a degree the tuner cannot read, or none that divides the world (named).
+    """
+    ranks = world_size // mp_size
+    tp_value = (user.get("tensor_parallel") or {}).get("autotp_size", 1)
+    pp_value = (user.get("pipeline") or {}).get("stages", 1)
+    tps = _degree_values("tensor_parallel", "autotp_size", tp_value, ranks)
+    pps = [1] if pp_value == "auto" else _degree_values("pipeline", "stages", pp_value, ranks)
+    pairs = [(tp, pp) for tp in tps for pp in pps if ranks % (tp * pp) == 0]
+    if not pairs:
+        raise ConfigError(
+            f"autotuning: no tensor_parallel.autotp_size in {tps} and pipeline.stages in {pps} divides the "
+            f"{world_size} rank(s) (with autotuning.mp_size={mp_size}); give degrees that divide it"
+        )
+    return pairs
+
+
 def build_space(user: dict, tuning: AutotuningConfig, *, world_size: int) -> list[Candidate]:
     """Every candidate of the user config ``user`` (a DeepSpeed-style dict) on
     ``world_size`` ranks, in (stage, micro-batch) order (see [Note: autotuning space]).
 
     Raises:
-        ConfigError: a stage or micro-batch the tuner cannot read, a world size that
-            ``mp_size`` does not divide, or bounds that leave no candidate (named).
+        ConfigError: a stage, micro-batch or parallel degree the tuner cannot read, a world
+            size that ``mp_size`` does not divide, or bounds that leave no candidate (named).
     """
     if world_size % tuning.mp_size:
         raise ConfigError(f"autotuning.mp_size={tuning.mp_size} does not divide the {world_size} rank(s)")
-    dp = world_size // tuning.mp_size
+    degrees = parallel_degrees(user, world_size, tuning.mp_size)
     space = []
     for stage in _stages(user):
         for micro in micro_batch_sizes(user, tuning):
-            gas = _gas_for(user, micro, dp)
-            if gas is None:
-                continue
-            total = micro * gas * dp
-            if total < tuning.min_train_batch_size or (
-                tuning.max_train_batch_size is not None and total > tuning.max_train_batch_size
-            ):
-                continue
-            for opt, param in _offloads(user, stage, tuning.fast):
-                space.append(Candidate(stage, micro, gas, opt, param))
+            for tp, pp in degrees:
+                dp = world_size // (tuning.mp_size * tp * pp)
+                gas = _gas_for(user, micro, dp)
+                if gas is None:
+                    continue
+                total = micro * gas * dp
+                if total < tuning.min_train_batch_size or (
+                    tuning.max_train_batch_size is not None and total > tuning.max_train_batch_size
+                ):
+                    continue
+                for opt, param in _offloads(user, stage, tuning.fast):
+                    space.append(Candidate(stage, micro, gas, opt, param, tp, pp))
     if not space:
         raise ConfigError(
             "autotuning: no configuration satisfies the batch bounds: train_batch_size="
             f"{user.get('train_batch_size')!r}, micro-batch sizes {micro_batch_sizes(user, tuning)}, "
-            f"{dp} data-parallel rank(s), train_batch_size bounds [{tuning.min_train_batch_size}, "
-            f"{tuning.max_train_batch_size}]"
+            f"{world_size // tuning.mp_size} data-parallel rank(s) at most, train_batch_size bounds "
+            f"[{tuning.min_train_batch_size}, {tuning.max_train_batch_size}]"
         )
     return space
+
+
+def data_parallel(candidate: Candidate, *, world_size: int, mp_size: int) -> int:
+    """The data-parallel ranks of ``candidate`` on ``world_size`` ranks."""
+    return world_size // (mp_size * candidate.tp * candidate.pp)
 
 
 def experiment_config(user: dict, candidate: Candidate, *, dp: int, metric_path: str) -> dict:
@@ -151,6 +204,10 @@ def experiment_config(user: dict, candidate: Candidate, *, dp: int, metric_path:
         elif not _offloaded(zero.get(key)):
             zero[key] = {"device": "cpu"}
     config["zero_optimization"] = zero
+    if candidate.tp > 1 or "tensor_parallel" in config:
+        config["tensor_parallel"] = {**(config.get("tensor_parallel") or {}), "autotp_size": candidate.tp}
+    if candidate.pp > 1 or (config.get("pipeline") or {}).get("stages", "auto") != "auto":
+        config["pipeline"] = {**(config.get("pipeline") or {}), "stages": candidate.pp}
     config["train_micro_batch_size_per_gpu"] = candidate.micro_batch
     config["gradient_accumulation_steps"] = candidate.gas
     config["train_batch_size"] = candidate.micro_batch * candidate.gas * dp

@@ -9,8 +9,10 @@ no offload) and then, after each experiment, the untried candidate a least-squar
 model predicts best (features: stage, log2 micro-batch, log2 accumulation, offload flags;
 fitted to the measured experiments; DeepSpeed fits XGBoost here). The search stops after
 ``tuner_num_trials`` experiments, or after ``tuner_early_stopping`` experiments in a row
-(failed ones included) that did not beat the best, or when no candidate is left. The best
-experiment has the highest throughput, or the lowest latency.
+(failed ones included) that did not beat the best, or when no candidate is left. A
+candidate the runner turns down (``run_one`` returns None: pruned once the first experiment
+has counted the model's parameters) is dropped without counting. The best experiment has
+the highest throughput, or the lowest latency.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def predict(untried: list[Candidate], outcomes: list[Outcome], metric: str) -> C
 
 
 def search(
-    candidates: list[Candidate], tuning: AutotuningConfig, run_one: Callable[[Candidate], Outcome]
+    candidates: list[Candidate], tuning: AutotuningConfig, run_one: Callable[[Candidate], Outcome | None]
 ) -> list[Outcome]:
     """Run candidates with ``run_one`` in the order ``tuning.tuner_type`` gives, until a
     stopping rule holds (see [Note: autotuning search]); returns every outcome in run order."""
@@ -111,6 +113,8 @@ def search(
             candidate = untried[0]
         untried.remove(candidate)
         outcome = run_one(candidate)
+        if outcome is None:
+            continue
         outcomes.append(outcome)
         if outcome.status is Status.MEASURED and is_better(outcome.metrics[tuning.metric], best, tuning.metric):
             best, since_best = outcome.metrics[tuning.metric], 0

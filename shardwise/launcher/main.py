@@ -67,7 +67,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default="",
         choices=["", "tune", "run"],
         help="tune: find the fastest configuration that fits (the script's --deepspeed config has the "
-        "'autotuning' section), writing it to results_dir; run: tune, then train with it",
+        "'autotuning' section), writing it to results_dir; run: tune, then train with it. A script "
+        "started with torchrun or accelerate: put that line in the script's place "
+        "(shardwise run --autotuning tune torchrun --nproc_per_node 2 train.py --deepspeed ds.json)",
     )
     add("script", help="the training script")
     add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -195,19 +197,37 @@ def _launcher_flags(argv: list[str], args) -> list[str]:
 
 def _autotune(argv: list[str], args) -> int:
     from shardwise.autotuning import AutotuningError, Resources, autotune
+    from shardwise.autotuning._launchers import is_foreign, parse_launcher_line, reject_mixed_flags
     from shardwise.config import ConfigError
 
-    if not Path(args.script).is_file():
-        raise HostfileError(f"training script {args.script!r} does not exist")
-    nodes, ranks = planned_ranks(args)
-    resources = Resources(num_nodes=nodes, ranks_per_node=ranks, on_cpu=_cuda_count() == 0)
     try:
+        if is_foreign(args.script):  # shardwise run --autotuning tune torchrun|accelerate launch ...
+            line = parse_launcher_line(args.script, list(args.script_args))
+            reject_mixed_flags(_launcher_flags(argv, args), line.launcher)
+            launcher, launcher_args, script, script_args = (
+                line.launcher,
+                line.launcher_args,
+                line.script,
+                line.script_args,
+            )
+            nodes, ranks = line.num_nodes, line.ranks_per_node
+        else:
+            launcher, launcher_args, script, script_args = (
+                "shardwise",
+                _launcher_flags(argv, args),
+                args.script,
+                args.script_args,
+            )
+            nodes, ranks = planned_ranks(args)
+        if not Path(script).is_file():
+            raise HostfileError(f"training script {script!r} does not exist")
         return autotune(
             args.autotuning,
-            launcher_args=_launcher_flags(argv, args),
-            script=args.script,
-            script_args=list(args.script_args),
-            resources=resources,
+            launcher_args=list(launcher_args),
+            script=script,
+            script_args=list(script_args),
+            resources=Resources(num_nodes=nodes, ranks_per_node=ranks, on_cpu=_cuda_count() == 0),
+            launcher=launcher,
         )
     except (AutotuningError, ConfigError) as exc:
         print(f"shardwise run --autotuning: {exc}", file=sys.stderr)

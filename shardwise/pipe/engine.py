@@ -125,8 +125,11 @@ class PipelineEngine(Engine):
         return self.agg_train_loss
 
     def _model_step(self) -> None:
-        """The batch's optimizer step and counters (the runner's ``OptimizerStep``)."""
+        """The batch's optimizer step and counters (the runner's ``OptimizerStep``); the
+        training features see it first, as in ``Engine.step`` (the autotuning profile
+        included: ``train_batch`` is what an experiment times)."""
         with self._progress.timer("step"):
+            self.training_features.before_model_step(self.global_steps)
             self._take_model_step(None)
         self.micro_steps += self.micro_batches
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.micro_batches * self.comm.world_size

@@ -21,7 +21,9 @@ DeepSpeed's file (its throughput is samples per 10^-9 s of summed phase timers);
 only compares experiments with each other. With ``model_info.profile`` and
 ``model_info_path`` set, rank 0 writes ``{"num_params", "trainable_num_params"}`` there
 when the engine is built and every rank exits at once (the tuner's parameter count for the
-memory estimator). An enabled section without ``metric_path`` (a run outside the tuner)
+memory estimator); with ``model_info_path`` and ``metric_path`` but no ``model_info.profile``
+(the tuner's first experiment, [Note: autotuning pruning order]) rank 0 writes the count
+and the experiment goes on to measure its window. An enabled section without ``metric_path`` (a run outside the tuner)
 only logs that autotuning has no effect there.
 """
 
@@ -52,9 +54,16 @@ def _write_json(path: str, payload: dict) -> None:
     partial.replace(target)  # the tuner never reads half a file
 
 
-def write_model_info(config, model: nn.Module) -> None:
-    """Write the parameter count to ``config.model_info_path`` (rank 0) and end the process
-    (see [Note: autotuning experiment])."""
+def _model_shards(raw) -> int:
+    """Ranks one copy of the model is split over by tensor and pipeline parallelism."""
+    tp = (raw.get("tensor_parallel") or {}).get("autotp_size", 1)
+    pp = (raw.get("pipeline") or {}).get("stages", 1)
+    return max(tp if isinstance(tp, int) else 1, 1) * (pp if isinstance(pp, int) and pp > 0 else 1)
+
+
+def write_model_info(config, model: nn.Module, *, then_exit: bool = True, shards: int = 1) -> None:
+    """Write the parameter count to ``config.model_info_path`` (rank 0) and, with
+    ``then_exit``, end the process (see [Note: autotuning experiment])."""
     seen, total, trainable = set(), 0, 0
     for param in model.parameters():
         if id(param) in seen:
@@ -65,9 +74,10 @@ def write_model_info(config, model: nn.Module) -> None:
         trainable += numel if param.requires_grad else 0
     rank, world = _rank_and_world()
     if rank == 0:
-        scale = config.mp_size  # each model-parallel rank holds 1/mp_size of the model
+        scale = config.mp_size * shards  # each model-parallel rank holds about 1/scale of the model
         _write_json(config.model_info_path, {"num_params": total * scale, "trainable_num_params": trainable * scale})
-    raise SystemExit(0)
+    if then_exit:
+        raise SystemExit(0)
 
 
 class AutotuningProfile:
@@ -123,7 +133,9 @@ def autotuning_profile(config, model: nn.Module) -> AutotuningProfile | None:
     if not tuning.enabled:
         return None
     if tuning.model_info is not None and tuning.model_info.profile and tuning.model_info_path:
-        write_model_info(tuning, model)
+        write_model_info(tuning, model, shards=_model_shards(config.raw))
+    if tuning.model_info_path and tuning.metric_path:
+        write_model_info(tuning, model, then_exit=False, shards=_model_shards(config.raw))
     if tuning.metric_path is None:
         logger.info(
             "autotuning.enabled has an effect only in an experiment started by "

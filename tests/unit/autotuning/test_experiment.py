@@ -11,7 +11,7 @@ import pytest
 
 from shardwise.autotuning import AutotuningError, Candidate, Status
 from shardwise.autotuning._experiment import Launch, descendants, run_experiment, split_config_arg
-from shardwise.autotuning._main import _count_params
+from shardwise.autotuning._main import Resources, _Experiments
 from shardwise.config._autotuning import autotuning_config
 
 # micro-batch 1: crash; 2: hang with a child in a session of its own (as torchrun starts
@@ -124,12 +124,18 @@ def test_arg_mappings_pass_the_experiment_values_to_the_script():
 
 
 @pytest.mark.parametrize("micro", [5, 1])
-def test_the_model_info_run_counts_the_parameters_or_says_why_not(tmp_path, micro):
-    user = {"train_micro_batch_size_per_gpu": micro}
-    kwargs = dict(launch=_launch(tmp_path), results_dir=tmp_path / "r", exps_dir=tmp_path / "e", dp=1)
+def test_the_first_experiment_counts_the_parameters_then_pruning_applies(tmp_path, micro):
+    # 123 fp32 parameters need 1968 bytes of model states at stage 0: 1000 prunes the rest
+    tuning = autotuning_config({"results_dir": str(tmp_path / "r"), "exps_dir": str(tmp_path / "e"),
+                                "memory_per_rank": 1000})  # fmt: skip
+    space = [Candidate(0, micro, 1), Candidate(0, 4, 1)]
+    resources = Resources(num_nodes=1, ranks_per_node=1, on_cpu=False)
+    runner = _Experiments({}, tuning, _launch(tmp_path), resources, None, {}, space)
     if micro == 5:
-        assert _count_params(user, Candidate(1, micro, 1), autotuning_config({}), **kwargs) == 123
-        assert [p.name for p in (tmp_path / "e").iterdir()] == ["profile_model_info.json"]
+        assert runner(space[0]).status is Status.NO_METRIC  # the stand-in job writes only the count
+        assert runner.num_params == 123
+        assert runner(space[1]) is None and "memory estimator" in runner.rejected[space[1]]
+        assert [p.name for p in (tmp_path / "e").iterdir()] == ["z0_gas1_tmbspg5.json"]
         return
     with pytest.raises(AutotuningError, match=r"wrote no parameter count \(failed: exit code 1: injected failure\)"):
-        _count_params(user, Candidate(1, micro, 1), autotuning_config({}), **kwargs)
+        runner(space[0])

@@ -104,3 +104,47 @@ def test_offload_counts_on_cpu_but_not_on_gpu():
     assert prune([offloaded], gpu)[0] == [offloaded]  # 8 MiB on the device
     cpu = MemoryBudget(**{**gpu.__dict__, "on_cpu": True})
     assert prune([offloaded], cpu)[0] == []  # 12 MiB in the same memory
+
+
+def test_tensor_and_pipeline_degrees_that_divide_the_world():
+    user = {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 2, "train_batch_size": 16,
+            "tensor_parallel": {"autotp_size": "auto"}, "pipeline": {"stages": [1, 2, 3]}}  # fmt: skip
+    space = build_space(user, _tuning(), world_size=4)
+    # tp in {1, 2, 4} x pp in {1, 2} with tp x pp dividing 4; pp 3 never; accumulation keeps 16
+    assert [(c.tp, c.pp, c.gas) for c in space] == [(1, 1, 2), (1, 2, 4), (2, 1, 4), (2, 2, 8), (4, 1, 8)]
+    assert space[3].name == "z1_gas8_tmbspg2_tp2_pp2"
+    config = experiment_config(user, space[3], dp=1, metric_path="/m.json")
+    assert (config["tensor_parallel"]["autotp_size"], config["pipeline"]["stages"]) == (2, 2)
+    assert config["train_batch_size"] == 16
+    # a number is kept, "auto" stages is DeepSpeed's (the script decides): neither is searched
+    fixed = build_space({**user, "tensor_parallel": {"autotp_size": 2}, "pipeline": {"stages": "auto"}},
+                        _tuning(), world_size=4)  # fmt: skip
+    assert [(c.tp, c.pp) for c in fixed] == [(2, 1)]
+    kept = experiment_config({"pipeline": {"stages": "auto"}}, fixed[0], dp=2, metric_path="m")
+    assert kept["pipeline"] == {"stages": "auto"}  # left to the script
+    with pytest.raises(ConfigError, match=r"autotp_size in \[3\] and pipeline.stages in \[1\] divides the 4 rank"):
+        build_space({**user, "tensor_parallel": {"autotp_size": [3]}, "pipeline": {}}, _tuning(), world_size=4)
+    with pytest.raises(ConfigError, match="pipeline.stages must be a positive integer"):
+        build_space({**user, "pipeline": {"stages": [0]}}, _tuning(), world_size=4)
+
+
+def test_tensor_and_pipeline_degrees_shrink_the_estimate():
+    # 1M fp32 parameters, stage 0, 4 ranks: 16 MiB per rank whole, 8 MiB split over 2 ranks
+    budget = MemoryBudget(num_params=2**20, dtype="fp32", num_nodes=1, ranks_per_node=4,
+                          bytes_per_rank=10 * 2**20, on_cpu=False)  # fmt: skip
+    whole, tp2, pp2 = Candidate(0, 1, 1), Candidate(0, 1, 1, tp=2), Candidate(0, 1, 1, pp=2)
+    kept, rejected = prune([whole, tp2, pp2], budget)
+    assert kept == [tp2, pp2] and "0.016 GiB per rank" in rejected[whole]
+
+
+def test_candidates_that_only_add_work_for_the_same_memory_are_pruned():
+    # one data-parallel rank: stages 1-3 shard nothing; on CPU, offload saves nothing either
+    one = MemoryBudget(num_params=2**20, dtype="fp32", num_nodes=1, ranks_per_node=1,
+                       bytes_per_rank=2**30, on_cpu=True)  # fmt: skip
+    space = [Candidate(s, m, 1) for s in (0, 1, 2) for m in (1, 2)] + [Candidate(1, 2, 1, True)]
+    kept, rejected = prune(space, one)
+    assert kept == [Candidate(0, 1, 1), Candidate(0, 2, 1)]
+    assert rejected[Candidate(2, 2, 1)].startswith("dominated by z0_gas1_tmbspg2:")
+    # two ranks: each stage saves memory, so every one is kept; on GPU offload saves device memory
+    two = MemoryBudget(**{**one.__dict__, "ranks_per_node": 2, "on_cpu": False})
+    assert prune(space, two)[0] == space
