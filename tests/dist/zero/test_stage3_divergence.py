@@ -21,7 +21,8 @@ def _diverge(rank, world_size):
     engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config={
         "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}, "comm": {"timeout_s": DEADLINE_S}, "steps_per_print": 1000})
+        "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}, "comm": {"timeout_s": DEADLINE_S},
+        "steps_per_print": 1000})
     tokens, targets = token_batches(num_steps=1, batch=2, seed=rank)[0]
     engine.backward(engine(tokens, targets))
     engine.step()
