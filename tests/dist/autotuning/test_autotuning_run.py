@@ -2,13 +2,16 @@
 configurations the estimator rejects never run, the choice is the fastest measured one, the
 result files have DeepSpeed's layout, and ``run`` then trains with the choice. (Crashes,
 hangs and the search rules are tested without launching training jobs:
-tests/unit/autotuning.)"""
+tests/unit/autotuning.)
+
+The tuner itself (``shardwise run --autotuning run`` as its command line) runs in this
+process: it only starts the experiments and the final run as processes of their own, so a
+process of its own would add a Python start and the imports of torch to the launched jobs'."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from shardwise.cli import main as shardwise_main
 
 SCRIPT = Path(__file__).with_name("tune_script.py")
 _MIB = 2**20
@@ -18,7 +21,7 @@ def _cells(line):
     return [cell.strip() for cell in line.split("|")[1:-1]]
 
 
-def test_tune_then_run(tmp_path):
+def test_tune_then_run(tmp_path, monkeypatch, capfd):
     # 1M declared parameters in fp32: stage 0 needs 16 MiB of model states per rank, stage 1
     # on 2 ranks 12 MiB; 14 MiB per rank prunes stage 0
     config = {
@@ -38,13 +41,16 @@ def test_tune_then_run(tmp_path):
         },
     }
     (tmp_path / "ds_config.json").write_text(json.dumps(config))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
-    command = [sys.executable, "-m", "shardwise.cli", "run", "--autotuning", "run", "--nproc", "2", str(SCRIPT)]
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("SHARDWISE_ACCELERATOR", "cpu")
+    monkeypatch.chdir(tmp_path)
+    command = ["run", "--autotuning", "run", "--nproc", "2", str(SCRIPT)]
     command += ["--deepspeed_config", str(tmp_path / "ds_config.json")]
     command += ["--done_file", str(tmp_path / "done.json")]
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = shardwise_main(command)
+    assert code == 0, capfd.readouterr().err[-3000:]
 
     results, exps = tmp_path / "results", tmp_path / "exps"
     ran = ["z1_gas1_tmbspg1", "z1_gas1_tmbspg2"]

@@ -99,20 +99,25 @@ def test_ranks_fall_back_to_gloo_together(tmp_path):
         assert len(result["gloo_calls"]) == 80  # all but the first call
 
 
-def _missing_peer(rank, world_size):
+def _missing_peer(rank, world_size, failed_flag):
     comm = Communicator(timeout_s=3, name="tensor-parallel", shared_memory=True)
     comm.all_reduce(torch.ones(4), tag="first").wait()
     assert comm._shm is not None
-    if rank == 1:
-        time.sleep(8)  # past rank 0's deadline: it must not wait for this rank
+    if rank == 1:  # away until rank 0's deadline has passed: it must not wait for this rank
+        give_up = time.monotonic() + 30
+        while not os.path.exists(failed_flag) and time.monotonic() < give_up:
+            time.sleep(0.05)
         return
-    comm.all_reduce(torch.ones(4), tag="row-parallel output").wait()
+    try:
+        comm.all_reduce(torch.ones(4), tag="row-parallel output").wait()
+    finally:
+        open(failed_flag, "w").close()
 
 
 def test_a_missing_peer_is_a_collective_error_within_the_deadline(tmp_path):
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_missing_peer, world_size=2, tmp_path=tmp_path)
+        run_distributed(_missing_peer, world_size=2, tmp_path=tmp_path, failed_flag=str(tmp_path / "rank0-done"))
     message = str(info.value)
     assert "CollectiveError" in message
     assert re.search(r"rank 0 waited in tensor-parallel group rank 0: all_reduce #\d+ \(4 x float32\) "

@@ -1,6 +1,10 @@
 """Whole scripts written the way DeepSpeed's tutorials write them run on shardwise, under
 torchrun and under `shardwise run` (which passes --local_rank=N as DeepSpeed's launcher
-does), on 2 CPU ranks."""
+does), on 2 CPU ranks.
+
+The module's launched jobs run two at a time in the background (see
+shardwise.testing.background): a launcher's own start-up and a job's exit leave a core idle
+that the other job's ranks use; each test checks its own job's results."""
 
 import json
 import os
@@ -12,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.testing.background import in_background
+
 HERE = Path(__file__).parent
+AT_ONCE = 2
 
 
 def _env():
@@ -42,9 +49,38 @@ def _launch(launcher, script, args, tmp_path):
     return json.loads(found[1]), proc
 
 
+def _bert_resume(tmp_path):
+    """6 steps saving every 3, then a resume from the step-3 checkpoint in the same directory."""
+    full, proc = _launch("shardwise", "bert_style.py", ["--offload"], tmp_path)
+    (tmp_path / "bert_ckpt" / "latest").write_text("global_step3")  # rewind to the step-3 checkpoint
+    resumed, again = _launch("torchrun", "bert_style.py", ["--load_checkpoint_dir", "bert_ckpt",
+                                                           "--checkpoint_dir", "again"], tmp_path)
+    return full, proc.stdout, resumed, again.stdout
+
+
+def _job_for(item):
+    """The launched job of a test of this module, from its name and parameters."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    match item.originalname:
+        case "test_cifar_style_script":
+            args = ["--stage", str(params["stage"]), "--moe-param-group"]
+            return lambda cwd: _launch(params["launcher"], "cifar_style.py", args, cwd)
+        case "test_bert_style_script_resumes_exactly":
+            return _bert_resume
+        case "test_pipeline_style_script":
+            return lambda cwd: _launch("shardwise", "pipeline_style.py", ["--steps", "40"], cwd)
+    return None
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    with in_background(request, tmp_path_factory, _job_for, at_once=AT_ONCE) as started:
+        yield started
+
+
 @pytest.mark.parametrize("launcher,stage", [("shardwise", 2), ("torchrun", 3), ("torchrun", 1)])
-def test_cifar_style_script(tmp_path, launcher, stage):
-    r, _ = _launch(launcher, "cifar_style.py", ["--stage", str(stage), "--moe-param-group"], tmp_path)
+def test_cifar_style_script(jobs, request, launcher, stage):
+    r, _ = jobs[request.node.name].result()
     assert r["world_size"] == 2 and r["stage"] == stage and r["backend"] == "gloo" and r["device"] == "cpu"
     # shardwise run passes --local_rank=N; torchrun does not (the script's default stays)
     assert r["local_rank_arg"] == (0 if launcher == "shardwise" else -1)
@@ -60,25 +96,22 @@ def _steps(text):
     return {int(m[1]): float(m[2]) for m in re.finditer(r"^STEP (\d+) ([\d.]+)$", text, re.M)}
 
 
-def test_bert_style_script_resumes_exactly(tmp_path):
+def test_bert_style_script_resumes_exactly(jobs, request):
     """Run 6 steps saving every 3 (with offload_states round trips); then resume from the
     step-3 checkpoint: steps 4-6 give the same losses as the uninterrupted run."""
-    full, proc = _launch("shardwise", "bert_style.py", ["--offload"], tmp_path)
-    straight = _steps(proc.stdout)
+    full, full_out, resumed, resumed_out = jobs[request.node.name].result()
+    straight = _steps(full_out)
     assert full["partitioned_at_init"] and full["global_steps"] == 6 and full["gas"] == 2
     assert full["exp_avg_shape"] == full["saved_head"] == [50, 32]
-    (tmp_path / "bert_ckpt" / "latest").write_text("global_step3")  # rewind to the step-3 checkpoint
-    resumed, proc = _launch("torchrun", "bert_style.py", ["--load_checkpoint_dir", "bert_ckpt",
-                                                          "--checkpoint_dir", "again"], tmp_path)
-    again = _steps(proc.stdout)
+    again = _steps(resumed_out)
     assert sorted(again) == [4, 5, 6] and resumed["global_steps"] == 6
     for step in (4, 5, 6):
         assert again[step] == pytest.approx(straight[step], abs=1e-6), (step, again, straight)
     assert straight[6] < straight[1]
 
 
-def test_pipeline_style_script(tmp_path):
-    r, _ = _launch("shardwise", "pipeline_style.py", ["--steps", "40"], tmp_path)
+def test_pipeline_style_script(jobs, request):
+    r, _ = jobs[request.node.name].result()
     assert r["stages"] == 2 and r["first"] and r["gas"] == 4 and r["global_steps"] == 40
     assert r["layers"] == ["0"]  # by parameters: stage 0 holds layers 0-1 (1088), stage 1 layers 2-4 (4420)
     first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5

@@ -16,6 +16,11 @@ from shardwise.testing import run_distributed
 from shardwise.testing.models import PipelineBlock, pipeline_specs, tied_head
 
 V, H, S, MICRO, STEPS, LR, BASE_SEED = 32, 16, 6, 2, 3, 0.5, 1234
+FAILURE_DEADLINE_S = 2
+"""comm.timeout_s of the bad-input cases, whose surviving stage waits it out once. It bounds
+every receive of the failing batch too, so it must exceed how far apart the two stages reach
+the batch after ``initialize`` (milliseconds for these tiny layers), with room for a loaded
+machine."""
 
 
 def _specs(num_blocks: int, tied: bool):
@@ -315,7 +320,7 @@ def _errors(rank, world_size, failure):
         config={**base, "zero_optimization": {"stage": 3}, "pipeline": {"schedule": "zero_bubble", "keep_gathered": False}}))
     # last: a failure inside a batch parts the stages (the other stage then waits in vain
     # for its peer, a short deadline later)
-    timeout = {**base, "comm": {"timeout_s": 5}}
+    timeout = {**base, "comm": {"timeout_s": FAILURE_DEADLINE_S}}
     if failure == "no loss":
         engine, *_ = shardwise.initialize(model=PipelineModule(specs, num_stages=2), config=timeout)
         out["forward"] = error(lambda: engine(tokens))

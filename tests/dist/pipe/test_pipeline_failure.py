@@ -12,7 +12,7 @@ from shardwise.testing.background import in_background
 sys.path.insert(0, str(Path(__file__).parents[1] / "comm"))
 from launched_jobs import launch  # noqa: E402 -- the launch-and-kill helper of the comm tests
 
-DEADLINE_S, MARGIN_S = 4, 45
+DEADLINE_S, MARGIN_S = 3, 45
 """The deadline bounds every receive of the job, so it must exceed the longest legitimate
 wait of one stage for the other (a few micro-batches of tiny layers: well under a second);
 each case waits it out once."""
