@@ -9,6 +9,19 @@ gradient hooks see them as usual), and assembles the inputs' gradient. The cost 
 forward of ``fn``; the memory of its intermediates (an MLP's ``[b, s, 4h]``, the logits
 ``[b, s, vocab]``) drops to one tile's.
 
+[Note: tiled compute under checkpointing]
+Inside an activation-checkpointed block (Hugging Face's decoder layer), backward first runs
+the block's forward again to recover what it saved; torch's non-reentrant checkpoint stops
+that recomputation as soon as the last saved tensor is packed. ``TiledMLP`` saves only its
+input, and in a Llama layer it is the block's last saver (the residual add after it saves
+nothing), so its output in the recomputation is thrown away before anyone reads it, and its
+own backward recomputes the MLP tile by tile anyway. So when ``TiledMLP.forward`` finds
+itself in a recomputation that ends with its own saved input (the checkpoint's counters, read
+through torch's saved-tensor hooks), it returns an uninitialized tensor of the output's shape
+instead of running the MLP: one of the MLP's three forwards per step is saved (DeepSpeed's
+runs all three). Anywhere else (a later op of the block saves something, early stop off,
+another version of torch's checkpoint) it computes as usual.
+
 A ``"mean"`` reduction averages over every element of the assembled output (DeepSpeed's
 divides the gradient by the number of tiles whatever the output's size).
 
@@ -137,6 +150,9 @@ class TiledMLP(torch.autograd.Function):
         ctx.fn, ctx.module, ctx.tiles = fn, module, _tiles(x.shape[1], shards)
         ctx.save_for_backward(x)
         with torch.no_grad():
+            if _recomputation_ends_here(saving=1):  # see [Note: tiled compute under checkpointing]
+                empty = fn(module, x[:, :0])
+                return empty.new_empty(empty.shape[:1] + x.shape[1:2] + empty.shape[2:])
             return torch.cat([fn(module, x[:, tile]) for tile in ctx.tiles], dim=1)
 
     @staticmethod
@@ -202,6 +218,22 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
             if grad_x is not None:
                 grad_x[:, tile] = piece.grad
         return None, None, grad_x, None, None, None, None, None
+
+
+def _recomputation_ends_here(saving: int) -> bool:
+    """Whether this call runs inside the recomputation of a non-reentrant checkpoint that
+    stops as soon as the ``saving`` tensors this call saves for backward are packed (see
+    [Note: tiled compute under checkpointing]); False whenever that cannot be told."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        pack = getattr(hooks[0], "__wrapped__", None) if hooks else None
+        if pack is None or not pack.__qualname__.startswith("_recomputation_hook."):
+            return False
+        cells = dict(zip(pack.__code__.co_freevars, (cell.cell_contents for cell in pack.__closure__)))
+        frame, gid = cells["target_frame_ref"](), cells["gid"]
+        return bool(frame.early_stop) and frame.recomp_counter[gid] + saving == len(frame.weak_holders)
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError):  # other internals: compute
+        return False
 
 
 def _zero3_managed(module, compute_params) -> bool:
