@@ -30,13 +30,20 @@ A loss is a scalar, so its gradients are known in forward up to the one number b
 brings. ``TiledFusedLogitsLoss`` therefore differentiates each tile's loss in forward
 (``torch.autograd.grad``, for the input and for every leaf the tile's graph reaches: the LM
 head's weight and bias, whatever ``fn`` uses), frees the tile's logits, and keeps the
-summed gradients: one input-sized and one head-sized buffer. Backward multiplies them by
-the incoming gradient and hands the leaves theirs through ``torch.autograd.backward``, so
-ZeRO's gradient hooks fire then, with the scale applied to the loss later (accumulation,
-loss scaling) included. DeepSpeed's runs the same backward in forward but scales only the
-input's gradient, so its parameters miss that scale. Under ZeRO-3 a parameter is whole only
-while its module runs, so there the loss is recomputed in backward like the other tiled
-functions (a second forward of the head).
+summed gradients. Backward multiplies them by the incoming gradient, so a scale applied to
+the loss later (accumulation, loss scaling) reaches every one of them; DeepSpeed's runs the
+same backward in forward but scales only the input's gradient, so its parameters miss that
+scale. The ``compute_params`` are inputs of the autograd function and get their gradients as
+its outputs, inside the model's backward, once per backward: ZeRO's gradient hooks fire for
+them as for any parameter. Leaves ``fn`` reaches outside ``compute_params`` get theirs by a
+``torch.autograd.backward`` from inside that backward.
+
+Memory: besides one tile's logits, forward keeps an input-sized gradient and one buffer the
+size of each parameter it differentiates (the LM head's weight: ``vocab x hidden``) until
+backward. Under ZeRO-3 a parameter is whole only while its module runs, so there forward
+computes the losses alone (no graph), and backward runs the head again tile by tile and
+differentiates it the same way (a second forward of the head, and the same buffers, only
+during backward).
 """
 
 from __future__ import annotations
@@ -177,16 +184,22 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     ``output_reduction``: "mean" averages the tiles' outputs, "sum" adds them (use "sum" and
     divide by the token count yourself when tiles hold different numbers of targets). The
     gradients are computed tile by tile in forward and scaled in backward (see
-    [Note: the tiled loss's gradients]); ``compute_params`` is accepted for DeepSpeed's
-    signature."""
+    [Note: the tiled loss's gradients]); ``compute_params`` (the parameters ``fn`` uses, say
+    ``[self.weight]``) are inputs of the autograd function, so their gradients arrive in the
+    model's backward as any other parameter's."""
+
+    @classmethod
+    def apply(cls, fn, module, x, y, mask, shards, compute_params=None, output_reduction="mean"):
+        params = [p for p in (compute_params or ()) if torch.is_tensor(p)]
+        return super().apply(fn, module, x, y, mask, shards, output_reduction, *params)
 
     @staticmethod
-    def forward(ctx, fn, module, x, y, mask, shards, compute_params=None, output_reduction="mean"):
+    def forward(ctx, fn, module, x, y, mask, shards, output_reduction, *params):
         if output_reduction not in ("mean", "sum"):
             raise ValueError(f"output_reduction must be 'mean' or 'sum', got {output_reduction!r}")
         ctx.fn, ctx.module, ctx.mask, ctx.tiles = fn, module, mask, _tiles(x.shape[1], shards)
-        ctx.reduction = output_reduction
-        ctx.recompute = _zero3_managed(module, compute_params)
+        ctx.reduction, ctx.params = output_reduction, params
+        ctx.recompute = _zero3_managed(module, params)
         if ctx.recompute:
             ctx.save_for_backward(x, y)
             with torch.no_grad():
@@ -200,24 +213,18 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.reduction == "mean":
             grad = grad / len(ctx.tiles)
-        if not ctx.recompute:
-            leaves, grads = ctx.leaves, ctx.leaf_grads
-            if leaves:
-                torch.autograd.backward(leaves, [g * grad for g in grads])
-            grad_x = None if ctx.grad_x is None else ctx.grad_x * grad
-            ctx.leaves = ctx.leaf_grads = ctx.grad_x = None
-            return None, None, grad_x, None, None, None, None, None
-        x, y = ctx.saved_tensors
-        grad_x = torch.zeros_like(x) if x.requires_grad else None
-        for tile in ctx.tiles:
-            piece, target, *rest = _tile_args(x, y, ctx.mask, tile)
-            piece = _detached(piece, x.requires_grad)
-            with torch.enable_grad():
-                loss = ctx.fn(ctx.module, piece, target, *rest)
-            torch.autograd.backward(loss, grad)
-            if grad_x is not None:
-                grad_x[:, tile] = piece.grad
-        return None, None, grad_x, None, None, None, None, None
+        if ctx.recompute:
+            x, y = ctx.saved_tensors
+            _differentiate_tiles(ctx, x, y)
+        by_id = {id(leaf): g for leaf, g in zip(ctx.leaves, ctx.leaf_grads)}
+        param_grads = [by_id.pop(id(p), None) for p in ctx.params]
+        param_grads = [None if g is None else g.mul_(grad) for g in param_grads]
+        others = [leaf for leaf in ctx.leaves if id(leaf) in by_id]
+        if others:  # leaves fn reaches outside compute_params
+            torch.autograd.backward(others, [by_id[id(leaf)].mul_(grad) for leaf in others])
+        grad_x = None if ctx.grad_x is None else ctx.grad_x.mul_(grad)
+        ctx.leaves = ctx.leaf_grads = ctx.grad_x = ctx.params = None
+        return (None, None, grad_x, None, None, None, None, *param_grads)
 
 
 def _recomputation_ends_here(saving: int) -> bool:
