@@ -234,7 +234,7 @@ def _one_accumulated_step(stage, tiled):
     use_sequence_parallel(engine.module, comm)
     mine = slice(comm.rank * SEQ // 2, (comm.rank + 1) * SEQ // 2)
     head = engine.module.head
-    for (ids, labels), in samples(2, 1):
+    for ((ids, labels),) in samples(2, 1):
         hidden = engine(ids[:, mine], torch.arange(SEQ).expand_as(ids)[:, mine], hidden=True)
         targets = labels[:, mine]
         if tiled:
