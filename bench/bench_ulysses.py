@@ -44,6 +44,7 @@ Two measurements:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -368,6 +369,20 @@ def _command(args, variant: str, seq_len: int, steps: int, result: Path, *, capa
     return cmd
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        below = children.get(stack.pop(), [])
+        found += below
+        stack += below
+    return found
+
+
 def launch(args, variant: str, seq_len: int, steps: int, *, capacity: bool, profile: bool = False) -> dict:
     """One launch of 2 ranks; its ranks' records, or ``{"error": ...}`` with ``over_cap`` or
     ``timeout`` set when that is why it failed."""
@@ -390,7 +405,11 @@ def launch(args, variant: str, seq_len: int, steps: int, *, capacity: bool, prof
             try:
                 out, _ = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
+                ranks = _descendants(proc.pid)  # torchrun starts its ranks in sessions of their own
+                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in ranks:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 proc.communicate()
                 return {"error": f"ran past {timeout:.0f} s", "timeout": True, "wall_s": timeout}
             wall = time.perf_counter() - started

@@ -112,13 +112,17 @@ def _slice(x: torch.Tensor, heads: range) -> torch.Tensor:
 def to_heads(x: torch.Tensor, comm, lengths: list[int], heads: tuple[range, ...], tag: str) -> torch.Tensor:
     """``[b, lengths[me], H, d]`` (this rank's positions, every head) to ``[b, sum(lengths),
     len(heads[me]), d]`` (every position, this rank's heads)."""
-    b, _, _, d = x.shape
+    b, s, _, d = x.shape
     me = comm.rank
-    send = torch.cat([_slice(x, h).reshape(-1) for h in heads])
-    send_sizes = [x.shape[1] * b * len(h) * d for h in heads]
+    send_sizes = [s * b * len(h) * d for h in heads]
+    send = x.new_empty(sum(send_sizes))
+    for chunk, h in zip(send.split(send_sizes), heads):  # one copy per head run, no concatenation
+        chunk.view(b, s, len(h), d).copy_(_slice(x, h))
     recv_sizes = [n * b * len(heads[me]) * d for n in lengths]
     received = x.new_empty(sum(recv_sizes))
     comm.all_to_all_single(received, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, tag=tag).wait()
+    if b == 1:  # the ranks' pieces, in rank order, are already the whole sequence
+        return received.view(1, sum(lengths), len(heads[me]), d)
     pieces = [p.view(b, n, len(heads[me]), d) for p, n in zip(received.split(recv_sizes), lengths)]
     return torch.cat(pieces, dim=1)
 
@@ -130,7 +134,10 @@ def to_sequence(
     num_heads, d]``; a head held by several ranks (replicated) gets the sum of their parts."""
     b, _, h_me, d = y.shape
     me = comm.rank
-    send = torch.cat([piece.reshape(-1) for piece in y.split(lengths, dim=1)])
+    if b == 1:  # rank r's positions are already one run
+        send = y.reshape(-1)
+    else:
+        send = torch.cat([piece.reshape(-1) for piece in y.split(lengths, dim=1)])
     send_sizes = [n * b * h_me * d for n in lengths]
     recv_sizes = [lengths[me] * b * len(h) * d for h in heads]
     received = y.new_empty(sum(recv_sizes))

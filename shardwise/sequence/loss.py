@@ -142,12 +142,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = ctx.grads
         ctx.grads = None
         shape, weight_dtype, bias_dtype = ctx.shapes
-        if grad_hidden is not None:
-            grad_hidden = (grad_hidden * grad.to(grad_hidden.dtype)).reshape(shape)
+        if grad_hidden is not None:  # the buffers are this function's own: scaled in place
+            grad_hidden = grad_hidden.mul_(grad.to(grad_hidden.dtype)).reshape(shape)
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad).to(weight_dtype)
+            grad_weight = grad_weight.mul_(grad).to(weight_dtype)
         if grad_bias is not None:
-            grad_bias = (grad_bias * grad).to(bias_dtype)
+            grad_bias = grad_bias.mul_(grad).to(bias_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 

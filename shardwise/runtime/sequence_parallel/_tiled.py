@@ -9,6 +9,19 @@ gradient hooks see them as usual), and assembles the inputs' gradient. The cost 
 forward of ``fn``; the memory of its intermediates (an MLP's ``[b, s, 4h]``, the logits
 ``[b, s, vocab]``) drops to one tile's.
 
+[Note: tiled compute under checkpointing]
+Inside an activation-checkpointed block (Hugging Face's decoder layer), backward first runs
+the block's forward again to recover what it saved; torch's non-reentrant checkpoint stops
+that recomputation as soon as the last saved tensor is packed. ``TiledMLP`` saves only its
+input, and in a Llama layer it is the block's last saver (the residual add after it saves
+nothing), so its output in the recomputation is thrown away before anyone reads it, and its
+own backward recomputes the MLP tile by tile anyway. So when ``TiledMLP.forward`` finds
+itself in a recomputation that ends with its own saved input (the checkpoint's counters, read
+through torch's saved-tensor hooks), it returns an uninitialized tensor of the output's shape
+instead of running the MLP: one of the MLP's three forwards per step is saved (DeepSpeed's
+runs all three). Anywhere else (a later op of the block saves something, early stop off,
+another version of torch's checkpoint) it computes as usual.
+
 A ``"mean"`` reduction averages over every element of the assembled output (DeepSpeed's
 divides the gradient by the number of tiles whatever the output's size).
 
@@ -17,13 +30,20 @@ A loss is a scalar, so its gradients are known in forward up to the one number b
 brings. ``TiledFusedLogitsLoss`` therefore differentiates each tile's loss in forward
 (``torch.autograd.grad``, for the input and for every leaf the tile's graph reaches: the LM
 head's weight and bias, whatever ``fn`` uses), frees the tile's logits, and keeps the
-summed gradients: one input-sized and one head-sized buffer. Backward multiplies them by
-the incoming gradient and hands the leaves theirs through ``torch.autograd.backward``, so
-ZeRO's gradient hooks fire then, with the scale applied to the loss later (accumulation,
-loss scaling) included. DeepSpeed's runs the same backward in forward but scales only the
-input's gradient, so its parameters miss that scale. Under ZeRO-3 a parameter is whole only
-while its module runs, so there the loss is recomputed in backward like the other tiled
-functions (a second forward of the head).
+summed gradients. Backward multiplies them by the incoming gradient, so a scale applied to
+the loss later (accumulation, loss scaling) reaches every one of them; DeepSpeed's runs the
+same backward in forward but scales only the input's gradient, so its parameters miss that
+scale. The ``compute_params`` are inputs of the autograd function and get their gradients as
+its outputs, inside the model's backward, once per backward: ZeRO's gradient hooks fire for
+them as for any parameter. Leaves ``fn`` reaches outside ``compute_params`` get theirs by a
+``torch.autograd.backward`` from inside that backward.
+
+Memory: besides one tile's logits, forward keeps an input-sized gradient and one buffer the
+size of each parameter it differentiates (the LM head's weight: ``vocab x hidden``) until
+backward. Under ZeRO-3 a parameter is whole only while its module runs, so there forward
+computes the losses alone (no graph), and backward runs the head again tile by tile and
+differentiates it the same way (a second forward of the head, and the same buffers, only
+during backward).
 """
 
 from __future__ import annotations
@@ -137,6 +157,9 @@ class TiledMLP(torch.autograd.Function):
         ctx.fn, ctx.module, ctx.tiles = fn, module, _tiles(x.shape[1], shards)
         ctx.save_for_backward(x)
         with torch.no_grad():
+            if _recomputation_ends_here(saving=1):  # see [Note: tiled compute under checkpointing]
+                empty = fn(module, x[:, :0])
+                return empty.new_empty(empty.shape[:1] + x.shape[1:2] + empty.shape[2:])
             return torch.cat([fn(module, x[:, tile]) for tile in ctx.tiles], dim=1)
 
     @staticmethod
@@ -161,16 +184,22 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     ``output_reduction``: "mean" averages the tiles' outputs, "sum" adds them (use "sum" and
     divide by the token count yourself when tiles hold different numbers of targets). The
     gradients are computed tile by tile in forward and scaled in backward (see
-    [Note: the tiled loss's gradients]); ``compute_params`` is accepted for DeepSpeed's
-    signature."""
+    [Note: the tiled loss's gradients]); ``compute_params`` (the parameters ``fn`` uses, say
+    ``[self.weight]``) are inputs of the autograd function, so their gradients arrive in the
+    model's backward as any other parameter's."""
+
+    @classmethod
+    def apply(cls, fn, module, x, y, mask, shards, compute_params=None, output_reduction="mean"):
+        params = [p for p in (compute_params or ()) if torch.is_tensor(p)]
+        return super().apply(fn, module, x, y, mask, shards, output_reduction, *params)
 
     @staticmethod
-    def forward(ctx, fn, module, x, y, mask, shards, compute_params=None, output_reduction="mean"):
+    def forward(ctx, fn, module, x, y, mask, shards, output_reduction, *params):
         if output_reduction not in ("mean", "sum"):
             raise ValueError(f"output_reduction must be 'mean' or 'sum', got {output_reduction!r}")
         ctx.fn, ctx.module, ctx.mask, ctx.tiles = fn, module, mask, _tiles(x.shape[1], shards)
-        ctx.reduction = output_reduction
-        ctx.recompute = _zero3_managed(module, compute_params)
+        ctx.reduction, ctx.params = output_reduction, params
+        ctx.recompute = _zero3_managed(module, params)
         if ctx.recompute:
             ctx.save_for_backward(x, y)
             with torch.no_grad():
@@ -184,24 +213,34 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.reduction == "mean":
             grad = grad / len(ctx.tiles)
-        if not ctx.recompute:
-            leaves, grads = ctx.leaves, ctx.leaf_grads
-            if leaves:
-                torch.autograd.backward(leaves, [g * grad for g in grads])
-            grad_x = None if ctx.grad_x is None else ctx.grad_x * grad
-            ctx.leaves = ctx.leaf_grads = ctx.grad_x = None
-            return None, None, grad_x, None, None, None, None, None
-        x, y = ctx.saved_tensors
-        grad_x = torch.zeros_like(x) if x.requires_grad else None
-        for tile in ctx.tiles:
-            piece, target, *rest = _tile_args(x, y, ctx.mask, tile)
-            piece = _detached(piece, x.requires_grad)
-            with torch.enable_grad():
-                loss = ctx.fn(ctx.module, piece, target, *rest)
-            torch.autograd.backward(loss, grad)
-            if grad_x is not None:
-                grad_x[:, tile] = piece.grad
-        return None, None, grad_x, None, None, None, None, None
+        if ctx.recompute:
+            x, y = ctx.saved_tensors
+            _differentiate_tiles(ctx, x, y)
+        by_id = {id(leaf): g for leaf, g in zip(ctx.leaves, ctx.leaf_grads)}
+        param_grads = [by_id.pop(id(p), None) for p in ctx.params]
+        param_grads = [None if g is None else g.mul_(grad) for g in param_grads]
+        others = [leaf for leaf in ctx.leaves if id(leaf) in by_id]
+        if others:  # leaves fn reaches outside compute_params
+            torch.autograd.backward(others, [by_id[id(leaf)].mul_(grad) for leaf in others])
+        grad_x = None if ctx.grad_x is None else ctx.grad_x.mul_(grad)
+        ctx.leaves = ctx.leaf_grads = ctx.grad_x = ctx.params = None
+        return (None, None, grad_x, None, None, None, None, *param_grads)
+
+
+def _recomputation_ends_here(saving: int) -> bool:
+    """Whether this call runs inside the recomputation of a non-reentrant checkpoint that
+    stops as soon as the ``saving`` tensors this call saves for backward are packed (see
+    [Note: tiled compute under checkpointing]); False whenever that cannot be told."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        pack = getattr(hooks[0], "__wrapped__", None) if hooks else None
+        if pack is None or not pack.__qualname__.startswith("_recomputation_hook."):
+            return False
+        cells = dict(zip(pack.__code__.co_freevars, (cell.cell_contents for cell in pack.__closure__)))
+        frame, gid = cells["target_frame_ref"](), cells["gid"]
+        return bool(frame.early_stop) and frame.recomp_counter[gid] + saving == len(frame.weak_holders)
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError):  # other internals: compute
+        return False
 
 
 def _zero3_managed(module, compute_params) -> bool:

@@ -20,7 +20,6 @@ from collections import deque
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -30,6 +29,7 @@ from shardwise.runtime.sequence_parallel._tiled import (  # noqa: F401 - DeepSpe
     TiledMLP,
     sequence_tiled_compute,
 )
+from shardwise.sequence._batch_gather import gather_batches
 from shardwise.sequence._exchange import HeadSplit, ToHeads, ToSequence, communicator, even_split, piece_lengths
 
 _ORIGINALS: dict[str, Any] = {}
@@ -272,10 +272,7 @@ class UlyssesSPDataLoaderAdapter:
                 "Ulysses sequence parallelism needs position_ids in every batch (torch.arange(seq_len) per sample, "
                 "resetting at document boundaries for packed sequences): add them in the collator"
             )
-        everyone = [None] * self.sp_world_size
-        dist.all_gather_object(everyone, {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()},
-                               group=self.comm.group)  # fmt: skip
-        for whole in everyone:
+        for whole in gather_batches(batch, self.comm):  # see [Note: gathering batches as tensors]
             self.micro_batches.append(self._piece(whole))
 
     def _piece(self, batch: dict) -> dict:

@@ -30,9 +30,10 @@ def _rope(seq, dim):
     return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]  # [1, s, 1, d]
 
 
-def _case(rank, world_size, q_heads, kv_heads, seq, causal, batch_dim, rope, merged):
+def _case(rank, world_size, q_heads, kv_heads, seq, causal, batch_dim, rope, merged, batch=B):
     from shardwise.sequence.layer import DistributedAttention, apply_rotary_pos_emb
 
+    B = batch  # noqa: N806 - micro-batch 1 takes the exchange's copy-free path
     torch.manual_seed(0)
     q = torch.randn(B, seq, q_heads, D, dtype=torch.float64)
     k, v = (torch.randn(B, seq, kv_heads, D, dtype=torch.float64) for _ in range(2))
@@ -77,10 +78,10 @@ def _case(rank, world_size, q_heads, kv_heads, seq, causal, batch_dim, rope, mer
 CASES_2 = {
     "mha": dict(q_heads=4, kv_heads=4, seq=12, causal=False),
     "mha-causal": dict(q_heads=4, kv_heads=4, seq=12, causal=True),
-    "uneven-heads": dict(q_heads=5, kv_heads=5, seq=12, causal=True),
+    "uneven-heads": dict(q_heads=5, kv_heads=5, seq=12, causal=True, batch=1),
     "gqa": dict(q_heads=8, kv_heads=2, seq=12, causal=True),
-    "mqa-replicated": dict(q_heads=4, kv_heads=1, seq=12, causal=True),
-    "indivisible-length": dict(q_heads=4, kv_heads=2, seq=13, causal=True),
+    "mqa-replicated": dict(q_heads=4, kv_heads=1, seq=12, causal=True, batch=1),
+    "indivisible-length": dict(q_heads=4, kv_heads=2, seq=13, causal=True, batch=1),
 }
 
 

@@ -174,3 +174,59 @@ def test_lengths_and_positions_are_exchanged_once_per_forward(tmp_path):
     the piece lengths and one all-to-all of the position ids (the same tensor in every layer)."""
     for counts in run_distributed(_collectives_per_forward, world_size=2, tmp_path=tmp_path):
         assert counts == {"all_to_all_single": 2 * 4 + 1, "all_gather_into_tensor": 1}, counts
+
+
+def _gathered_batches(rank, world_size):
+    import torch.distributed as dist
+
+    from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    pickled = []
+    original = dist.all_gather_object
+
+    def counting(*args, **kwargs):
+        pickled.append(1)
+        return original(*args, **kwargs)
+
+    seq = 6 + 3 * rank  # the ranks' sequences differ in length
+    gen = torch.Generator().manual_seed(rank)
+    tensors = {
+        "input_ids": torch.randint(0, 64, (1, seq), generator=gen),
+        "position_ids": torch.arange(seq)[None],
+        "labels": torch.randint(0, 64, (1, seq), generator=gen),
+        "weights": torch.randn(1, seq, generator=gen).to(torch.bfloat16),
+        "keep": torch.rand(1, seq, 2, generator=gen) > 0.5,
+        "doc": torch.tensor(rank),
+    }
+    with_text = {**tensors, "text": f"rank {rank}"}
+    dist.all_gather_object = counting
+    try:
+        got = []
+        for batch in (tensors, with_text):
+            adapter = UlyssesSPDataLoaderAdapter([batch], rank, None, world_size, "cpu")
+            got.append([next(adapter) for _ in range(world_size)])
+    finally:
+        dist.all_gather_object = original
+    return tensors, with_text, got, len(pickled)
+
+
+def test_the_adapter_moves_tensor_batches_without_pickling(tmp_path):
+    """Tensor batches (lengths differing by rank, int, bf16, bool and 0-dim values) reach every
+    rank in rank order as tensor all-gathers; a batch holding anything else is pickled."""
+    results = run_distributed(_gathered_batches, world_size=2, tmp_path=tmp_path)
+    for rank, (_, _, got, pickled) in enumerate(results):
+        assert pickled == 1, pickled  # only the batch with a string
+        for kind, pieces in enumerate(got):
+            assert len(pieces) == 2
+            for source, piece in enumerate(pieces):
+                sent = results[source][kind]
+                seq = sent["input_ids"].shape[1]
+                first = seq - seq // 2  # the first piece holds the odd position
+                mine = slice(*(((0, first), (first, seq))[rank]))
+                shifted = torch.nn.functional.pad(sent["labels"], (0, 1), value=-100)[:, 1:]
+                assert piece.keys() == {*sent.keys(), "shift_labels"} - {"labels"}
+                assert torch.equal(piece["shift_labels"], shifted[:, mine])
+                for key in ("input_ids", "position_ids", "weights", "keep"):
+                    assert piece[key].dtype == sent[key].dtype and torch.equal(piece[key], sent[key][:, mine]), key
+                assert torch.equal(piece["doc"], sent["doc"]) and piece["doc"].dim() == 0
+                assert kind == 0 or piece["text"] == sent["text"]

@@ -167,3 +167,39 @@ def test_an_unknown_reduction_is_refused():
         TiledFusedLogitsLoss.apply(_loss_fn, head, x, y, None, 2, None, "max")
     with pytest.raises(ValueError, match="output_reduction must be None, 'mean' or 'sum'"):
         sequence_tiled_compute(lambda hidden: hidden, S, 2, {"hidden": x}, {}, "hidden", None, 1, "max")
+
+
+@pytest.mark.parametrize("saved_after", [False, True], ids=["mlp-last", "output-saved-after"])
+def test_tiled_mlp_in_a_checkpointed_block_skips_only_an_unread_recomputation(saved_after):
+    """In a checkpoint's recomputation that ends with TiledMLP's saved input (a Llama layer),
+    the MLP's output is never read, so it is not computed (see [Note: tiled compute under
+    checkpointing]); when a later op saves it, it is. The gradients equal the plain block's."""
+    from torch.utils.checkpoint import checkpoint
+
+    mlp, norm, scale = MLP(), nn.LayerNorm(H), nn.Parameter(torch.tensor(1.5))
+    rows = []
+
+    def fn(module, x):
+        rows.append(x.shape[1])
+        return MLP.forward(module, x)
+
+    def block(x, tiled):
+        h = norm(x)
+        out = TiledMLP.apply(fn, mlp, h, 2, None) if tiled else mlp(h)
+        return x + (out * scale if saved_after else out)
+
+    def grads(tiled):
+        x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out = checkpoint(block, x, tiled, use_reentrant=False)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        params = [mlp, norm]
+        found = [x.grad, scale.grad] + [p.grad for m in params for p in m.parameters()]
+        result = [g.clone() for g in found if g is not None]
+        for p in [x, scale] + [p for m in params for p in m.parameters()]:
+            p.grad = None
+        return result
+
+    tiled = grads(True)
+    assert sum(rows) == S * (3 if saved_after else 2), rows  # forward, [recomputation,] backward
+    for got, expected in zip(tiled, grads(False), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
