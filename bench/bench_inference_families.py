@@ -13,6 +13,10 @@ tokens equal ``generate``'s in every round::
     python bench/bench_inference_families.py --out bench/results/<date>-cpu-inference-families.md
     python bench/bench_inference_families.py --families llama gpt2 --sizes small --rounds 3
 
+``--jobs`` runs several (family, size) processes at once: on a machine shared by many
+processes it shortens the run without changing what a ratio compares (each process
+alternates its own two sides).
+
 Random-token prompts of ``--prompt`` tokens, ``--new-tokens`` new tokens forced (no
 end-of-sequence stop), fp32, ``torch.set_num_threads(--threads)``.
 """
@@ -36,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "opt", "gpt_neox"]
 SIZES = {
     "small": dict(vocab=8000, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704),
-    "medium": dict(vocab=16000, hidden=768, layers=6, heads=12, kv_heads=4, intermediate=2048),
+    "medium": dict(vocab=8000, hidden=768, layers=6, heads=12, kv_heads=4, intermediate=2048),
 }
 
 
@@ -190,6 +194,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="(family, size) processes at once (each alternates its own rounds)"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", nargs=2, metavar=("FAMILY", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -205,14 +212,21 @@ def main() -> None:
         *("--rounds", str(args.rounds), "--prompt", str(args.prompt)),
         *("--new-tokens", str(args.new_tokens), "--threads", str(args.threads)),
     ]
-    for name in args.sizes:
-        for family in args.families:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    pending = [(family, name) for name in args.sizes for family in args.families]
+    running = {}
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            family, name = pending.pop(0)
             cmd = [sys.executable, __file__, "--worker", family, name, *passthrough]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            results[(family, name)] = json.loads(line[7:]) if line else {"error": proc.stderr.strip()[-300:]}
-            print(family, name, "done" if line else proc.stderr[-2000:], flush=True)
+            running[(family, name)] = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
+            )
+        key = next(iter(running))
+        out, err = running.pop(key).communicate()
+        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+        results[key] = json.loads(line[7:]) if line else {"error": err.strip()[-300:]}
+        print(*key, "done" if line else err[-2000:], flush=True)
     text = report(args, results, time.perf_counter() - start, (load_before, os.popen("uptime").read().strip()))
     print(text)
     if args.out:
