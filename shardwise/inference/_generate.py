@@ -285,6 +285,7 @@ def _prefill(decoder, ids, positions, mask, cache, repeats: int) -> torch.Tensor
     groups, prompt = ids.shape[0] // repeats, ids.shape[1]
     first = copy.copy(cache)  # the same cache (and rotary table), seen through its first rows
     first.keys, first.values = cache.keys[:, :groups], cache.values[:, :groups]
+    first.split_layers()
     rows = slice(None, None, repeats)
     logits = decoder.forward(ids[rows], positions[rows], None if mask is None else mask[rows], first, 0)
     for full, part in ((cache.keys, first.keys), (cache.values, first.values)):

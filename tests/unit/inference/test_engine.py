@@ -136,3 +136,12 @@ def test_unknown_model_at_tp1_needs_no_policy():
     want = net(x)
     engine = shardwise.init_inference(net, dtype=torch.float32)
     torch.testing.assert_close(engine(x), want)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_fast_path_keeps_a_tied_head_tied_and_stores_it_input_major(family):
+    # [Note: tied head, input-major]; the tokens and logits are test_engine_generates_what_the_model_generates'
+    engine = shardwise.init_inference(tiny_lm(family), dtype=torch.float32, replace_with_kernel_inject=True)
+    head, embedding = engine.module.get_output_embeddings(), engine.module.get_input_embeddings()
+    assert head.weight is embedding.weight
+    assert head.weight.stride() == (1, head.weight.shape[0])
