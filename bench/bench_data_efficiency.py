@@ -15,9 +15,11 @@ same model, data order, seed and learning-rate schedule:
 - ``both``: the two together.
 
 Each run is its own process (``--worker``); the variants alternate within a round and odd
-rounds go in reverse order. A run's clock counts training steps only (evaluation is
-excluded: every variant would pay it alike per evaluation); its process CPU time is
-reported beside the wall time, the steadier figure on a shared machine::
+rounds go in reverse order (``--concurrent``: a round's variants run side by side, so each
+sees the same load, for a machine too loaded to run them one after another). A run's
+clock counts training steps only (evaluation is excluded: every variant would pay it
+alike per evaluation); its process CPU time is reported beside the wall time, the
+steadier figure on a shared machine (one thread: CPU time is the compute it needed)::
 
     python bench/bench_data_efficiency.py --rounds 2 --out bench/results/<date>-cpu-data-efficiency.md
 """
@@ -139,42 +141,74 @@ def _worker(args) -> None:
     print(json.dumps({"variant": args.worker, "reached": reached, "history": history}), flush=True)
 
 
-def _run(args, variant: str) -> dict:
+def _start(args, variant: str) -> subprocess.Popen:
     command = [sys.executable, __file__, "--worker", variant] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out", "rounds")
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k not in ("worker", "out", "rounds", "logs", "variants", "concurrent")
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen, variant: str) -> dict:
+    out, err = proc.communicate()
     if proc.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{variant} failed:\n{err[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
-def _table(results: dict[str, list[dict]], args) -> str:
+def _reached(history: list, target: float):
+    """The first evaluation ``(step, wall, cpu, loss)`` at or below ``target``; None if none."""
+    return next((h for h in history if h[3] <= target), None)
+
+
+def _table(results: dict[str, list[dict]], target: float, eval_every: int) -> str:
     def med(values):
-        values = [v for v in values if v is not None]
+        values = list(values)
         return statistics.median(values) if values else float("nan")
 
-    base = {key: med(r["reached"][i] if r["reached"] else None for r in results["baseline"])
-            for key, i in (("steps", 0), ("wall", 1), ("cpu", 2))}  # fmt: skip
+    hits = {v: [_reached(r["history"], target) for r in runs] for v, runs in results.items()}
+    base = [h for h in hits["baseline"] if h]
+    base_wall, base_cpu = med(h[1] for h in base), med(h[2] for h in base)
     lines = [
-        f"target validation loss {args.target} (evaluated every {args.eval_every} steps)",
+        f"target validation loss {target} (evaluated every {eval_every} steps)",
         "",
-        "| variant | reached | steps (median) | train wall s (median, rounds) | train CPU s (median) "
-        "| wall saving (baseline / variant) | CPU saving |",
+        "| variant | reached | steps | train CPU s (median; rounds) | train wall s (median; rounds) "
+        "| CPU time saving (baseline / variant) | wall saving |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for variant, runs in results.items():
-        hits = [r["reached"] for r in runs]
-        got = [h for h in hits if h]
+    for variant, runs in hits.items():
+        got = [h for h in runs if h]
         steps, wall, cpu = (med(h[i] for h in got) for i in range(3))
-        walls = ", ".join(f"{h[1]:.0f}" if h else "not reached" for h in hits)
+
+        def each(i, runs=runs):
+            return ", ".join(f"{h[i]:.1f}" if h else "not reached" for h in runs)
+
         lines.append(
-            f"| {variant} | {len(got)}/{len(hits)} | {steps:.0f} | {wall:.1f} ({walls}) | {cpu:.1f} "
-            f"| {base['wall'] / wall:.2f}x | {base['cpu'] / cpu:.2f}x |"
+            f"| {variant} | {len(got)}/{len(runs)} | {steps:.0f} | {cpu:.1f} ({each(2)}) | {wall:.0f} ({each(1)}) "
+            f"| {base_cpu / cpu:.2f}x | {base_wall / wall:.2f}x |"
         )
     return "\n".join(lines)
+
+
+def _read_logs(paths: list[str]) -> dict[str, list[dict]]:
+    """Histories from workers' progress lines (``variant step wall cpu loss`` on stderr):
+    a run cut short still gives the evaluations it made. ``label=path`` files the run under
+    ``label`` instead of its variant (another schedule of the same variant)."""
+    results: dict[str, list[dict]] = {}
+    for entry in paths:
+        label, _, path = entry.rpartition("=")
+        history, variant = [], None
+        for line in Path(path).read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 5 and parts[0] in VARIANTS:
+                variant = parts[0]
+                history.append((int(parts[1]), float(parts[2]), float(parts[3]), float(parts[4])))
+        if variant is not None:
+            results.setdefault(label or variant, []).append({"variant": variant, "history": history})
+    return results
 
 
 def main() -> None:
@@ -199,19 +233,32 @@ def main() -> None:
     parser.add_argument("--ltd-min", type=int, default=128)
     parser.add_argument("--ltd-steps", type=int, default=200)
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
+    parser.add_argument(
+        "--concurrent", action="store_true", help="run a round's variants at the same time (a loaded machine)"
+    )
+    parser.add_argument("--logs", nargs="*", default=None, help="tabulate these workers' progress logs instead")
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
+    if args.logs:
+        return print(_table(_read_logs(args.logs), args.target, args.eval_every))
     variants = args.variants.split(",")
     results: dict[str, list[dict]] = {v: [] for v in variants}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
-        for variant in variants if r % 2 == 0 else variants[::-1]:
-            result = _run(args, variant)
+        order = variants if r % 2 == 0 else variants[::-1]
+        if args.concurrent:  # the round's variants side by side: the same load for each
+            procs = {variant: _start(args, variant) for variant in order}
+            done = {variant: _finish(proc, variant) for variant, proc in procs.items()}
+        for variant in order:
+            result = done[variant] if args.concurrent else _finish(_start(args, variant), variant)
             results[variant].append(result)
             load.append(os.getloadavg()[0])
             print(f"round {r} {variant}: reached {result['reached']} (load {load[-1]:.1f})", flush=True)
-    table = _table(results, args) + f"\n\n(load average, 1 min, during the runs: {min(load):.1f}-{max(load):.1f})\n"
+    table = (
+        _table(results, args.target, args.eval_every)
+        + f"\n\n(load average, 1 min, during the runs: {min(load):.1f}-{max(load):.1f})\n"
+    )
     print(table)
     if args.out:
         with open(args.out, "a") as f:
