@@ -1,7 +1,8 @@
 """The data-efficiency features under tensor parallelism (autotp 2 on 2 ranks): the legacy
 seqlen curriculum, progressive layer drop and random-LTD together train a small decoder to
 the parameters of single-process training with the same keywords and kept tokens, for SGD
-and AdamW."""
+and AdamW; the curriculum data sampler gives both ranks of the tensor-parallel group the
+same samples."""
 
 import copy
 
@@ -61,7 +62,8 @@ class Decoder(nn.Module):
         self.draws = None
 
     def forward(self, idx, targets, *, curriculum_seqlen=None, progressive_layer_drop=False, pld_theta=None):
-        idx, targets = truncate_to_curriculum((idx, targets), curriculum_seqlen) if curriculum_seqlen else (idx, targets)
+        if curriculum_seqlen is not None:
+            idx, targets = truncate_to_curriculum((idx, targets), curriculum_seqlen)
         if self.draws is None:
             self.draws = torch.Generator().manual_seed(1)
         x = self.emb(idx)
@@ -93,8 +95,8 @@ def _reference(model, optimizer, lr):
     return model
 
 
-def _job(rank, world_size):
-    out = {}
+def _job(rank, world_size, clusters):
+    out = {"sampled": _sampled_rows(clusters)}
     for name, optimizer, lr in (("SGD", torch.optim.SGD, 0.5), ("AdamW", torch.optim.AdamW, 1e-2)):
         model = convert_to_random_ltd(Decoder(), Block)
         reference = _reference(model, optimizer, lr)
@@ -117,9 +119,34 @@ def _job(rank, world_size):
     return out
 
 
+def _sampled_rows(clusters):
+    """Three micro-batches of the curriculum sampler's loader under autotp 2 (the index files
+    of tests/unit/data_pipeline, rows of token ids)."""
+    import importlib.util
+    import os
+
+    unit = os.path.join(os.path.dirname(__file__), "..", "..", "unit", "data_pipeline")
+    path = os.path.join(unit, "make_deepspeed_reference.py")
+    spec = importlib.util.spec_from_file_location("_sampler_reference", path)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    sampling = ref.sampler_configs(os.path.join(unit, "deepspeed_reference", "analyzer"), clusters)["value"]
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": SPECS}},
+              "data_efficiency": sampling}
+    _, _, loader, _ = shardwise.initialize(model=Decoder(), config=config,
+                                           training_data=list(ref.analyzer_dataset()))
+    batches = iter(loader)
+    return [next(batches).tolist() for _ in range(3)]
+
+
 def test_curriculum_pld_and_random_ltd_under_autotp_match_single_process(tmp_path):
-    for report in run_distributed(_job, world_size=2, tmp_path=tmp_path):
-        for name, (diff, moved, split) in report.items():
+    reports = run_distributed(_job, world_size=2, tmp_path=tmp_path, clusters=str(tmp_path / "clusters"))
+    assert reports[0]["sampled"] == reports[1]["sampled"], "the tensor-parallel ranks got other samples"
+    for report in reports:
+        for name in ("SGD", "AdamW"):
+            diff, moved, split = report[name]
             assert split == WIDTH // 2, f"{name}: q is not split ({split} rows)"
             assert moved > 1e-3, f"{name}: training did not move the parameters"
             assert diff < OF_MOVEMENT[name] * moved, f"{name}: max |diff| {diff:.3g}, training moved {moved:.3g}"
