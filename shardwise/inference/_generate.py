@@ -202,8 +202,6 @@ def run_fast(
     ``shared_prefill`` r > 1 the rows come in groups of r identical prompts (each row
     repeated r times in place, as ``repeat_interleave`` lays them out): the prompt runs
     once per group and its keys, values and logits are copied to the group's rows."""
-    if shared_prefill > 1 and steps is not None:
-        raise ValueError("shared_prefill runs the decode steps eagerly; it cannot be combined with decode graphs")
     start_time = time.perf_counter()
     ids = request.input_ids
     batch, prompt = ids.shape

@@ -30,6 +30,12 @@ inference copy: the training module's ZeRO-3 hooks never see the generation's fo
 (which would gather per token, and before the first backward would enter the recorded
 prefetch order). Only a model that cannot be built from its config alone generates on the
 training module, every group gathered first and kept whole until the call ends.
+
+With ``enable_cuda_graph`` (a CUDA device, one inference rank) the decode steps run as
+CUDA graphs ([Note: decode graphs]) captured over the decoder's tensors. Refreshing the
+copy writes into those same tensors, so a graph captured once replays with the weights of
+every later step; the graphs (and the KV caches they hold) are dropped with the copy
+(``pin_parameters`` false) or with the cache (``release_inference_cache``).
 """
 
 from __future__ import annotations
@@ -207,6 +213,8 @@ class InferenceView:
         self._copy: nn.Module | None = None
         self._targets: dict[str, torch.Tensor] = {}
         self._decoder: _KeptCache | None = None
+        self._steps = None
+        """The captured decode steps (``StaticSteps``) with ``enable_cuda_graph``, or None."""
         self._logged: set[str] = set()
         self._shared: SharedPrefill | None = None
         self._last_shared: SharedPrefill | None = None
@@ -285,6 +293,7 @@ class InferenceView:
                 self._decoder,
                 request,
                 max_out_tokens=self.config.max_out_tokens,
+                steps=self._steps,
                 shared_prefill=shared.repeats if shared is not None else 1,
             )
             self._last_shared = shared
@@ -292,8 +301,9 @@ class InferenceView:
         finally:
             if self.config.release_inference_cache and self._decoder is not None:
                 self._decoder.release()
+                self._steps = self._new_steps()
             if not self.config.pin_parameters:
-                self._copy, self._targets, self._decoder = None, {}, None
+                self._copy, self._targets, self._decoder, self._steps = None, {}, None, None
 
     def _refresh(self) -> None:
         """Fill the inference copy from the training weights, building it (and the decoder
@@ -333,6 +343,16 @@ class InferenceView:
             return
         self._decoder = _KeptCache(decoder)
         self._targets = dict(self._copy.named_parameters())  # the decoder's views now
+        self._steps = self._new_steps()
+
+    def _new_steps(self):
+        """Empty captured decode steps over the decoder when ``enable_cuda_graph`` (the
+        engine refused it where graphs cannot run), else None."""
+        if not self.config.enable_cuda_graph or self._decoder is None:
+            return None
+        from shardwise.inference._graphs import StaticSteps
+
+        return StaticSteps(self._decoder.decoder, graph=True)
 
     def _own_generate(self, model: nn.Module, reason: str, args: tuple, kwargs: dict, *, keep_whole=None):
         """The model class's own ``generate`` on ``model`` (the inference copy, or the

@@ -10,16 +10,13 @@ from the current weights at every call and runs through ``init_inference``'s fas
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 
 import torch
 
+from shardwise.config import ConfigError
 from shardwise.runtime._inference_view import InferenceMemory, InferenceView, SharedPrefill
 from shardwise.runtime.engine import Engine
-
-logger = logging.getLogger("shardwise")
-
 
 class _GenerateThroughEngine:
     """``engine.module.generate``: the hybrid engine's ``generate`` (DeepSpeed-Chat calls
@@ -64,10 +61,6 @@ class HybridEngine(Engine):
                 "turn the hybrid engine off"
             )
         super().__init__(config=config, grid=grid, **kwargs)
-        if hybrid.enable_cuda_graph:
-            logger.warning(
-                "hybrid_engine.enable_cuda_graph: no effect in this version of shardwise (decode steps run eagerly)"
-            )
         keep_whole = self.strategy.keep_gathered if self.train_config.zero.stage == 3 else contextlib.nullcontext
         tensor_comm = None
         if hybrid.inference_tp_size > 1:
@@ -76,6 +69,8 @@ class HybridEngine(Engine):
             tensor_comm = build_tensor_comm(hybrid.inference_tp_size)
         self.inference_view = InferenceView(self.module, config=hybrid, keep_whole=keep_whole, tensor_comm=tensor_comm)
         """The inference copy of the weights and its decoder (see [Note: the inference view])."""
+        if hybrid.enable_cuda_graph:
+            _check_cuda_graph(hybrid, self.device, self.inference_view.no_fast_path)
         self.module.generate = _GenerateThroughEngine(self)
 
     def generate(self, *args, **kwargs):
@@ -120,6 +115,22 @@ class HybridEngine(Engine):
 
     def __repr__(self) -> str:
         return "Hybrid" + super().__repr__()
+
+
+def _check_cuda_graph(hybrid, device: torch.device, no_fast_path: str | None) -> None:
+    """Refuse ``enable_cuda_graph`` where the decode steps cannot be captured."""
+    problem = None
+    if device.type != "cuda":
+        problem = f"it needs a CUDA device and this engine runs on {device.type}"
+    elif hybrid.inference_tp_size > 1:
+        problem = (
+            f"decode steps of an inference tensor group (inference_tp_size={hybrid.inference_tp_size}) are not "
+            "captured (their all-reduces would have to be captured with them); use inference_tp_size 1"
+        )
+    elif no_fast_path is not None:
+        problem = f"it captures the fast decoder's step, and this model has none: {no_fast_path}"
+    if problem is not None:
+        raise ConfigError(f"hybrid_engine.enable_cuda_graph=true: {problem}; set it to false")
 
 
 def _trainable(out):

@@ -100,3 +100,21 @@ def test_cuda_graph_off_or_unset_on_the_cpu():
             tiny_lm("gpt2"), dtype=torch.float32, replace_with_kernel_inject=True, enable_cuda_graph=value
         )
         assert not engine.cuda_graph and engine._steps is None
+
+
+def test_static_steps_with_a_shared_prefill():
+    """A prompt's prefill shared by its group (GRPO) and then fixed-shape decode steps, as
+    the hybrid engine runs them with ``enable_cuda_graph``: the tokens of the plain model."""
+    from shardwise.inference._generate import fast_request, run_fast
+
+    reference = tiny_lm("llama")
+    engine = _static_engine(reference)
+    ids = prompts()[0].repeat(2, 1)
+    ids[1, 0] += 1  # two different prompts
+    ids = ids.repeat_interleave(3, dim=0)
+    kwargs = {"max_new_tokens": NEW, "do_sample": False}
+    want = reference.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    request = fast_request(engine.module, (ids,), dict(kwargs))
+    for _ in range(2):  # the second call replays the kept step
+        got, _ = run_fast(engine._decoder, request, max_out_tokens=64, steps=engine._steps, shared_prefill=3)
+        assert torch.equal(got, want)

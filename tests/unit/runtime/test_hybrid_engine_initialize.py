@@ -43,6 +43,11 @@ def test_inference_tp_size_that_does_not_divide_the_world_is_refused():
         _initialize(tiny_lm("llama"), enabled=True, inference_tp_size=2)
 
 
+def test_cuda_graph_on_the_cpu_is_refused():
+    with pytest.raises(ConfigError, match="enable_cuda_graph=true: it needs a CUDA device and this engine runs on cpu"):
+        _initialize(tiny_lm("llama"), enabled=True, enable_cuda_graph=True)
+
+
 def test_shared_prefill_through_the_engine():
     engine = _initialize(tiny_lm("llama"), enabled=True)
     rows = torch.tensor([[5, 6, 7], [9, 10, 11]]).repeat_interleave(2, dim=0)
