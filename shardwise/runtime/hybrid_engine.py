@@ -18,6 +18,7 @@ from shardwise.config import ConfigError
 from shardwise.runtime._inference_view import InferenceMemory, InferenceView, SharedPrefill
 from shardwise.runtime.engine import Engine
 
+
 class _GenerateThroughEngine:
     """``engine.module.generate``: the hybrid engine's ``generate`` (DeepSpeed-Chat calls
     the module's). It holds the engine weakly, so copying or pickling the module does not

@@ -59,7 +59,8 @@ def test_graph_decode_follows_the_current_weights(family, shared):
         want = _current_model(engine, family).generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         assert torch.equal(got, want), (got, want)
         outputs.append(got)
-        _train_step(engine, torch.randint(3, 128, (6, 10), generator=torch.Generator().manual_seed(len(outputs))).cuda())
+        batch = torch.randint(3, 128, (6, 10), generator=torch.Generator().manual_seed(len(outputs)))
+        _train_step(engine, batch.cuda())
     assert not torch.equal(outputs[0], outputs[-1])  # the steps changed what is generated
     steps = engine.inference_view._steps._steps
     assert len(steps) == 1 and all(step.graph is not None for step in steps.values())
