@@ -39,7 +39,7 @@ parameters), in bf16 with ``--dtype bfloat16`` (the model is loaded in fp32; the
 ``"bf16": {"enabled": true}`` makes the engine cast it)::
 
     python bench/bench_rlhf.py --device cuda --nproc 1 --model-size 1b --dtype bfloat16 \\
-        --variants hybrid,zero3 --out rlhf.md
+        --variants hybrid,zero3 --rounds 1 --steps 3 --timeout 75 --out rlhf.md
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ thread limit; clocks around ``generate`` read after ``torch.cuda.synchronize()``
 engines' token events already wait for each step's sampled token)::
 
     python bench/bench_serve.py --device cuda --dtype bfloat16 --hidden 2048 --layers 16 --heads 16 \\
-        --vocab 32000 --sections clients,chunked --out serve.md
+        --vocab 32000 --sections clients,chunked --rounds 2 --out serve.md
 """
 
 from __future__ import annotations
