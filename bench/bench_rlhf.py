@@ -30,11 +30,22 @@ median over rounds of each round's median iteration and generation time (rank 0'
 ranks step together), their spread, and the ratios the issue's goals name::
 
     python bench/bench_rlhf.py --out bench/results/<date>-cpu-rlhf.md
+
+On a GPU (``--device cuda``: NCCL, rank ``r`` on GPU ``LOCAL_RANK``, clocks read after
+``torch.cuda.synchronize()``) the same loop runs the ``hybrid`` and ``zero3`` variants (DeepSpeed
+and TRL are not on the GPU image) at a 1B-class size (``--model-size 1b``: Llama hidden 2048,
+intermediate 5632, 22 layers, 32 / 4 heads, the same word-level vocabulary, about 0.98B
+parameters), in bf16 with ``--dtype bfloat16`` (the model is loaded in fp32; the config's
+``"bf16": {"enabled": true}`` makes the engine cast it)::
+
+    python bench/bench_rlhf.py --device cuda --nproc 1 --model-size 1b --dtype bfloat16 \\
+        --variants hybrid,zero3 --rounds 1 --steps 3 --timeout 75 --out rlhf.md
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -52,6 +63,10 @@ REPO = Path(__file__).resolve().parent.parent
 WORDS = [f"w{i}" for i in range(4094)]
 POLITE = set(WORDS[:400])
 PROMPTS, GENERATIONS, PROMPT_LEN, NEW_TOKENS = 4, 4, 16, 32
+# (hidden, intermediate, layers, attention heads, key-value heads)
+SIZES = {"small": (512, 1376, 4, 8, 4), "1b": (2048, 5632, 22, 32, 4)}
+CPU_VARIANTS = "hybrid,hybrid-tp2,zero3,deepspeed3,trl"
+CUDA_VARIANTS = "hybrid,zero3"
 
 
 def _tokenizer():
@@ -64,26 +79,41 @@ def _tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
 
 
-def _save_model(path: str) -> None:
-    import torch
+def _model_config(args):
     import transformers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    hidden, intermediate, layers, heads, kv_heads = SIZES[args.model_size]
+    return transformers.LlamaConfig(
         vocab_size=len(WORDS) + 2,
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=args.layers or layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=128,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def _save_model(args, path: str) -> int:
+    """Build the model (fp32, seed 0; on the GPU when there is one: much faster at 1B), save
+    it to ``path`` with the tokenizer; its parameter count."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if args.device == "cuda" else "cpu"):
+        model = transformers.LlamaForCausalLM(_model_config(args))
+    model.save_pretrained(path)
     _tokenizer().save_pretrained(path)
+    count = sum(p.numel() for p in model.parameters())
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return count
 
 
 def polite_reward(completions, **kwargs):
@@ -98,12 +128,47 @@ def _prompts(rank: int, step: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(PROMPT_LEN)) for _ in range(PROMPTS)]
 
 
-def _zero3_config() -> dict:
-    return {
+def _zero3_config(dtype: str = "float32") -> dict:
+    config = {
         "train_micro_batch_size_per_gpu": PROMPTS * GENERATIONS,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3},
     }
+    if dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _clock(cuda: bool) -> float:
+    """``time.perf_counter()`` once the GPU's queued work is done."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def _dtypes_seen(dtypes: dict, key: str, record: bool):
+    """Record in ``dtypes[key]`` the floating dtypes of every ``nn.Linear`` weight that runs
+    inside the block (once, in the warm-up iteration: the check that bf16 is really used)."""
+    import torch
+
+    if not record:
+        yield
+        return
+    seen = set()
+
+    def hook(module, inputs, output):
+        if isinstance(module, torch.nn.Linear):
+            seen.add(_dtype_name(module.weight))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+        dtypes[key] = ",".join(sorted(seen)) or "no nn.Linear ran"
 
 
 # -- the GRPO iteration on an engine ----------------------------------------------------------
@@ -113,6 +178,10 @@ def _advantages(rewards):
     """Rewards normalised within each group of GENERATIONS samples of one prompt."""
     groups = rewards.view(-1, GENERATIONS)
     return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
+
+
+def _dtype_name(tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _grpo_loss(engine, sequences, advantages, eos_id: int):
@@ -145,12 +214,17 @@ def _engine_worker(args, result: Path) -> None:
     import transformers
 
     library = __import__("deepspeed" if args.variant == "deepspeed3" else "shardwise")
-    torch.set_num_threads(1)
-    library.init_distributed(dist_backend="gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        torch.set_num_threads(1)
+    library.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank = torch.distributed.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tokenizer = _tokenizer()
-    model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir)
-    config = _zero3_config()
+    model = transformers.LlamaForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    config = _zero3_config(args.dtype)
     if args.variant.startswith("hybrid"):
         tp = 2 if args.variant == "hybrid-tp2" else 1
         config["hybrid_engine"] = {"enabled": True, "max_out_tokens": PROMPT_LEN + NEW_TOKENS, "inference_tp_size": tp}
@@ -159,31 +233,33 @@ def _engine_worker(args, result: Path) -> None:
     sample = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": NEW_TOKENS}
     sample.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     sample["synced_gpus"] = True  # as DeepSpeed-Chat under ZeRO-3: a rank whose rows all ended keeps gathering
-    times, gen_times, tokens, parts = [], [], [], []
+    times, gen_times, tokens, parts, dtypes = [], [], [], [], {}
     for step in range(args.steps + 1):
         torch.distributed.barrier()
-        start = time.perf_counter()
+        start = _clock(cuda)
         ids = tokenizer(_prompts(rank, step), return_tensors="pt").input_ids.repeat_interleave(GENERATIONS, 0)
+        ids = ids.to(device)
         engine.eval()
         if args.variant == "hybrid":  # (not yet with an inference tensor group)
             engine.prepare_shared_prefill(PROMPTS, GENERATIONS, PROMPT_LEN)
-        with torch.no_grad():
+        with torch.no_grad(), _dtypes_seen(dtypes, "generation weights", step == 0):
             out = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **sample)
-        generated = time.perf_counter()
+        generated = _clock(cuda)
         engine.train()
         out = torch.nn.functional.pad(out, (0, PROMPT_LEN + NEW_TOKENS - out.shape[1]), value=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out[:, PROMPT_LEN:], skip_special_tokens=True)
-        advantages = _advantages(torch.tensor(polite_reward(texts)))
-        loss, active = _grpo_loss(engine, out, advantages, tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, PROMPT_LEN:].cpu(), skip_special_tokens=True)
+        advantages = _advantages(torch.tensor(polite_reward(texts), device=device))
+        with _dtypes_seen(dtypes, "training weights", step == 0):
+            loss, active = _grpo_loss(engine, out, advantages, tokenizer.eos_token_id)
         engine.backward(loss)
         engine.step()
-        times.append(time.perf_counter() - start)
+        times.append(_clock(cuda) - start)
         gen_times.append(generated - start)
         tokens.append(active / len(texts))
         if args.variant.startswith("hybrid"):  # the fill of the weights' copy, the prompt, the decode steps
             stats, fill = engine.last_generation, engine.inference_view.last_fill_s
             parts.append([fill, stats.time_to_first_token_s, stats.total_s - stats.time_to_first_token_s])
-    record = {"times": times, "gen": gen_times, "tokens": tokens, "parts": parts}
+    record = {"times": times, "gen": gen_times, "tokens": tokens, "parts": parts, "dtypes": dtypes}
     result.with_suffix(f".rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -275,25 +351,33 @@ def run_variant(args, variant: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result"
         procs = []
-        for rank in range(2):
+        for rank in range(args.nproc):
             env = {
                 **os.environ,
                 "RANK": str(rank),
-                "WORLD_SIZE": "2",
+                "WORLD_SIZE": str(args.nproc),
                 "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": str(args.nproc),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-                "SHARDWISE_ACCELERATOR": "cpu",
-                "DS_ACCELERATOR": "cpu",
                 "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
             }
+            if args.device == "cpu":
+                env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu", DS_ACCELERATOR="cpu")
             python = args.ds_python if variant == "deepspeed3" else sys.executable
             cmd = [python, __file__, "--worker", variant, "--steps", str(args.steps)]
             cmd += ["--model-dir", args.model_dir, "--result", str(result)]
+            cmd += ["--device", args.device, "--dtype", args.dtype]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+        deadline = time.monotonic() + args.timeout
+        try:
+            outputs = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.communicate()
+            return {"error": f"timed out after {args.timeout:.0f} s (--timeout)"}
         if any(p.returncode for p in procs):
             failed = next(o for p, o in zip(procs, outputs) if p.returncode)
             print(failed[-3000:], file=sys.stderr)
@@ -305,6 +389,7 @@ def run_variant(args, variant: str) -> dict:
         "generation": statistics.median(rank0["gen"][1:]),
         "tokens": statistics.mean(rank0["tokens"][1:]),
         "parts": [statistics.median(p) for p in zip(*rank0.get("parts", [])[1:])],
+        "dtypes": rank0.get("dtypes", {}),
     }
 
 
@@ -316,15 +401,48 @@ def _row(name: str, runs: list[dict], key: str) -> tuple[float, str]:
     return med, f"| {name} | {med:.3f} | {min(values):.3f}-{max(values):.3f} |"
 
 
+def _setup_lines(args, results: dict[str, list[dict]]) -> list[str]:
+    """The model, dtype and the dtypes seen at work; none for the default small fp32 model on
+    the CPU (that table reads as before)."""
+    if (args.device, args.model_size, args.dtype, args.layers) == ("cpu", "small", "float32", None):
+        return []
+    hidden, intermediate, layers, heads, kv_heads = SIZES[args.model_size]
+    lines = [
+        f"Model: Llama hidden {hidden}, intermediate {intermediate}, {args.layers or layers} layers, "
+        f"{heads} / {kv_heads} heads, vocab {len(WORDS) + 2}, {args.num_params / 1e9:.3f}B parameters, "
+        f"loaded in fp32; training dtype {args.dtype}"
+        + (' (config `"bf16": {"enabled": true}`).' if args.dtype == "bfloat16" else "."),
+    ]
+    for variant, runs in results.items():
+        seen = next((r["dtypes"] for r in runs if r.get("dtypes")), None)
+        if seen:
+            lines.append(
+                f"{variant}: dtypes of the nn.Linear weights that ran: "
+                + "; ".join(f"{k} {v}" for k, v in seen.items())
+            )
+    return lines
+
+
+def _device_label(args) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+
+
 def table(args, results: dict[str, list[dict]]) -> str:
     import torch
 
+    ranks = f"{args.nproc} rank" + ("s" if args.nproc != 1 else "")
+    machine = f"Machine: {cpu_model()}, {os.cpu_count()} CPUs"
+    if args.device == "cuda":
+        machine += f", {_device_label(args)} (CUDA {torch.version.cuda})"
     lines = [
-        f"# One GRPO iteration, 2 ranks, CPU ({date.today().isoformat()})",
+        f"# One GRPO iteration, {ranks}, {_device_label(args)} ({date.today().isoformat()})",
         "",
-        f"Machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}; "
+        f"{machine}; torch {torch.__version__}; "
         f"{args.rounds} rounds of {args.steps} iterations after a warm-up, variants alternating.",
         "Command: `python bench/bench_rlhf.py " + " ".join(sys.argv[1:]) + "`",
+        *_setup_lines(args, results),
         "",
         "| variant | median s | spread (round medians) | completion tokens |",
         "|---|---|---|---|",
@@ -352,9 +470,40 @@ def table(args, results: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _check_args(parser, args) -> None:
+    """Refuse what cannot run as asked, naming the fix."""
+    import torch
+
+    args.variants = args.variants or (CUDA_VARIANTS if args.device == "cuda" else CPU_VARIANTS)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(CPU_VARIANTS.split(","))
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {CPU_VARIANTS}")
+    if args.nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if "hybrid-tp2" in variants and args.nproc < 2:
+        parser.error(f"--variants hybrid-tp2 needs 2 ranks (inference_tp_size 2), got --nproc {args.nproc}")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch.cuda.is_available() is False; use --device cpu")
+        if args.nproc > torch.cuda.device_count():
+            parser.error(f"--nproc {args.nproc} on cuda needs as many GPUs, found {torch.cuda.device_count()}")
+        off = [v for v in variants if v in ("deepspeed3", "trl")]
+        if off:
+            parser.error(f"--variants {','.join(off)}: CPU only here (DeepSpeed's venv and TRL are not on the GPU "
+                         f"image); on cuda use --variants {CUDA_VARIANTS}")  # fmt: skip
+    if args.dtype == "bfloat16" and "trl" in variants:
+        parser.error("--variants trl runs fp32 only (GRPOConfig bf16=False); drop it with --dtype bfloat16")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="hybrid,hybrid-tp2,zero3,deepspeed3,trl")
+    parser.add_argument("--variants", default=None, help=f"default {CPU_VARIANTS} (cpu), {CUDA_VARIANTS} (cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (on cuda one GPU each)")
+    parser.add_argument("--model-size", choices=tuple(SIZES), default="small")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)  # a smoke of the 1b width
     parser.add_argument("--ds-python", default="/work/ds-env/bin/python", help="DeepSpeed's venv, for deepspeed3")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed iterations per run (after one warm-up)")
@@ -368,9 +517,10 @@ def main() -> None:
         args.variant = args.worker
         (_trl_worker if args.worker == "trl" else _engine_worker)(args, args.result)
         return
+    _check_args(parser, args)
     with tempfile.TemporaryDirectory() as tmp:
         args.model_dir = str(Path(tmp) / "llama")
-        _save_model(args.model_dir)
+        args.num_params = _save_model(args, args.model_dir)
         results: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
         for round_ in range(args.rounds):
             for variant in results:

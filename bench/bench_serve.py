@@ -28,6 +28,13 @@ when it started (the machine may be shared). Sections (``--sections``):
 
     python bench/bench_serve.py --out bench/results/<date>-cpu-serve.md
     python bench/bench_serve.py --quick --vllm-python none
+
+On a GPU, ``--device cuda --dtype bfloat16`` moves the model to the current GPU in bf16 (no
+thread limit; clocks around ``generate`` read after ``torch.cuda.synchronize()``, and the
+engines' token events already wait for each step's sampled token)::
+
+    python bench/bench_serve.py --device cuda --dtype bfloat16 --hidden 2048 --layers 16 --heads 16 \\
+        --vocab 32000 --sections clients,chunked --rounds 2 --out serve.md
 """
 
 from __future__ import annotations
@@ -127,11 +134,20 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
+def _clock(model) -> float:
+    """``time.perf_counter()`` once ``model``'s device has finished its queued work."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _static_generate(model, prompts, new_tokens, batch) -> dict:
     """``generate`` on static batches of ``batch`` prompts: ``total`` and ``cpu`` seconds."""
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu = _clock(model), time.process_time()
+    device = next(model.parameters()).device
     for i in range(0, len(prompts), batch):
-        ids = torch.tensor(prompts[i : i + batch])
+        ids = torch.tensor(prompts[i : i + batch], device=device)
         with torch.no_grad():
             model.generate(
                 ids,
@@ -141,7 +157,7 @@ def _static_generate(model, prompts, new_tokens, batch) -> dict:
                 do_sample=False,
                 pad_token_id=0,
             )
-    return {"total": time.perf_counter() - start, "cpu": time.process_time() - cpu, "requests": []}
+    return {"total": _clock(model) - start, "cpu": time.process_time() - cpu, "requests": []}
 
 
 def clients(args, model) -> list[str]:
@@ -383,6 +399,23 @@ def _http_lines(args, rows, notes) -> list[str]:
     return lines + [f"\n{note}" for note in notes]
 
 
+def _device_label(args) -> str:
+    return torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+
+
+def _setup_line(args) -> str:
+    """The date, machine, model and how it runs (the CPU fp32 line reads as before)."""
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
+    where = "one thread" if args.device == "cpu" else f"{_device_label(args)} (CUDA {torch.version.cuda})"
+    command = "`python bench/bench_serve.py`"
+    if args.device != "cpu" or args.dtype != "float32":
+        command = f"`python bench/bench_serve.py --device {args.device} --dtype {args.dtype}`"
+    return (
+        f"{date.today()} | {cpu_model()} | torch {torch.__version__} | Llama hidden {args.hidden}, "
+        f"{args.layers} layers, vocab {args.vocab}, {dtype}, {where} | {command}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="clients,chunked,tuning,aborts,http")
@@ -401,20 +434,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vllm-python", default="/work/vllm-env/bin/python", help="vLLM's venv, for http")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke run)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the current GPU")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.heads, args.layers, args.clients, args.new, args.rounds = 64, 2, 2, 8, 8, 1
         args.long, args.long_prompt, args.requests, args.vocab = 2, 64, 40, 512
-    torch.set_num_threads(1)
-    model = _model(args)
-    lines = [
-        "# Serving on CPU: the batching engine against generate",
-        "",
-        f"{date.today()} | {cpu_model()} | torch {torch.__version__} | Llama hidden {args.hidden}, "
-        f"{args.layers} layers, vocab {args.vocab}, fp32, one thread | `python bench/bench_serve.py`",
-        "",
-    ]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False; use --device cpu")
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    with torch.device(args.device):  # built where it runs: a 1B model initialises in seconds on a GPU
+        model = _model(args).to(dtype=getattr(torch, args.dtype))
+    lines = [f"# Serving on {_device_label(args)}: the batching engine against generate", "", _setup_line(args), ""]
     for section in args.sections.split(","):
         sections = {"clients": clients, "chunked": chunked, "tuning": tuning, "aborts": aborts, "http": http}
         part = sections[section](args, model) + [""]

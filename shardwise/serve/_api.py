@@ -167,7 +167,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         ordered, order = torch.sort(probs, descending=True)
         outside = ordered.cumsum(0) - ordered > params.top_p  # keep the smallest prefix reaching top_p
         probs = probs.scatter(0, order, ordered.masked_fill(outside, 0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probs if generator is None else probs.to(generator.device), 1, generator=generator))
 
 
 class SequentialEngine:
