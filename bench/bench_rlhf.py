@@ -4,6 +4,8 @@ in one run, alternating:
 - ``hybrid``: shardwise's Hybrid Engine under ZeRO-3 (``"hybrid_engine": {"enabled": true}``):
   ``engine.generate`` with each prompt's prefill shared by its group
   (``prepare_shared_prefill``), then the GRPO loss, ``backward`` and ``step``;
+- ``hybrid-graph`` (GPU only): ``hybrid`` with ``"enable_cuda_graph": true`` (decode steps
+  replayed as CUDA graphs);
 - ``zero3``: the same loop on a ZeRO-3 engine without the Hybrid Engine, generating through
   ``engine.module.generate`` (Hugging Face ``generate``, whose forward gathers every layer
   for every token);
@@ -66,7 +68,7 @@ PROMPTS, GENERATIONS, PROMPT_LEN, NEW_TOKENS = 4, 4, 16, 32
 # (hidden, intermediate, layers, attention heads, key-value heads)
 SIZES = {"small": (512, 1376, 4, 8, 4), "1b": (2048, 5632, 22, 32, 4)}
 CPU_VARIANTS = "hybrid,hybrid-tp2,zero3,deepspeed3,trl"
-CUDA_VARIANTS = "hybrid,zero3"
+CUDA_VARIANTS = "hybrid-graph,hybrid,zero3"
 
 
 def _tokenizer():
@@ -228,6 +230,7 @@ def _engine_worker(args, result: Path) -> None:
     if args.variant.startswith("hybrid"):
         tp = 2 if args.variant == "hybrid-tp2" else 1
         config["hybrid_engine"] = {"enabled": True, "max_out_tokens": PROMPT_LEN + NEW_TOKENS, "inference_tp_size": tp}
+        config["hybrid_engine"]["enable_cuda_graph"] = args.variant == "hybrid-graph"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     engine, *_ = library.initialize(model=model, optimizer=optimizer, config=config)
     sample = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": NEW_TOKENS}
@@ -240,7 +243,7 @@ def _engine_worker(args, result: Path) -> None:
         ids = tokenizer(_prompts(rank, step), return_tensors="pt").input_ids.repeat_interleave(GENERATIONS, 0)
         ids = ids.to(device)
         engine.eval()
-        if args.variant == "hybrid":  # (not yet with an inference tensor group)
+        if args.variant in ("hybrid", "hybrid-graph"):  # (not yet with an inference tensor group)
             engine.prepare_shared_prefill(PROMPTS, GENERATIONS, PROMPT_LEN)
         with torch.no_grad(), _dtypes_seen(dtypes, "generation weights", step == 0):
             out = engine.module.generate(ids, attention_mask=torch.ones_like(ids), **sample)
@@ -457,6 +460,9 @@ def table(args, results: dict[str, list[dict]]) -> str:
     lines += ["", "| ratio | value | goal |", "|---|---|---|"]
     ratios = [
         ("generation", "hybrid", "zero3", "hybrid generation / zero3 `engine.module.generate`", "<= 0.3x"),
+        ("generation", "hybrid-graph", "zero3", "hybrid (CUDA graphs) generation / zero3 generation", "<= 0.3x"),
+        ("iteration", "hybrid-graph", "zero3", "hybrid (CUDA graphs) iteration / zero3 iteration", ""),
+        ("generation", "hybrid-graph", "hybrid", "hybrid with CUDA graphs / without, generation", ""),
         ("generation", "hybrid-tp2", "zero3", "hybrid (inference_tp_size 2) generation / zero3 generation", "<= 0.3x"),
         ("generation", "hybrid", "deepspeed3", "hybrid generation / DeepSpeed ZeRO-3 `engine.module.generate`", ""),
         ("iteration", "hybrid-tp2", "trl", "hybrid (inference_tp_size 2) iteration / TRL GRPO iteration", "<= 0.5x"),
@@ -476,7 +482,7 @@ def _check_args(parser, args) -> None:
 
     args.variants = args.variants or (CUDA_VARIANTS if args.device == "cuda" else CPU_VARIANTS)
     variants = args.variants.split(",")
-    unknown = set(variants) - set(CPU_VARIANTS.split(","))
+    unknown = set(variants) - set(CPU_VARIANTS.split(",")) - {"hybrid-graph"}
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; choose from {CPU_VARIANTS}")
     if args.nproc < 1:
