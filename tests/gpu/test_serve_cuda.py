@@ -42,16 +42,14 @@ def _serve(model, *, enforce_eager):
         engine.shutdown()
 
 
-def _greedy_up_to(judge, prompt, tokens, tol):
-    """Whether each of ``tokens`` after ``prompt`` is within ``tol`` of the best logit of
-    ``judge`` (teacher-forced, so one near tie does not shift the rest), and the share that
-    is its argmax."""
+def _deficits(judge, prompt, tokens):
+    """How far each of ``tokens`` after ``prompt`` is below the best logit of ``judge``
+    (teacher-forced: one near tie does not shift the tokens after it)."""
     ids = torch.tensor([prompt + tokens], device="cuda")
     with torch.no_grad():
         logits = judge(ids).logits[0, len(prompt) - 1 : -1].float()
     chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
-    best = logits.max(-1).values
-    return bool((best - chosen <= tol).all()), (chosen == best).float().mean().item()
+    return (logits.max(-1).values - chosen).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -67,8 +65,9 @@ def test_decode_graphs_across_changing_batches_equal_the_eager_engine(dtype):
     else:  # padded shapes round bf16 differently: tokens are greedy up to that rounding (fp32 judge, same weights)
         judge = tiny_lm("llama").to("cuda", dtype).float()
         for outputs in (graphed, eager):
-            checks = [_greedy_up_to(judge, p, t, tol=0.6) for p, t in zip(PROMPTS, outputs)]
-            assert all(ok for ok, _ in checks) and min(share for _, share in checks) >= 0.8, checks
+            deficits = [d for p, t in zip(PROMPTS, outputs) for d in _deficits(judge, p, t)]
+            # bf16 logits are within ~0.3 of fp32's here, and a wrong token is typically several units off
+            assert max(deficits) < 1.0 and sum(d == 0 for d in deficits) >= 0.85 * len(deficits), deficits
     rows = {r for r, _ in graphs.steps}
     assert len(rows) >= 3 and all(step.graph is not None for step in graphs.steps.values())
     assert graphs.replays == sum(graphs.runs.values()) > len(graphs.steps)  # every decode step replayed a graph
