@@ -97,3 +97,17 @@ def test_enforce_eager_and_the_old_keywords_reach_the_config():
         BatchingEngine(MODEL, None, blocksize=8)
     with pytest.raises(ValueError, match="token_budget must be positive, got 0"):
         BatchingConfig(token_budget=0)
+
+
+def test_a_failed_capture_leaves_every_step_eager(monkeypatch):
+    from shardwise.serve import _decode_graphs
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(_decode_graphs, "DecodeStep", failing)
+    decoder = PagedDecoder(MODEL, num_blocks=8, block_size=4, buckets=DecodeBuckets(max_rows=4, max_blocks=10))
+    prompt = [5, 6, 7]
+    assert _serve(decoder, {0: [(prompt, 3)]}, num_blocks=8) == [greedy(MODEL, prompt, 3)]
+    assert "capturing the decode step of 1 rows and 1 blocks failed: operation not permitted" in decoder.graphs.failed
+    assert not decoder.graphs.runs  # the failed step and the next one ran eagerly
