@@ -29,8 +29,9 @@ values (zeros, or the padded rows' keys), so a masked weight of zero never meets
 
 Only the decoder layers are captured: the final norm and the LM head run eagerly on the rows
 that sample, as in the eager step, so each graph keeps a ``[rows, hidden]`` output and not
-a ``[rows, vocab]`` one. All graphs share one memory pool (they never run at once and each
-output is kept), so their intermediates take the memory of the largest one. Mixed steps
+a ``[rows, vocab]`` one. All graphs share one memory pool, so their intermediates take the
+memory of the largest one: they never run at once, and a step's output is read (its sampling
+rows copied out) before the next replay, which may reuse that memory. Mixed steps
 (prompt chunks) and steps on a CPU run eagerly; on a CPU a bucket runs its body without a
 graph (the same code, which is how the buckets are tested without a GPU).
 """
