@@ -10,6 +10,7 @@ interface]; greedy output equals the model's ``generate``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -30,6 +31,7 @@ from shardwise.serve._api import (
     sample,
 )
 from shardwise.serve._blocks import BlockAllocator, PrefixCache
+from shardwise.serve._decode_graphs import DecodeBuckets
 from shardwise.serve._paged import PagedDecoder, check_family
 from shardwise.serve._scheduler import Scheduler, Sequence
 
@@ -43,30 +45,44 @@ class _Request:
     first_token: float | None = None
 
 
-@dataclass(frozen=True)
-class PoolSizes:
-    """The sizes a batching engine's scheduler and cache are built with (see ``pool_size``)."""
+@dataclass(frozen=True, kw_only=True)
+class BatchingConfig:
+    """How a batching engine schedules and caches: its batch, its token budget, its KV-cache
+    pool, and whether decode steps replay CUDA graphs."""
 
-    max_model_len: int
-    max_num_seqs: int
-    token_budget: int
-    block_size: int
-    num_blocks: int
+    max_num_seqs: int = 16
+    """Sequences in the running batch at most."""
+    token_budget: int = 256
+    """Tokens per forward (decodes plus prompt chunks)."""
+    block_size: int = 16
+    """Token slots per KV-cache block."""
+    num_blocks: int | None = None
+    """Blocks in the pool (None: enough for ``max_num_seqs`` sequences of ``max_model_len``)."""
+    prefix_caching: bool = True
+    """Reuse the blocks of prompt prefixes computed before (see [Note: prefix caching])."""
+    enforce_eager: bool = False
+    """Run every step eagerly. By default, on a GPU, decode-only steps are padded to buckets and
+    replayed as CUDA graphs (see [Note: decode graphs across batches]); ``shardwise serve
+    --enforce-eager`` sets this, as in vLLM."""
 
+    def __post_init__(self):
+        for name in ("max_num_seqs", "token_budget", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive (or None), got {self.num_blocks}")
 
-def pool_size(
-    *, max_model_len: int, max_num_seqs: int = 16, token_budget: int = 256, block_size: int = 16, num_blocks=None
-) -> PoolSizes:
-    """The engine's sizes with their defaults filled in (``num_blocks``: enough for
-    ``max_num_seqs`` sequences of ``max_model_len``); a pool that cannot hold one sequence is
-    refused."""
-    num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size)
-    if -(-max_model_len // block_size) > num_blocks:
-        raise ValueError(
-            f"{num_blocks} blocks of {block_size} tokens cannot hold one sequence of max_model_len="
-            f"{max_model_len}; give more blocks or a shorter max_model_len"
-        )
-    return PoolSizes(max_model_len, max_num_seqs, token_budget, block_size, num_blocks)
+    def pool_blocks(self, max_model_len: int) -> int:
+        """``num_blocks`` with its default filled in; a pool that cannot hold one sequence of
+        ``max_model_len`` is refused."""
+        per_sequence = -(-max_model_len // self.block_size)
+        num_blocks = self.num_blocks or self.max_num_seqs * per_sequence
+        if per_sequence > num_blocks:
+            raise ValueError(
+                f"{num_blocks} blocks of {self.block_size} tokens cannot hold one sequence of max_model_len="
+                f"{max_model_len}; give more blocks or a shorter max_model_len"
+            )
+        return num_blocks
 
 
 class BatchingEngine:
@@ -77,17 +93,15 @@ class BatchingEngine:
         max_model_len: longest prompt plus generation (default: the model's positions).
         max_queue: requests waiting beyond the running ones before ``submit`` raises
             :class:`QueueFull`.
-        max_num_seqs: sequences in the running batch at most.
-        token_budget: tokens per forward (decodes plus prompt chunks).
-        block_size: token slots per KV-cache block.
-        num_blocks: blocks in the pool (default: enough for ``max_num_seqs`` sequences of
-            ``max_model_len``).
-        prefix_caching: reuse the blocks of prompt prefixes computed before (see
-            [Note: prefix caching]).
+        config: the batch, the budget, the pool and the CUDA-graph switch
+            (:class:`BatchingConfig`; its fields are also taken as keywords,
+            ``max_num_seqs=8``, and override ``config``'s).
         decoder: builds the decoder, ``decoder(model, num_blocks=, block_size=)``
-            (default :class:`PagedDecoder`; the tensor-parallel engine's sends each plan to
-            its followers, ``_tp.py``). A decoder whose ``failed`` is set after an error
-            stops the engine: every request held and every later one ends with that error.
+            (default :class:`PagedDecoder`, with decode graphs on a GPU unless
+            ``config.enforce_eager``; the tensor-parallel engine's sends each plan to
+            its followers, ``_tp.py``, and runs eagerly). A decoder whose ``failed`` is set
+            after an error stops the engine: every request held and every later one ends
+            with that error.
     """
 
     def __init__(
@@ -97,33 +111,34 @@ class BatchingEngine:
         *,
         max_model_len: int | None = None,
         max_queue: int = 256,
-        max_num_seqs: int = 16,
-        token_budget: int = 256,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        prefix_caching: bool = True,
+        config: BatchingConfig | None = None,
         decoder: Callable | None = None,
+        **config_fields,
     ):
+        try:
+            config = dataclasses.replace(config or BatchingConfig(), **config_fields)
+        except TypeError as error:
+            raise TypeError(f"BatchingEngine: {error}; its keywords are BatchingConfig's fields") from None
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.config = config
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 2048)
         check_family(model, self.max_model_len)
-        num_blocks = pool_size(
-            max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs,
-            token_budget=token_budget,
-            block_size=block_size,
-            num_blocks=num_blocks,
-        ).num_blocks
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        cache = PrefixCache(self.allocator) if prefix_caching else None
+        num_blocks = config.pool_blocks(self.max_model_len)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        cache = PrefixCache(self.allocator) if config.prefix_caching else None
         self.scheduler = Scheduler(
-            self.allocator, max_num_seqs=max_num_seqs, token_budget=token_budget, prefix_cache=cache
+            self.allocator, max_num_seqs=config.max_num_seqs, token_budget=config.token_budget, prefix_cache=cache
         )
-        self.decoder = (decoder or PagedDecoder)(model, num_blocks=num_blocks, block_size=block_size)
+        if decoder is None:
+            self.decoder = PagedDecoder(
+                model, num_blocks=num_blocks, block_size=config.block_size, buckets=self._buckets(model)
+            )
+        else:
+            self.decoder = decoder(model, num_blocks=num_blocks, block_size=config.block_size)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_queue = max_queue
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = config.max_num_seqs
         self._step_listeners: list[Callable[[], None]] = []
         self._incoming: queue.Queue = queue.Queue()
         self._cancelled: set[str] = set()
@@ -136,6 +151,14 @@ class BatchingEngine:
         """Why the engine stopped serving (its decoder failed), or None."""
         self._thread = threading.Thread(target=self._loop, name="shardwise-serve", daemon=True)
         self._thread.start()
+
+    def _buckets(self, model) -> DecodeBuckets | None:
+        """The decode buckets on a GPU unless ``enforce_eager`` (None: every step eager)."""
+        if self.config.enforce_eager or not next(model.parameters()).is_cuda:
+            return None
+        return DecodeBuckets(
+            max_rows=self.config.max_num_seqs, max_blocks=-(-self.max_model_len // self.config.block_size)
+        )
 
     # -- the interface -----------------------------------------------------------------
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import logging
 import sys
 
@@ -37,9 +36,19 @@ def engine_class(name: str):
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def build_engine(name: str, model, tokenizer, *, max_model_len: int | None, max_queue: int, max_num_seqs: int | None):
-    """An engine of kind ``name``; ``max_num_seqs`` goes to engines that take it (others log
-    that it is ignored)."""
+def build_engine(
+    name: str,
+    model,
+    tokenizer,
+    *,
+    max_model_len: int | None,
+    max_queue: int,
+    max_num_seqs: int | None,
+    enforce_eager: bool = False,
+):
+    """An engine of kind ``name``; ``max_num_seqs`` and ``enforce_eager`` go to the batching
+    engine (the sequential one logs that ``max_num_seqs`` is ignored; it never captures
+    graphs)."""
     if name == "batched":
         from shardwise.serve._paged import FAMILIES
 
@@ -52,11 +61,13 @@ def build_engine(name: str, model, tokenizer, *, max_model_len: int | None, max_
             name = "sequential"
     cls = engine_class(name)
     kwargs = {"max_model_len": max_model_len, "max_queue": max_queue}
-    if max_num_seqs is not None:
-        if "max_num_seqs" in inspect.signature(cls).parameters:
-            kwargs["max_num_seqs"] = max_num_seqs
-        else:
-            logger.warning("--max-num-seqs is ignored: %s runs one request at a time", cls.__name__)
+    if name == "batched":
+        from shardwise.serve._batching import BatchingConfig
+
+        sizes = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+        kwargs["config"] = BatchingConfig(enforce_eager=enforce_eager, **sizes)
+    elif max_num_seqs is not None:
+        logger.warning("--max-num-seqs is ignored: %s runs one request at a time", cls.__name__)
     return cls(model, tokenizer, **kwargs)
 
 
@@ -97,6 +108,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: the checkpoint's own dtype")
     p.add_argument("--engine", default="batched", choices=sorted(ENGINES))
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in the running batch")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly (default: on a GPU the batching engine replays its decode steps as CUDA graphs)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="most requests waiting; more get HTTP 503")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -125,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         max_queue=args.max_queue,
         max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     launched = launch(spec, replicas=args.data_parallel_size, in_process=not args.engine_own_process)

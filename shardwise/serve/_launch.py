@@ -47,6 +47,8 @@ class EngineSpec:
     max_model_len: int | None = None
     max_queue: int = 64
     max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    """Run every step eagerly (no CUDA graphs; tensor-parallel engines always do)."""
     tensor_parallel_size: int = 1
     first_device: int = 0
     """The GPU of rank 0 (rank ``r`` uses ``first_device + r``); unused on CPU."""
@@ -118,6 +120,7 @@ def launch(spec: EngineSpec, *, replicas: int = 1, in_process: bool = True) -> L
             max_model_len=spec.max_model_len,
             max_queue=spec.max_queue,
             max_num_seqs=spec.max_num_seqs,
+            enforce_eager=spec.enforce_eager,
         )
         return Launched(engine)
     if spec.engine != "batched":

@@ -14,6 +14,10 @@ call each. Where each reads is worked out once per step (``_Layout``), not per l
 per-sequence loop of tensor building was most of a decode step's time on a CPU. Only the last
 row of a chunk that samples goes through the final norm and the LM head.
 
+The pool holds one block more than the allocator hands out: the *scratch block*, which no
+sequence ever owns. The padded rows of a captured decode step write there and read only
+there ([Note: decode graphs across batches] in ``_decode_graphs.py``).
+
 Families: Llama, Mistral and Qwen2 (Hugging Face layouts with ``q_proj``/``k_proj``/
 ``v_proj``/``o_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``mlp`` and
 ``rotary_emb``); a sliding window shorter than the served length is refused.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardwise.serve._decode_graphs import DecodeBuckets, DecodeGraphs
 from shardwise.serve._scheduler import Chunk
 
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -74,9 +79,11 @@ class StepPlan:
 class PagedDecoder:
     """The model's own modules run over a flat batch of chunks (see [Note: the paged forward]).
     A tensor-parallel shard of the model (``init_inference``'s split) runs its own heads: the
-    head counts are read from the projections' shapes, so the cache holds the local heads only."""
+    head counts are read from the projections' shapes, so the cache holds the local heads only.
+    With ``buckets``, decode-only steps run padded to buckets, as CUDA graphs when the model is
+    on a GPU (see [Note: decode graphs across batches])."""
 
-    def __init__(self, model, *, num_blocks: int, block_size: int):
+    def __init__(self, model, *, num_blocks: int, block_size: int, buckets: DecodeBuckets | None = None):
         self.model = model
         self.inner = model.model
         attention = self.inner.layers[0].self_attn
@@ -86,13 +93,18 @@ class PagedDecoder:
         self.scaling = attention.scaling
         self.block_size = block_size
         parameter = next(model.parameters())
-        slots = num_blocks * block_size
+        self.scratch_block = num_blocks
+        """A block beyond the allocator's ``0..num_blocks-1``: written only by padded rows."""
+        slots = (num_blocks + 1) * block_size
         shape = (len(self.inner.layers), slots, self.kv_heads, self.head_dim)
         self.keys = torch.zeros(shape, dtype=parameter.dtype, device=parameter.device)
         self.values = torch.zeros_like(self.keys)
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self._rotary = apply_rotary_pos_emb
+        self.graphs = None if buckets is None else DecodeGraphs(self, buckets)
+        """Decode-only steps padded to buckets, replayed as CUDA graphs on a GPU (None: every
+        step eager)."""
 
     failed: str | None = None
     """Why this decoder can no longer run (never, for a single process)."""
@@ -117,19 +129,35 @@ class PagedDecoder:
         """Logits ``[chunks that sample, vocab]`` (in order) after computing ``plan``."""
         device = self.keys.device
         spans = list(zip(plan.starts, plan.ends))
-        ids = torch.tensor(plan.ids, device=device)
-        positions = torch.cat([torch.arange(start, end) for start, end in spans]).to(device)
-        written = torch.cat([self.slots(t, s, e) for t, (s, e) in zip(plan.tables, spans)]).to(device)
-        layout = _Layout.of(self, plan, spans)
+        hidden = self.graphs.run(plan) if self.graphs is not None and self.graphs.fits(plan) else None
+        if hidden is not None:  # see [Note: decode graphs across batches]
+            x = hidden[None]
+        else:
+            ids = torch.tensor(plan.ids, device=device)
+            positions = torch.cat([torch.arange(start, end) for start, end in spans]).to(device)
+            written = torch.cat([self.slots(t, s, e) for t, (s, e) in zip(plan.tables, spans)]).to(device)
+            x = self.layers(ids, positions, written, _Layout.of(self, plan, spans))
+        rows = torch.tensor([row for row, samples in zip(_ends(spans), plan.samples) if samples], dtype=torch.long)
+        last = x[0, rows.to(device)]
+        return self.model.lm_head(self.inner.norm(last)).float()
+
+    def layers(self, ids, positions, written, layout: _Layout) -> torch.Tensor:
+        """The hidden states ``[1, T, hidden]`` after the decoder layers (before the final
+        norm) of tokens ``ids`` at ``positions``, their keys and values written to slots
+        ``written``; no host synchronisation, so a CUDA graph can capture it."""
         x = self.inner.embed_tokens(ids)[None]
         cos, sin = self.inner.rotary_emb(x, positions[None])
         for index, layer in enumerate(self.inner.layers):
             hidden = layer.input_layernorm(x)
             x = x + self._attention(layer.self_attn, hidden, cos, sin, index, written, layout)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        rows = torch.tensor([row for row, samples in zip(_ends(spans), plan.samples) if samples], dtype=torch.long)
-        last = x[0, rows.to(device)]
-        return self.model.lm_head(self.inner.norm(last)).float()
+        return x
+
+    def decode_layers(self, ids, positions, written, slots, mask) -> torch.Tensor:
+        """``layers`` for one-token chunks only, as ``[rows, hidden]``: row ``i`` attends to
+        ``slots[i]`` where ``mask[i]`` (see [Note: decode graphs across batches])."""
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        return self.layers(ids, positions, written, _Layout(rows, slots, mask[:, None, None], []))[0]
 
     def _attention(self, attention, hidden, cos, sin, index, written, layout: _Layout) -> torch.Tensor:
         tokens = hidden.shape[1]

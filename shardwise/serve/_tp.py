@@ -28,11 +28,15 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from shardwise.serve._paged import PagedDecoder, StepPlan
+
+if TYPE_CHECKING:
+    from shardwise.serve._batching import BatchingConfig
 
 logger = logging.getLogger("shardwise.serve")
 
@@ -176,17 +180,26 @@ class TensorParallelOptions:
     ``timeout_s``."""
 
 
-def serve_tensor_parallel(model, tokenizer, *, options: TensorParallelOptions | None = None, **engine_kwargs):
+def serve_tensor_parallel(
+    model,
+    tokenizer,
+    *,
+    options: TensorParallelOptions | None = None,
+    config: BatchingConfig | None = None,
+    **engine_kwargs,
+):
     """Run a tensor-parallel batching engine over every rank of the default process group.
 
     Every rank calls this with the same model (same weights) and arguments. Rank 0 returns
     the running :class:`~shardwise.serve._batching.BatchingEngine`; every other rank serves
-    as a follower until that engine shuts down, then returns None. ``engine_kwargs`` are
-    ``BatchingEngine``'s (``max_model_len``, ``max_num_seqs``, ``token_budget``,
-    ``block_size``, ``num_blocks``...). See [Note: tensor-parallel serving]."""
+    as a follower until that engine shuts down, then returns None. ``config`` and
+    ``engine_kwargs`` are ``BatchingEngine``'s (``max_model_len``, ``max_queue``, and
+    :class:`~shardwise.serve._batching.BatchingConfig`'s fields as keywords). Steps run
+    eagerly: the all-reduces of a tensor-parallel step are not captured in CUDA graphs. See
+    [Note: tensor-parallel serving]."""
     import shardwise
     from shardwise.comm import Communicator
-    from shardwise.serve._batching import BatchingEngine, pool_size
+    from shardwise.serve._batching import BatchingConfig, BatchingEngine
 
     options = options or TensorParallelOptions()
     tp = dist.get_world_size()
@@ -200,11 +213,14 @@ def serve_tensor_parallel(model, tokenizer, *, options: TensorParallelOptions | 
         enable_cuda_graph=False,
     )
     max_model_len = engine_kwargs.pop("max_model_len", None) or getattr(model.config, "max_position_embeddings", 2048)
-    pool = {k: engine_kwargs.pop(k) for k in _POOL_KEYS if k in engine_kwargs}
-    sizes = pool_size(max_model_len=max_model_len, **pool)  # every rank builds the same pool from these
-    plan_format = PlanFormat(sizes.token_budget, sizes.max_num_seqs, -(-sizes.max_model_len // sizes.block_size))
+    fields = {f.name for f in dataclasses.fields(BatchingConfig)}
+    config = dataclasses.replace(
+        config or BatchingConfig(), **{k: engine_kwargs.pop(k) for k in fields & set(engine_kwargs)}
+    )
+    num_blocks = config.pool_blocks(max_model_len)  # every rank builds the same pool from these
+    plan_format = PlanFormat(config.token_budget, config.max_num_seqs, -(-max_model_len // config.block_size))
     if comm.rank != 0:
-        decoder = PagedDecoder(model, num_blocks=sizes.num_blocks, block_size=sizes.block_size)
+        decoder = PagedDecoder(model, num_blocks=num_blocks, block_size=config.block_size)
         forwards = follow(decoder, comm, plan_format)
         logger.info("tensor-parallel follower %d stopped after %d forwards", comm.rank, forwards)
         return None
@@ -213,7 +229,6 @@ def serve_tensor_parallel(model, tokenizer, *, options: TensorParallelOptions | 
         paged = PagedDecoder(model, num_blocks=num_blocks, block_size=block_size)
         return PlanBroadcaster(paged, comm, plan_format, heartbeat_s=options.heartbeat_s)
 
-    return BatchingEngine(model, tokenizer, decoder=decoder, **dataclasses.asdict(sizes), **engine_kwargs)
-
-
-_POOL_KEYS = ("max_num_seqs", "token_budget", "block_size", "num_blocks")
+    return BatchingEngine(
+        model, tokenizer, max_model_len=max_model_len, config=config, decoder=decoder, **engine_kwargs
+    )
