@@ -467,8 +467,10 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor, rows: int = 64) -> No
     [Note: input-major weights]) a block of ``rows`` source rows at a time, so each block's
     reads and writes stay in the cache. One thread of this machine's CPU: a Llama MLP's
     gate (1376 x 512 into its fused 512 x 2752 storage) 1.8 against 13 ms walking the
-    target's memory order and 12 ms plain; a 32000 x 512 LM head 86 against 147 and 405 ms."""
-    if not (target.dim() == 2 and target.stride(0) == 1 and target.stride(1) != 1):
+    target's memory order and 12 ms plain; a 32000 x 512 LM head 86 against 147 and 405 ms.
+    On a GPU one copy kernel per tensor (blocks would launch thousands: the fill of a 1B
+    Llama took 97 ms on an H200, bench/results/2026-11-28-h200-gpu-checks.md)."""
+    if target.device.type != "cpu" or not (target.dim() == 2 and target.stride(0) == 1 and target.stride(1) != 1):
         target.copy_(source)
         return
     out = target.t()
