@@ -139,3 +139,11 @@ def test_the_first_experiment_counts_the_parameters_then_pruning_applies(tmp_pat
         return
     with pytest.raises(AutotuningError, match=r"wrote no parameter count \(failed: exit code 1: injected failure\)"):
         runner(space[0])
+
+
+def test_ranking_by_flops_a_model_without_counted_flops_is_refused(tmp_path):
+    tuning = autotuning_config({"results_dir": str(tmp_path / "r"), "exps_dir": str(tmp_path / "e"), "metric": "flops"})
+    resources = Resources(num_nodes=1, ranks_per_node=1, on_cpu=False)
+    runner = _Experiments({}, tuning, _launch(tmp_path), resources, 123, {}, [Candidate(0, 4, 1)])
+    with pytest.raises(AutotuningError, match='z0_gas1_tmbspg4 counted no FLOPs.*use "throughput" or "latency"'):
+        runner(Candidate(0, 4, 1))  # the stand-in job's metrics have no flops
