@@ -41,16 +41,17 @@ file, which its engine never writes). Here, with ``metric: "flops"``, every rank
 are counted]), the FLOPs of one whole iteration: every micro-batch's forward and backward
 (the backward counted, not assumed to be twice the forward, so recomputed activations
 count) and the optimizer step, from ``before_model_step(c - 1)`` to
-``before_model_step(c)`` with ``c = max(start_profile_step - 1, 1)``. With
-``start_profile_step >= 2`` that iteration comes just before the timed window, so the
-counter's cost (a Python call per operator) is not timed; with ``start_profile_step = 1``
-it is the window's first iteration. The ranks' counts are summed with one all-reduce at
-``before_model_step(c)`` (before the window starts, or inside it at its first step) and
-divided by the world size: ``flops = flops_per_step x num_steps / elapsed_s``, the mean
+``before_model_step(c)``: the iteration just before the timed window
+(``c = start_profile_step - 1``), or with ``start_profile_step = 1``, which leaves none,
+the one just after it (``c = end_profile_step + 1``: the experiment writes its metrics and
+exits one step later). The counter's cost (a Python call per operator: an iteration of a
+small model on a GPU took 4x as long) is never timed. The ranks' counts are summed with one
+all-reduce at ``before_model_step(c)``, outside the window too, and divided by the world
+size: ``flops = flops_per_step x num_steps / elapsed_s``, the mean
 FLOP/s a rank achieved, whatever tensor or pipeline stage it holds. The counter's first use
-in a process costs about a second of imports (``torch._dynamo``, for its FlexAttention
-formulas): it is paid when the engine is built, outside the window, and only with
-``metric: "flops"``.
+in a process costs one to a few seconds of imports (``torch._dynamo``, for its
+FlexAttention formulas): it is paid when the engine is built, outside the window, and only
+with ``metric: "flops"``.
 """
 
 from __future__ import annotations
@@ -117,12 +118,13 @@ class _StepFlops:
     """Counts the FLOPs of one iteration on every rank and averages them over the ranks
     (see [Note: autotuning FLOPs])."""
 
-    def __init__(self, start_profile_step: int):
+    def __init__(self, start_profile_step: int, end_profile_step: int):
         from shardwise.profiling.flops_profiler._profiler import _warm_up_counter
 
         _warm_up_counter()  # its imports are paid here, not in a counted or timed step
-        self.last = max(start_profile_step - 1, 1)
-        """The ``before_model_step`` call that ends the counted iteration."""
+        self.last = start_profile_step - 1 if start_profile_step > 1 else end_profile_step + 1
+        """The ``before_model_step`` call that ends the counted iteration (the one before the
+        window, or after it when the window starts at the first step)."""
         self.per_rank: float | None = None
         """The ranks' mean FLOPs of that iteration, once counted."""
         self._counter = None
@@ -167,20 +169,26 @@ class AutotuningProfile:
         self._train_batch_size = train_batch_size
         self._first = max(config.start_profile_step - 1, 0)
         self._started: float | None = None
-        self._flops = _StepFlops(config.start_profile_step) if config.metric == "flops" else None
+        self._window: tuple[int, float] | None = None  # (steps, seconds), once measured
+        self._flops = (
+            _StepFlops(config.start_profile_step, config.end_profile_step) if config.metric == "flops" else None
+        )
 
     def forward_kwargs(self, global_steps: int) -> dict:
         return {}
 
     def before_model_step(self, global_steps: int) -> None:
+        # the window's edges sit outside the counted iteration's (see [Note: autotuning FLOPs])
+        if global_steps == self._config.end_profile_step and self._started is not None:
+            self._window = (global_steps - self._first, time.perf_counter() - self._started)
         if self._flops is not None:
             self._flops.before_model_step(global_steps)
         if global_steps == self._first:
             self._started = time.perf_counter()
-        if global_steps < self._config.end_profile_step or self._started is None:
-            return
-        elapsed = time.perf_counter() - self._started
-        steps = global_steps - self._first
+        if self._window is not None and (self._flops is None or self._flops.per_rank is not None):
+            self._write_and_exit(*self._window)
+
+    def _write_and_exit(self, steps: int, elapsed: float) -> None:
         rank, world = _rank_and_world()
         if rank == 0:
             metrics = {

@@ -48,12 +48,12 @@ def test_writes_the_window_metrics_and_exits_after_end_profile_step(tmp_path):
 
 def test_without_metric_path_the_metrics_go_to_the_working_directory(tmp_path, monkeypatch):
     # DeepSpeed's engine: autotuning_metric.json in the working directory, then exit; a
-    # window that starts at step 1 counts its own first iteration
+    # window that starts at step 1 has no iteration before it: the one after it is counted
     monkeypatch.chdir(tmp_path)
     engine = _engine(tmp_path, start_profile_step=1, end_profile_step=1, metric="flops")
     with pytest.raises(SystemExit):
         _train(engine, 7)
-    assert engine.global_steps == 1
+    assert engine.global_steps == 2
     metrics = json.loads((tmp_path / "autotuning_metric.json").read_text())
     assert metrics["num_steps"] == 1 and metrics["flops_per_step"] == 64
 
