@@ -38,7 +38,7 @@ def test_tune_then_run(tmp_path, monkeypatch, capfd):
         "autotuning": {
             "enabled": True,
             "metric": "flops",
-            "start_profile_step": 1,
+            "start_profile_step": 2,  # the first step is the counted one
             "end_profile_step": 2,
             "results_dir": str(tmp_path / "results"),
             "exps_dir": str(tmp_path / "exps"),
