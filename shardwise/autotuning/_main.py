@@ -92,11 +92,22 @@ def _known_params(tuning: AutotuningConfig, info_path: Path) -> int | None:
     return None
 
 
-def _reused(folder: Path, candidate: Candidate) -> Outcome | None:
-    metrics = folder / "metrics.json"
-    if metrics.is_file():
-        return Outcome(candidate, Status.MEASURED, metrics=json.loads(metrics.read_text()))
+def _reused(folder: Path, candidate: Candidate, metric: str) -> Outcome | None:
+    """An earlier run's outcome of ``candidate`` (``overwrite: false``), when it has ``metric``."""
+    path = folder / "metrics.json"
+    if path.is_file() and metric in (metrics := json.loads(path.read_text())):
+        return Outcome(candidate, Status.MEASURED, metrics=metrics)
     return None
+
+
+def _check_counted(outcome: Outcome, metric: str) -> None:
+    """Refuse to rank by ``flops`` a model whose FLOPs the counter does not see."""
+    if metric == "flops" and outcome.status is Status.MEASURED and not outcome.metrics.get("flops"):
+        raise AutotuningError(
+            f"experiment {outcome.candidate.name} counted no FLOPs: its model runs no matrix product, "
+            "convolution or attention that torch.utils.flop_counter counts, so autotuning.metric "
+            '"flops" cannot rank configurations; use "throughput" or "latency"'
+        )
 
 
 @dataclass
@@ -130,7 +141,8 @@ class _Experiments:
         if candidate in self.rejected:
             return None
         folder = self.results_dir / candidate.name
-        if not self.tuning.overwrite and (reused := _reused(folder, candidate)) is not None and self.num_params:
+        metric = self.tuning.metric
+        if not self.tuning.overwrite and (reused := _reused(folder, candidate, metric)) is not None and self.num_params:
             return reused
         dp = data_parallel(candidate, world_size=self.resources.world_size, mp_size=self.tuning.mp_size)
         config = experiment_config(self.user, candidate, dp=dp, metric_path=str((folder / "metrics.json").resolve()))
@@ -147,6 +159,7 @@ class _Experiments:
             timeout_s=self.tuning.experiment_timeout_s,
         )
         print(f"autotuning: {candidate.name}: {outcome.status.value} {outcome.metrics or outcome.error}", flush=True)
+        _check_counted(outcome, metric)
         if counting:
             if not self.info_path.is_file():
                 raise AutotuningError(

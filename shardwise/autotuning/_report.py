@@ -4,9 +4,10 @@ that lists what every configuration failed with when none could be measured.
 ``summary.txt``: DeepSpeed's pipe table (``tuning_space | num_experiments |
 best_metric_val | best_exp_name``, one row per ZeRO stage ``z0``..``z3`` that ran and a
 ``global`` row), then ``Tuning completed in H:MM:SS. Total number of experiments: N.``, then
-(shardwise's addition) one row per configuration with its status, metrics or error, the
-pruned ones included. ``ds_config_optimal.json``: the best experiment's config without its
-``autotuning`` section. ``cmd_optimal.txt``: the ``shardwise run`` line that trains with it.
+(shardwise's addition) one row per configuration with its status, its ``throughput``,
+``latency`` and ``flops`` or its error, the pruned ones included.
+``ds_config_optimal.json``: the best experiment's config without its ``autotuning``
+section. ``cmd_optimal.txt``: the ``shardwise run`` line that trains with it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from shardwise.autotuning._experiment import AutotuningError
 from shardwise.autotuning._space import Candidate
 from shardwise.autotuning._tuner import Outcome, best_outcome
+from shardwise.config._autotuning import METRICS
 
 
 def _table(headers: list[str], rows: list[list], numeric: set[int]) -> str:
@@ -54,12 +56,9 @@ def summary_text(outcomes: list[Outcome], rejected: dict[Candidate, str], *, met
     head = _table(["tuning_space", "num_experiments", "best_metric_val", "best_exp_name"], rows, {1, 2})
     took = datetime.timedelta(seconds=round(seconds))
     done = f"\n\nTuning completed in {took}. Total number of experiments: {len(outcomes)}.\n"
-    detail = [
-        [o.candidate.name, o.status.value, o.metrics.get("throughput", ""), o.metrics.get("latency", ""), o.error]
-        for o in outcomes
-    ]
-    detail += [[c.name, "pruned", "", "", why] for c, why in rejected.items()]
-    every = _table(["exp_name", "status", "throughput", "latency", "error"], detail, set())
+    detail = [[o.candidate.name, o.status.value, *(o.metrics.get(m, "") for m in METRICS), o.error] for o in outcomes]
+    detail += [[c.name, "pruned", *("" for _ in METRICS), why] for c, why in rejected.items()]
+    every = _table(["exp_name", "status", *METRICS, "error"], detail, set())
     return head + done + "\nEvery configuration:\n" + every + "\n"
 
 

@@ -12,7 +12,7 @@ fitted to the measured experiments; DeepSpeed fits XGBoost here). The search sto
 (failed ones included) that did not beat the best, or when no candidate is left. A
 candidate the runner turns down (``run_one`` returns None: pruned once the first experiment
 has counted the model's parameters) is dropped without counting. The best experiment has
-the highest throughput, or the lowest latency.
+the highest throughput, the lowest latency, or the highest flops (FLOP/s per rank).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Outcome:
 
 
 def is_better(value: float, best: float | None, metric: str) -> bool:
-    """Whether ``value`` of ``metric`` beats ``best`` (latency: lower is better)."""
+    """Whether ``value`` of ``metric`` beats ``best`` (latency: lower is better;
+    throughput and flops: higher)."""
     if best is None:
         return True
     return value < best if metric == "latency" else value > best

@@ -45,8 +45,9 @@ class AutotuningConfig:
     profiled run each of its experiments is."""
 
     enabled: bool = False
-    """Mark the config as an autotuning config. Inside an experiment (``metric_path`` set by
-    the tuner) the engine profiles and exits; elsewhere it has no effect."""
+    """Mark the config as an autotuning config: the engine measures the steps
+    ``start_profile_step..end_profile_step``, writes their metrics to ``metric_path`` and
+    exits, as DeepSpeed's engine does (the tuner sets it in every experiment's config)."""
     fast: bool = True
     """Tune ZeRO stage and micro-batch size only; false adds optimizer (and, at stage 3,
     parameter) offload to the space."""
@@ -63,12 +64,15 @@ class AutotuningConfig:
     end_profile_step: int = 5
     """The last measured step; the experiment exits after it."""
     metric: str = "throughput"
-    """What the tuner optimizes: ``throughput`` (samples/s, highest wins) or ``latency``
-    (ms per optimizer step, lowest wins). ``flops`` is refused in this version."""
+    """What the tuner optimizes: ``throughput`` (samples/s, highest wins), ``latency``
+    (ms per optimizer step, lowest wins) or ``flops`` (FLOP/s per rank, counted over one
+    iteration; highest wins)."""
     metric_path: str | None = None
-    """Where the experiment writes its metrics (set by the tuner for each experiment)."""
+    """Where the experiment writes its metrics (set by the tuner for each experiment; None
+    in an enabled run: ``autotuning_metric.json`` in the working directory, as DeepSpeed)."""
     model_info_path: str | None = None
-    """Where a profiling run writes the model information (set by the tuner)."""
+    """Where a profiling run writes the model information (set by the tuner; None:
+    ``autotuning_model_info.json`` in the working directory, as DeepSpeed)."""
     tuner_type: str = "gridsearch"
     """Order of the experiments: ``gridsearch`` (stage, then micro-batch, ascending),
     ``random`` (seeded shuffle) or ``model_based`` (a least-squares cost model fitted to the
@@ -117,10 +121,6 @@ class AutotuningConfig:
                 f"({self.start_profile_step}); the measured window needs end >= start"
             )
         as_choice("autotuning.metric", self.metric, METRICS)
-        if self.metric == "flops":
-            raise ConfigError(
-                'autotuning.metric "flops" is not available in this version of shardwise; use "throughput" or "latency"'
-            )
         as_choice("autotuning.tuner_type", self.tuner_type, TUNER_TYPES)
         for name in ("tuner_early_stopping", "tuner_num_trials", "num_tuning_micro_batch_sizes", "mp_size"):
             as_int(f"autotuning.{name}", getattr(self, name), minimum=1)

@@ -1,6 +1,7 @@
 """``shardwise run --autotuning run`` on 2 CPU ranks, in one tuning run of three short jobs:
-configurations the estimator rejects never run, the choice is the fastest measured one, the
-result files have DeepSpeed's layout, and ``run`` then trains with the choice. (Crashes,
+configurations the estimator rejects never run, each experiment's FLOPs are counted, the
+choice is the one with the highest ``flops`` (and, the model being the same, the fastest),
+the result files have DeepSpeed's layout, and ``run`` then trains with the choice. (Crashes,
 hangs and the search rules are tested without launching training jobs:
 tests/unit/autotuning.)
 
@@ -11,10 +12,15 @@ process of its own would add a Python start and the imports of torch to the laun
 import json
 from pathlib import Path
 
+import pytest
+
 from shardwise.cli import main as shardwise_main
 
 SCRIPT = Path(__file__).with_name("tune_script.py")
 _MIB = 2**20
+_SAMPLE_FLOPS = 3 * 3 * 2 * 8 * 16 * 32
+"""TinyMLP's FLOPs per sample: fc1, fc2 and the head are each a (8 x 16) by (16 x 32) matrix
+product or its transpose; the backward twice the forward (every input needs its gradient)."""
 
 
 def _cells(line):
@@ -31,7 +37,8 @@ def test_tune_then_run(tmp_path, monkeypatch, capfd):
         "zero_optimization": {"stage": [0, 1]},
         "autotuning": {
             "enabled": True,
-            "start_profile_step": 1,
+            "metric": "flops",
+            "start_profile_step": 2,  # the first step is the counted one
             "end_profile_step": 2,
             "results_dir": str(tmp_path / "results"),
             "exps_dir": str(tmp_path / "exps"),
@@ -58,8 +65,11 @@ def test_tune_then_run(tmp_path, monkeypatch, capfd):
     assert not any(p.name.startswith("z0") for p in results.iterdir())  # pruned: never run
     measured = {p.parent.name: json.loads(p.read_text()) for p in results.glob("*/metrics.json")}
     assert set(measured) == set(ran)
-    fastest = max(measured, key=lambda name: measured[name]["throughput"])
-    micro = int(fastest.rpartition("tmbspg")[2])
+    for name, metrics in measured.items():  # each rank's mean count of one iteration
+        assert metrics["flops_per_step"] == _SAMPLE_FLOPS * int(name.rpartition("tmbspg")[2])
+    best = max(measured, key=lambda name: measured[name]["flops"])
+    assert best == max(measured, key=lambda name: measured[name]["throughput"])
+    micro = int(best.rpartition("tmbspg")[2])
 
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert "autotuning" not in optimal
@@ -74,7 +84,8 @@ def test_tune_then_run(tmp_path, monkeypatch, capfd):
     lines = (results / "summary.txt").read_text().splitlines()
     assert _cells(lines[0]) == ["tuning_space", "num_experiments", "best_metric_val", "best_exp_name"]
     global_row = _cells(next(line for line in lines if line.startswith("| global")))
-    assert global_row[1] == "2" and global_row[3] == fastest
+    assert global_row[1] == "2" and global_row[3] == best
+    assert float(global_row[2]) == pytest.approx(measured[best]["flops"], rel=1e-5)
     assert "Total number of experiments: 2." in "\n".join(lines)
     statuses = {_cells(line)[0]: _cells(line)[1] for line in lines if line.startswith("| z")}
     assert statuses["z1_gas1_tmbspg1"] == "measured" and statuses["z0_gas1_tmbspg2"] == "pruned"

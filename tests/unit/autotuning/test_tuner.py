@@ -22,7 +22,10 @@ def _fake(throughputs, broken=()):
             status = Status.FAILED if broken.index(candidate.name) % 2 == 0 else Status.HUNG
             return Outcome(candidate, status, error="boom")
         value = throughputs[candidate.name]
-        return Outcome(candidate, Status.MEASURED, metrics={"throughput": value, "latency": 1000 / value})
+        flops = 1e9 * (10 * candidate.stage - candidate.micro_batch)  # not the throughput's order
+        return Outcome(
+            candidate, Status.MEASURED, metrics={"throughput": value, "latency": 1000 / value, "flops": flops}
+        )
 
     return run_one, order
 
@@ -43,6 +46,16 @@ def test_latency_picks_the_lowest():
     run_one, _ = _fake(_values())
     outcomes = search(SPACE, autotuning_config({"metric": "latency"}), run_one)
     assert best_outcome(outcomes, "latency").candidate == Candidate(0, 4, 1)
+
+
+@pytest.mark.parametrize("tuner_type", ["gridsearch", "model_based"])
+def test_flops_picks_the_highest(tuner_type):
+    run_one, _ = _fake(_values())
+    tuning = autotuning_config({"metric": "flops", "tuner_type": tuner_type, "tuner_early_stopping": 50})
+    outcomes = search(SPACE, tuning, run_one)
+    assert len(outcomes) == len(SPACE)
+    # the highest flops, not the highest throughput (z0_gas1_tmbspg4) nor the lowest flops (the same one)
+    assert best_outcome(outcomes, "flops").candidate == Candidate(1, 1, 1)
 
 
 def test_failed_and_hung_experiments_are_recorded_and_the_search_goes_on():

@@ -23,6 +23,7 @@ def test_defaults_are_deepspeeds():
 def test_enabled_section_loads_with_model_info():
     tuning = _load({"enabled": True, "tuner_type": "Random", "model_info": {"num_params": 1e6}}).autotuning
     assert tuning.enabled and tuning.tuner_type == "random" and tuning.model_info.num_params == 1_000_000
+    assert _load({"metric": "FLOPS"}).autotuning.metric == "flops"
 
 
 @pytest.mark.parametrize(
@@ -51,7 +52,7 @@ def test_model_info_unknown_key():
             r"min_train_batch_size \(64\) is greater than autotuning.max_train_batch_size \(32\)",
         ),
         ({"start_profile_step": 6, "end_profile_step": 5}, "end_profile_step .5. is before start_profile_step"),
-        ({"metric": "flops"}, 'metric "flops" is not available'),
+        ({"metric": "flop"}, "metric must be one of throughput, latency, flops"),
         ({"tuner_type": "bayes"}, "tuner_type must be one of gridsearch, random, model_based"),
         ({"experiment_timeout_s": 0}, "experiment_timeout_s must be > 0"),
     ],
