@@ -20,9 +20,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardwise.comm._error_record import ERROR_DIR_ENV
 from shardwise.launcher._port import DEFAULT_MASTER_PORT
 from shardwise.launcher.environment import NO_LOCAL_RANK_ENV, export_prefix, exports
+
+ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
+"""``comm/_error_record.py``'s variable (the same string, checked by a test): importing it
+from there would import ``shardwise.comm`` and torch into the launcher's process, which only
+starts torchrun and waits ([Note: lazy package import] in ``shardwise/__init__.py``)."""
 
 DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 """DeepSpeed's name for its environment file (read too; see ``environment.ENV_FILES``)."""
