@@ -175,7 +175,7 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     return {"losses": (losses, ref_losses), "eval": (float(eval_loss), ref_eval, len(logits or []), engine.is_last_stage()),
             "eval one micro-batch": (first_only, ref_first, restored),
             "diff": diff, "moved": moved, "names": names, "resident": resident,
-            "parts": engine.module.parts, "stage": engine.grid.stage_id, "schedule": engine.schedule_name,
+            "parts": engine.module.parts, "stage": engine.grid.stage_id, "schedule": (engine.schedule_name, config["pipeline"].get("schedule", "1f1b_split")),
             "channels": sorted({type(c).__name__ for c in engine._runner.channels.values()}),
             # ... and none is left posted after the batches (nothing more was coming)
             "posted ahead": (sum(ahead), len(ahead), sum(getattr(c, "_header", None) is not None
@@ -236,7 +236,7 @@ def _check(reports, cases):
             # every rank cuts the model alike (profiled costs are averaged over the ranks);
             # no schedule configured runs the default, 1F1B with the drain's backwards split
             assert got["parts"] == reports[0][name]["parts"], f"rank {rank} {name}: {got['parts']}"
-            assert got["schedule"] == (cases[name].get("schedule", "1f1b") or "1f1b_split"), f"{name}: {got['schedule']}"
+            assert got["schedule"][0] == got["schedule"][1], f"rank {rank} {name}: {got['schedule']}"
             parts, stage, stages = got["parts"], got["stage"], cases[name]["stages"]
             mine = {int(n.split(".")[0]) for n in got["names"] if not n.startswith("tied_modules")}
             tied_only = any(n.startswith("tied_modules") for n in got["names"])
