@@ -87,8 +87,8 @@ def _time_layer(call: Callable, x, loss, device: torch.device) -> tuple[float, o
         out = call(inputs)
         roots = [loss[0](out, loss[1])] if loss is not None else _grad_outputs_of(out)
         wrt = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad] + params
-        if roots and wrt:
-            torch.autograd.grad(roots, wrt, grad_outputs=[torch.ones_like(r) for r in roots], allow_unused=True)
+        if roots and wrt:  # one scalar root: ones as every output's gradient
+            torch.autograd.grad(sum(r.sum() for r in roots), wrt, allow_unused=True)
         _synchronize(device)
         if run:
             times.append(time.perf_counter() - start)
