@@ -17,7 +17,7 @@ can be, see [Note: two balancing objectives] in ``_partition.py``).
   ``torch.autograd.grad``: nothing accumulates into ``.grad``). The loss runs with the
   last layer and counts as its cost.
 - Every rank measures every layer (at once, so each sees the load training will put on
-  the machine) and the per-layer medians are averaged over all ranks from one
+  the machine) and the per-layer times (each the fastest of ``TIMED_RUNS``) are averaged over all ranks from one
   ``all_gather``, in rank order: every rank computes the same floats, hence the same
   boundaries.
 - Nothing leaks into training: the random state is restored afterwards (building and
@@ -27,7 +27,6 @@ can be, see [Note: two balancing objectives] in ``_partition.py``).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -38,7 +37,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from shardwise.pipe._errors import PipelineError
 
 TIMED_RUNS = 3
-"""Timed forward + backward runs per layer (after one untimed run); the median counts."""
+"""Timed forward + backward runs per layer (after one untimed run); the fastest counts (on a
+shared machine other work only ever adds time, and the layers are timed at different moments)."""
 
 
 def check_sample(sample) -> None:
@@ -75,7 +75,7 @@ def layer_costs(build: Callable[[int], Callable], num_layers: int, sample, *, lo
 
 
 def _time_layer(call: Callable, x, loss, device: torch.device) -> tuple[float, object]:
-    """Median seconds of ``call``'s forward + backward on ``x`` (and the loss, if given),
+    """The fewest seconds of ``call``'s forward + backward on ``x`` (and the loss, if given),
     and its output, detached."""
     inputs = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, x)
     params = [p for m in _modules_of(call) for p in m.parameters() if p.requires_grad]
@@ -95,7 +95,7 @@ def _time_layer(call: Callable, x, loss, device: torch.device) -> tuple[float, o
     with torch.no_grad():
         for buffer, value in saved:
             buffer.copy_(value)
-    return statistics.median(times), tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    return min(times), tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
 
 
 def _grad_outputs_of(out) -> list[torch.Tensor]:
