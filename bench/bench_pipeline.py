@@ -13,13 +13,17 @@ micro-batches, so their first losses agree::
 
     python bench/bench_pipeline.py --rounds 2 --out bench/results/<date>-cpu-pipeline.md
 
-Variants: ``shardwise-1f1b``, ``shardwise-zero_bubble``, ``shardwise-interleaved`` (two chunks per
+Variants: ``shardwise-default`` (no ``pipeline.schedule``: the engine's default), ``shardwise-1f1b``,
+``shardwise-1f1b_split``, ``shardwise-zero_bubble``, ``shardwise-interleaved`` (two chunks per
 stage, ``PipelineModule(virtual_stages=2)``: layers cut uniformly into 4 chunks), ``shardwise-gpipe``
 (``"pipeline": {"schedule": ...}``; a suffix ``@gloo`` sends stage-to-stage transfers through gloo
 instead of shared memory, ``SHARDWISE_SHM_P2P=0``), ``torch-1f1b`` and ``torch-gpipe``
 (``torch.distributed.pipelining``'s ``PipelineStage`` with ``Schedule1F1B`` / ``ScheduleGPipe`` on
 the same layers, not timed per action) and ``deepspeed`` (``deepspeed.pipe``, its own interpreter
-``--ds-python``; its only schedule, ``TrainSchedule``, is 1F1B). Each is launched under
+``--ds-python``; its only schedule, ``TrainSchedule``, is 1F1B). A suffix ``+<method>`` before any
+``@gloo`` sets ``partition_method`` (default ``uniform``): ``+parameters`` (both libraries),
+``+profile`` (shardwise: each layer timed on the first micro-batch, ``partition_sample``). Each is
+launched under
 ``torch.distributed.run`` (the launcher and report helpers are bench_tensor_parallel.py's).
 
 Idle time: the bench wraps each engine's per-action handlers (shardwise's ``_runner.HANDLERS``
@@ -135,7 +139,9 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     acc: dict[str, float] = defaultdict(float)
-    system, _, schedule = args.variant.partition("@")[0].partition("-")
+    base, _, partition = args.variant.partition("@")[0].partition("+")
+    system, _, schedule = base.partition("-")
+    partition = partition or "uniform"
     config = {
         "gradient_clipping": 0.0,
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -169,10 +175,13 @@ def worker(args) -> None:
         for name in WAIT + COMPUTE:
             kind = getattr(sw_actions, name)
             HANDLERS[kind] = _timed(HANDLERS[kind], name, acc)
-        config["pipeline"] = {"schedule": schedule}
+        config["pipeline"] = {} if schedule == "default" else {"schedule": schedule}
         library = shardwise
+    data = _micro_batches(args)
     if system != "torch":
         chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
+        if partition == "profile":
+            chunks["partition_sample"] = data[0]
         model = PipelineModule(
             layers=_layers(args, LayerSpec),
             num_stages=2,
@@ -180,12 +189,12 @@ def worker(args) -> None:
             seed_layers=True,
             **chunks,
             base_seed=1234,
-            partition_method="uniform",
+            partition_method=partition,
         )
+        parts = list(model.parts)
         n_params = sum(p.numel() for p in model.parameters())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         engine, _, _, _ = library.initialize(model=model, optimizer=optimizer, config=config)
-    data = _micro_batches(args)
     times, losses, per_step = [], [], []
     for step in range(args.steps):
         acc.clear()
@@ -201,6 +210,7 @@ def worker(args) -> None:
         "losses": losses,
         "acc": per_step,
         "params": n_params,
+        "parts": parts if system != "torch" else None,
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     Path(args.result).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
@@ -262,7 +272,7 @@ def _torch_pipelining(args, schedule: str, rank: int):
 
 
 def run_variant(args, variant: str) -> dict:
-    python = args.ds_python if variant == "deepspeed" else sys.executable
+    python = args.ds_python if variant.startswith("deepspeed") else sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result"
         env = {
@@ -333,11 +343,13 @@ def run_variant(args, variant: str) -> dict:
         "max": max(times),
         "losses": ranks[0]["losses"],
         "stages": stages,
+        "parts": ranks[0].get("parts"),
         "wall_s": wall,
     }
 
 
 def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
+    from shardwise.config._pipeline import DEFAULT_SCHEDULE
     from shardwise.pipe.schedules import simulate
 
     ok = {v: [r for r in rs if "median" in r] for v, rs in runs.items()}
@@ -358,6 +370,7 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         "zero_bubble": "zero_bubble",
         "interleaved": "interleaved",
         "1f1b_split": "1f1b_split",
+        "default": DEFAULT_SCHEDULE,
     }
     halves = []
     for v, rs in ok.items():
@@ -373,7 +386,7 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         def per_stage(key, scale=1.0):  # one duration per stage, for the simulator
             return [median_or_nan([x[key] for x in st[s]]) * scale for s in range(2)]
 
-        sched = sim_names[v.partition("@")[0].rpartition("-")[2]]
+        sched = sim_names[v.partition("@")[0].partition("+")[0].rpartition("-")[2]]
         if sched in ("zero_bubble", "1f1b_split"):
             sim = simulate(
                 sched,
@@ -415,6 +428,8 @@ def report(args, runs: dict[str, list[dict]], order: list[list[str]]) -> str:
         )
     if halves:
         lines += ["", "Split backward:", ""] + halves
+    lines += ["", "Stage boundaries (layer indices; layer 0 is the embedding, the last the head):", ""]
+    lines += [f"- {v}: {sorted({str(r.get('parts')) for r in rs})}" for v, rs in ok.items()]
     lines += ["", "First-step losses (rank 0, every run):", ""]
     first = []
     for v, rs in ok.items():
@@ -480,7 +495,7 @@ def main() -> None:
                 "",
                 f"Model: embedding (vocab {args.vocab}, width {args.width}) + {args.blocks} blocks (LayerNorm + MLP "
                 f"{args.width}->{args.mlp_ratio * args.width}->{args.width}, residual) + LayerNorm/head; sequence "
-                f"{args.seq_len}; 2 stages (uniform partition) x 1 thread; micro-batch {args.micro_batch}, "
+                f"{args.seq_len}; 2 stages x 1 thread; micro-batch {args.micro_batch}, "
                 f"{args.micro_batches} micro-batches per train_batch; SGD momentum 0.9 lr 0.01; median of steps "
                 f"{args.warmup + 1}..{args.steps} (rank 0)",
                 "",

@@ -11,6 +11,21 @@ SCHEDULES = ("1f1b", "1f1b_split", "gpipe", "zero_bubble", "interleaved")
 """Schedules the pipeline engine runs (``interleaved`` with ``virtual_stages`` model
 chunks per stage, which ``PipelineModule(virtual_stages=...)`` must also have)."""
 
+DEFAULT_SCHEDULE = "1f1b_split"
+"""The schedule run when ``pipeline.schedule`` is not given: DeepSpeed's 1F1B order with the
+drain's backwards split (measured never slower than ``1f1b``: bench/results
+2026-11-26-cpu-pipeline-zero-bubble.md and 2026-11-28-cpu-pipeline-balance.md); at ZeRO stage 3
+with ``keep_gathered: false``, which a split backward cannot serve, ``1f1b``."""
+
+
+def schedule_of(section: dict, *, zero_stage: int) -> str:
+    """The schedule a (checked) ``pipeline`` section runs at ``zero_stage``."""
+    if "schedule" in section:
+        return section["schedule"]
+    if zero_stage == 3 and not section.get("keep_gathered", True):
+        return "1f1b"
+    return DEFAULT_SCHEDULE
+
 
 def check_pipeline(section: Any) -> None:
     """Validate a ``pipeline`` section; refuse what the engine cannot honour, by name."""
@@ -31,7 +46,7 @@ def check_pipeline(section: Any) -> None:
     )
     if not isinstance(section.get("keep_gathered", True), bool):
         raise ConfigError(f"pipeline.keep_gathered must be true or false, got {section['keep_gathered']!r}")
-    schedule = section.get("schedule", "1f1b")
+    schedule = section.get("schedule", DEFAULT_SCHEDULE)
     virtual = section.get("virtual_stages", 2 if schedule == "interleaved" else 1)
     if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
         raise ConfigError(f"pipeline.virtual_stages must be a positive integer, got {virtual!r}")

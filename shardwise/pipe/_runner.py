@@ -64,8 +64,9 @@ class StageParts:
     """The engine's ``PrecisionPolicy`` (inputs cast before each chunk's forward)."""
     loss_scaler: Any
     """The engine's fp16 ``LossScaler``, or None."""
-    timer: Callable[[str], contextlib.AbstractContextManager]
-    """A timer context by DeepSpeed's timer name (wall_clock_breakdown)."""
+    timer: Callable[..., contextlib.AbstractContextManager]
+    """A timer context by DeepSpeed's timer name (wall_clock_breakdown); ``partial=True``
+    marks a part of a phase (``ProgressReporter.timer``)."""
     step: Callable[[], None]
     """The optimizer step of the batch, after its gradients are complete."""
 
@@ -316,7 +317,7 @@ class _BatchRun:
             self._backward_whole(a.micro_batch, a.chunk)
             return
         key = (a.micro_batch, a.chunk)
-        with self.parts.timer("backward"):
+        with self.parts.timer("backward", partial=True):  # the weight half ends the backward
             outputs, grads = self._roots(key)
             x = self.inputs.pop(key)
             leaves, spec = tree_flatten(x)

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from shardwise.config._pipeline import schedule_of
 from shardwise.pipe import schedules as sched
 from shardwise.pipe._runner import StageParts, StageRunner
 from shardwise.pipe.module import PipelineError, PipelineModule
@@ -29,7 +30,7 @@ class PipelineEngine(Engine):
         self.num_stages, self.stage_id = grid.pipe, grid.stage_id
         self.micro_batches = self.gradient_accumulation_steps()
         section = config.raw.get("pipeline") or {}
-        self.schedule_name = section.get("schedule", "1f1b")
+        self.schedule_name = schedule_of(section, zero_stage=config.zero.stage)
         self.virtual_stages = model.virtual_stages
         configured = section.get("virtual_stages", 2 if self.schedule_name == "interleaved" else 1)
         if configured != model.virtual_stages:

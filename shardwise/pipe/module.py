@@ -24,11 +24,13 @@ from functools import partial
 import torch
 from torch import nn
 
+from shardwise.pipe._errors import PipelineError
+from shardwise.pipe._partition import partition_balanced, partition_min_max, partition_uniform
+from shardwise.pipe._profile import check_sample, layer_costs, sample_device
+
+__all__ = ["LayerSpec", "PipelineError", "PipelineModule", "TiedLayerSpec", "partition_balanced", "partition_uniform"]
+
 logger = logging.getLogger("shardwise")
-
-
-class PipelineError(Exception):
-    """A pipeline model or schedule is set up wrongly."""
 
 
 class LayerSpec:
@@ -77,49 +79,6 @@ class TiedLayerSpec(LayerSpec):
         self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
 
 
-def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """Boundaries ``[0, ..., num_items]`` cutting ``num_items`` into ``num_parts`` runs
-    whose lengths differ by at most one (longer runs first)."""
-    base, extra = divmod(num_items, num_parts)
-    bounds = [0]
-    for part in range(num_parts):
-        bounds.append(bounds[-1] + base + (1 if part < extra else 0))
-    return bounds
-
-
-def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """Boundaries cutting ``weights`` into ``num_parts`` contiguous runs that minimise the
-    heaviest run (bisection over the heaviest run's weight with a greedy packing; every
-    part gets at least one item)."""
-    n = len(weights)
-    if n < num_parts:
-        raise PipelineError(f"{n} layer(s) cannot fill {num_parts} pipeline stages; give at least one layer per stage")
-
-    def pack(limit: float) -> list[int]:
-        bounds, total = [0], 0.0
-        for i, w in enumerate(weights):
-            if total + w > limit and i > bounds[-1]:
-                bounds.append(i)
-                total = 0.0
-            total += w
-        return bounds + [n]
-
-    low, high = float(max(weights, default=0.0)), float(sum(weights))
-    for _ in range(100):
-        if high - low <= 1e-9 * max(1.0, high):
-            break
-        mid = (low + high) / 2
-        if len(pack(mid)) - 1 <= num_parts:
-            high = mid
-        else:
-            low = mid
-    bounds = pack(high)
-    while len(bounds) - 1 < num_parts:  # fewer runs than parts: split the longest (no run gets heavier)
-        k = max(range(len(bounds) - 1), key=lambda j: bounds[j + 1] - bounds[j])
-        bounds.insert(k + 1, (bounds[k] + bounds[k + 1] + 1) // 2)
-    return bounds
-
-
 def _param_count(layer) -> int:
     """Trainable parameters of one entry of the layer list, counted without allocating."""
     if isinstance(layer, nn.Module):
@@ -131,12 +90,14 @@ def _param_count(layer) -> int:
     return 0
 
 
-def _type_name(layer) -> str:
+def _type_name(layer) -> str | None:
+    """The name ``"type:<regex>"`` matches: the class of a spec or module, a function's
+    ``__name__``; None (never matched, as in DeepSpeed) for a callable without one."""
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
     if isinstance(layer, nn.Module):
         return type(layer).__name__
-    return getattr(layer, "__name__", type(layer).__name__)
+    return getattr(layer, "__name__", None)
 
 
 class PipelineModule(nn.Module):
@@ -157,9 +118,14 @@ class PipelineModule(nn.Module):
         seed_layers / seed_fn / base_seed: seed ``base_seed + layer index`` before building
             each layer (with ``seed_fn``, or ``torch.manual_seed``), so a layer's initial
             weights do not depend on the number of stages.
-        partition_method: ``"parameters"`` (balance trainable parameters), ``"uniform"``
-            (balance layer counts), ``"type:<regex>"`` (balance layers whose class name
-            matches), or explicit boundaries (a list of ``num_stages + 1`` layer indices).
+        partition_method: how layers are cut into stages. DeepSpeed's: ``"parameters"``
+            (the default: trainable parameter counts as even as possible), ``"uniform"``
+            (layer counts), ``"type:<regex>"`` (the number of layers whose class name
+            matches, case-insensitively); these give DeepSpeed 0.19.8's boundaries.
+            Shardwise's: ``"profile"`` (each layer's forward + backward timed on
+            ``partition_sample``, the slowest stage made as fast as it can be: see [Note:
+            profiled partition] in ``_profile.py``), or explicit boundaries (a list of
+            ``num_stages + 1`` layer indices).
         activation_checkpoint_interval: recompute every this many layers in backward (0: off).
         activation_checkpoint_func: the checkpoint function (``shardwise.checkpointing.checkpoint``).
         checkpointable_layers: class names that may be checkpointed (None: all).
@@ -170,6 +136,10 @@ class PipelineModule(nn.Module):
             addition): the layers are cut into ``num_stages * virtual_stages`` chunks and
             stage ``s`` holds chunks ``s, s + num_stages, ...`` (see [Note: pipeline chunks]
             in ``_actions.py``). The config's ``pipeline.virtual_stages`` must agree.
+        partition_sample: with ``partition_method="profile"`` (only), one micro-batch as
+            ``train_batch``'s iterator yields it, an ``(inputs, labels)`` pair, on the
+            device the stages run on; every rank gives one (each times every layer, one
+            at a time, and all use the mean). The loss is timed with the last layer.
     """
 
     def __init__(
@@ -188,6 +158,7 @@ class PipelineModule(nn.Module):
         dynamic_shape: bool = False,
         *,
         virtual_stages: int = 1,
+        partition_sample=None,
     ):
         super().__init__()
         from shardwise.parallel import ParallelGrid
@@ -236,7 +207,7 @@ class PipelineModule(nn.Module):
             activation_checkpoint_func = checkpoint
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
-        self.parts = self._partition(partition_method)
+        self.parts = self._partition(partition_method, partition_sample)
         """Layer boundaries of the chunks: chunk ``c`` is layers ``parts[c]:parts[c + 1]``
         (one chunk per stage without virtual stages)."""
         self.chunks = tuple(range(self.stage_id, self.num_chunks, self.num_stages))
@@ -254,8 +225,13 @@ class PipelineModule(nn.Module):
 
     # -- partitioning ---------------------------------------------------------------------
 
-    def _partition(self, method) -> list[int]:
+    def _partition(self, method, sample) -> list[int]:
         n, p = len(self._layer_specs), self.num_chunks
+        profiled = isinstance(method, str) and method.lower() == "profile"
+        if sample is not None and not profiled:
+            raise PipelineError(
+                f"partition_sample is only read by partition_method='profile', not {method!r}: drop one of them"
+            )
         if isinstance(method, (list, tuple)):
             bounds = [int(b) for b in method]
             if (
@@ -278,16 +254,54 @@ class PipelineModule(nn.Module):
             return partition_balanced([_param_count(layer) for layer in self._layer_specs], p)
         if lowered.startswith("type:"):
             pattern = method.split(":", 1)[1]
-            weights = [1 if re.search(pattern, _type_name(layer), re.IGNORECASE) else 0 for layer in self._layer_specs]
+            names = [_type_name(layer) for layer in self._layer_specs]
+            weights = [1 if name is not None and re.search(pattern, name, re.IGNORECASE) else 0 for name in names]
             if not any(weights):
                 raise PipelineError(
                     f"partition_method={method!r} matches no layer; the layer types are "
-                    f"{sorted({_type_name(layer) for layer in self._layer_specs})}"
+                    f"{sorted({name for name in names if name is not None})}"
                 )
             return partition_balanced(weights, p)
+        if profiled:
+            return partition_min_max(self._profiled_costs(sample), p)
         raise PipelineError(
-            f"partition_method={method!r} is not one of 'parameters', 'uniform', 'type:<regex>' or a list of boundaries"
+            f"partition_method={method!r} is not one of 'parameters', 'uniform', 'type:<regex>', 'profile' "
+            "or a list of boundaries"
         )
+
+    def _profiled_costs(self, sample) -> list[float]:
+        """Every layer's forward + backward seconds on ``sample``, the mean over all ranks
+        (collective); see [Note: profiled partition] in ``_profile.py``."""
+        from shardwise.comm import Communicator
+
+        if sample is None:
+            raise PipelineError(
+                "partition_method='profile' times the layers on a sample micro-batch: pass "
+                "partition_sample=(inputs, labels), one micro-batch as train_batch's iterator yields it"
+            )
+        check_sample(sample)
+        device = sample_device(sample)
+        tied: dict[str, nn.Module] = {}
+
+        def build(index: int):
+            layer = self._layer_specs[index]
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in tied:
+                    tied[layer.key] = layer.build().to(device)
+                module = tied[layer.key]
+                return module if layer.forward_fn is None else partial(layer.forward_fn, module)
+            if isinstance(layer, LayerSpec):
+                return layer.build().to(device)
+            return layer
+
+        mine = layer_costs(build, len(self._layer_specs), sample, loss_fn=self.loss_fn)
+        every = Communicator(None, name="pipeline partition").all_gather_object(mine, tag="layer costs", counted=False)
+        costs = [sum(rank[i] for rank in every) / len(every) for i in range(len(mine))]
+        if self._grid.global_rank == 0:
+            logger.info(
+                "profiled layer costs (ms, mean of %d ranks): %s", len(every), [round(c * 1e3, 2) for c in costs]
+            )
+        return costs
 
     # -- building -------------------------------------------------------------------------
 

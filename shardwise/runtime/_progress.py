@@ -109,19 +109,20 @@ class ProgressReporter:
         atexit.register(never_reached)
         return profiler
 
-    def timer(self, name: str):
+    def timer(self, name: str, *, partial: bool = False):
         """Time ``name`` (with ``wall_clock_breakdown``) and, in the ``flops_profiler`` step,
-        profile it; a no-op context otherwise."""
+        profile it (``partial``: a part of that phase, more follows; see
+        ``StepProfiler.phase``); a no-op context otherwise."""
         if self._flops is not None and name in ("forward", "backward", "step"):
-            return self._profiled(name)
+            return self._profiled(name, partial)
         if not self.breakdown:
             return contextlib.nullcontext()
         return self._timed(name)
 
     @contextlib.contextmanager
-    def _profiled(self, name: str):
+    def _profiled(self, name: str, partial: bool):
         with (
-            self._flops.phase(name, step=self.engine.global_steps),
+            self._flops.phase(name, step=self.engine.global_steps, partial=partial),
             self._timed(name) if self.breakdown else contextlib.nullcontext(),
         ):
             yield

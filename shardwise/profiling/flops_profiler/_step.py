@@ -71,12 +71,15 @@ class StepProfiler:
         return self._state is _State.DONE
 
     @contextlib.contextmanager
-    def phase(self, name: Phase, *, step: int):
+    def phase(self, name: Phase, *, step: int, partial: bool = False):
         """Time (and, up to the end of backward, count) one phase of the profiled step.
 
         Args:
             name: ``"forward"``, ``"backward"`` or ``"step"``.
             step: the engine's ``global_steps`` at the start of the phase.
+            partial: this is a part of the phase and more follows (a pipeline's split
+                backward: the input half, then the weight half); it is timed and counted,
+                and the phase ends with its next part that is not partial.
 
         Raises:
             ValueError: an unknown phase name.
@@ -100,11 +103,14 @@ class StepProfiler:
             raise
         sync()
         self._latency[name] += time.perf_counter() - start
+        if name == "backward":
+            self._bwd_flops += self.profiler.counted_flops() - flops
+        if partial:
+            return
         self._measured.add(name)
         if name == "forward":
             self.profiler.remove_hooks()  # later forwards of the step are not this micro-batch's
         elif name == "backward":
-            self._bwd_flops += self.profiler.counted_flops() - flops
             self.profiler.stop_profile()
         elif name == "step":
             self._finish()

@@ -81,7 +81,7 @@ def _batches(gbs, seqs=None):
 
 
 def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b", interval=0, blocks=4, opt="SGD",
-          extra=None, seqs=None, virtual=1, dtype="fp32", transport="shared memory", clip=1.0):
+          extra=None, seqs=None, virtual=1, dtype="fp32", transport="shared memory", clip=1.0, partition="uniform"):
     import os
 
     os.environ["SHARDWISE_SHM_P2P"] = "1" if transport == "shared memory" else "0"  # read by initialize
@@ -93,13 +93,16 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR) if opt == "SGD" else \
         torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
     ref_losses = _train_reference(reference, optimizer, batches, clip)
+    # "profile": the layers timed on the first micro-batch (each rank's own) cut the stages
+    sample = {"partition_sample": (batches[0][0][:MICRO], batches[0][1][:MICRO])} if partition == "profile" else {}
     model = PipelineModule(specs, num_stages=stages, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
-                           partition_method="uniform", activation_checkpoint_interval=interval,
-                           virtual_stages=virtual)
+                           partition_method=partition, activation_checkpoint_interval=interval,
+                           virtual_stages=virtual, **sample)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
               "optimizer": {"type": opt, "params": {"lr": LR} if opt == "SGD" else {"lr": 1e-2, "weight_decay": 0.0}},
               "steps_per_print": 1000,
-              "pipeline": {"schedule": schedule, **({"virtual_stages": virtual} if virtual > 1 else {})},
+              "pipeline": {**({"schedule": schedule} if schedule else {}),
+                           **({"virtual_stages": virtual} if virtual > 1 else {})},
               "zero_optimization": {"stage": zero, "reduce_bucket_size": 300,
                                     # stage 3 partitions every layer (the tiny layers would stay whole)
                                     **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})},
@@ -172,7 +175,7 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     return {"losses": (losses, ref_losses), "eval": (float(eval_loss), ref_eval, len(logits or []), engine.is_last_stage()),
             "eval one micro-batch": (first_only, ref_first, restored),
             "diff": diff, "moved": moved, "names": names, "resident": resident,
-            "parts": engine.module.parts, "stage": engine.grid.stage_id,
+            "parts": engine.module.parts, "stage": engine.grid.stage_id, "schedule": (engine.schedule_name, config["pipeline"].get("schedule", "1f1b_split")),
             "channels": sorted({type(c).__name__ for c in engine._runner.channels.values()}),
             # ... and none is left posted after the batches (nothing more was coming)
             "posted ahead": (sum(ahead), len(ahead), sum(getattr(c, "_header", None) is not None
@@ -230,6 +233,10 @@ def _check(reports, cases):
             if gloo:
                 posted, received, left = got["posted ahead"]
                 assert posted == received > 0 and left == 0, f"rank {rank} {name}: {got['posted ahead']}"
+            # every rank cuts the model alike (profiled costs are averaged over the ranks);
+            # no schedule configured runs the default, 1F1B with the drain's backwards split
+            assert got["parts"] == reports[0][name]["parts"], f"rank {rank} {name}: {got['parts']}"
+            assert got["schedule"][0] == got["schedule"][1], f"rank {rank} {name}: {got['schedule']}"
             parts, stage, stages = got["parts"], got["stage"], cases[name]["stages"]
             mine = {int(n.split(".")[0]) for n in got["names"] if not n.startswith("tied_modules")}
             tied_only = any(n.startswith("tied_modules") for n in got["names"])
@@ -257,6 +264,10 @@ TWO_RANKS = {
     "pp2 zero bubble gas8 adamw": dict(stages=2, gas=8, schedule="zero_bubble", opt="AdamW"),
     "pp2 zero bubble checkpointed": dict(stages=2, gas=4, schedule="zero_bubble", interval=1),
     "pp2 1f1b split drain bf16": dict(stages=2, gas=4, schedule="1f1b_split", dtype="bf16", tied=True),
+    "pp2 profiled partition default schedule adamw": dict(stages=2, gas=4, schedule=None, partition="profile",
+                                                          opt="AdamW", blocks=5),
+    "pp2 profiled partition default schedule tied": dict(stages=2, gas=4, schedule=None, partition="profile",
+                                                         tied=True),
     "pp2 interleaved x2 tied": dict(stages=2, gas=4, schedule="interleaved", virtual=2, tied=True, blocks=6),
     "pp2 checkpointed": dict(stages=2, gas=4, interval=1),
     "pp2 checkpointed by config": dict(stages=2, gas=2, extra={"pipeline": {"activation_checkpoint_interval": 2}}),
@@ -307,6 +318,10 @@ def _errors(rank, world_size, failure):
         "few layers": error(lambda: PipelineModule(specs[:1], num_stages=2)),
         "method": error(lambda: PipelineModule(specs, num_stages=2, partition_method="balanced")),
         "regex": error(lambda: PipelineModule(specs, num_stages=2, partition_method="type:Transformer")),
+        "no sample": error(lambda: PipelineModule(specs, num_stages=2, partition_method="profile")),
+        "sample unread": error(lambda: PipelineModule(specs, num_stages=2, partition_sample=(1, 2))),
+        "bad sample": error(lambda: PipelineModule(specs, num_stages=2, partition_method="profile",
+                                                   partition_sample=torch.zeros(2))),
         "tied shapes": error(lambda: PipelineModule(
             [TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1), LayerSpec(PipelineBlock, H),
              TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1, forward_fn=tied_head)], num_stages=2,
@@ -339,6 +354,9 @@ def test_pipeline_bad_input_is_named(tmp_path, failure):
         assert "cannot fill 2 pipeline stages" in got["few layers"]
         assert "is not one of 'parameters', 'uniform'" in got["method"]
         assert "matches no layer" in got["regex"] and "Block" in got["regex"]
+        assert "pass partition_sample=(inputs, labels)" in got["no sample"]
+        assert "only read by partition_method='profile', not 'parameters'" in got["sample unread"]
+        assert "an (inputs, labels) pair; got Tensor" in got["bad sample"]
         assert "different shapes on different stages" in got["tied shapes"]
         assert "must be a shardwise.pipe.PipelineModule" in got["not a pipeline"]
         assert "zero_bubble schedule" in got["zero bubble per use"] and "keep_gathered" in got["zero bubble per use"]

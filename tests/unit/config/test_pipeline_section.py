@@ -43,3 +43,12 @@ def test_deepspeed_keys_and_schedules_load():
 def test_what_the_engine_cannot_honour_is_refused(pipeline, message):
     with pytest.raises(ConfigError, match=message):
         _load(pipeline)
+
+
+def test_the_default_schedule_splits_the_drain_unless_zero3_releases_layers():
+    from shardwise.config._pipeline import schedule_of
+
+    assert schedule_of({}, zero_stage=0) == schedule_of({}, zero_stage=3) == "1f1b_split"
+    assert schedule_of({"keep_gathered": False}, zero_stage=3) == "1f1b"  # the split needs the layers
+    assert schedule_of({"keep_gathered": False}, zero_stage=2) == "1f1b_split"
+    assert schedule_of({"schedule": "gpipe"}, zero_stage=0) == "gpipe"
