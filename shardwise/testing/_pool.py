@@ -145,7 +145,12 @@ def _serve(rank: int, world_size: int, tasks, results, left, fresh: bool) -> Non
     os.environ.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
     import torch
 
+    import shardwise
     from shardwise.testing._process_state import ProcessBaseline
+
+    # The whole package now, before the first call, so the first call's module attributes
+    # are recorded and put back like every later call's ([Note: lazy package import]).
+    dir(shardwise)
 
     torch.set_num_threads(1)
     baseline = ProcessBaseline()
