@@ -94,7 +94,8 @@ def _check(code, out, elapsed, kind):
     assert elapsed < TIMEOUT_S + MARGIN_S, f"the job took {elapsed:.1f} s:\n{out[-3000:]}"
 
 
-@pytest.mark.parametrize("stage, kind", [(0, "all_reduce"), (3, "reduce_scatter")])  # 2: under torchrun
+# stage 0 and 2 under torchrun (all_reduce, reduce_scatter); the launcher's report once
+@pytest.mark.parametrize("stage, kind", [(3, "reduce_scatter")])
 def test_diverged_ranks_fail_fast_under_shardwise_run(jobs, request, stage, kind):
     code, out, elapsed = jobs[request.node.name].result()
     _check(code, out, elapsed, kind)
@@ -106,8 +107,8 @@ def test_diverged_ranks_fail_fast_under_torchrun(jobs, request, stage, offload, 
     _check(*jobs[request.node.name].result(), kind)
 
 
-@pytest.mark.parametrize("op, deadline_from", [("all_reduce", "engine"), ("all_reduce", "group"),
-                                                ("reduce_scatter_tensor", "engine")])
+# each op and each source of the deadline once
+@pytest.mark.parametrize("op, deadline_from", [("all_reduce", "group"), ("reduce_scatter_tensor", "engine")])
 def test_a_diverged_functional_collective_fails_the_job_within_the_deadline(jobs, request, op, deadline_from):
     code, out, elapsed = jobs[request.node.name].result()
     assert code != 0, out[-3000:]
