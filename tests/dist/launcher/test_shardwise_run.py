@@ -40,7 +40,7 @@ def _checksums(text):
     return {m[1] for m in re.finditer(r"DONE rank=\d+ steps=3 checksum=(-?\d+\.\d{6})", text)}
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [4])  # 2 ranks: every other launched test (demo, scripts, examples)
 def test_single_node(tmp_path, nproc):
     proc = _run(["--nproc", str(nproc), "--master_port", str(_free_port()), str(SCRIPT)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
