@@ -109,6 +109,24 @@ def _loss_fn(logits, labels):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def _module(args, library_pipe, partition, sample, **extra):
+    """The benchmark's 2-stage ``PipelineModule`` of ``library_pipe`` (``shardwise.pipe`` or
+    ``deepspeed.pipe``; seeded layers), cut by ``partition`` (``"profile"`` times ``sample``,
+    one micro-batch)."""
+    LayerSpec, PipelineModule = library_pipe.LayerSpec, library_pipe.PipelineModule  # noqa: N806
+    if partition == "profile":
+        extra["partition_sample"] = sample
+    return PipelineModule(
+        layers=_layers(args, LayerSpec),
+        num_stages=2,
+        loss_fn=_loss_fn,
+        seed_layers=True,
+        base_seed=1234,
+        partition_method=partition,
+        **extra,
+    )
+
+
 def _micro_batches(args):
     import torch
 
@@ -152,7 +170,7 @@ def worker(args) -> None:
     }
     if system == "deepspeed":
         import deepspeed
-        from deepspeed.pipe import LayerSpec, PipelineModule
+        import deepspeed.pipe as pipe_lib
         from deepspeed.runtime.pipe import engine as ds_engine
         from deepspeed.runtime.pipe import schedule as ds_sched
 
@@ -167,7 +185,7 @@ def worker(args) -> None:
         engine, n_params = _torch_pipelining(args, schedule, rank)
     else:
         import shardwise
-        from shardwise.pipe import LayerSpec, PipelineModule
+        import shardwise.pipe as pipe_lib
         from shardwise.pipe import _actions as sw_actions
         from shardwise.pipe._runner import HANDLERS
 
@@ -180,17 +198,7 @@ def worker(args) -> None:
     data = _micro_batches(args)
     if system != "torch":
         chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
-        if partition == "profile":
-            chunks["partition_sample"] = data[0]
-        model = PipelineModule(
-            layers=_layers(args, LayerSpec),
-            num_stages=2,
-            loss_fn=_loss_fn,
-            seed_layers=True,
-            **chunks,
-            base_seed=1234,
-            partition_method=partition,
-        )
+        model = _module(args, pipe_lib, partition, data[0], **chunks)
         parts = list(model.parts)
         n_params = sum(p.numel() for p in model.parameters())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

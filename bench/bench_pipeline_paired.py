@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import _layers, _loss_fn, _micro_batches  # noqa: E402
+from bench_pipeline import _micro_batches, _module  # noqa: E402
 from bench_tensor_parallel import REPO, _free_port  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import shardwise
-    from shardwise.pipe import LayerSpec, PipelineModule
+    import shardwise.pipe
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -45,16 +45,7 @@ def worker(args) -> None:
     engines, parts = [], []
     for variant in args.variants.split(","):
         schedule, _, partition = variant.partition("+")
-        sample = {"partition_sample": data[0]} if partition == "profile" else {}
-        model = PipelineModule(
-            layers=_layers(args, LayerSpec),
-            num_stages=2,
-            loss_fn=_loss_fn,
-            seed_layers=True,
-            base_seed=1234,
-            partition_method=partition or "uniform",
-            **sample,
-        )
+        model = _module(args, shardwise.pipe, partition or "uniform", data[0])
         config = {
             "gradient_clipping": 0.0,
             "train_micro_batch_size_per_gpu": args.micro_batch,

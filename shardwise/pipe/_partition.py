@@ -19,6 +19,7 @@ among the cuts that do, the spread.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -58,9 +59,7 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     """
     _check(weights, num_parts)
     n = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+    prefix = list(itertools.accumulate(weights, initial=0))
     inf = math.inf
     # best[j][i]: (spread, heaviest, lightest) of the kept cut of the first i layers into j runs
     heaviest = [[inf] * (n + 1) for _ in range(num_parts + 1)]
@@ -85,9 +84,7 @@ def partition_min_max(costs: Sequence[float], num_parts: int) -> list[int]:
     earliest on a further tie. O(n^2 x parts)."""
     _check(costs, num_parts)
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = list(itertools.accumulate(costs, initial=0.0))
     inf = math.inf
     # key[j][i]: (heaviest, spread) of the best cut of the first i layers into j runs;
     # lightest[j][i] is that cut's lightest run
