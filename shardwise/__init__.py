@@ -10,7 +10,7 @@ libraries that import ``deepspeed`` themselves, like Hugging Face's, use shardwi
 imports everything below at once, exactly what an eager ``__init__`` would import, so every
 name DeepSpeed's ``import deepspeed`` offers is there from that read on. Processes that only
 need a submodule do not pay for the rest: ``shardwise run`` (the launcher, which starts
-torchrun and waits) starts in a fraction of the time, and so does ``shardwise --help``.
+its ranks and waits) starts in a fraction of the time, and so does ``shardwise --help``.
 Importing a submodule directly (``import shardwise.zero``) imports that submodule and
 what it needs, as for any package.
 """

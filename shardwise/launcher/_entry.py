@@ -1,7 +1,7 @@
 """What each rank started by ``shardwise run`` executes: the user's script, with its
 error recorded so the launcher can say which rank failed first and why.
 
-Usage (by the launcher, through torchrun): ``python -m shardwise.launcher._entry script.py args``.
+Usage (by the node launcher, ``node.py``): ``python -m shardwise.launcher._entry script.py args``.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@
 DeepSpeed's launcher defaults ``--master_port`` to 29500, PyTorch's default. Across
 machines that default is what lets every node agree on the port without talking first,
 so it stays. On one machine nothing has to be agreed, and a fixed default makes a second
-job started on the same host collide with the first: its torchrun fails to open the
-store and no rank starts, so no rank can say why. So without ``--master_port`` a job on
+job started on the same host collide with the first: its rank 0 fails to open the
+store and the other ranks wait for it. So without ``--master_port`` a job on
 one machine takes a port the system reports free, and a port given explicitly for a
 store opened here is checked first, failing with an error that names it. Between the
-check (or the choice) and torchrun opening the store another process could still take
+check (or the choice) and rank 0 opening the store another process could still take
 the port (the window is the launcher's start-up); a collision then fails as it did
 before, which is rare since the system draws a free port from a wide range each time.
 """

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from shardwise.launcher._port import DEFAULT_MASTER_PORT, PortInUseError, master_port
 from shardwise.launcher.hostfile import HostfileError, parse_hostfile, select_resources
-from shardwise.launcher.runner import JobSpec, multinode_commands, run_multinode, run_single_node
+from shardwise.launcher.node import JobSpec, run_node
+from shardwise.launcher.runner import multinode_commands, run_multinode
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 LOCAL_NAMES = {"localhost", "127.0.0.1", os.uname().nodename}
@@ -77,6 +78,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def _cuda_count() -> int:
+    """GPUs torch would see here; 0 without asking torch when no GPU device file exists
+    (importing torch costs the launcher seconds of CPU per job on a machine without one)."""
+    if not any(Path("/dev").glob("nvidia[0-9]*")) and not any(Path(p).exists() for p in ("/dev/kfd", "/dev/dxg")):
+        return 0
     try:
         import torch
 
@@ -108,7 +113,7 @@ def _run_here(spec: JobSpec, args) -> int:
     """Run the whole job on this machine (its rendezvous store opens here)."""
     spec.master_addr = args.master_addr or "127.0.0.1"
     spec.master_port = master_port(args.master_port, one_machine=True, store_here=True)
-    return run_single_node(spec)
+    return run_node(spec)
 
 
 def run(args) -> int:
@@ -129,7 +134,7 @@ def run(args) -> int:
         spec.nproc_per_node = _local_ranks(args, cuda or 1)
         store_here = args.node_rank == 0 and args.master_addr in LOCAL_NAMES
         spec.master_port = master_port(args.master_port, one_machine=args.num_nodes == 1, store_here=store_here)
-        return run_single_node(spec)
+        return run_node(spec)
     if hosts is None:
         if args.include or args.exclude:
             hosts = {"localhost": _local_ranks(args, cuda or 1)}

@@ -7,7 +7,8 @@ from pathlib import Path
 import shardwise.comm
 from shardwise.comm import _hang_watch
 from shardwise.comm._error_record import ERROR_DIR_ENV, record_error
-from shardwise.launcher import _entry, runner
+from shardwise.launcher import _entry
+from shardwise.launcher import node as node_launcher
 
 
 def test_the_record_names_the_rank_and_keeps_the_errors_tail(tmp_path, monkeypatch):
@@ -29,7 +30,7 @@ def test_without_the_launcher_nothing_is_written(tmp_path, monkeypatch):
 
 def test_the_launcher_and_the_hang_watch_share_one_record():
     assert _entry.record_error is record_error and _hang_watch.record_error is record_error
-    assert runner.ERROR_DIR_ENV == ERROR_DIR_ENV == "SHARDWISE_ERROR_DIR"
+    assert node_launcher.ERROR_DIR_ENV == ERROR_DIR_ENV == "SHARDWISE_ERROR_DIR"
 
 
 def test_comm_imports_nothing_from_the_launcher():

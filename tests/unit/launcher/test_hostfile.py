@@ -2,7 +2,8 @@ import pytest
 
 from shardwise.launcher import HostfileError, parse_hostfile, parse_selection, select_resources
 from shardwise.launcher.environment import env_file_values, export_prefix, exports, read_env_file
-from shardwise.launcher.runner import JobSpec, multinode_commands, torchrun_command
+from shardwise.launcher.node import JobSpec, node_command
+from shardwise.launcher.runner import multinode_commands
 
 
 def _hostfile(tmp_path, text):
@@ -94,10 +95,10 @@ def test_commands_per_launcher():
         master_port=1234,
         python="python",
     )
-    cmd = torchrun_command(spec, node_rank=1)
-    assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
+    cmd = node_command(spec, node_rank=1)
+    assert cmd[:3] == ["python", "-m", "shardwise.launcher.node"]
     assert {"--nnodes=2", "--node_rank=1", "--nproc_per_node=2", "--master_addr=a", "--master_port=1234"} <= set(cmd)
-    assert cmd[-4:] == ["shardwise.launcher._entry", "train.py", "--x", "1"]
+    assert cmd[-3:] == ["train.py", "--x", "1"]
     resources = {"a": [0, 1], "b": [0, 1]}
     ssh = multinode_commands(spec, resources, "ssh", ssh=["ssh"], cuda=True)
     assert [c[:2] for c in ssh] == [["ssh", "a"], ["ssh", "b"]]

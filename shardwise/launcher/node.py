@@ -1,0 +1,245 @@
+"""One machine's ranks: start them, watch them, and stop them all when one fails.
+
+``shardwise run`` does this itself for the ranks of the machine it runs on, and starts
+``python -m shardwise.launcher.node`` on every other machine (over ssh, pdsh, srun or
+mpirun), as DeepSpeed's launcher starts its per-node launcher. Each rank is
+``python -u -m shardwise.launcher._entry SCRIPT ARGS`` with torchrun's variables set
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``...), so a script written for torchrun finds what it
+expects, and rank 0 opens the rendezvous store at the master's address and port
+(``init_process_group``'s ``env://`` method). Nothing here imports torch: a launch costs
+one Python start per rank and nothing more ([Note: lazy package import] in
+``shardwise/__init__.py``).
+
+Each rank runs in a session of its own, so stopping a rank (SIGTERM, then SIGKILL after a
+grace period) stops whatever it started too. The first rank to exit with an error stops
+the others, and the node exits with that rank's code (128 + N for a rank killed by
+signal N); the error the rank recorded is printed, or how it ended when it recorded none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardwise.launcher._port import DEFAULT_MASTER_PORT
+from shardwise.launcher.environment import NO_LOCAL_RANK_ENV, exports
+
+ERROR_DIR_ENV = "SHARDWISE_ERROR_DIR"
+"""``comm/_error_record.py``'s variable (the same string, checked by a test): importing it
+from there would import ``shardwise.comm`` and torch into the launcher's process."""
+
+_STOP_GRACE_S = 5.0
+
+
+@dataclass
+class JobSpec:
+    """Everything needed to start one job."""
+
+    script: str
+    script_args: list[str]
+    nproc_per_node: int
+    num_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+    no_local_rank: bool = False
+    python: str = field(default_factory=lambda: sys.executable)
+    monitor_interval_s: float = 0.1
+
+
+@dataclass
+class Exit:
+    """How the job ended: its exit code and, when a rank failed, which one (else None)."""
+
+    code: int
+    rank: int | None = None
+    local_rank: int | None = None
+
+
+def node_command(spec: JobSpec, *, node_rank: str | int) -> list[str]:
+    """The command that starts one machine's ranks (on another machine, over ssh...)."""
+    return [
+        spec.python,
+        "-m",
+        "shardwise.launcher.node",
+        f"--nnodes={spec.num_nodes}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={spec.nproc_per_node}",
+        f"--master_addr={spec.master_addr}",
+        f"--master_port={spec.master_port}",
+        *(["--no_local_rank"] if spec.no_local_rank else []),
+        spec.script,
+        *spec.script_args,
+    ]
+
+
+def rank_env(spec: JobSpec, local_rank: int) -> dict[str, str]:
+    """The variables torchrun sets for a rank, for rank ``local_rank`` of this machine."""
+    world = spec.num_nodes * spec.nproc_per_node
+    rank = spec.node_rank * spec.nproc_per_node + local_rank
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
+        "GROUP_RANK": str(spec.node_rank),
+        "GROUP_WORLD_SIZE": str(spec.num_nodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(spec.master_port),
+    }
+
+
+def job_env(spec: JobSpec, error_dir: str) -> dict[str, str]:
+    """The environment every rank of this machine shares (``rank_env`` adds the rest)."""
+    env = dict(os.environ)
+    env.update(exports(env))
+    env[ERROR_DIR_ENV] = error_dir
+    if spec.no_local_rank:
+        env[NO_LOCAL_RANK_ENV] = "1"
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
+    return env
+
+
+def run_node(spec: JobSpec) -> int:
+    """Run this machine's ranks of the job until they all end or one fails; returns the
+    exit code (and prints which rank failed first, and why)."""
+    with tempfile.TemporaryDirectory(prefix="shardwise-run-") as error_dir:
+        env = job_env(spec, error_dir)
+        command = [spec.python, "-u", "-m", "shardwise.launcher._entry", spec.script, *spec.script_args]
+        procs = []
+        try:
+            for local_rank in range(spec.nproc_per_node):
+                procs.append(
+                    subprocess.Popen(command, env={**env, **rank_env(spec, local_rank)}, start_new_session=True)
+                )
+        except OSError:
+            stop(procs)
+            raise
+        ended = wait_all(procs, interval_s=spec.monitor_interval_s)
+        if ended.code and ended.local_rank is not None:
+            ended.rank = spec.node_rank * spec.nproc_per_node + ended.local_rank
+        if ended.code:
+            report_failure(error_dir, ended)
+        return ended.code
+
+
+def report_failure(error_dir: str, ended: Exit) -> None:
+    """Print the earliest error a rank recorded, or how the failing rank ended."""
+    errors = []
+    for path in Path(error_dir).glob("rank*.json"):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not errors:
+        which = f"rank {ended.rank} (local rank {ended.local_rank}) " if ended.rank is not None else "a rank "
+        print(
+            f"shardwise run: {which}{_how(ended.code)} and recorded no error (it was killed or crashed "
+            f"hard: see the output above); the other ranks were stopped",
+            file=sys.stderr,
+        )
+        return
+    first = min(errors, key=lambda e: e["time"])
+    tail = "\n".join(first["error"].rstrip().splitlines()[-12:])
+    others = sorted(int(e["rank"]) for e in errors if e is not first)
+    also = f"; ranks {others} also failed" if others else ""
+    print(
+        f"\nshardwise run: rank {first['rank']} (local rank {first['local_rank']} on {first['host']}) "
+        f"failed first{also}. The other ranks were stopped. Its error:\n{tail}",
+        file=sys.stderr,
+    )
+
+
+def _how(code: int) -> str:
+    if code > 128 and code - 128 in signal.valid_signals():
+        return f"was ended by {signal.Signals(code - 128).name}"
+    return f"exited with code {code}"
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each process's session, SIGKILL what is left after the grace period."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], *, interval_s: float = 0.1) -> Exit:
+    """Wait for all processes; the first non-zero exit (or Ctrl-C / SIGTERM) stops them all."""
+    interrupted = []
+
+    def forward(signum, _frame):
+        interrupted.append(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            codes = [proc.poll() for proc in procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if interrupted or failed:
+                stop(procs)
+                if failed:
+                    return Exit(_exit_code(codes[failed[0]]), local_rank=failed[0])
+                return Exit(128 + interrupted[0])
+            if all(c == 0 for c in codes):
+                return Exit(0)
+            time.sleep(interval_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.launcher.node", description=__doc__.split("\n")[0])
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node_rank", type=int, default=0)
+    parser.add_argument("--nproc_per_node", type=int, default=1)
+    parser.add_argument("--master_addr", default="127.0.0.1")
+    parser.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT)
+    parser.add_argument("--no_local_rank", action="store_true")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    spec = JobSpec(
+        script=args.script,
+        script_args=list(args.script_args),
+        nproc_per_node=args.nproc_per_node,
+        num_nodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        no_local_rank=args.no_local_rank,
+    )
+    return run_node(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
