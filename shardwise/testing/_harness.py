@@ -1,7 +1,7 @@
 """Run a function on N ranks of a real gloo process group, the way tests need it.
 
-Each rank is a process started with the spawn method, reused by later calls of the same
-world size while calls succeed (see [Note: the rank pool] in ``_pool.py``). Ranks
+Each rank is a process forked from a server that imported torch and shardwise once, reused
+by later calls of the same world size while calls succeed (see [Note: the rank pool] in ``_pool.py``). Ranks
 rendezvous through a new ``file://`` store in a private directory for every call (no
 ports to race for), use one CPU thread each, and get a collective timeout so a divergence
 fails instead of hanging. Whatever a rank raises comes back to the caller with its rank
@@ -45,7 +45,7 @@ def run_distributed(
     ``fn`` must be a module-level function (it is pickled by name) and its return value
     must pickle. The default process group exists while ``fn`` runs and is destroyed after.
     The rank processes of a call that succeeded on every rank serve the next call of the
-    same world size, reset to the state they were spawned in (see [Note: the rank pool]).
+    same world size, reset to the state they started in (see [Note: the rank pool]).
 
     Args:
         fn: the body each rank runs.
@@ -55,7 +55,7 @@ def run_distributed(
         timeout_s: deadline for the whole run; ranks still running then are killed and the
             call raises, naming them.
         collective_timeout_s: the process group timeout, which bounds every collective.
-        fresh_processes: spawn ranks for this call alone, which exit after it: for a body
+        fresh_processes: start ranks for this call alone, which exit after it: for a body
             whose test checks process start or exit, or that leaves process-wide state
             behind that the reset does not cover (``sys.modules`` entries, singletons).
         **kwargs: passed to ``fn``; must pickle.

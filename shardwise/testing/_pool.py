@@ -1,13 +1,17 @@
 """Rank processes for ``run_distributed``, kept alive between calls of one world size.
 
 [Note: the rank pool]
-Spawning a rank costs a Python start and the imports of torch, shardwise and the test
-module, about a second of CPU per rank: more than many test bodies. So the ranks of a
-call that succeeded on every rank stay alive, waiting for the next call of the same
+Starting a rank costs a Python start and the imports of torch, shardwise and
+``torch._dynamo`` (which torch's optimizers import on first use), about 5 s of CPU per
+rank: more than most test bodies. Two things keep that off the tests. Ranks are forked
+from a server process that imported all of it once (``multiprocessing``'s forkserver,
+preloading ``_rank_preload``; importing them starts no thread, so forking is safe), so a
+new rank costs a fork and the body's own imports. And the ranks of a call that succeeded
+on every rank stay alive, waiting for the next call of the same
 world size in this interpreter. Each call still runs in a new gloo process group on a
 new ``file://`` store; after reporting its result a rank leaves that group together with
 its peers (a barrier, then the group is destroyed) and says so, and only ranks that all
-said so serve again. Each rank first returns to the state it was spawned in (see [Note:
+said so serve again. Each rank first returns to the state it was started in (see [Note:
 what a reused rank resets]).
 
 A call that did not succeed everywhere (a rank raised or died, the deadline passed, the
@@ -47,7 +51,7 @@ class Ranks:
     calls' results and one for the ranks' word that they have left a call's group."""
 
     def __init__(self, world_size: int, *, fresh: bool) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
         self.world_size, self.fresh = world_size, fresh
         self.results, self.left = ctx.Queue(), ctx.Queue()
         pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
@@ -107,6 +111,13 @@ class Ranks:
             tasks.close()
         self.results.close()
         self.left.close()
+
+
+def _context():
+    """Ranks fork from a server that imported torch and shardwise once (``_rank_preload``)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["shardwise.testing._rank_preload"])
+    return ctx
 
 
 _idle: dict[int, Ranks] = {}

@@ -1,10 +1,10 @@
-"""Put a pooled rank process back in the state a freshly spawned one starts in.
+"""Put a pooled rank process back in the state a newly started one is in.
 
 [Note: what a reused rank resets]
 A rank process kept alive between ``run_distributed`` calls must look, to the next body,
-like a process spawned for it. Before each call it therefore takes, from the caller, the
-environment, ``sys.path`` and working directory (a spawned child inherits those at spawn
-time), and puts back what it recorded when it started: torch's default dtype and device,
+like a process started for it. Before each call it therefore takes, from the caller, the
+environment, ``sys.path`` and working directory (a rank forked from the pool's server
+would otherwise have the server's), and puts back what it recorded when it started: torch's default dtype and device,
 grad mode, anomaly detection, deterministic-algorithm mode, thread count and the CPU
 generator's state (a fresh process always starts from torch's fixed default seed), with
 ``torch.compile``'s caches emptied; the state of ``random`` and numpy's global
@@ -112,7 +112,7 @@ _MISSING = object()
 
 
 def after_call() -> None:
-    """What the end of a spawned rank's life did for one call: its swap directories are
+    """What the end of a started rank's life did for one call: its swap directories are
     removed (``offload/_nvme.py`` does that at exit), and its garbage is collected."""
     nvme = sys.modules.get("shardwise.offload._nvme")
     if nvme is not None:
