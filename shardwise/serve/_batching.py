@@ -272,17 +272,16 @@ class BatchingEngine:
         logits = self.decoder.forward(chunks)
         with self._lock:
             self.scheduler.complete(chunks)
-        for chunk, row in zip([c for c in chunks if c.samples], logits):
-            self._advance(chunk.sequence, row)
+        sequences = [chunk.sequence for chunk in chunks if chunk.samples]
+        for sequence, token in zip(sequences, next_tokens(logits, [s.payload for s in sequences])):
+            if isinstance(token, Exception):  # a sampling error fails this request only
+                self._finish(sequence, "error", f"{type(token).__name__}: {token}")
+            else:
+                self._advance(sequence, token)
 
-    def _advance(self, sequence: Sequence, logits: torch.Tensor) -> None:
+    def _advance(self, sequence: Sequence, token: int) -> None:
         request: _Request = sequence.payload
         params = request.params
-        try:
-            token = sample(logits, params, request.generator)
-        except Exception as error:  # noqa: BLE001 - a sampling error fails this request only
-            self._finish(sequence, "error", f"{type(error).__name__}: {error}")
-            return
         now = time.perf_counter()
         with self._lock:
             self._metrics.generation_tokens_total += 1
@@ -311,3 +310,23 @@ class BatchingEngine:
         self._admit()
         for sequence in [*self.scheduler.running, *self.scheduler.waiting]:
             self._finish(sequence, "error", message)
+
+
+def next_tokens(logits: torch.Tensor, requests: list[_Request]) -> list[int | Exception]:
+    """Each row's next token: the greedy rows' in one ``argmax`` over the batch and one copy
+    to the host (one device sync per step, not one per sequence), the sampled rows' one by
+    one with their own parameters and generator (a seeded request draws what it would alone).
+    A row whose sampling fails gets the exception instead of a token."""
+    tokens: list[int | Exception] = [0] * len(requests)
+    greedy = [i for i, request in enumerate(requests) if request.params.temperature == 0]
+    if greedy:
+        rows = logits if len(greedy) == len(requests) else logits[greedy]
+        for i, token in zip(greedy, torch.argmax(rows, dim=-1).tolist()):
+            tokens[i] = token
+    for i, request in enumerate(requests):
+        if request.params.temperature != 0:
+            try:
+                tokens[i] = sample(logits[i], request.params, request.generator)
+            except Exception as error:  # noqa: BLE001 - reported for this row only
+                tokens[i] = error
+    return tokens
