@@ -104,16 +104,19 @@ def shrink_related(layer: nn.Module, technique: str, kept: torch.Tensor | None) 
         _cut_rows(layer, kept, shrink=True, heads=kept.numel())
 
 
+GROUPED_CONV_PROBLEM = (
+    "a grouped Conv2d (groups={}) cannot lose output channels; give its channel_pruning group no "
+    "related_modules to zero the pruned channels instead"
+)
+
+
 def _clean_channels(layer: CompressedConv2d, *, shrink: bool) -> torch.Tensor:
+    if shrink and layer.groups != 1:
+        raise ValueError(GROUPED_CONV_PROBLEM.format(layer.groups))
     kept = layer.channel_mask().detach().view(-1).bool()
     _drop(layer, "channel_pruning_mask", "channel_mask_scores")
     layer.channel_pruning = None
     if shrink:
-        if layer.groups != 1:
-            raise ValueError(
-                f"a grouped Conv2d (groups={layer.groups}) cannot lose output channels; give its channel_pruning "
-                "group no related_modules to zero the pruned channels instead"
-            )
         _set(layer, "weight", layer.weight[kept])
         if layer.bias is not None:
             _set(layer, "bias", layer.bias[kept])

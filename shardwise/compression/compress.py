@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.compression._clean import channel_fit_problem, clean_layer, shrink_after_channels, shrink_related
+from shardwise.compression._clean import (
+    GROUPED_CONV_PROBLEM,
+    channel_fit_problem,
+    clean_layer,
+    shrink_after_channels,
+    shrink_related,
+)
 from shardwise.compression._conv import ChannelMaskedBatchNorm2d, CompressedConv2d
 from shardwise.compression._layers import (
     ActivationQuantization,
@@ -154,18 +160,27 @@ def related_names(
     return found
 
 
-def _mask_related_norms(model: nn.Module, group: CompressionGroup, index: int, names: list[str]) -> None:
-    """Check a channel-pruning group's related modules against their convolutions, and make
-    its BatchNorms mask the pruned channels (see [Note: channel pruning and BatchNorm])."""
+def _channel_related_pairs(
+    model: nn.Module, group: CompressionGroup, index: int, names: list[str]
+) -> list[tuple[str, str]]:
+    """(pruned convolution, related module) name pairs of a channel-pruning group's
+    pattern ``index``, checked to fit before anything is replaced.
+
+    Raises:
+        ValueError: a related module that cannot lose the convolution's channels.
+    """
     where = f"compression_training.channel_pruning.different_groups.{group.name}.related_modules"
+    pairs = []
     for names_of_pattern in related_names(model, "channel_pruning", group, index, names):
         for name, related in zip(names, names_of_pattern, strict=True):
             conv, layer = recursive_getattr(model, name), recursive_getattr(model, related)
+            if conv.groups != 1:
+                raise ValueError(f"{where}: {name!r}: {GROUPED_CONV_PROBLEM.format(conv.groups)}")
             problem = channel_fit_problem(layer, conv.out_channels)
             if problem is not None:
                 raise ValueError(f"{where}: {related!r} cannot follow the pruned {name!r}: {problem}")
-            if isinstance(layer, nn.BatchNorm2d):
-                recursive_setattr(model, related, ChannelMaskedBatchNorm2d.after(layer, conv))
+            pairs.append((name, related))
+    return pairs
 
 
 def _weight_groups(shared: Mapping, layer: nn.Linear, where: str) -> int:
@@ -260,6 +275,7 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
         if not technique.enabled:
             continue
         for group, index, names in group_modules(target, technique):
+            pairs = _channel_related_pairs(target, group, index, names) if technique.name == "channel_pruning" else []
             for name in names:
                 module = recursive_getattr(target, name)
                 if isinstance(module, nn.Conv2d):
@@ -268,8 +284,12 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
                     layer = CompressedLinear.from_linear(module)
                 _enable(layer, technique, group.params)
                 recursive_setattr(target, name, layer)
-            if technique.name == "channel_pruning":
-                _mask_related_norms(target, group, index, names)
+            for name, related in pairs:  # see [Note: channel pruning and BatchNorm]
+                norm = recursive_getattr(target, related)
+                if isinstance(norm, nn.BatchNorm2d):
+                    recursive_setattr(
+                        target, related, ChannelMaskedBatchNorm2d.after(norm, recursive_getattr(target, name))
+                    )
     return model
 
 

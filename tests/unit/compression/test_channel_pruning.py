@@ -84,6 +84,8 @@ def test_training_through_the_engine_keeps_pruned_channels_zero():
 def test_clean_removes_the_channels_and_computes_what_the_masked_model_computed(method):
     config = _channels(method=method, related=[["bn1", "conv2"]])
     model = init_compression(TinyCNN(seed=3), config)
+    with torch.no_grad():
+        model.bn1.bias.fill_(1.0)  # a shift the relu passes: an unmasked pruned channel would reach conv2
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     for step in range(2):  # move bn1's shift and running statistics off their initial values
         model(_images(20 + step)).square().mean().backward()
@@ -162,3 +164,17 @@ def test_bad_channel_pruning_input_gets_a_clear_error(config, error, message):
     with pytest.raises(error) as info:
         init_compression(TinyCNN(), config)
     assert message in str(info.value)
+
+
+def test_a_grouped_convolution_is_masked_but_not_cut():
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2, padding=1, padding_mode="reflect"), nn.Conv2d(4, 2, 1))
+    with pytest.raises(ValueError, match="'0': a grouped Conv2d \\(groups=2\\) cannot lose output channels"):
+        init_compression(model, _channels(modules=["^0$"], related=[["^1$"]]))
+    assert type(model[0]) is nn.Conv2d  # refused before anything was replaced
+    config = _channels(modules=["^0$"])
+    init_compression(model, config)
+    x = torch.randn(1, 4, 5, 5, generator=torch.Generator().manual_seed(6))
+    before = model(x)
+    redundancy_clean(model, config)
+    assert model[0].weight.shape == (4, 2, 3, 3)
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
