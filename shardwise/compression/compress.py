@@ -1,10 +1,12 @@
 """``deepspeed.compression.compress``: :func:`init_compression` swaps the ``nn.Linear`` layers
-the config names for :class:`CompressedLinear`; the engine advances them with the training
-step (``scheduler.CompressionFeature``); :func:`redundancy_clean` then folds the techniques
-into the weights and removes pruned rows and heads.
+the config names for :class:`CompressedLinear` (the ``nn.Conv2d`` layers of channel pruning
+for :class:`CompressedConv2d`); the engine advances them with the training step
+(``scheduler.CompressionFeature``); :func:`redundancy_clean` then folds the techniques into
+the weights and removes pruned rows, heads and channels.
 
 Module patterns are matched as DeepSpeed matched them: ``re.search(pattern, name)`` over the
-names of ``model.named_modules()``, keeping ``nn.Linear`` layers.
+names of ``model.named_modules()``, keeping ``nn.Linear`` layers (``nn.Conv2d`` layers for
+channel pruning).
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.compression._clean import clean_layer, shrink_related
+from shardwise.compression._clean import (
+    GROUPED_CONV_PROBLEM,
+    channel_fit_problem,
+    clean_layer,
+    shrink_after_channels,
+    shrink_related,
+)
+from shardwise.compression._conv import ChannelMaskedBatchNorm2d, CompressedConv2d
 from shardwise.compression._layers import (
     ActivationQuantization,
     CompressedLinear,
@@ -56,35 +65,70 @@ def _check_mpu(mpu) -> None:
         )
 
 
-def match_modules(model: nn.Module, pattern: str, where: str) -> list[str]:
-    """The names of ``model``'s ``nn.Linear`` layers that ``re.search(pattern, name)`` finds.
+_CHANNEL_RELATED = (nn.BatchNorm2d, nn.Conv2d, nn.Linear)
+
+
+def _kind_names(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(f"nn.{k.__name__}" for k in kinds)
+
+
+def match_modules(model: nn.Module, pattern: str, where: str, kind: type | tuple[type, ...] = nn.Linear) -> list[str]:
+    """The names of ``model``'s ``kind`` layers (``nn.Linear`` by default) that
+    ``re.search(pattern, name)`` finds.
 
     Raises:
-        ValueError: the pattern is not a regular expression, or matches no ``nn.Linear``.
+        ValueError: the pattern is not a regular expression, or matches no ``kind`` layer.
     """
     try:
         compiled = re.compile(pattern)
     except re.error as error:
         raise ValueError(f"{where}: {pattern!r} is not a valid regular expression ({error})") from None
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and compiled.search(name)]
+    names = [name for name, m in model.named_modules() if isinstance(m, kind) and compiled.search(name)]
     if not names:
         others = [name for name, m in model.named_modules() if name and compiled.search(name)]
-        found = f" (it matches {', '.join(others[:3])}, which are not nn.Linear)" if others else ""
-        raise ValueError(f"{where}: the pattern {pattern!r} matches no nn.Linear module of the model{found}")
+        found = f" (it matches {', '.join(others[:3])}, which are not {_kind_names(kind)})" if others else ""
+        raise ValueError(f"{where}: the pattern {pattern!r} matches no {_kind_names(kind)} module of the model{found}")
     return names
+
+
+def _refuse_other_layers(model: nn.Module, pattern: str, technique: str, where: str) -> None:
+    """A pattern must not name a layer its technique is not built for: channel pruning
+    prunes only ``nn.Conv2d`` layers, the other techniques do not take ``nn.Conv2d``
+    layers (DeepSpeed compressed both; skipping them silently would leave them as they were)."""
+    compiled = re.compile(pattern)
+    for name, module in model.named_modules():
+        if not name or not compiled.search(name):
+            continue
+        if technique == "channel_pruning":
+            if not isinstance(module, nn.Conv2d) and next(module.parameters(recurse=False), None) is not None:
+                raise ValueError(
+                    f"{where}: the pattern {pattern!r} matches {name!r}, a {type(module).__name__}; channel "
+                    "pruning prunes nn.Conv2d output channels only (row_pruning prunes nn.Linear rows): "
+                    "narrow the pattern to the convolutions"
+                )
+        elif isinstance(module, nn.Conv2d):
+            raise ValueError(
+                f"{where}: the pattern {pattern!r} matches {name!r}, an nn.Conv2d; {technique} of nn.Conv2d "
+                "layers is not available in this version of shardwise (channel_pruning is): narrow the "
+                "pattern to the nn.Linear layers"
+            )
 
 
 def group_modules(model: nn.Module, technique: TechniqueConfig) -> Iterator[tuple[CompressionGroup, int, list[str]]]:
     """(group, pattern index, matched names) for each pattern of each group of ``technique``.
 
     Raises:
-        ValueError: a pattern matches nothing, or a module is matched twice by the technique.
+        ValueError: a pattern matches nothing, matches a layer the technique does not take,
+            or a module is matched twice by the technique.
     """
+    kind = nn.Conv2d if technique.name == "channel_pruning" else nn.Linear
     seen: dict[str, str] = {}
     for group in technique.groups:
         for index, pattern in enumerate(group.modules):
             where = f"compression_training.{technique.name}.different_groups.{group.name}.modules"
-            names = match_modules(model, pattern, where)
+            names = match_modules(model, pattern, where, kind)
+            _refuse_other_layers(model, pattern, technique.name, where)
             for name in names:
                 if name in seen:
                     raise ValueError(
@@ -92,6 +136,51 @@ def group_modules(model: nn.Module, technique: TechniqueConfig) -> Iterator[tupl
                     )
                 seen[name] = group.name
             yield group, index, names
+
+
+def related_names(
+    model: nn.Module, technique: str, group: CompressionGroup, index: int, names: list[str]
+) -> list[list[str]]:
+    """For each ``related_modules`` pattern of the group's pattern ``index``, the names it
+    matches, paired in order with ``names`` (the pattern's own matches).
+
+    Raises:
+        ValueError: a related pattern matches nothing or a different number of modules.
+    """
+    where = f"compression_training.{technique}.different_groups.{group.name}"
+    related = group.related_modules[index] if group.related_modules else ()
+    kind = _CHANNEL_RELATED if technique == "channel_pruning" else nn.Linear
+    found = [match_modules(model, p, f"{where}.related_modules", kind) for p in related]
+    for names_of_pattern in found:
+        if len(names_of_pattern) != len(names):
+            raise ValueError(
+                f"{where}: a related_modules pattern matches {len(names_of_pattern)} modules but "
+                f"its module pattern matches {len(names)}; they are paired in order"
+            )
+    return found
+
+
+def _channel_related_pairs(
+    model: nn.Module, group: CompressionGroup, index: int, names: list[str]
+) -> list[tuple[str, str]]:
+    """(pruned convolution, related module) name pairs of a channel-pruning group's
+    pattern ``index``, checked to fit before anything is replaced.
+
+    Raises:
+        ValueError: a related module that cannot lose the convolution's channels.
+    """
+    where = f"compression_training.channel_pruning.different_groups.{group.name}.related_modules"
+    pairs = []
+    for names_of_pattern in related_names(model, "channel_pruning", group, index, names):
+        for name, related in zip(names, names_of_pattern, strict=True):
+            conv, layer = recursive_getattr(model, name), recursive_getattr(model, related)
+            if conv.groups != 1:
+                raise ValueError(f"{where}: {name!r}: {GROUPED_CONV_PROBLEM.format(conv.groups)}")
+            problem = channel_fit_problem(layer, conv.out_channels)
+            if problem is not None:
+                raise ValueError(f"{where}: {related!r} cannot follow the pruned {name!r}: {problem}")
+            pairs.append((name, related))
+    return pairs
 
 
 def _weight_groups(shared: Mapping, layer: nn.Linear, where: str) -> int:
@@ -125,7 +214,7 @@ def _weight_spec(shared: Mapping, params: Mapping, groups: int) -> WeightQuantiz
     )
 
 
-def _enable(layer: CompressedLinear, technique: TechniqueConfig, params: Mapping) -> None:
+def _enable(layer: CompressedLinear | CompressedConv2d, technique: TechniqueConfig, params: Mapping) -> None:
     shared = technique.shared
     if technique.name == "weight_quantization":
         groups = _weight_groups(shared, layer, "compression_training.weight_quantization.shared_parameters")
@@ -151,9 +240,12 @@ def _enable(layer: CompressedLinear, technique: TechniqueConfig, params: Mapping
 
 def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Module | None = None, mpu=None) -> nn.Module:
     """Replace the ``nn.Linear`` layers that ``compression_training`` names by
-    :class:`CompressedLinear` (sharing their parameters) and enable each technique on them.
-    Call it before ``initialize`` (topk pruning adds score parameters the optimizer must
-    see); the engine then advances the schedule (see [Note: compression schedule]).
+    :class:`CompressedLinear` (sharing their parameters) and enable each technique on them;
+    channel pruning does the same for ``nn.Conv2d`` layers with :class:`CompressedConv2d`,
+    and makes the BatchNorms of its ``related_modules`` mask the pruned channels too (see
+    [Note: channel pruning and BatchNorm]). Call it before ``initialize`` (topk pruning adds
+    score parameters the optimizer must see); the engine then advances the schedule (see
+    [Note: compression schedule]).
 
     Args:
         model: the model (or an engine / wrapper with ``.module``); changed in place.
@@ -166,9 +258,11 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
 
     Raises:
         ConfigError: a bad ``compression_training`` section.
-        ValueError: a pattern that matches no ``nn.Linear``, a module named twice by one
-            technique, or a technique the matched layer cannot take (quantize_groups that do
-            not divide the weight, num_heads that do not divide in_features).
+        ValueError: a pattern that matches no ``nn.Linear`` (channel pruning: no
+            ``nn.Conv2d``) or matches a layer its technique does not take, a module named
+            twice by one technique, a technique the matched layer cannot take (quantize_groups
+            that do not divide the weight, num_heads that do not divide in_features), or a
+            channel-pruning related module that does not fit its convolution.
     """
     _check_mpu(mpu)
     config = _read_config(deepspeed_config)
@@ -180,25 +274,39 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
     for technique in config.techniques():
         if not technique.enabled:
             continue
-        for group, _, names in group_modules(target, technique):
+        for group, index, names in group_modules(target, technique):
+            pairs = _channel_related_pairs(target, group, index, names) if technique.name == "channel_pruning" else []
             for name in names:
-                layer = CompressedLinear.from_linear(recursive_getattr(target, name))
+                module = recursive_getattr(target, name)
+                if isinstance(module, nn.Conv2d):
+                    layer = CompressedConv2d.from_conv(module)
+                else:
+                    layer = CompressedLinear.from_linear(module)
                 _enable(layer, technique, group.params)
                 recursive_setattr(target, name, layer)
+            for name, related in pairs:  # see [Note: channel pruning and BatchNorm]
+                norm = recursive_getattr(target, related)
+                if isinstance(norm, nn.BatchNorm2d):
+                    recursive_setattr(
+                        target, related, ChannelMaskedBatchNorm2d.after(norm, recursive_getattr(target, name))
+                    )
     return model
 
 
 def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
     """Fold the compression into the weights: quantized weights are written at
     ``target_bits``, pruned weights are zeroed, and where a group names
-    ``related_modules`` the pruned rows (row pruning) or heads (head pruning) are removed,
-    with the matching input columns of the related layers (Q/K/V's rows for heads). The
-    layers keep activation quantization. The result computes what the compressed model
-    computed at the end of the schedule, with fewer parameters.
+    ``related_modules`` the pruned rows (row pruning), heads (head pruning) or output
+    channels (channel pruning) are removed, with the matching input columns of the related
+    layers (Q/K/V's rows for heads; for channels the BatchNorm2d's features, the next
+    Conv2d's input channels or an nn.Linear's input features). The layers keep activation
+    quantization. The result computes what the compressed model computed at the end of the
+    schedule, with fewer parameters.
 
     Raises:
         ValueError: the layers were not prepared by :func:`init_compression`, or a related
-            pattern matches a different number of modules than its module pattern.
+            pattern matches a different number of modules than its module pattern, or a
+            related module that does not fit.
     """
     _check_mpu(mpu)
     config = _read_config(deepspeed_config)
@@ -206,24 +314,26 @@ def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
     for technique in config.techniques():
         if not technique.enabled or technique.name == "activation_quantization":
             continue
+        compressed = CompressedConv2d if technique.name == "channel_pruning" else CompressedLinear
         for group, index, names in group_modules(target, technique):
             where = f"compression_training.{technique.name}.different_groups.{group.name}"
             for name in names:
-                if not isinstance(recursive_getattr(target, name), CompressedLinear):
+                if not isinstance(recursive_getattr(target, name), compressed):
                     raise ValueError(f"{where}: {name!r} is not compressed; call init_compression first")
-            related = group.related_modules[index] if group.related_modules else ()
-            related_names = [match_modules(target, p, f"{where}.related_modules") for p in related]
-            for names_of_pattern in related_names:
-                if len(names_of_pattern) != len(names):
-                    raise ValueError(
-                        f"{where}: a related_modules pattern matches {len(names_of_pattern)} modules but "
-                        f"its module pattern matches {len(names)}; they are paired in order"
-                    )
+            related = related_names(target, technique.name, group, index, names)
             for j, name in enumerate(names):
                 kept = clean_layer(recursive_getattr(target, name), technique.name, shrink=bool(related))
-                for names_of_pattern in related_names:
-                    shrink_related(recursive_getattr(target, names_of_pattern[j]), technique.name, kept)
+                for names_of_pattern in related:
+                    _shrink(target, names_of_pattern[j], technique.name, kept)
     return model
+
+
+def _shrink(model: nn.Module, name: str, technique: str, kept: torch.Tensor | None) -> None:
+    layer = recursive_getattr(model, name)
+    if technique != "channel_pruning":
+        shrink_related(layer, technique, kept)
+    elif kept is not None:
+        recursive_setattr(model, name, shrink_after_channels(layer, kept))
 
 
 def student_initialization(student_model: nn.Module, teacher_model: nn.Module, deepspeed_config) -> None:

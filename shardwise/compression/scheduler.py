@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from shardwise.compression._conv import CompressedConv2d
 from shardwise.compression._layers import CompressedLinear
 from shardwise.config._errors import ConfigError
 
 
 class CompressionScheduler:
-    """Sets every :class:`CompressedLinear` of ``model`` to the training step.
+    """Sets every :class:`CompressedLinear` and :class:`CompressedConv2d` of ``model`` to the
+    training step.
 
     Raises:
         ConfigError: the model has no compressed layer (``init_compression`` was not called).
@@ -19,7 +21,7 @@ class CompressionScheduler:
 
     def __init__(self, model: nn.Module, compression_config=None):
         del compression_config  # each layer holds its own techniques and offsets
-        self.layers = [m for m in model.modules() if isinstance(m, CompressedLinear)]
+        self.layers = [m for m in model.modules() if isinstance(m, (CompressedLinear, CompressedConv2d))]
         if not self.layers:
             raise ConfigError(
                 "compression_training enables a technique but the model has no compressed layer: call "
@@ -46,7 +48,7 @@ def has_scheduled_layers(model: nn.Module) -> bool:
         m.weight_quantization or m.sparse_pruning or m.row_pruning or m.head_pruning
         for m in model.modules()
         if isinstance(m, CompressedLinear)
-    )
+    ) or any(m.channel_pruning for m in model.modules() if isinstance(m, CompressedConv2d))
 
 
 compression_scheduler = CompressionScheduler

@@ -4,9 +4,11 @@ last compression library (0.16 - 0.18): one entry per technique, each with
 Read by ``shardwise/compression/``.
 
 Built: weight quantization, activation quantization, sparse pruning (l1, topk), row pruning,
-head pruning and layer reduction. Parsed but refused by name when enabled: channel pruning
-(Conv2d layers), sparse pruning's ``snip_momentum`` method (Intel Neural Compressor's
-pruner) and weight quantization's ``fp16_mixed_quantize``.
+head pruning, channel pruning (Conv2d output channels; l1, topk) and layer reduction. Parsed
+but refused by name when enabled: sparse pruning's ``snip_momentum`` method (Intel Neural
+Compressor's pruner) and weight quantization's ``fp16_mixed_quantize``. The techniques other
+than channel pruning take ``nn.Linear`` layers only (a pattern naming an ``nn.Conv2d`` is
+refused by ``init_compression``).
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ class CompressionGroup:
     """Module-name patterns, matched with ``re.search`` against ``named_modules()`` names
     (DeepSpeed's rule); DeepSpeed's default ``"*"`` means every compressible module."""
     related_modules: tuple[tuple[str, ...], ...] | None = None
-    """Row and head pruning: for each pattern of ``modules``, the patterns of the modules
-    whose input columns (rows, for head pruning's Q/K/V) ``redundancy_clean`` removes with
-    the pruned rows or heads. None: pruned rows are only zeroed."""
+    """Row, head and channel pruning: for each pattern of ``modules``, the patterns of the
+    modules whose input columns (rows, for head pruning's Q/K/V; for channel pruning the
+    BatchNorm2d's features and the next Conv2d's input channels) ``redundancy_clean``
+    removes with the pruned rows, heads or channels. None: pruned rows are only zeroed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +156,7 @@ class CompressionConfig:
     head_pruning: TechniqueConfig = field(default_factory=lambda: _technique_default("head_pruning"))
     """Attention-head pruning on the output projection (and Q/K/V's rows)."""
     channel_pruning: TechniqueConfig = field(default_factory=lambda: _technique_default("channel_pruning"))
-    """Conv2d output-channel pruning (refused when enabled: not built yet)."""
+    """Structured pruning of Conv2d output channels (and the related layers' channels)."""
     layer_reduction: LayerReductionConfig = field(default_factory=LayerReductionConfig)
     """Student initialization from chosen teacher layers."""
 
@@ -266,11 +269,6 @@ def _shared(technique: str, path: str, section: Any) -> dict:
 
 def _refuse_unbuilt(path: str, technique: str, shared: Mapping) -> None:
     """Refuse, by name, the parts of an enabled technique this version does not build."""
-    if technique == "channel_pruning":
-        raise ConfigError(
-            f"channel pruning ('{path}') is not available in this version of shardwise yet (it "
-            'prunes Conv2d output channels); set its "enabled" to false'
-        )
     if technique == "sparse_pruning" and shared["method"] == "snip_momentum":
         raise ConfigError(
             f"{path}.method 'snip_momentum' (Intel Neural Compressor's pruner) is not available in "

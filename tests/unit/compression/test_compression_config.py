@@ -75,10 +75,7 @@ def test_the_engine_config_carries_the_section():
         (_pruning("row_pruning", ratio=1.5), "dense_ratio must be in (0, 1]"),
         (_pruning("row_pruning", shared={"method": "l2"}), "did you mean 'l1'"),
         (_pruning("head_pruning"), "needs 'num_heads'"),
-        (
-            _pruning("channel_pruning"),
-            "channel pruning ('compression_training.channel_pruning.shared_parameters') is not available",
-        ),
+        (_pruning("channel_pruning", shared={"method": "l2"}), "did you mean 'l1'"),
         (_pruning("sparse_pruning", shared={"method": "snip_momentum"}), "'snip_momentum' (Intel Neural Compressor"),
         (_wq(shared={"fp16_mixed_quantize": {"enabled": True}}), "fp16_mixed_quantize"),
         (

@@ -264,7 +264,6 @@ def test_field_names_of_stage3_keys_are_read():
         ({"tensor_parallel": {"autotp_size": 4, "tp": {"tp_grain_size": 64}}}, "uneven splits are not available"),
         ({"compile": {"deepcompile": True}}, "DeepCompile"),
         ({"weight_quantization": {"post_init_quant": {}}}, "weight quantization"),
-        ({"compression_training": {"channel_pruning": {"shared_parameters": {"enabled": True}}}}, "channel pruning"),
         ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype='bf16' differs"),
         ({"data_types": {"buffer_dtype": "fp32"}}, "data_types.buffer_dtype='fp32' (casting module buffers)"),
     ],

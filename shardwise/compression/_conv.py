@@ -1,0 +1,145 @@
+"""``CompressedConv2d``: an ``nn.Conv2d`` whose forward masks pruned output channels
+(DeepSpeed's ``Conv2dLayer_Compress`` with channel pruning), and the BatchNorm that follows it.
+
+[Note: channel pruning and BatchNorm]
+A pruned channel's convolution output is zero (its filter and bias are masked), but a
+BatchNorm after it still adds its shift (in training mode ``beta``, in eval mode ``beta -
+gamma * mean / sqrt(var + eps)``), so the next layer reads a constant there. DeepSpeed's
+masked forward kept that constant, then ``redundancy_clean`` removed the channel, so its
+cleaned model differed from the trained one. Here a BatchNorm named in the group's
+``related_modules`` becomes a :class:`ChannelMaskedBatchNorm2d` at ``init_compression``:
+from ``schedule_offset`` on its pruned channels output zero too, and removing them (with the
+next layer's input channels) changes nothing the model computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.compression._layers import Pruning
+from shardwise.compression._quantizers import topk_mask, topk_mask_values
+
+
+class CompressedConv2d(nn.Conv2d):
+    """A 2-D convolution whose forward applies channel pruning from its ``schedule_offset``
+    on: the filters and biases of the pruned output channels are multiplied by zero (see
+    [Note: compression schedule] in ``_layers.py``). Mask and score names are DeepSpeed's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.channel_pruning: Pruning | None = None
+        self.step = 0
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d) -> CompressedConv2d:
+        """A compressed layer holding ``conv``'s own parameters (not copies).
+
+        Raises:
+            ValueError: ``conv`` is a subclass of ``nn.Conv2d`` (its own forward would be lost).
+        """
+        if isinstance(conv, CompressedConv2d):
+            return conv
+        if type(conv) is not nn.Conv2d:
+            raise ValueError(
+                f"{type(conv).__name__} is a subclass of nn.Conv2d with its own behaviour, which a "
+                "compressed layer would drop; only plain nn.Conv2d layers are compressed"
+            )
+        layer = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+            device="meta",
+        )
+        layer.weight = conv.weight
+        layer.bias = conv.bias
+        layer.train(conv.training)
+        return layer
+
+    def enable_channel_pruning(self, spec: Pruning) -> None:
+        """``l1``: keep the channels whose filters have the largest L1 norms now (a fixed
+        buffer); ``topk``: keep the top-scoring channels of learned scores."""
+        self.channel_pruning = spec
+        shape = (self.out_channels, 1, 1, 1)
+        if spec.method == "l1":
+            norms = self.weight.detach().abs().sum(dim=(1, 2, 3)).float()
+            self.register_buffer(
+                "channel_pruning_mask", topk_mask_values(norms, spec.ratio).to(self.weight.dtype).view(shape)
+            )
+        else:
+            scores = torch.empty(shape, device=self.weight.device, dtype=self.weight.dtype)
+            nn.init.kaiming_uniform_(scores, a=5**0.5)
+            self.channel_mask_scores = nn.Parameter(scores)
+
+    def set_step(self, step: int) -> None:
+        """Apply the techniques the forward of training step ``step`` uses."""
+        self.step = step
+
+    def channel_mask(self) -> torch.Tensor:
+        """Shape (out_channels, 1, 1, 1): 1 for a kept channel."""
+        if self.channel_pruning.method == "l1":
+            return self.channel_pruning_mask
+        return topk_mask(self.channel_mask_scores, self.channel_pruning.ratio)
+
+    def active_channel_mask(self) -> torch.Tensor | None:
+        """The mask the next forward applies (None before ``schedule_offset``)."""
+        spec = self.channel_pruning
+        if spec is None or self.step < spec.offset:
+            return None
+        return self.channel_mask()
+
+    def compressed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The filters and bias the forward convolves with, pruned channels zeroed."""
+        weight, bias = self.weight, self.bias
+        mask = self.active_channel_mask()
+        if mask is not None:
+            weight = weight * mask
+            bias = bias * mask.view(-1) if bias is not None else None
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.compressed_weight()
+        return self._conv_forward(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, compression={'channel_pruning' if self.channel_pruning else 'none'}"
+
+
+class ChannelMaskedBatchNorm2d(nn.BatchNorm2d):
+    """A BatchNorm2d named in a channel-pruning group's ``related_modules``: its pruned
+    channels output zero whenever its convolution's mask is on (see [Note: channel pruning
+    and BatchNorm]). The running statistics update as in ``nn.BatchNorm2d``."""
+
+    @classmethod
+    def after(cls, norm: nn.BatchNorm2d, conv: CompressedConv2d) -> ChannelMaskedBatchNorm2d:
+        """A masked BatchNorm holding ``norm``'s parameters and buffers, following ``conv``."""
+        if isinstance(norm, ChannelMaskedBatchNorm2d):
+            norm.__dict__["_channel_source"] = conv
+            return norm
+        layer = cls(
+            norm.num_features,
+            eps=norm.eps,
+            momentum=norm.momentum,
+            affine=norm.affine,
+            track_running_stats=norm.track_running_stats,
+            device="meta",
+        )
+        layer.weight, layer.bias = norm.weight, norm.bias
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            setattr(layer, name, getattr(norm, name))
+        layer.train(norm.training)
+        # a plain reference, not a submodule: the conv stays where the model has it
+        layer.__dict__["_channel_source"] = conv
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        mask = self.__dict__["_channel_source"].active_channel_mask()
+        # detached: a topk mask's scores learn from the convolution alone, as in DeepSpeed
+        return out if mask is None else out * mask.detach().view(1, -1, 1, 1)
