@@ -45,6 +45,12 @@ class _Request:
     first_token: float | None = None
 
 
+CPU_TOKEN_BUDGET = 256
+"""Tokens per forward by default on a CPU."""
+GPU_TOKEN_BUDGET = 2048
+"""Tokens per forward by default on a GPU (vLLM's default ``max_num_batched_tokens``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class BatchingConfig:
     """How a batching engine schedules and caches: its batch, its token budget, its KV-cache
@@ -52,8 +58,9 @@ class BatchingConfig:
 
     max_num_seqs: int = 16
     """Sequences in the running batch at most."""
-    token_budget: int = 256
-    """Tokens per forward (decodes plus prompt chunks)."""
+    token_budget: int | None = None
+    """Tokens per forward (decodes plus prompt chunks; vLLM's ``max_num_batched_tokens``).
+    None: ``CPU_TOKEN_BUDGET`` on a CPU, ``GPU_TOKEN_BUDGET`` on a GPU (see ``budget_on``)."""
     block_size: int = 16
     """Token slots per KV-cache block."""
     num_blocks: int | None = None
@@ -67,10 +74,20 @@ class BatchingConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "token_budget", "block_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive (or None), got {self.num_blocks}")
+
+    def budget_on(self, device: torch.device) -> int:
+        """``token_budget`` with its default for ``device`` filled in. A CPU forward costs in
+        proportion to its tokens, so a small budget keeps the running decodes' steps short
+        while a long prompt is split; a GPU forward of a few hundred tokens costs what one
+        token's does (measured on an H200: a 64-token budget made each output token 5.4x
+        slower than no chunking), so its budget is thousands."""
+        if self.token_budget is not None:
+            return self.token_budget
+        return GPU_TOKEN_BUDGET if device.type == "cuda" else CPU_TOKEN_BUDGET
 
     def pool_blocks(self, max_model_len: int) -> int:
         """``num_blocks`` with its default filled in; a pool that cannot hold one sequence of
@@ -128,7 +145,10 @@ class BatchingEngine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         cache = PrefixCache(self.allocator) if config.prefix_caching else None
         self.scheduler = Scheduler(
-            self.allocator, max_num_seqs=config.max_num_seqs, token_budget=config.token_budget, prefix_cache=cache
+            self.allocator,
+            max_num_seqs=config.max_num_seqs,
+            token_budget=config.budget_on(next(model.parameters()).device),
+            prefix_cache=cache,
         )
         if decoder is None:
             self.decoder = PagedDecoder(

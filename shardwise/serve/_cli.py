@@ -36,19 +36,11 @@ def engine_class(name: str):
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def build_engine(
-    name: str,
-    model,
-    tokenizer,
-    *,
-    max_model_len: int | None,
-    max_queue: int,
-    max_num_seqs: int | None,
-    enforce_eager: bool = False,
-):
-    """An engine of kind ``name``; ``max_num_seqs`` and ``enforce_eager`` go to the batching
-    engine (the sequential one logs that ``max_num_seqs`` is ignored; it never captures
-    graphs)."""
+def build_engine(name: str, model, tokenizer, *, max_model_len: int | None, max_queue: int, **batching):
+    """An engine of kind ``name``; ``batching`` (:class:`~shardwise.serve._batching.BatchingConfig`
+    fields, None meaning the default) goes to the batching engine. The sequential engine runs
+    one request at a time and never captures graphs: it logs that the fields are ignored."""
+    batching = {field: value for field, value in batching.items() if value is not None}
     if name == "batched":
         from shardwise.serve._paged import FAMILIES
 
@@ -64,10 +56,9 @@ def build_engine(
     if name == "batched":
         from shardwise.serve._batching import BatchingConfig
 
-        sizes = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
-        kwargs["config"] = BatchingConfig(enforce_eager=enforce_eager, **sizes)
-    elif max_num_seqs is not None:
-        logger.warning("--max-num-seqs is ignored: %s runs one request at a time", cls.__name__)
+        kwargs["config"] = BatchingConfig(**batching)
+    elif set(batching) - {"enforce_eager"}:
+        logger.warning("%s are ignored: %s runs one request at a time", ", ".join(sorted(batching)), cls.__name__)
     return cls(model, tokenizer, **kwargs)
 
 
@@ -109,6 +100,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="batched", choices=sorted(ENGINES))
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in the running batch")
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per forward, decodes plus prompt chunks (default: 256 on a CPU, 2048 on a GPU)",
+    )
+    p.add_argument("--block-size", type=int, default=None, help="token slots per KV-cache block (default 16)")
+    p.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV-cache blocks in the pool, on a CPU too (default: max-num-seqs sequences of max-model-len)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV-cache blocks of prompt prefixes computed before (default: on)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly (default: on a GPU the batching engine replays its decode steps as CUDA graphs)",
@@ -116,6 +126,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="most requests waiting; more get HTTP 503")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def engine_spec(args):
+    """The :class:`~shardwise.serve._launch.EngineSpec` of ``shardwise serve``'s parsed flags."""
+    from shardwise.serve._launch import EngineSpec
+
+    return EngineSpec(
+        model=args.model,
+        dtype=args.dtype,
+        engine=args.engine,
+        max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,18 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from shardwise.serve._http import create_app
-    from shardwise.serve._launch import EngineSpec, launch
+    from shardwise.serve._launch import launch
 
-    spec = EngineSpec(
-        model=args.model,
-        dtype=args.dtype,
-        engine=args.engine,
-        max_model_len=args.max_model_len,
-        max_queue=args.max_queue,
-        max_num_seqs=args.max_num_seqs,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    spec = engine_spec(args)
     launched = launch(spec, replicas=args.data_parallel_size, in_process=not args.engine_own_process)
     engine = launched.engine
     name = args.served_model_name or args.model

@@ -47,6 +47,12 @@ class EngineSpec:
     max_model_len: int | None = None
     max_queue: int = 64
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    """The token budget per forward (None: the batching engine's default for the device)."""
+    block_size: int | None = None
+    num_gpu_blocks_override: int | None = None
+    """KV-cache blocks in the pool (vLLM's name; on a CPU too)."""
+    enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     """Run every step eagerly (no CUDA graphs; tensor-parallel engines always do)."""
     tensor_parallel_size: int = 1
@@ -54,6 +60,18 @@ class EngineSpec:
     """The GPU of rank 0 (rank ``r`` uses ``first_device + r``); unused on CPU."""
     timeout_s: float = 60.0
     """Deadline of every collective of a tensor-parallel engine."""
+
+    def batching(self) -> dict:
+        """The :class:`~shardwise.serve._batching.BatchingConfig` fields this spec sets."""
+        fields = {
+            "max_num_seqs": self.max_num_seqs,
+            "token_budget": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+            "num_blocks": self.num_gpu_blocks_override,
+            "prefix_caching": self.enable_prefix_caching,
+            "enforce_eager": self.enforce_eager or None,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -119,8 +137,7 @@ def launch(spec: EngineSpec, *, replicas: int = 1, in_process: bool = True) -> L
             tokenizer,
             max_model_len=spec.max_model_len,
             max_queue=spec.max_queue,
-            max_num_seqs=spec.max_num_seqs,
-            enforce_eager=spec.enforce_eager,
+            **spec.batching(),
         )
         return Launched(engine)
     if spec.engine != "batched":
@@ -161,9 +178,7 @@ def _tensor_parallel_rank(spec: EngineSpec, rank: int, port: int):
         world_size=spec.tensor_parallel_size,
         timeout=timedelta(seconds=_STARTUP_S),
     )
-    kwargs = {"max_model_len": spec.max_model_len, "max_queue": spec.max_queue}
-    if spec.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = spec.max_num_seqs
+    kwargs = {"max_model_len": spec.max_model_len, "max_queue": spec.max_queue, **spec.batching()}
     options = TensorParallelOptions(timeout_s=spec.timeout_s, heartbeat_s=min(5.0, spec.timeout_s / 4))
     return serve_tensor_parallel(model, tokenizer, options=options, **kwargs)
 

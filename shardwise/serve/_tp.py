@@ -218,7 +218,8 @@ def serve_tensor_parallel(
         config or BatchingConfig(), **{k: engine_kwargs.pop(k) for k in fields & set(engine_kwargs)}
     )
     num_blocks = config.pool_blocks(max_model_len)  # every rank builds the same pool from these
-    plan_format = PlanFormat(config.token_budget, config.max_num_seqs, -(-max_model_len // config.block_size))
+    budget = config.budget_on(next(model.parameters()).device)
+    plan_format = PlanFormat(budget, config.max_num_seqs, -(-max_model_len // config.block_size))
     if comm.rank != 0:
         decoder = PagedDecoder(model, num_blocks=num_blocks, block_size=config.block_size)
         forwards = follow(decoder, comm, plan_format)
