@@ -1,7 +1,8 @@
 """What each rank started by ``shardwise run`` executes: the user's script, with its
 error recorded so the launcher can say which rank failed first and why.
 
-Usage (by the node launcher, ``node.py``): ``python -m shardwise.launcher._entry script.py args``.
+Usage (by the node launcher, ``node.py``): ``python -m shardwise.launcher._entry script.py args``,
+or ``... _entry -m package.module args`` (``shardwise run --module``).
 """
 
 from __future__ import annotations
@@ -13,31 +14,44 @@ import sys
 import traceback
 from pathlib import Path
 
-from shardwise.comm._error_record import record_error
 from shardwise.launcher.environment import NO_LOCAL_RANK_ENV
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m shardwise.launcher._entry SCRIPT [ARGS...]")
-    script, args = sys.argv[1], sys.argv[2:]
+    argv = sys.argv[1:]
+    module = bool(argv) and argv[0] == "-m"  # shardwise run --module: the target is a module
+    if module:
+        argv = argv[1:]
+    if not argv:
+        sys.exit("usage: python -m shardwise.launcher._entry [-m MODULE | SCRIPT] [ARGS...]")
+    target, args = argv[0], argv[1:]
     if os.environ.get(NO_LOCAL_RANK_ENV) != "1":
         args = [*args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
-    sys.argv = [script, *args]
-    sys.path.insert(0, str(Path(script).resolve().parent))
+    sys.argv = [target, *args]  # run_module puts the module's file in argv[0], as python -m does
+    sys.path.insert(0, os.getcwd() if module else str(Path(target).resolve().parent))
     # a rank that crashes hard (SIGSEGV, SIGABRT from native code) prints every thread's
     # Python stack to stderr, so the launcher's "crashed hard" report shows where
     faulthandler.enable(all_threads=True)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            record_error(f"SystemExit({exc.code!r})")
+            _record_error(f"SystemExit({exc.code!r})")
             _note_failure(exc.code if isinstance(exc.code, int) else 1)
         raise
     except BaseException:
-        record_error(traceback.format_exc())
+        _record_error(traceback.format_exc())
         raise
+
+
+def _record_error(message: str) -> None:
+    # imported here: shardwise.comm imports torch, which a script that never fails may not need
+    from shardwise.comm._error_record import record_error
+
+    record_error(message)
 
 
 def _note_failure(status: int) -> None:

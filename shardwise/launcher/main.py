@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardwise.launcher._port import DEFAULT_MASTER_PORT, PortInUseError, master_port
 from shardwise.launcher.hostfile import HostfileError, parse_hostfile, select_resources
-from shardwise.launcher.node import JobSpec, run_node
+from shardwise.launcher.node import JobSpec, LaunchError, run_node
 from shardwise.launcher.runner import multinode_commands, run_multinode
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -63,6 +63,27 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add("--launcher_args", default="", help="extra arguments for pdsh / srun / mpirun")
     add("--force_multi", action="store_true", help="use the multi-node path even for one host")
     add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    add("--module", action="store_true", help="run the script argument as a module, as 'python -m' does")
+    add("--no_python", action="store_true", help="run the script as an executable of its own, without python")
+    add(
+        "--enable_each_rank_log",
+        default=None,
+        metavar="DIR",
+        help="write each rank's stdout and stderr to DIR/<time>_rank<RANK>.log instead of the terminal",
+    )
+    add(
+        "--bind_cores_to_rank",
+        action="store_true",
+        help="pin each rank to its own equal share of the cores (OMP_NUM_THREADS set to its count)",
+    )
+    add("--bind_core_list", default=None, help="the cores to share out, e.g. 0-3,8-11 (default: every physical core)")
+    add(
+        "--save_pid",
+        action="store_true",
+        help="write this launcher's process id to /tmp/<pid>.deepspeed while the job runs",
+    )
+    add("--ssh_port", type=int, default=None, help="the ssh port of the other hosts (--launcher ssh)")
+    add("--no_ssh_check", action="store_true", help="accepted for DeepSpeed's scripts: no ssh check is ever run")
     add(
         "--autotuning",
         default="",
@@ -118,12 +139,20 @@ def _run_here(spec: JobSpec, args) -> int:
 
 def run(args) -> int:
     """Resolve resources and start the job; returns the exit code."""
-    if not Path(args.script).is_file():
+    if not (args.module or args.no_python) and not Path(args.script).is_file():
         raise HostfileError(f"training script {args.script!r} does not exist")
     cuda = _cuda_count()
     hosts = _hosts(args) if args.launcher != "local" else None
     spec = JobSpec(
-        script=args.script, script_args=list(args.script_args), nproc_per_node=1, no_local_rank=args.no_local_rank
+        script=args.script,
+        script_args=list(args.script_args),
+        nproc_per_node=1,
+        no_local_rank=args.no_local_rank,
+        module=args.module,
+        no_python=args.no_python,
+        each_rank_log=args.enable_each_rank_log,
+        bind_cores_to_rank=args.bind_cores_to_rank,
+        bind_core_list=args.bind_core_list,
     )
     if args.node_rank >= 0:  # one machine's part of a job started by hand on every machine
         if args.num_nodes < 1 or args.node_rank >= args.num_nodes:
@@ -161,6 +190,12 @@ def run(args) -> int:
     spec.master_addr = args.master_addr or next(iter(resources))
     spec.master_port = master_port(args.master_port, one_machine=False, store_here=False)
     ssh = shlex.split(os.environ.get("SHARDWISE_SSH", "ssh -o StrictHostKeyChecking=no -o BatchMode=yes"))
+    if args.ssh_port is not None:
+        if args.launcher != "ssh":
+            raise HostfileError(
+                f"--ssh_port works with --launcher ssh; give {args.launcher} its port in --launcher_args"
+            )
+        ssh += ["-p", str(args.ssh_port)]
     commands = multinode_commands(spec, resources, args.launcher, ssh=ssh, cuda=cuda > 0)
     extra = shlex.split(args.launcher_args)
     if extra and args.launcher != "ssh":
@@ -206,6 +241,8 @@ def _autotune(argv: list[str], args) -> int:
     from shardwise.config import ConfigError
 
     try:
+        if args.module or args.no_python:
+            raise HostfileError("--autotuning tunes a Python script: give its path instead of --module / --no_python")
         if is_foreign(args.script):  # shardwise run --autotuning tune torchrun|accelerate launch ...
             line = parse_launcher_line(args.script, list(args.script_args))
             reject_mixed_flags(_launcher_flags(argv, args), line.launcher)
@@ -242,10 +279,17 @@ def _autotune(argv: list[str], args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    pid_file = Path(f"/tmp/{os.getpid()}.deepspeed") if args.save_pid else None  # DeepSpeed's name
     try:
+        if pid_file is not None:
+            print(f"launcher pid: {os.getpid()}")
+            pid_file.write_text(str(os.getpid()))
         if args.autotuning:
             return _autotune(argv, args)
         return run(args)
-    except (HostfileError, PortInUseError) as exc:
+    except (HostfileError, PortInUseError, LaunchError) as exc:
         print(f"shardwise run: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if pid_file is not None:
+            pid_file.unlink(missing_ok=True)

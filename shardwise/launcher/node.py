@@ -11,6 +11,13 @@ expects, and rank 0 opens the rendezvous store at the master's address and port
 one Python start per rank and nothing more ([Note: lazy package import] in
 ``shardwise/__init__.py``).
 
+DeepSpeed's per-rank flags work the same way: ``--module`` runs the script argument as
+``python -m`` does, ``--no_python`` runs it as an executable (``--local_rank=N`` first, and
+no error record: the report then says how the rank ended), ``--enable_each_rank_log DIR``
+sends each rank's output to ``DIR/<time>_rank<RANK>.log``, and ``--bind_cores_to_rank``
+pins each rank to an equal share of ``--bind_core_list`` (or of the physical cores) with
+``sched_setaffinity``, ``OMP_NUM_THREADS`` its number of cores (DeepSpeed runs numactl).
+
 Each rank runs in a session of its own, so stopping a rank (SIGTERM, then SIGKILL after a
 grace period) stops whatever it started too. The first rank to exit with an error stops
 the others, and the node exits with that rank's code (128 + N for a rank killed by
@@ -54,6 +61,16 @@ class JobSpec:
     no_local_rank: bool = False
     python: str = field(default_factory=lambda: sys.executable)
     monitor_interval_s: float = 0.1
+    module: bool = False
+    """Run ``script`` as a module (``python -m``)."""
+    no_python: bool = False
+    """Run ``script`` as an executable of its own (no Python, no error record)."""
+    each_rank_log: str | None = None
+    """A folder for each rank's stdout and stderr (``<time>_rank<RANK>.log``)."""
+    bind_cores_to_rank: bool = False
+    """Pin each rank to its own share of the cores (``bind_core_list``, or every physical
+    core), with ``OMP_NUM_THREADS`` its number of cores."""
+    bind_core_list: str | None = None
 
 
 @dataclass
@@ -77,6 +94,11 @@ def node_command(spec: JobSpec, *, node_rank: str | int) -> list[str]:
         f"--master_addr={spec.master_addr}",
         f"--master_port={spec.master_port}",
         *(["--no_local_rank"] if spec.no_local_rank else []),
+        *(["--module"] if spec.module else []),
+        *(["--no_python"] if spec.no_python else []),
+        *([f"--enable_each_rank_log={spec.each_rank_log}"] if spec.each_rank_log else []),
+        *(["--bind_cores_to_rank"] if spec.bind_cores_to_rank else []),
+        *([f"--bind_core_list={spec.bind_core_list}"] if spec.bind_core_list else []),
         spec.script,
         *spec.script_args,
     ]
@@ -112,21 +134,107 @@ def job_env(spec: JobSpec, error_dir: str) -> dict[str, str]:
     return env
 
 
+class LaunchError(ValueError):
+    """A launch that cannot start as asked (the message names the flag and the fix)."""
+
+
+def rank_command(spec: JobSpec, local_rank: int) -> list[str]:
+    """What rank ``local_rank`` runs: our entry wrapper around the script or module (it
+    adds ``--local_rank``), or with ``no_python`` the script itself, ``--local_rank=N``
+    first as DeepSpeed's launcher puts it."""
+    if spec.no_python:
+        if spec.module:
+            raise LaunchError("--no_python and --module cannot be used together (a module needs Python)")
+        return [spec.script, *([] if spec.no_local_rank else [f"--local_rank={local_rank}"]), *spec.script_args]
+    target = ["-m", spec.script] if spec.module else [spec.script]
+    return [spec.python, "-u", "-m", "shardwise.launcher._entry", *target, *spec.script_args]
+
+
+def parse_core_list(text: str) -> list[int]:
+    """``"1,3-5,7"`` -> ``[1, 3, 4, 5, 7]`` (DeepSpeed's ``--bind_core_list`` syntax)."""
+    cores = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
+            raise LaunchError(f"--bind_core_list {text!r}: expected numbers and ranges like 1,3-5,7, got {part!r}")
+        cores += range(int(first), int(last if dash else first) + 1)
+    return cores
+
+
+def physical_cores() -> list[int]:
+    """One logical CPU per physical core this process may run on (the first of its
+    hyper-thread siblings), as DeepSpeed binds to physical cores."""
+    allowed = sorted(os.sched_getaffinity(0))
+    seen, cores = set(), []
+    for cpu in allowed:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((topology / "physical_package_id").read_text(), (topology / "core_id").read_text())
+        except OSError:
+            return allowed
+        if key not in seen:
+            seen.add(key)
+            cores.append(cpu)
+    return cores
+
+
+def rank_cores(spec: JobSpec) -> list[list[int]] | None:
+    """Each local rank's cores under ``bind_cores_to_rank`` (equal contiguous shares)."""
+    if not spec.bind_cores_to_rank:
+        return None
+    cores = parse_core_list(spec.bind_core_list) if spec.bind_core_list else physical_cores()
+    share = len(cores) // spec.nproc_per_node
+    if share < 1:
+        raise LaunchError(
+            f"--bind_cores_to_rank: {len(cores)} cores cannot give each of {spec.nproc_per_node} ranks one; "
+            "start fewer ranks or give more cores in --bind_core_list"
+        )
+    return [cores[share * rank : share * (rank + 1)] for rank in range(spec.nproc_per_node)]
+
+
+def _log_files(spec: JobSpec) -> list | None:
+    if not spec.each_rank_log:
+        return None
+    folder = Path(spec.each_rank_log)
+    if folder.is_file():
+        raise LaunchError(f"--enable_each_rank_log {folder} is a file; give a folder (it is created if missing)")
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d%H%M%S")
+    first = spec.node_rank * spec.nproc_per_node
+    return [open(folder / f"{stamp}_rank{first + r}.log", "w") for r in range(spec.nproc_per_node)]  # noqa: SIM115
+
+
 def run_node(spec: JobSpec) -> int:
     """Run this machine's ranks of the job until they all end or one fails; returns the
     exit code (and prints which rank failed first, and why)."""
+    commands = [rank_command(spec, r) for r in range(spec.nproc_per_node)]
+    cores = rank_cores(spec)
     with tempfile.TemporaryDirectory(prefix="shardwise-run-") as error_dir:
         env = job_env(spec, error_dir)
-        command = [spec.python, "-u", "-m", "shardwise.launcher._entry", spec.script, *spec.script_args]
+        logs = _log_files(spec)
         procs = []
         try:
-            for local_rank in range(spec.nproc_per_node):
+            for local_rank, command in enumerate(commands):
+                rank_vars = rank_env(spec, local_rank)
+                if cores is not None:
+                    rank_vars["OMP_NUM_THREADS"] = str(len(cores[local_rank]))
+                out = None if logs is None else logs[local_rank]
                 procs.append(
-                    subprocess.Popen(command, env={**env, **rank_env(spec, local_rank)}, start_new_session=True)
+                    subprocess.Popen(
+                        command,
+                        env={**env, **rank_vars},
+                        start_new_session=True,
+                        stdout=out,
+                        stderr=out,
+                        preexec_fn=None if cores is None else _pin(cores[local_rank]),  # noqa: PLW1509
+                    )
                 )
         except OSError:
             stop(procs)
             raise
+        finally:
+            for log in logs or []:
+                log.close()  # the ranks hold their own copies
         ended = wait_all(procs, interval_s=spec.monitor_interval_s)
         if ended.code and ended.local_rank is not None:
             ended.rank = spec.node_rank * spec.nproc_per_node + ended.local_rank
@@ -160,6 +268,10 @@ def report_failure(error_dir: str, ended: Exit) -> None:
         f"failed first{also}. The other ranks were stopped. Its error:\n{tail}",
         file=sys.stderr,
     )
+
+
+def _pin(cores: list[int]):
+    return lambda: os.sched_setaffinity(0, cores)
 
 
 def _how(code: int) -> str:
@@ -225,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master_addr", default="127.0.0.1")
     parser.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT)
     parser.add_argument("--no_local_rank", action="store_true")
+    parser.add_argument("--module", action="store_true")
+    parser.add_argument("--no_python", action="store_true")
+    parser.add_argument("--enable_each_rank_log", default=None)
+    parser.add_argument("--bind_cores_to_rank", action="store_true")
+    parser.add_argument("--bind_core_list", default=None)
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -237,8 +354,17 @@ def main(argv: list[str] | None = None) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         no_local_rank=args.no_local_rank,
+        module=args.module,
+        no_python=args.no_python,
+        each_rank_log=args.enable_each_rank_log,
+        bind_cores_to_rank=args.bind_cores_to_rank,
+        bind_core_list=args.bind_core_list,
     )
-    return run_node(spec)
+    try:
+        return run_node(spec)
+    except LaunchError as error:
+        print(f"shardwise run: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

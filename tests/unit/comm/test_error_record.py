@@ -28,8 +28,12 @@ def test_without_the_launcher_nothing_is_written(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_launcher_and_the_hang_watch_share_one_record():
-    assert _entry.record_error is record_error and _hang_watch.record_error is record_error
+def test_the_launcher_and_the_hang_watch_share_one_record(tmp_path, monkeypatch):
+    assert _hang_watch.record_error is record_error
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    _entry._record_error("from the entry wrapper")  # imports comm's record only when a script fails
+    assert json.loads((tmp_path / "rank2.json").read_text())["error"] == "from the entry wrapper"
     assert node_launcher.ERROR_DIR_ENV == ERROR_DIR_ENV == "SHARDWISE_ERROR_DIR"
 
 

@@ -2,12 +2,26 @@
 gets, and how the first failure ends the node's other processes and names the failing rank.
 (tests/dist/launcher starts real training jobs through it.)"""
 
+import os
 import signal
 import subprocess
 import sys
 import time
 
-from shardwise.launcher.node import Exit, JobSpec, rank_env, report_failure, wait_all
+import pytest
+
+from shardwise.launcher.node import (
+    Exit,
+    JobSpec,
+    LaunchError,
+    parse_core_list,
+    rank_command,
+    rank_cores,
+    rank_env,
+    report_failure,
+    run_node,
+    wait_all,
+)
 
 
 def test_ranks_get_torchruns_variables_numbered_across_nodes():
@@ -45,3 +59,71 @@ def test_all_ranks_succeeding_is_success():
     procs = [_start("pass") for _ in range(2)]
     assert wait_all(procs, interval_s=0.02) == Exit(0)
     assert all(proc.returncode == 0 for proc in procs)
+
+
+def test_core_lists_and_shares():
+    assert parse_core_list("1,3-5,7") == [1, 3, 4, 5, 7]
+    for bad in ("1,,2", "3-1", "a-b"):
+        with pytest.raises(LaunchError, match="--bind_core_list"):
+            parse_core_list(bad)
+    spec = JobSpec(script="t.py", script_args=[], nproc_per_node=2, bind_cores_to_rank=True, bind_core_list="0-3,8")
+    assert rank_cores(spec) == [[0, 1], [2, 3]]  # equal shares; the fifth core is left out
+    with pytest.raises(LaunchError, match="1 cores cannot give each of 2 ranks one"):
+        rank_cores(JobSpec(script="t.py", script_args=[], nproc_per_node=2, bind_cores_to_rank=True,
+                           bind_core_list="4"))  # fmt: skip
+
+
+def test_rank_commands_as_deepspeeds_launcher_builds_them():
+    spec = JobSpec(script="train.py", script_args=["--x", "1"], nproc_per_node=2, python="python")
+    assert rank_command(spec, 1) == ["python", "-u", "-m", "shardwise.launcher._entry", "train.py", "--x", "1"]
+    spec.module = True
+    assert rank_command(spec, 1)[4:6] == ["-m", "train.py"]
+    spec.module, spec.no_python = False, True
+    assert rank_command(spec, 1) == ["train.py", "--local_rank=1", "--x", "1"]  # --local_rank first
+    spec.module = True
+    with pytest.raises(LaunchError, match="--no_python and --module cannot be used together"):
+        rank_command(spec, 0)
+
+
+def test_each_rank_logs_to_its_file_pinned_to_its_cores(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to pin two ranks apart")
+    script = tmp_path / "show.sh"
+    script.write_text('#!/bin/sh\necho "rank=$RANK omp=$OMP_NUM_THREADS args=$*"\n'
+                      "grep Cpus_allowed_list /proc/self/status\n")  # fmt: skip
+    script.chmod(0o755)
+    spec = JobSpec(script=str(script), script_args=["--x"], nproc_per_node=2, no_python=True,
+                   each_rank_log=str(tmp_path / "logs"), bind_cores_to_rank=True,
+                   bind_core_list=",".join(map(str, allowed[:2])), monitor_interval_s=0.02)  # fmt: skip
+    assert run_node(spec) == 0
+    logs = sorted((tmp_path / "logs").iterdir())
+    assert [p.name.rpartition("_")[2] for p in logs] == ["rank0.log", "rank1.log"]
+    for rank, log in enumerate(logs):
+        text = log.read_text()
+        assert f"rank={rank} omp=1 args=--local_rank={rank} --x" in text
+        assert text.split("Cpus_allowed_list:")[1].strip() == str(allowed[rank])
+
+
+def test_a_module_runs_as_python_minus_m(tmp_path, monkeypatch):
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "job.py").write_text("import sys\nprint('NAME', __name__, 'ARGS', sys.argv[1:])\n")
+    monkeypatch.chdir(tmp_path)
+    spec = JobSpec(script="mypkg.job", script_args=["--y"], nproc_per_node=1, module=True,
+                   each_rank_log=str(tmp_path / "logs"), monitor_interval_s=0.02)  # fmt: skip
+    assert run_node(spec) == 0
+    (log,) = (tmp_path / "logs").iterdir()
+    assert "NAME __main__ ARGS ['--y', '--local_rank=0']" in log.read_text()
+
+
+def test_save_pid_names_the_launcher_while_it_runs(tmp_path, monkeypatch, capsys):
+    from shardwise.launcher.main import main
+
+    script = tmp_path / "check.sh"
+    script.write_text('#!/bin/sh\n[ "$(cat /tmp/$PPID.deepspeed)" = "$PPID" ] || exit 7\n')
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--nproc", "1", "--master_port", "29999", "--save_pid", "--no_python", str(script)]) == 0
+    assert f"launcher pid: {os.getpid()}" in capsys.readouterr().out
+    assert not os.path.exists(f"/tmp/{os.getpid()}.deepspeed")  # removed at the end
