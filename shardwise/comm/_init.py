@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from shardwise.accelerator import get_accelerator
+from shardwise.comm._error_record import ERROR_DIR_ENV
 from shardwise.comm._exit import install_exit_hooks
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def discover_launch_env(*, auto_mpi_discovery: bool = True) -> LaunchEnv:
             _int_env("LOCAL_RANK") or 0,
             env.get("MASTER_ADDR"),
             port,
-            "torchrun",
+            "shardwise run" if ERROR_DIR_ENV in env else "torchrun",  # or any launcher setting RANK, WORLD_SIZE
         )
     if _int_env("SLURM_PROCID") is not None and _int_env("SLURM_NTASKS") is not None:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"

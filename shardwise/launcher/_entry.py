@@ -26,7 +26,7 @@ def main() -> None:
         sys.exit("usage: python -m shardwise.launcher._entry [-m MODULE | SCRIPT] [ARGS...]")
     target, args = argv[0], argv[1:]
     if os.environ.get(NO_LOCAL_RANK_ENV) != "1":
-        args = [*args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
+        args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]  # first, as DeepSpeed's launcher
     sys.argv = [target, *args]  # run_module puts the module's file in argv[0], as python -m does
     sys.path.insert(0, os.getcwd() if module else str(Path(target).resolve().parent))
     # a rank that crashes hard (SIGSEGV, SIGABRT from native code) prints every thread's

@@ -81,3 +81,11 @@ def test_bad_rank_variable(clean_env):
     clean_env.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="RANK must be an integer, got 'x'"):
         discover_launch_env()
+
+
+def test_shardwise_run_is_named_as_the_launcher(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert discover_launch_env().source == "torchrun"
+    monkeypatch.setenv("SHARDWISE_ERROR_DIR", "/tmp/x")  # what shardwise run's node launcher sets
+    assert discover_launch_env().source == "shardwise run"

@@ -114,7 +114,7 @@ def test_a_module_runs_as_python_minus_m(tmp_path, monkeypatch):
                    each_rank_log=str(tmp_path / "logs"), monitor_interval_s=0.02)  # fmt: skip
     assert run_node(spec) == 0
     (log,) = (tmp_path / "logs").iterdir()
-    assert "NAME __main__ ARGS ['--y', '--local_rank=0']" in log.read_text()
+    assert "NAME __main__ ARGS ['--local_rank=0', '--y']" in log.read_text()  # --local_rank first, as DeepSpeed's
 
 
 def test_save_pid_names_the_launcher_while_it_runs(tmp_path, monkeypatch, capsys):
