@@ -40,7 +40,7 @@ def clean_layer(layer: CompressedLinear | CompressedConv2d, technique: str, *, s
         layer.set_step(layer.step)
     elif technique == "sparse_pruning" and layer.sparse_pruning is not None:
         layer.weight.mul_(layer.sparse_mask())
-        _drop(layer, "sparse_pruning_mask", "sparse_mask_scores")
+        _drop(layer, "sparse_pruning_mask", "sparse_mask_scores", "sparse_snip_scores")
         layer.sparse_pruning = None
     elif technique == "row_pruning" and layer.row_pruning is not None:
         kept = layer.row_mask().detach().view(-1).bool()

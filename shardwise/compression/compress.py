@@ -35,6 +35,7 @@ from shardwise.compression._layers import (
     WeightQuantization,
 )
 from shardwise.compression._quantizers import QuantSpec
+from shardwise.compression._snip_momentum import SnipSchedule, check_block_fits, snip_layer_names
 from shardwise.config._compression import CompressionConfig, CompressionGroup, TechniqueConfig, compression_config
 from shardwise.utils._modules import recursive_getattr, recursive_setattr
 
@@ -274,6 +275,8 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
     for technique in config.techniques():
         if not technique.enabled:
             continue
+        if _is_snip(technique):
+            _init_snip_momentum(target, technique.shared)
         for group, index, names in group_modules(target, technique):
             pairs = _channel_related_pairs(target, group, index, names) if technique.name == "channel_pruning" else []
             for name in names:
@@ -291,6 +294,24 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
                         target, related, ChannelMaskedBatchNorm2d.after(norm, recursive_getattr(target, name))
                     )
     return model
+
+
+def _is_snip(technique: TechniqueConfig) -> bool:
+    return technique.name == "sparse_pruning" and technique.shared["method"] == "snip_momentum"
+
+
+def _init_snip_momentum(model: nn.Module, shared: Mapping) -> None:
+    """Every nn.Linear outside ``excluded_modules`` becomes a :class:`CompressedLinear`
+    pruned by snip_momentum (see [Note: snip_momentum schedule])."""
+    schedule = SnipSchedule.from_shared(shared)
+    names = snip_layer_names(model, list(shared["excluded_modules"]))
+    for name in names:
+        check_block_fits(recursive_getattr(model, name), schedule.block, name)
+    spec = Pruning(method="snip_momentum", ratio=schedule.dense_ratio, offset=schedule.offset, schedule=schedule)
+    for name in names:
+        layer = CompressedLinear.from_linear(recursive_getattr(model, name))
+        layer.enable_sparse_pruning(spec)
+        recursive_setattr(model, name, layer)
 
 
 def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
@@ -315,6 +336,14 @@ def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
         if not technique.enabled or technique.name == "activation_quantization":
             continue
         compressed = CompressedConv2d if technique.name == "channel_pruning" else CompressedLinear
+        if _is_snip(technique):
+            for name in snip_layer_names(target, list(technique.shared["excluded_modules"])):
+                layer = recursive_getattr(target, name)
+                if not isinstance(layer, CompressedLinear):
+                    raise ValueError(
+                        f"compression_training.sparse_pruning: {name!r} is not compressed; call init_compression first"
+                    )
+                clean_layer(layer, "sparse_pruning", shrink=False)
         for group, index, names in group_modules(target, technique):
             where = f"compression_training.{technique.name}.different_groups.{group.name}"
             for name in names:
