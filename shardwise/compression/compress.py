@@ -93,10 +93,15 @@ def match_modules(model: nn.Module, pattern: str, where: str, kind: type | tuple
     return names
 
 
+_CONV_TOO = ("weight_quantization", "sparse_pruning")
+"""The techniques that take ``nn.Conv2d`` layers as well as ``nn.Linear`` ones."""
+
+
 def _refuse_other_layers(model: nn.Module, pattern: str, technique: str, where: str) -> None:
     """A pattern must not name a layer its technique is not built for: channel pruning
-    prunes only ``nn.Conv2d`` layers, the other techniques do not take ``nn.Conv2d``
-    layers (DeepSpeed compressed both; skipping them silently would leave them as they were)."""
+    prunes only ``nn.Conv2d`` layers; row, head pruning and activation quantization do not
+    take ``nn.Conv2d`` layers (DeepSpeed compressed them; skipping them silently would leave
+    them as they were)."""
     compiled = re.compile(pattern)
     for name, module in model.named_modules():
         if not name or not compiled.search(name):
@@ -108,11 +113,11 @@ def _refuse_other_layers(model: nn.Module, pattern: str, technique: str, where: 
                     "pruning prunes nn.Conv2d output channels only (row_pruning prunes nn.Linear rows): "
                     "narrow the pattern to the convolutions"
                 )
-        elif isinstance(module, nn.Conv2d):
+        elif isinstance(module, nn.Conv2d) and technique not in _CONV_TOO:
             raise ValueError(
                 f"{where}: the pattern {pattern!r} matches {name!r}, an nn.Conv2d; {technique} of nn.Conv2d "
-                "layers is not available in this version of shardwise (channel_pruning is): narrow the "
-                "pattern to the nn.Linear layers"
+                "layers is not available in this version of shardwise (channel_pruning, weight_quantization "
+                "and sparse_pruning are): narrow the pattern to the nn.Linear layers"
             )
 
 
@@ -124,6 +129,8 @@ def group_modules(model: nn.Module, technique: TechniqueConfig) -> Iterator[tupl
             or a module is matched twice by the technique.
     """
     kind = nn.Conv2d if technique.name == "channel_pruning" else nn.Linear
+    if technique.name in _CONV_TOO:
+        kind = (nn.Linear, nn.Conv2d)
     seen: dict[str, str] = {}
     for group in technique.groups:
         for index, pattern in enumerate(group.modules):
@@ -190,6 +197,11 @@ def _weight_groups(shared: Mapping, layer: nn.Linear, where: str) -> int:
     size = shared.get("quantize_group_size")
     if size is None:
         return shared["quantize_groups"]
+    if isinstance(layer, nn.Conv2d):
+        raise ValueError(
+            f"{where}: quantize_group_size (groups of input columns) is for nn.Linear layers; a pattern "
+            "matches an nn.Conv2d: use quantize_groups, or narrow the patterns to the nn.Linear layers"
+        )
     if layer.in_features % size:
         raise ValueError(
             f"{where}: quantize_group_size={size} does not divide the {layer.in_features} input features of a "
@@ -336,6 +348,8 @@ def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
         if not technique.enabled or technique.name == "activation_quantization":
             continue
         compressed = CompressedConv2d if technique.name == "channel_pruning" else CompressedLinear
+        if technique.name in _CONV_TOO:
+            compressed = (CompressedLinear, CompressedConv2d)
         if _is_snip(technique):
             for name in snip_layer_names(target, list(technique.shared["excluded_modules"])):
                 layer = recursive_getattr(target, name)

@@ -63,7 +63,11 @@ def has_scheduled_layers(model: nn.Module) -> bool:
         m.weight_quantization or m.sparse_pruning or m.row_pruning or m.head_pruning
         for m in model.modules()
         if isinstance(m, CompressedLinear)
-    ) or any(m.channel_pruning for m in model.modules() if isinstance(m, CompressedConv2d))
+    ) or any(
+        m.weight_quantization or m.sparse_pruning or m.channel_pruning
+        for m in model.modules()
+        if isinstance(m, CompressedConv2d)
+    )
 
 
 compression_scheduler = CompressionScheduler
