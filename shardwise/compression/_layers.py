@@ -139,6 +139,8 @@ class CompressedLinear(nn.Linear):
         if spec.method == "snip_momentum":  # see [Note: snip_momentum schedule]
             self.register_buffer("sparse_pruning_mask", torch.ones_like(self.weight, requires_grad=False))
             self.register_buffer("sparse_snip_scores", torch.zeros_like(self.weight, dtype=torch.float32))
+            self.snip_grad: torch.Tensor | None = None
+            self.snip_hook = self.weight.register_hook(self._collect_snip_grad)
             return
         self._add_mask("sparse", spec, self.weight.detach().abs(), self.weight.shape)
 
@@ -155,6 +157,12 @@ class CompressedLinear(nn.Linear):
         scores = torch.empty(1, spec.num_heads, device=self.weight.device, dtype=self.weight.dtype)
         nn.init.kaiming_uniform_(scores, a=5**0.5)
         self.head_pruning_scores = nn.Parameter(scores)
+
+    def _collect_snip_grad(self, grad: torch.Tensor) -> None:
+        """The weight's gradients of this step (every micro-batch's, before any reduction or
+        ZeRO bucketing), summed for the snip_momentum score."""
+        grad = grad.detach().float()
+        self.snip_grad = grad.clone() if self.snip_grad is None else self.snip_grad.add_(grad)
 
     def _add_mask(self, kind: str, spec: Pruning, norms: torch.Tensor, shape) -> None:
         names = {

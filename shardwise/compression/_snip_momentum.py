@@ -3,18 +3,20 @@ DeepSpeed's ``init_compression`` set up, rebuilt on :class:`CompressedLinear`.
 
 [Note: snip_momentum schedule]
 Each pruned weight has a score, ``score = 0.9 * score + |weight * grad|``, updated at every
-optimizer step with the step's gradients. Pruning steps are ``schedule_offset``,
-``schedule_offset + stride``, ... up to ``schedule_offset_end``: ``P = (end - offset) //
-stride + 1`` of them. At the forward of the ``k``-th (1-based) the mask is recomputed from
-the scores summed over ``NxM`` blocks (``block_pattern``), over all pruned layers together
-(INC's global scope): the blocks with the lowest scores are zeroed so that the kept
-fraction is ``dense_ratio ** (k / P)`` (INC's default exponential decay), which is
-``dense_ratio`` at the last one. A pruned block stays pruned (its weights are masked, so its
-gradients and scores are zero). Masks and scores are buffers (``sparse_pruning_mask``,
-``sparse_snip_scores``), so they are saved with the model; the step is the engine's.
-With several data-parallel ranks the block scores are averaged over the default process
-group before choosing, so every rank keeps the same blocks. Unlike INC, no per-layer cap
-(its ``max_sparsity_ratio_per_op`` 0.98) is applied.
+optimizer step with the step's gradients (summed over its micro-batches by a hook on the
+weight, before data-parallel reduction or ZeRO-2's bucketing, so it works at stages 0-2).
+Pruning steps are ``schedule_offset``, ``schedule_offset + stride``, ... up to
+``schedule_offset_end``: ``P = (end - offset) // stride + 1`` of them. At the forward of
+the ``k``-th (1-based) the mask is recomputed from the scores summed over ``NxM`` blocks
+(``block_pattern``), over all pruned layers together (INC's global scope): the blocks with
+the lowest scores are zeroed so that the kept fraction is ``dense_ratio ** (k / P)`` (INC's
+default exponential decay), which is ``dense_ratio`` at the last one. A pruned block stays
+pruned (its masked weights get no gradient, and it sorts below every live block). Masks
+and scores are buffers (``sparse_pruning_mask``, ``sparse_snip_scores``), saved with the
+model; the step is the engine's. With several data-parallel ranks each rank scores its own
+gradients and the block scores are summed over the default process group before
+choosing, so every rank keeps the same blocks. Unlike INC, no per-layer cap (its
+``max_sparsity_ratio_per_op``, 0.98) is applied.
 """
 
 from __future__ import annotations
@@ -124,12 +126,11 @@ class SnipMomentumPruner:
 
     @torch.no_grad()
     def accumulate(self) -> None:
-        """Fold the gradients now in ``weight.grad`` into the scores (after backward)."""
+        """Fold the step's gradients (collected by a hook on each weight) into the scores."""
         for layer in self.layers:
-            grad = layer.weight.grad
+            grad, layer.snip_grad = layer.snip_grad, None
             if grad is not None:
-                score = (layer.weight.detach().float() * grad.float()).abs()
-                layer.sparse_snip_scores.mul_(MOMENTUM).add_(score)
+                layer.sparse_snip_scores.mul_(MOMENTUM).add_((layer.weight.detach().float() * grad).abs())
 
     @torch.no_grad()
     def prune_for(self, step: int) -> None:
