@@ -1,12 +1,14 @@
 """``deepspeed.compression.compress``: :func:`init_compression` swaps the ``nn.Linear`` layers
-the config names for :class:`CompressedLinear` (the ``nn.Conv2d`` layers of channel pruning
-for :class:`CompressedConv2d`); the engine advances them with the training step
-(``scheduler.CompressionFeature``); :func:`redundancy_clean` then folds the techniques into
-the weights and removes pruned rows, heads and channels.
+the config names for :class:`CompressedLinear` (the ``nn.Conv2d`` layers of channel pruning,
+weight quantization and sparse pruning for :class:`CompressedConv2d`; sparse pruning's
+``snip_momentum`` takes every ``nn.Linear`` outside ``excluded_modules``); the engine
+advances them with the training step (``scheduler.CompressionFeature``);
+:func:`redundancy_clean` then folds the techniques into the weights and removes pruned
+rows, heads and channels.
 
 Module patterns are matched as DeepSpeed matched them: ``re.search(pattern, name)`` over the
 names of ``model.named_modules()``, keeping ``nn.Linear`` layers (``nn.Conv2d`` layers for
-channel pruning).
+channel pruning, both for weight quantization and sparse pruning).
 """
 
 from __future__ import annotations
@@ -254,9 +256,11 @@ def _enable(layer: CompressedLinear | CompressedConv2d, technique: TechniqueConf
 def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Module | None = None, mpu=None) -> nn.Module:
     """Replace the ``nn.Linear`` layers that ``compression_training`` names by
     :class:`CompressedLinear` (sharing their parameters) and enable each technique on them;
-    channel pruning does the same for ``nn.Conv2d`` layers with :class:`CompressedConv2d`,
-    and makes the BatchNorms of its ``related_modules`` mask the pruned channels too (see
-    [Note: channel pruning and BatchNorm]). Call it before ``initialize`` (topk pruning adds
+    channel pruning, weight quantization and sparse pruning do the same for ``nn.Conv2d``
+    layers with :class:`CompressedConv2d`, sparse pruning's ``snip_momentum`` for every
+    ``nn.Linear`` outside ``excluded_modules`` (see [Note: snip_momentum schedule]), and
+    channel pruning makes the BatchNorms of its ``related_modules`` mask the pruned
+    channels too (see [Note: channel pruning and BatchNorm]). Call it before ``initialize`` (topk pruning adds
     score parameters the optimizer must see); the engine then advances the schedule (see
     [Note: compression schedule]).
 
@@ -274,8 +278,10 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
         ValueError: a pattern that matches no ``nn.Linear`` (channel pruning: no
             ``nn.Conv2d``) or matches a layer its technique does not take, a module named
             twice by one technique, a technique the matched layer cannot take (quantize_groups
-            that do not divide the weight, num_heads that do not divide in_features), or a
-            channel-pruning related module that does not fit its convolution.
+            that do not divide the weight, num_heads that do not divide in_features,
+            quantize_group_size on an nn.Conv2d, a snip_momentum block pattern that does not
+            tile a weight, an nn.Conv2d snip_momentum would take), or a channel-pruning
+            related module that does not fit its convolution.
     """
     _check_mpu(mpu)
     config = _read_config(deepspeed_config)

@@ -10,8 +10,9 @@ name), ``schedule_offset``, ``schedule_offset_stride``, ``schedule_offset_end`` 
 ``excluded_modules`` live in ``shared_parameters``, and it takes no ``different_groups``),
 row pruning, head pruning, channel pruning (Conv2d output channels; l1, topk) and layer
 reduction. Parsed but refused by name when enabled: weight quantization's
-``fp16_mixed_quantize``. The techniques other than channel pruning take ``nn.Linear``
-layers only (a pattern naming an ``nn.Conv2d`` is refused by ``init_compression``).
+``fp16_mixed_quantize``. Weight quantization and l1 / topk sparse pruning take ``nn.Linear``
+and ``nn.Conv2d`` layers, channel pruning ``nn.Conv2d`` only, the other techniques
+``nn.Linear`` only (``init_compression`` refuses a pattern naming another layer).
 """
 
 from __future__ import annotations
