@@ -40,7 +40,9 @@ def clean_layer(layer: CompressedLinear | CompressedConv2d, technique: str, *, s
         layer.set_step(layer.step)
     elif technique == "sparse_pruning" and layer.sparse_pruning is not None:
         layer.weight.mul_(layer.sparse_mask())
-        _drop(layer, "sparse_pruning_mask", "sparse_mask_scores")
+        if getattr(layer, "snip_hook", None) is not None:
+            layer.snip_hook.remove()
+        _drop(layer, "sparse_pruning_mask", "sparse_mask_scores", "sparse_snip_scores", "snip_hook", "snip_grad")
         layer.sparse_pruning = None
     elif technique == "row_pruning" and layer.row_pruning is not None:
         kept = layer.row_mask().detach().view(-1).bool()

@@ -1,5 +1,6 @@
-"""``CompressedConv2d``: an ``nn.Conv2d`` whose forward masks pruned output channels
-(DeepSpeed's ``Conv2dLayer_Compress`` with channel pruning), and the BatchNorm that follows it.
+"""``CompressedConv2d``: an ``nn.Conv2d`` whose forward applies weight quantization, sparse
+pruning (l1, topk) and channel pruning (DeepSpeed's ``Conv2dLayer_Compress``), and the
+BatchNorm that follows a channel-pruned convolution.
 
 [Note: channel pruning and BatchNorm]
 A pruned channel's convolution output is zero (its filter and bias are masked), but a
@@ -14,22 +15,29 @@ next layer's input channels) changes nothing the model computes.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
-from shardwise.compression._layers import Pruning
-from shardwise.compression._quantizers import topk_mask, topk_mask_values
+from shardwise.compression._layers import Pruning, WeightQuantization, weight_bits
+from shardwise.compression._quantizers import fake_quantize, topk_mask, topk_mask_values
 
 
 class CompressedConv2d(nn.Conv2d):
-    """A 2-D convolution whose forward applies channel pruning from its ``schedule_offset``
-    on: the filters and biases of the pruned output channels are multiplied by zero (see
-    [Note: compression schedule] in ``_layers.py``). Mask and score names are DeepSpeed's."""
+    """A 2-D convolution whose forward applies, each from its ``schedule_offset`` on (see
+    [Note: compression schedule] in ``_layers.py``), weight quantization (groups of the
+    flattened filters), sparse pruning (a mask over filter elements) and channel pruning
+    (the filters and biases of pruned output channels multiplied by zero), as
+    :class:`CompressedLinear` does. Mask and score names are DeepSpeed's."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.weight_quantization: WeightQuantization | None = None
+        self.sparse_pruning: Pruning | None = None
         self.channel_pruning: Pruning | None = None
         self.step = 0
+        self._bits: int | None = None
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> CompressedConv2d:
@@ -77,9 +85,40 @@ class CompressedConv2d(nn.Conv2d):
             nn.init.kaiming_uniform_(scores, a=5**0.5)
             self.channel_mask_scores = nn.Parameter(scores)
 
+    def enable_weight_quantization(self, spec: WeightQuantization) -> None:
+        if self.weight.numel() % spec.grid.groups:
+            raise ValueError(
+                f"quantize_groups={spec.grid.groups} does not divide the {tuple(self.weight.shape)} weight"
+            )
+        self.weight_quantization = spec
+        self.set_step(self.step)
+
+    def enable_sparse_pruning(self, spec: Pruning) -> None:
+        """``l1``: keep the largest filter elements now (a fixed buffer); ``topk``: the top
+        entries of learned scores."""
+        self.sparse_pruning = spec
+        if spec.method == "l1":
+            mask = topk_mask_values(self.weight.detach().abs().float(), spec.ratio)
+            self.register_buffer("sparse_pruning_mask", mask.to(self.weight.dtype))
+        else:
+            scores = torch.empty_like(self.weight, requires_grad=False)
+            nn.init.kaiming_uniform_(scores, a=5**0.5)
+            self.sparse_mask_scores = nn.Parameter(scores)
+
     def set_step(self, step: int) -> None:
         """Apply the techniques the forward of training step ``step`` uses."""
         self.step = step
+        spec = self.weight_quantization
+        self._bits = weight_bits(spec, step) if spec is not None else None
+
+    def sparse_mask(self) -> torch.Tensor:
+        if self.sparse_pruning.method == "l1":
+            return self.sparse_pruning_mask
+        return topk_mask(self.sparse_mask_scores, self.sparse_pruning.ratio)
+
+    def current_bits(self) -> int | None:
+        """The weight bits of the next forward (None: full precision)."""
+        return self._bits
 
     def channel_mask(self) -> torch.Tensor:
         """Shape (out_channels, 1, 1, 1): 1 for a kept channel."""
@@ -95,8 +134,12 @@ class CompressedConv2d(nn.Conv2d):
         return self.channel_mask()
 
     def compressed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The filters and bias the forward convolves with, pruned channels zeroed."""
+        """The filters and bias the forward convolves with, techniques applied."""
         weight, bias = self.weight, self.bias
+        if self._bits is not None:
+            weight = fake_quantize(weight, replace(self.weight_quantization.grid, bits=self._bits))
+        if self.sparse_pruning is not None and self.step >= self.sparse_pruning.offset:
+            weight = weight * self.sparse_mask()
         mask = self.active_channel_mask()
         if mask is not None:
             weight = weight * mask
@@ -108,7 +151,8 @@ class CompressedConv2d(nn.Conv2d):
         return self._conv_forward(x, weight, bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, compression={'channel_pruning' if self.channel_pruning else 'none'}"
+        on = [n for n in ("weight_quantization", "sparse_pruning", "channel_pruning") if getattr(self, n) is not None]
+        return f"{super().extra_repr()}, compression={'+'.join(on) or 'none'}"
 
 
 class ChannelMaskedBatchNorm2d(nn.BatchNorm2d):

@@ -16,7 +16,9 @@ straight-through gradients (QAT).
 
 Masks: l1 masks are computed once, from the weights when the technique is enabled
 (``init_compression``), and kept as buffers; topk masks are the top entries of learned
-scores (parameters trained through the straight-through mask), recomputed every forward.
+scores (parameters trained through the straight-through mask), recomputed every forward;
+snip_momentum masks are buffers recomputed at its pruning steps (see [Note: snip_momentum
+schedule] in ``_snip_momentum.py``).
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ class Pruning:
     """A pruning technique's settings on one layer."""
 
     method: str
-    """``l1`` (fixed mask from the weights) or ``topk`` (learned scores)."""
+    """``l1`` (fixed mask from the weights), ``topk`` (learned scores) or, for sparse
+    pruning, ``snip_momentum`` (a mask recomputed at its pruning steps)."""
     ratio: float
     """The fraction kept (``dense_ratio``)."""
     offset: int
     num_heads: int = 0
     """Head pruning: the attention heads the layer's input is made of."""
+    schedule: object = None
+    """snip_momentum: its ``SnipSchedule`` (see [Note: snip_momentum schedule])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +136,12 @@ class CompressedLinear(nn.Linear):
 
     def enable_sparse_pruning(self, spec: Pruning) -> None:
         self.sparse_pruning = spec
+        if spec.method == "snip_momentum":  # see [Note: snip_momentum schedule]
+            self.register_buffer("sparse_pruning_mask", torch.ones_like(self.weight, requires_grad=False))
+            self.register_buffer("sparse_snip_scores", torch.zeros_like(self.weight, dtype=torch.float32))
+            self.snip_grad: torch.Tensor | None = None
+            self.snip_hook = self.weight.register_hook(self._collect_snip_grad)
+            return
         self._add_mask("sparse", spec, self.weight.detach().abs(), self.weight.shape)
 
     def enable_row_pruning(self, spec: Pruning) -> None:
@@ -146,6 +157,12 @@ class CompressedLinear(nn.Linear):
         scores = torch.empty(1, spec.num_heads, device=self.weight.device, dtype=self.weight.dtype)
         nn.init.kaiming_uniform_(scores, a=5**0.5)
         self.head_pruning_scores = nn.Parameter(scores)
+
+    def _collect_snip_grad(self, grad: torch.Tensor) -> None:
+        """The weight's gradients of this step (every micro-batch's, before any reduction or
+        ZeRO bucketing), summed for the snip_momentum score."""
+        grad = grad.detach().float()
+        self.snip_grad = grad.clone() if self.snip_grad is None else self.snip_grad.add_(grad)
 
     def _add_mask(self, kind: str, spec: Pruning, norms: torch.Tensor, shape) -> None:
         names = {
@@ -170,7 +187,7 @@ class CompressedLinear(nn.Linear):
         return spec is not None and self.step >= spec.offset
 
     def sparse_mask(self) -> torch.Tensor:
-        if self.sparse_pruning.method == "l1":
+        if self.sparse_pruning.method != "topk":
             return self.sparse_pruning_mask
         return topk_mask(self.sparse_mask_scores, self.sparse_pruning.ratio)
 

@@ -1,12 +1,14 @@
 """``deepspeed.compression.compress``: :func:`init_compression` swaps the ``nn.Linear`` layers
-the config names for :class:`CompressedLinear` (the ``nn.Conv2d`` layers of channel pruning
-for :class:`CompressedConv2d`); the engine advances them with the training step
-(``scheduler.CompressionFeature``); :func:`redundancy_clean` then folds the techniques into
-the weights and removes pruned rows, heads and channels.
+the config names for :class:`CompressedLinear` (the ``nn.Conv2d`` layers of channel pruning,
+weight quantization and sparse pruning for :class:`CompressedConv2d`; sparse pruning's
+``snip_momentum`` takes every ``nn.Linear`` outside ``excluded_modules``); the engine
+advances them with the training step (``scheduler.CompressionFeature``);
+:func:`redundancy_clean` then folds the techniques into the weights and removes pruned
+rows, heads and channels.
 
 Module patterns are matched as DeepSpeed matched them: ``re.search(pattern, name)`` over the
 names of ``model.named_modules()``, keeping ``nn.Linear`` layers (``nn.Conv2d`` layers for
-channel pruning).
+channel pruning, both for weight quantization and sparse pruning).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shardwise.compression._layers import (
     WeightQuantization,
 )
 from shardwise.compression._quantizers import QuantSpec
+from shardwise.compression._snip_momentum import SnipSchedule, check_block_fits, snip_layer_names
 from shardwise.config._compression import CompressionConfig, CompressionGroup, TechniqueConfig, compression_config
 from shardwise.utils._modules import recursive_getattr, recursive_setattr
 
@@ -92,10 +95,15 @@ def match_modules(model: nn.Module, pattern: str, where: str, kind: type | tuple
     return names
 
 
+_CONV_TOO = ("weight_quantization", "sparse_pruning")
+"""The techniques that take ``nn.Conv2d`` layers as well as ``nn.Linear`` ones."""
+
+
 def _refuse_other_layers(model: nn.Module, pattern: str, technique: str, where: str) -> None:
     """A pattern must not name a layer its technique is not built for: channel pruning
-    prunes only ``nn.Conv2d`` layers, the other techniques do not take ``nn.Conv2d``
-    layers (DeepSpeed compressed both; skipping them silently would leave them as they were)."""
+    prunes only ``nn.Conv2d`` layers; row, head pruning and activation quantization do not
+    take ``nn.Conv2d`` layers (DeepSpeed compressed them; skipping them silently would leave
+    them as they were)."""
     compiled = re.compile(pattern)
     for name, module in model.named_modules():
         if not name or not compiled.search(name):
@@ -107,11 +115,11 @@ def _refuse_other_layers(model: nn.Module, pattern: str, technique: str, where: 
                     "pruning prunes nn.Conv2d output channels only (row_pruning prunes nn.Linear rows): "
                     "narrow the pattern to the convolutions"
                 )
-        elif isinstance(module, nn.Conv2d):
+        elif isinstance(module, nn.Conv2d) and technique not in _CONV_TOO:
             raise ValueError(
                 f"{where}: the pattern {pattern!r} matches {name!r}, an nn.Conv2d; {technique} of nn.Conv2d "
-                "layers is not available in this version of shardwise (channel_pruning is): narrow the "
-                "pattern to the nn.Linear layers"
+                "layers is not available in this version of shardwise (channel_pruning, weight_quantization "
+                "and sparse_pruning are): narrow the pattern to the nn.Linear layers"
             )
 
 
@@ -123,6 +131,8 @@ def group_modules(model: nn.Module, technique: TechniqueConfig) -> Iterator[tupl
             or a module is matched twice by the technique.
     """
     kind = nn.Conv2d if technique.name == "channel_pruning" else nn.Linear
+    if technique.name in _CONV_TOO:
+        kind = (nn.Linear, nn.Conv2d)
     seen: dict[str, str] = {}
     for group in technique.groups:
         for index, pattern in enumerate(group.modules):
@@ -189,6 +199,11 @@ def _weight_groups(shared: Mapping, layer: nn.Linear, where: str) -> int:
     size = shared.get("quantize_group_size")
     if size is None:
         return shared["quantize_groups"]
+    if isinstance(layer, nn.Conv2d):
+        raise ValueError(
+            f"{where}: quantize_group_size (groups of input columns) is for nn.Linear layers; a pattern "
+            "matches an nn.Conv2d: use quantize_groups, or narrow the patterns to the nn.Linear layers"
+        )
     if layer.in_features % size:
         raise ValueError(
             f"{where}: quantize_group_size={size} does not divide the {layer.in_features} input features of a "
@@ -241,9 +256,11 @@ def _enable(layer: CompressedLinear | CompressedConv2d, technique: TechniqueConf
 def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Module | None = None, mpu=None) -> nn.Module:
     """Replace the ``nn.Linear`` layers that ``compression_training`` names by
     :class:`CompressedLinear` (sharing their parameters) and enable each technique on them;
-    channel pruning does the same for ``nn.Conv2d`` layers with :class:`CompressedConv2d`,
-    and makes the BatchNorms of its ``related_modules`` mask the pruned channels too (see
-    [Note: channel pruning and BatchNorm]). Call it before ``initialize`` (topk pruning adds
+    channel pruning, weight quantization and sparse pruning do the same for ``nn.Conv2d``
+    layers with :class:`CompressedConv2d`, sparse pruning's ``snip_momentum`` for every
+    ``nn.Linear`` outside ``excluded_modules`` (see [Note: snip_momentum schedule]), and
+    channel pruning makes the BatchNorms of its ``related_modules`` mask the pruned
+    channels too (see [Note: channel pruning and BatchNorm]). Call it before ``initialize`` (topk pruning adds
     score parameters the optimizer must see); the engine then advances the schedule (see
     [Note: compression schedule]).
 
@@ -261,8 +278,10 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
         ValueError: a pattern that matches no ``nn.Linear`` (channel pruning: no
             ``nn.Conv2d``) or matches a layer its technique does not take, a module named
             twice by one technique, a technique the matched layer cannot take (quantize_groups
-            that do not divide the weight, num_heads that do not divide in_features), or a
-            channel-pruning related module that does not fit its convolution.
+            that do not divide the weight, num_heads that do not divide in_features,
+            quantize_group_size on an nn.Conv2d, a snip_momentum block pattern that does not
+            tile a weight, an nn.Conv2d snip_momentum would take), or a channel-pruning
+            related module that does not fit its convolution.
     """
     _check_mpu(mpu)
     config = _read_config(deepspeed_config)
@@ -274,6 +293,8 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
     for technique in config.techniques():
         if not technique.enabled:
             continue
+        if _is_snip(technique):
+            _init_snip_momentum(target, technique.shared)
         for group, index, names in group_modules(target, technique):
             pairs = _channel_related_pairs(target, group, index, names) if technique.name == "channel_pruning" else []
             for name in names:
@@ -291,6 +312,24 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
                         target, related, ChannelMaskedBatchNorm2d.after(norm, recursive_getattr(target, name))
                     )
     return model
+
+
+def _is_snip(technique: TechniqueConfig) -> bool:
+    return technique.name == "sparse_pruning" and technique.shared["method"] == "snip_momentum"
+
+
+def _init_snip_momentum(model: nn.Module, shared: Mapping) -> None:
+    """Every nn.Linear outside ``excluded_modules`` becomes a :class:`CompressedLinear`
+    pruned by snip_momentum (see [Note: snip_momentum schedule])."""
+    schedule = SnipSchedule.from_shared(shared)
+    names = snip_layer_names(model, list(shared["excluded_modules"]))
+    for name in names:
+        check_block_fits(recursive_getattr(model, name), schedule.block, name)
+    spec = Pruning(method="snip_momentum", ratio=schedule.dense_ratio, offset=schedule.offset, schedule=schedule)
+    for name in names:
+        layer = CompressedLinear.from_linear(recursive_getattr(model, name))
+        layer.enable_sparse_pruning(spec)
+        recursive_setattr(model, name, layer)
 
 
 def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
@@ -315,6 +354,16 @@ def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
         if not technique.enabled or technique.name == "activation_quantization":
             continue
         compressed = CompressedConv2d if technique.name == "channel_pruning" else CompressedLinear
+        if technique.name in _CONV_TOO:
+            compressed = (CompressedLinear, CompressedConv2d)
+        if _is_snip(technique):
+            for name in snip_layer_names(target, list(technique.shared["excluded_modules"])):
+                layer = recursive_getattr(target, name)
+                if not isinstance(layer, CompressedLinear):
+                    raise ValueError(
+                        f"compression_training.sparse_pruning: {name!r} is not compressed; call init_compression first"
+                    )
+                clean_layer(layer, "sparse_pruning", shrink=False)
         for group, index, names in group_modules(target, technique):
             where = f"compression_training.{technique.name}.different_groups.{group.name}"
             for name in names:

@@ -8,6 +8,7 @@ from torch import nn
 
 from shardwise.compression._conv import CompressedConv2d
 from shardwise.compression._layers import CompressedLinear
+from shardwise.compression._snip_momentum import SnipMomentumPruner
 from shardwise.config._errors import ConfigError
 
 
@@ -27,6 +28,8 @@ class CompressionScheduler:
                 "compression_training enables a technique but the model has no compressed layer: call "
                 "shardwise.compression.compress.init_compression(model, config) before initialize()"
             )
+        snip = [m for m in self.layers if getattr(m.sparse_pruning, "method", None) == "snip_momentum"]
+        self.pruner = SnipMomentumPruner(snip, snip[0].sparse_pruning.schedule) if snip else None
         self.training_steps = 0
         self.set_step(0)
 
@@ -36,9 +39,21 @@ class CompressionScheduler:
         for layer in self.layers:
             layer.set_step(training_steps)
 
+    def advance(self, training_steps: int) -> None:
+        """After an optimizer step, with its gradients still in ``.grad``: fold them into the
+        snip_momentum scores, then move to ``training_steps``, recomputing the snip_momentum
+        masks at its pruning steps (see [Note: snip_momentum schedule])."""
+        if self.pruner is not None:
+            self.pruner.accumulate()
+            self.pruner.prune_for(training_steps)
+        self.set_step(training_steps)
+
     def step(self, step_zero_check: bool = False) -> None:
         """DeepSpeed's call after an optimizer step (``step_zero_check``: re-apply step 0)."""
-        self.set_step(self.training_steps if step_zero_check else self.training_steps + 1)
+        if step_zero_check:
+            self.set_step(self.training_steps)
+        else:
+            self.advance(self.training_steps + 1)
 
 
 def has_scheduled_layers(model: nn.Module) -> bool:
@@ -48,7 +63,11 @@ def has_scheduled_layers(model: nn.Module) -> bool:
         m.weight_quantization or m.sparse_pruning or m.row_pruning or m.head_pruning
         for m in model.modules()
         if isinstance(m, CompressedLinear)
-    ) or any(m.channel_pruning for m in model.modules() if isinstance(m, CompressedConv2d))
+    ) or any(
+        m.weight_quantization or m.sparse_pruning or m.channel_pruning
+        for m in model.modules()
+        if isinstance(m, CompressedConv2d)
+    )
 
 
 compression_scheduler = CompressionScheduler
@@ -70,7 +89,7 @@ class CompressionFeature:
         return {}
 
     def before_model_step(self, global_steps: int) -> None:
-        self.scheduler.set_step(global_steps + 1)
+        self.scheduler.advance(global_steps + 1)
 
     def state_dict(self) -> dict:
         return {"training_steps": self.scheduler.training_steps}

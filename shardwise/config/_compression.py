@@ -3,12 +3,16 @@ last compression library (0.16 - 0.18): one entry per technique, each with
 ``shared_parameters`` and ``different_groups.<name>.{params, modules, related_modules}``.
 Read by ``shardwise/compression/``.
 
-Built: weight quantization, activation quantization, sparse pruning (l1, topk), row pruning,
-head pruning, channel pruning (Conv2d output channels; l1, topk) and layer reduction. Parsed
-but refused by name when enabled: sparse pruning's ``snip_momentum`` method (Intel Neural
-Compressor's pruner) and weight quantization's ``fp16_mixed_quantize``. The techniques other
-than channel pruning take ``nn.Linear`` layers only (a pattern naming an ``nn.Conv2d`` is
-refused by ``init_compression``).
+Built: weight quantization, activation quantization, sparse pruning (l1, topk and
+``snip_momentum``, Intel Neural Compressor's pruner that DeepSpeed called: its keys
+``dense_ratio``, ``block_pattern`` ("NxM" blocks; "N:M" and channel patterns refused by
+name), ``schedule_offset``, ``schedule_offset_stride``, ``schedule_offset_end`` and
+``excluded_modules`` live in ``shared_parameters``, and it takes no ``different_groups``),
+row pruning, head pruning, channel pruning (Conv2d output channels; l1, topk) and layer
+reduction. Parsed but refused by name when enabled: weight quantization's
+``fp16_mixed_quantize``. Weight quantization and l1 / topk sparse pruning take ``nn.Linear``
+and ``nn.Conv2d`` layers, channel pruning ``nn.Conv2d`` only, the other techniques
+``nn.Linear`` only (``init_compression`` refuses a pattern naming another layer).
 """
 
 from __future__ import annotations
@@ -267,13 +271,47 @@ def _shared(technique: str, path: str, section: Any) -> dict:
     return out
 
 
+def parse_block_pattern(path: str, pattern: Any) -> tuple[int, int]:
+    """``"NxM"``: blocks of N output rows by M input columns (Intel Neural Compressor's
+    rule: the first number runs along the weight's output dimension).
+
+    Raises:
+        ConfigError: any other pattern (INC's ``"N:M"`` and ``"channelx1"`` are refused by name).
+    """
+    text = pattern if isinstance(pattern, str) else ""
+    rows, _, cols = text.partition("x")
+    if rows.isdigit() and cols.isdigit() and int(rows) >= 1 and int(cols) >= 1:
+        return int(rows), int(cols)
+    if ":" in text or "channel" in text:
+        raise ConfigError(
+            f"{path} {pattern!r}: the N:M and channel patterns of Intel Neural Compressor are not "
+            "available in this version of shardwise; use an 'NxM' block pattern such as '4x1'"
+        )
+    raise ConfigError(f"{path} must be an 'NxM' block pattern (N, M >= 1) such as '4x1', got {pattern!r}")
+
+
+def _snip_momentum(path: str, shared: dict) -> None:
+    """DeepSpeed's checks of the snip_momentum keys (they live in shared_parameters)."""
+    ratio = as_number(f"{path}.dense_ratio", shared["dense_ratio"])
+    if not 0 < ratio < 1:
+        raise ConfigError(f"{path}.dense_ratio must be in (0, 1) for snip_momentum (the fraction kept), got {ratio!r}")
+    parse_block_pattern(f"{path}.block_pattern", shared["block_pattern"])
+    if shared["schedule_offset"] < 1:
+        raise ConfigError(
+            f"{path}.schedule_offset must be >= 1 for snip_momentum: its scores come from the gradients "
+            "of the steps before the first pruning step"
+        )
+    as_int(f"{path}.schedule_offset_stride", shared["schedule_offset_stride"], minimum=1)
+    end = as_int(f"{path}.schedule_offset_end", shared["schedule_offset_end"], minimum=0)
+    if end < shared["schedule_offset"]:
+        raise ConfigError(f"{path}.schedule_offset_end ({end}) must not be below schedule_offset")
+    excluded = shared["excluded_modules"]
+    if not isinstance(excluded, (list, tuple)) or not all(isinstance(e, str) for e in excluded):
+        raise ConfigError(f"{path}.excluded_modules must be a list of module-name patterns, got {excluded!r}")
+
+
 def _refuse_unbuilt(path: str, technique: str, shared: Mapping) -> None:
     """Refuse, by name, the parts of an enabled technique this version does not build."""
-    if technique == "sparse_pruning" and shared["method"] == "snip_momentum":
-        raise ConfigError(
-            f"{path}.method 'snip_momentum' (Intel Neural Compressor's pruner) is not available in "
-            "this version of shardwise; use 'l1' or 'topk'"
-        )
     if technique == "weight_quantization" and shared["fp16_mixed_quantize"].get("enabled", False):
         raise ConfigError(
             f"{path}.fp16_mixed_quantize (blending fp16 and quantized weights in DeepSpeed's MoQ "
@@ -286,7 +324,16 @@ def _technique(name: str, section: Any) -> TechniqueConfig:
     check_keys(path, section, {"shared_parameters", "different_groups"})
     shared = _shared(name, f"{path}.shared_parameters", section.get("shared_parameters", {}))
     groups_raw = section.get("different_groups", {})
-    if shared["enabled"]:
+    snip = name == "sparse_pruning" and shared["method"] == "snip_momentum"
+    if shared["enabled"] and snip:
+        _snip_momentum(f"{path}.shared_parameters", shared)
+        if groups_raw:
+            raise ConfigError(
+                f"{path}.different_groups: snip_momentum prunes every nn.Linear layer but those of "
+                "shared_parameters.excluded_modules, to shared_parameters.dense_ratio (as DeepSpeed, whose "
+                "groups fail with this method); remove different_groups"
+            )
+    elif shared["enabled"]:
         _refuse_unbuilt(f"{path}.shared_parameters", name, shared)
         if not groups_raw:
             raise ConfigError(f"{path} is enabled: it needs 'different_groups' naming the modules to compress")

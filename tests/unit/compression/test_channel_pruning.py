@@ -149,14 +149,14 @@ def test_topk_scores_get_gradients_through_the_straight_through_mask():
         (
             {
                 "compression_training": {
-                    "weight_quantization": {
+                    "activation_quantization": {
                         "shared_parameters": {"enabled": True},
-                        "different_groups": {"w": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["*"]}},
+                        "different_groups": {"a": {"params": {"bits": 8}, "modules": ["*"]}},
                     }
                 }
             },
             ValueError,
-            "weight_quantization of nn.Conv2d layers is not available",
+            "activation_quantization of nn.Conv2d layers is not available",
         ),
     ],
 )

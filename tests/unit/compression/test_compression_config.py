@@ -76,7 +76,10 @@ def test_the_engine_config_carries_the_section():
         (_pruning("row_pruning", shared={"method": "l2"}), "did you mean 'l1'"),
         (_pruning("head_pruning"), "needs 'num_heads'"),
         (_pruning("channel_pruning", shared={"method": "l2"}), "did you mean 'l1'"),
-        (_pruning("sparse_pruning", shared={"method": "snip_momentum"}), "'snip_momentum' (Intel Neural Compressor"),
+        (
+            _pruning("sparse_pruning", shared={"method": "snip_momentum", "block_pattern": "2:4"}),
+            "the N:M and channel patterns",
+        ),
         (_wq(shared={"fp16_mixed_quantize": {"enabled": True}}), "fp16_mixed_quantize"),
         (
             {
