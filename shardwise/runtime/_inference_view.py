@@ -237,6 +237,12 @@ class InferenceView:
     def shared_prompt_cache(self, source_batch_size: int, repeats: int) -> tuple:
         """The prompt's keys and values of every row after the last shared prefill, one
         ``(keys, values)`` per layer (``[rows, kv_heads, prompt, head_dim]``)."""
+        if self.tensor_comm is not None:
+            raise RuntimeError(
+                "repeat_shared_prefill_cache with hybrid_engine.inference_tp_size > 1: each rank's KV cache holds "
+                "its share of the heads for the whole group's rows, not its rows' keys and values; recompute "
+                "them in the training forward"
+            )
         last = self._last_shared
         if last is None or (last.source_batch_size, last.repeats) != (source_batch_size, repeats):
             raise RuntimeError(
@@ -253,15 +259,35 @@ class InferenceView:
         and with an inference tensor group)."""
         if self.tensor_comm is None:
             return self._generate(args, kwargs)
-        if self._shared is not None:
-            self._shared = None
-            raise ValueError("prepare_shared_prefill with hybrid_engine.inference_tp_size > 1 is not available yet")
+        shared, self._shared = self._agree_on_shared(), None
         sampling = samples(self.module, kwargs)
         rows, args, kwargs = gather_rows(self.tensor_comm, self.module, args, kwargs)
+        if shared is not None:  # the ranks' groups, stacked in rank order, are groups still
+            tp = self.tensor_comm.world_size
+            self._shared = SharedPrefill(shared.source_batch_size * tp, shared.repeats, shared.prompt_length)
         device = next(self.module.parameters()).device
         with first_rank_random_stream(self.tensor_comm, device) if sampling else contextlib.nullcontext():
             out = self._generate(args, kwargs)
         return own_rows(out, rows, self.tensor_comm.rank)
+
+    def _agree_on_shared(self) -> SharedPrefill | None:
+        """This rank's ``prepare_shared_prefill`` layout, checked to be every rank's of the
+        tensor group (they generate one batch together, so either all share the prefill
+        with one layout or none does)."""
+        shared = self._shared
+        mine = [shared.source_batch_size, shared.repeats, shared.prompt_length] if shared else [0, 0, 0]
+        device = next(self.module.parameters()).device
+        every = torch.empty((self.tensor_comm.world_size, 3), dtype=torch.long, device=device)
+        layout = torch.tensor([mine], dtype=torch.long, device=device)
+        self.tensor_comm.all_gather_into_tensor(every, layout, tag="shared prefill layouts").wait()
+        if bool((every != every[0]).any()):
+            self._shared = None
+            raise ValueError(
+                "hybrid_engine.inference_tp_size > 1: the ranks of a tensor group generate one batch together, so "
+                "each calls prepare_shared_prefill with the same sizes before generate, or none does; got "
+                f"(source_batch_size, repeats, prompt_length) = {every.tolist()} (0s: not called)"
+            )
+        return shared
 
     def _generate(self, args: tuple, kwargs: dict):
         shared, self._shared, self._last_shared = self._shared, None, None

@@ -205,6 +205,15 @@ def _tensor_parallel_body(rank, world_size):
         optimizer.zero_grad()
     full_bytes = sum(p.numel() * p.element_size() for p in replica.parameters())
     report["held"] = engine.inference_memory().weights_bytes / full_bytes
+    # GRPO's layout: each rank's prompts repeated, the prefill run once per group of the tensor group's batch
+    grouped = prompts[rank].repeat_interleave(2, dim=0)
+    engine.prepare_shared_prefill(2, 2, 5)
+    report["shared"] = (engine.generate(grouped, max_new_tokens=NEW, do_sample=False).tolist(),
+                        replica.generate(grouped, max_new_tokens=NEW, do_sample=False).tolist())  # fmt: skip
+    try:
+        engine.repeat_shared_prefill_cache(2, 2)
+    except RuntimeError as exc:
+        report["cache_refused"] = str(exc)
     # sampling: the ranks' own streams differ, the group draws from its first rank's (seed
     # 100), as one process generating both ranks' rows would; rank 1 gets its own back
     torch.manual_seed(100 + rank)
@@ -254,4 +263,6 @@ def test_inference_tp_size_2_generates_each_ranks_batch_with_split_weights(tmp_p
         assert sampled == expected, "the group's sample differs from one process sampling its rows"
         assert report["own_stream"] or report is reports[0], "rank 1's own random stream is given back"
         assert report["tied"][0] == report["tied"][1], "a tied head, split over the tensor group"
+        assert report["shared"][0] == report["shared"][1], "a shared prefill over the tensor group's batch"
+        assert "repeat_shared_prefill_cache with hybrid_engine.inference_tp_size > 1" in report["cache_refused"]
         assert "hybrid_engine with training tensor parallelism (2 ranks)" in report["training_tp"]
