@@ -19,9 +19,11 @@ pins each rank to an equal share of ``--bind_core_list`` (or of the physical cor
 ``sched_setaffinity``, ``OMP_NUM_THREADS`` its number of cores (DeepSpeed runs numactl).
 
 Each rank runs in a session of its own, so stopping a rank (SIGTERM, then SIGKILL after a
-grace period) stops whatever it started too. The first rank to exit with an error stops
-the others, and the node exits with that rank's code (128 + N for a rank killed by
-signal N); the error the rank recorded is printed, or how it ended when it recorded none.
+grace period) stops whatever it started too; and each rank is killed when the launcher
+itself dies (``PR_SET_PDEATHSIG``), so even a launcher killed with SIGKILL leaves no rank.
+The first rank to exit with an error stops the others, and the node exits with that
+rank's code (128 + N for a rank killed by signal N); the error the rank recorded is
+printed, or how it ended when it recorded none.
 """
 
 from __future__ import annotations
@@ -226,7 +228,7 @@ def run_node(spec: JobSpec) -> int:
                         start_new_session=True,
                         stdout=out,
                         stderr=out,
-                        preexec_fn=None if cores is None else _pin(cores[local_rank]),  # noqa: PLW1509
+                        preexec_fn=_child_setup(None if cores is None else cores[local_rank]),  # noqa: PLW1509
                     )
                 )
         except OSError:
@@ -270,8 +272,38 @@ def report_failure(error_dir: str, ended: Exit) -> None:
     )
 
 
-def _pin(cores: list[int]):
-    return lambda: os.sched_setaffinity(0, cores)
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(cores: list[int] | None):
+    """What a rank's process runs before the script: it is killed when the launcher dies
+    (``PR_SET_PDEATHSIG``, Linux), so a launcher killed with SIGKILL leaves no rank behind,
+    and, with ``bind_cores_to_rank``, it is pinned to its cores."""
+    launcher = os.getpid()
+    libc = _libc()
+
+    def setup() -> None:
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != launcher:  # the launcher died before the call took effect
+                os._exit(1)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+
+    return setup
+
+
+def _libc():
+    """The C library, for ``prctl`` (None where there is none to call: not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def _how(code: int) -> str:

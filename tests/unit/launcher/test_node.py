@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,36 @@ def test_save_pid_names_the_launcher_while_it_runs(tmp_path, monkeypatch, capsys
     assert main(["--nproc", "1", "--master_port", "29999", "--save_pid", "--no_python", str(script)]) == 0
     assert f"launcher pid: {os.getpid()}" in capsys.readouterr().out
     assert not os.path.exists(f"/tmp/{os.getpid()}.deepspeed")  # removed at the end
+
+
+def test_a_launcher_killed_outright_leaves_no_rank(tmp_path):
+    marker = tmp_path / "rank.pid"
+    script = tmp_path / "sleeper.sh"
+    script.write_text(f'#!/bin/sh\necho $$ > {marker}\nexec sleep 60\n')
+    script.chmod(0o755)
+    launcher = subprocess.Popen([sys.executable, "-m", "shardwise.launcher.node", "--nproc_per_node=1",
+                                 "--no_python", str(script)], start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (marker.exists() and marker.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rank = int(marker.read_text())
+    os.kill(launcher.pid, signal.SIGKILL)  # no handler runs: the kernel ends the rank
+    launcher.wait()
+    while time.monotonic() < deadline:
+        try:
+            os.kill(rank, 0)
+        except ProcessLookupError:
+            break
+        if _zombie(rank):
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(rank, signal.SIGKILL)
+        raise AssertionError("the rank outlived its launcher")
+
+
+def _zombie(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
