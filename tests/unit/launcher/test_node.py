@@ -133,7 +133,7 @@ def test_save_pid_names_the_launcher_while_it_runs(tmp_path, monkeypatch, capsys
 def test_a_launcher_killed_outright_leaves_no_rank(tmp_path):
     marker = tmp_path / "rank.pid"
     script = tmp_path / "sleeper.sh"
-    script.write_text(f'#!/bin/sh\necho $$ > {marker}\nexec sleep 60\n')
+    script.write_text(f"#!/bin/sh\necho $$ > {marker}\nexec sleep 60\n")
     script.chmod(0o755)
     launcher = subprocess.Popen([sys.executable, "-m", "shardwise.launcher.node", "--nproc_per_node=1",
                                  "--no_python", str(script)], start_new_session=True)  # fmt: skip
