@@ -93,11 +93,27 @@ CHECKPOINT_PART_BYTES = 1 << 30
 ``_checkpoint_parts.py``)."""
 
 
-def save(parts: Stateful, place: Placement, save_dir, *, tag, save_latest: bool, tag_validation: str) -> bool:
+def save(
+    parts: Stateful,
+    place: Placement,
+    save_dir,
+    *,
+    tag,
+    save_latest: bool,
+    tag_validation: str,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
     """Write a checkpoint of ``parts`` under ``save_dir/tag`` (default ``global_step<N>``),
     this rank writing what ``place`` says it holds. Collective: every rank calls it, with
     the same ``save_dir`` and ``tag`` (``tag_validation``: the config's ``Ignore`` / ``Warn``
-    / ``Fail`` for a tag that differs)."""
+    / ``Fail`` for a tag that differs). A checkpoint holds every parameter:
+    ``exclude_frozen_parameters`` is refused."""
+    if exclude_frozen_parameters:
+        raise NotImplementedError(
+            "save_checkpoint(exclude_frozen_parameters=True) is not available in this version of shardwise: "
+            "checkpoints hold every parameter; pass False (save_16bit_model and module_state_dict do leave "
+            "frozen parameters out)"
+        )
     writers = place.writers
     tag = str(tag) if tag is not None else f"global_step{parts.counters.global_steps}"
     _check_same_directory(place, save_dir)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+from torch import nn
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import TensorSplit
@@ -18,7 +19,9 @@ from shardwise.runtime._checkpoint_state import ModuleState
 from shardwise.runtime._placement import Placement
 
 
-def save_16bit_model(module: ModuleState, place: Placement, save_dir, save_filename: str) -> bool:
+def save_16bit_model(
+    module: ModuleState, place: Placement, save_dir, save_filename: str, *, exclude: frozenset[str] = frozenset()
+) -> bool:
     """Write the module's state_dict (in its training dtype) to one file on rank 0.
 
     ``.safetensors`` names get a safetensors file, written a piece at a time (at stage 3
@@ -27,9 +30,16 @@ def save_16bit_model(module: ModuleState, place: Placement, save_dir, save_filen
     and which needs the whole state on rank 0. Tensor-parallel parameters are gathered
     over the tensor group into their full tensors (see [Note: tensor parallelism in
     checkpoints]); a pipeline's stages are all-gathered into the whole model's state dict
-    (see [Note: pipeline stages in checkpoints]). Collective: every rank calls it.
+    (see [Note: pipeline stages in checkpoints]). Names in ``exclude`` are left out of the
+    file (still gathered: the collectives are the same on every rank). Collective: every
+    rank calls it.
     """
     writers = place.writers
+    if exclude and writers.stages > 1:
+        raise NotImplementedError(
+            "save_16bit_model(exclude_frozen_parameters=True) with pipeline stages is not available in this version "
+            "of shardwise (each stage knows only its own frozen parameters); pass False"
+        )
     path = Path(save_dir) / save_filename
     tmp = path.with_name(f".{path.name}.tmp")
     writer = writers.rank == 0
@@ -38,15 +48,15 @@ def save_16bit_model(module: ModuleState, place: Placement, save_dir, save_filen
     if writers.stages > 1 or place.experts is not None:
         state = full_module_state(module.state_dict(), place)
         if writer:
-            _save_whole({k: v.detach().cpu().clone() for k, v in state.items()}, tmp, path.suffix)
+            _save_whole({k: v.detach().cpu().clone() for k, v in state.items() if k not in exclude}, tmp, path.suffix)
     elif path.suffix == ".safetensors":
-        _save_safetensors_by_piece(module, place, tmp)
+        _save_safetensors_by_piece(module, place, tmp, exclude)
     else:
         state = {}
         for piece in module.pieces():
             piece = _gather_slices(writers, piece, place.split_by_key)
             if writer:
-                state.update({k: v.detach().cpu().clone() for k, v in piece.items()})
+                state.update({k: v.detach().cpu().clone() for k, v in piece.items() if k not in exclude})
         if writer:
             torch.save(state, tmp)
     if writer:
@@ -64,17 +74,23 @@ def _save_whole(state: dict, tmp: Path, suffix: str) -> None:
         torch.save(state, tmp)
 
 
-def _save_safetensors_by_piece(module: ModuleState, place: Placement, tmp: Path) -> None:
+def frozen_names(module: nn.Module) -> frozenset[str]:
+    """The state-dict names of ``module``'s parameters that do not require gradients."""
+    return frozenset(name for name, param in module.named_parameters() if not param.requires_grad)
+
+
+def _save_safetensors_by_piece(module: ModuleState, place: Placement, tmp: Path, exclude: frozenset[str]) -> None:
     """Rank 0 writes the file's header, then each piece's full tensors into place."""
     writer = place.writers.rank == 0
     by_key = place.split_by_key
-    prefix, offsets, _ = ckpt.tensor_file_layout([(k, dtype, list(shape)) for k, (dtype, shape) in place.keys.items()])
+    kept = [(k, dtype, list(shape)) for k, (dtype, shape) in place.keys.items() if k not in exclude]
+    prefix, offsets, _ = ckpt.tensor_file_layout(kept)
     if writer:
         with open(tmp, "wb") as handle:
             handle.write(prefix)
     for piece in module.pieces():
         for key, tensor in _gather_slices(place.writers, piece, by_key).items():
-            if writer:
+            if writer and key not in exclude:
                 ckpt.write_into(tmp, offsets[key], tensor)
 
 

@@ -336,6 +336,7 @@ class Engine(DeepSpeedNames, nn.Module):
             tag=tag,
             save_latest=save_latest,
             tag_validation=self.train_config.checkpoint.tag_validation,
+            exclude_frozen_parameters=exclude_frozen_parameters,
         )
 
     def load_checkpoint(
@@ -381,8 +382,10 @@ class Engine(DeepSpeedNames, nn.Module):
         """Save the module's weights in their training dtype (fp16/bf16, or fp32) as one file.
         Collective: call on every rank. For full fp32 weights of a mixed-precision run use
         ``shardwise.checkpoint.consolidate`` (or ``shardwise convert``) on a checkpoint."""
-        del exclude_frozen_parameters
-        return _full_state.save_16bit_model(self._stateful().module, self._placement(), save_dir, save_filename)
+        exclude = _full_state.frozen_names(self.module) if exclude_frozen_parameters else frozenset()
+        return _full_state.save_16bit_model(
+            self._stateful().module, self._placement(), save_dir, save_filename, exclude=exclude
+        )
 
     save_fp16_model = save_16bit_model
 
