@@ -21,6 +21,18 @@ Which units are gathered when (the module hooks, [Note: prefetch], reuse,
 in ``_unit.py`` ([Note: unit states]). This module lays the units out and gives the
 module state a unit at a time.
 
+[Note: frozen units]
+Parameters that take no gradient (``requires_grad=False``: a frozen base under LoRA
+adapters, a frozen embedding, a reference model) are partitioned too, as DeepSpeed does:
+they are laid out after the trainable units in units of their own (param group
+``FROZEN_GROUP``, belonging to no optimizer group), one per owning module as the rest, and
+gathered for forward and for the backward through them like any unit. They have no
+gradient shard and are never reduced or stepped; their fp32 shard (``master``) is the
+only copy a rank keeps, and checkpoints save it in the training dtype (no fp32 master
+block). A frozen-only unit has no gradient to say when its module's backward is done, so
+the gatherer frees it when the gradient of the module's inputs is computed (see
+``UnitGatherer._post_backward_hook``), or at the end of backward.
+
 Gradients are handled as in stage 2 (see ``_sharded.py``): copied to a staging buffer,
 reduce-scattered per unit in a fixed order, accumulated into an fp32 shard. The
 optimizer updates the fp32 shards; nothing is gathered after the step (the next forward
@@ -45,6 +57,9 @@ from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._unit import Stage3Unit, ZeroParamStatus
 from shardwise.zero._views import Stage3Views
 
+FROZEN_GROUP = -2
+"""The param group of frozen units (-1 is trainable parameters no optimizer group holds)."""
+
 
 class Stage3Strategy(ShardedStrategy):
     """ZeRO stage 3 (see the module docstring). Arguments as :class:`ShardedStrategy`."""
@@ -60,14 +75,6 @@ class Stage3Strategy(ShardedStrategy):
         param_offload=None,
         **kwargs,
     ):
-        frozen = [p for p in module.parameters() if init_shard(p) is not None and not p.requires_grad]
-        if frozen:  # frozen parameters stay whole at stage 3 (they have no unit yet)
-            gather_init_params(frozen)
-            for p in frozen:
-                p.data = p.data.clone()
-                del p._shardwise_init, p.ds_tensor
-                p.__dict__.pop("__deepcopy__", None)
-                p.ds_status = ZeroParamStatus.AVAILABLE  # keeps its ds_id: whole for good
         super().__init__(module, stage=3, **kwargs)
         self.gatherer = UnitGatherer(
             self,
@@ -79,6 +86,9 @@ class Stage3Strategy(ShardedStrategy):
         self.views = Stage3Views(self)
         self.persistence_threshold = persistence_threshold
         self._owner, self._sharers = self._owners(module)
+        self.frozen = [p for p in module.parameters() if not p.requires_grad]
+        """Parameters that take no gradient: partitioned in units of their own (see [Note:
+        frozen units])."""
         self._persistent_params: dict[tuple[int, int], list[nn.Parameter]] = {}
         """(param group, id of its bucket's communicator) -> small parameters kept whole."""
 
@@ -124,6 +134,8 @@ class Stage3Strategy(ShardedStrategy):
         """Units for every owning module, then one persistent unit per param group (laid
         out last, so waiting for its gradients delays no other unit's reduction)."""
         super().optimizer_params(model_parameters)
+        if self.frozen:
+            self._layout(list(reversed(self.frozen)), FROZEN_GROUP)
         for (group, _), params in self._persistent_params.items():
             self._add_bucket(params, group, module=self.module, persistent=True)
         self._persistent_params.clear()
@@ -200,8 +212,12 @@ class Stage3Strategy(ShardedStrategy):
         unit.master = nn.Parameter(
             self._host_tensor(unit.local(flat, rank).detach().to(host, torch.float32, copy=True))
         )
-        unit.grad_shard = self._new_grad_shard(shard, host)
-        unit.master.grad = unit.grad_shard
+        if group == FROZEN_GROUP:  # see [Note: frozen units]
+            unit.frozen = True
+            unit.master.requires_grad_(False)
+        else:
+            unit.grad_shard = self._new_grad_shard(shard, host)
+            unit.master.grad = unit.grad_shard
         for p, shape, off in zip(params, shapes, offsets):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
             p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size

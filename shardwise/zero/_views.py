@@ -108,7 +108,9 @@ class ShardedViews:
                 for key, value in sorted(held.items()):  # one collective per key: same order on every rank
                     per_key[key] = self._gather(bucket, value) if self._is_shard_state(bucket, key, value) else value
                 full_master = (
-                    self._gather(bucket, bucket.master.detach()) if self.strategy.policy.needs_master_copy else None
+                    self._gather(bucket, bucket.master.detach())
+                    if self.strategy.policy.needs_master_copy and not bucket.frozen
+                    else None
                 )
             for p, off, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 name = self.strategy.names[p]
@@ -162,7 +164,7 @@ class ShardedViews:
             dtypes = {k: v.dtype for k, v in held.items() if self._is_shard_state(bucket, k, v)}
             if self.strategy.swapper is not None:
                 dtypes.update(self.strategy.swapper.swapped_state_dtypes(bucket.index))
-            if self.strategy.policy.needs_master_copy:
+            if self.strategy.policy.needs_master_copy and not bucket.frozen:  # a frozen unit's is its weights
                 dtypes[MASTER_KEY] = torch.float32
             names = tuple(self.strategy.names[p] for p in bucket.params)
             blocks += [
@@ -188,7 +190,7 @@ class ShardedViews:
         with self.strategy._resident([b]):
             held = self.strategy.optimizer.state.get(b.master, {})
             shards = {k: v for k, v in held.items() if self._is_shard_state(b, k, v)}
-            if self.strategy.policy.needs_master_copy:
+            if self.strategy.policy.needs_master_copy and not b.frozen:
                 shards[MASTER_KEY] = b.master.detach()
             yield shards
 
@@ -456,7 +458,7 @@ class Stage3Views(ShardedViews):
         live = sum(u.flat_param.untyped_storage().nbytes() for u in self.strategy.buckets)
         masters = sum(u.master.numel() * 4 for u in self.strategy.buckets)
         mixed = self.strategy.policy.needs_master_copy
-        grads = sum(u.grad_shard.numel() * 4 for u in self.strategy.buckets)
+        grads = sum(u.grad_shard.numel() * 4 for u in self.strategy.buckets if not u.frozen)
         return ModelStateBytes(
             live + (0 if mixed else masters),
             grads,
