@@ -66,8 +66,10 @@ def _config(optimizer: str) -> dict:
 def _frozen_unit_state_in_backward(engine) -> list[str]:
     """The state of fc1's frozen unit when the backward reaches ``norm`` (which runs before
     fc1 in the forward, so after fc1 in the backward)."""
-    seen = []
-    unit = engine.strategy.unit_of(engine.module.fc1.weight)
+    seen, weight = [], engine.module.fc1.weight
+    if not hasattr(weight, "ds_tensor"):
+        return ["never partitioned"]
+    unit = engine.strategy.unit_of(weight)
     handle = engine.module.norm.register_full_backward_pre_hook(lambda *_: seen.append(unit.state.name))
     tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=9)[0]
     engine.backward(engine(tokens, targets))
@@ -89,7 +91,7 @@ def _train(rank, world_size, checkpoint_dir):
             reference = reference_run(model, batches, lr=LR[optimizer], clip=0.0, optimizer=cls, weight_decay=0.0)
             engine, *_ = shardwise.initialize(model=copy.deepcopy(model), config=_config(optimizer))
             frozen = {n: p for n, p in engine.module.named_parameters() if not p.requires_grad}
-            units = {engine.strategy.unit_of(p) for p in frozen.values()}
+            units = {engine.strategy.unit_of(p) for p in frozen.values() if hasattr(p, "ds_tensor")}
             held = {
                 "whole": sum(p.numel() for p in frozen.values()),  # outside a forward: 0
                 "shards": sum(u.master.numel() for u in units),
