@@ -75,6 +75,7 @@ class Stage3Strategy(ShardedStrategy):
         param_offload=None,
         **kwargs,
     ):
+        _make_whole([p for p in module.parameters() if not p.is_floating_point() and init_shard(p) is not None])
         super().__init__(module, stage=3, **kwargs)
         self.gatherer = UnitGatherer(
             self,
@@ -86,9 +87,10 @@ class Stage3Strategy(ShardedStrategy):
         self.views = Stage3Views(self)
         self.persistence_threshold = persistence_threshold
         self._owner, self._sharers = self._owners(module)
-        self.frozen = [p for p in module.parameters() if not p.requires_grad]
+        self.frozen = [p for p in module.parameters() if not p.requires_grad and p.is_floating_point()]
         """Parameters that take no gradient: partitioned in units of their own (see [Note:
-        frozen units])."""
+        frozen units]). Integer ones (quantized weights) stay whole: a unit's buffer is
+        in the training dtype."""
         self._persistent_params: dict[tuple[int, int], list[nn.Parameter]] = {}
         """(param group, id of its bucket's communicator) -> small parameters kept whole."""
 
@@ -286,6 +288,19 @@ class Stage3Strategy(ShardedStrategy):
                     with self._resident([unit]):
                         unit.master.copy_(unit.local(unit.flat_param, self.comm.rank))
                 self.gatherer.reshard(unit, force=not self.gatherer.keeping)
+
+
+def _make_whole(params: list[nn.Parameter]) -> None:
+    """Gather parameters built partitioned by ``zero.Init`` for good (integer weights, which
+    no unit holds); each keeps its ``ds_id``."""
+    if not params:
+        return
+    gather_init_params(params)
+    for p in params:
+        p.data = p.data.clone()
+        del p._shardwise_init, p.ds_tensor
+        p.__dict__.pop("__deepcopy__", None)
+        p.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def _rank_piece(master: torch.Tensor, offset: int, numel: int, shard_start: int) -> torch.Tensor:

@@ -2,8 +2,9 @@
 ranks: a model with a frozen layer and a LoRA-style model (frozen base, trainable
 adapters) train as single-process PyTorch on the same global batches (SGD and AdamW);
 each rank stores only its slice of the frozen weights, which never change, and a frozen
-unit is freed once the backward through it is done; a checkpoint round trip and the
-consolidated fp32 weights give the frozen weights back whole."""
+unit is freed once the backward through it is done; a checkpoint round trip,
+``module_state_dict``, the consolidated 16-bit state dict, ``save_16bit_model`` and
+``zero_to_fp32`` give the frozen weights back whole."""
 
 import copy
 
@@ -123,12 +124,15 @@ def _round_trip(engine, reference, checkpoint_dir, rank) -> dict:
     other, *_ = shardwise.initialize(model=_LoraModel(vocab=32, width=16).apply(_scramble), config=_config("AdamW"))
     other.load_checkpoint(checkpoint_dir, tag="t")
     consolidated = other._zero3_consolidated_16bit_state_dict()  # collective: every rank
+    other.save_16bit_model(checkpoint_dir)
+    saved = torch.load(f"{checkpoint_dir}/pytorch_model.bin") if rank == 0 else consolidated
     return {
         "loaded": max_param_diff(reference, other.module),
         "module_state_dict": max((state[n] - p).abs().max().item() for n, p in reference.state_dict().items()),
-        "consolidated": max((consolidated[n] - p).abs().max().item() for n, p in reference.state_dict().items())
-        if rank == 0
-        else 0.0,
+        **{
+            name: max((got[n] - p).abs().max().item() for n, p in reference.state_dict().items()) if rank == 0 else 0.0
+            for name, got in (("consolidated", consolidated), ("save_16bit_model", saved))
+        },
     }
 
 
@@ -139,7 +143,9 @@ def _scramble(module):
 
 
 def test_frozen_parameters_are_partitioned_and_train_as_single_process(tmp_path):
-    reports = run_distributed(_train, world_size=2, tmp_path=tmp_path, checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=90)
+    reports = run_distributed(
+        _train, world_size=2, tmp_path=tmp_path, checkpoint_dir=str(tmp_path / "ckpt"), timeout_s=90
+    )
     for rank, report in enumerate(reports):
         for kind in ("frozen layer", "lora"):
             for optimizer in ("SGD", "AdamW"):
