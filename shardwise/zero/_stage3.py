@@ -24,14 +24,16 @@ module state a unit at a time.
 [Note: frozen units]
 Parameters that take no gradient (``requires_grad=False``: a frozen base under LoRA
 adapters, a frozen embedding, a reference model) are partitioned too, as DeepSpeed does:
-they are laid out after the trainable units in units of their own (param group
-``FROZEN_GROUP``, belonging to no optimizer group), one per owning module as the rest, and
-gathered for forward and for the backward through them like any unit. They have no
-gradient shard and are never reduced or stepped; their fp32 shard (``master``) is the
-only copy a rank keeps, and checkpoints save it in the training dtype (no fp32 master
-block). A frozen-only unit has no gradient to say when its module's backward is done, so
-the gatherer frees it when the gradient of the module's inputs is computed (see
-``UnitGatherer._post_backward_hook``), or at the end of backward.
+after the trainable parameters' units they get units of their own (param group
+``FROZEN_GROUP``, in no optimizer group; small ones go to a persistent unit of that group
+as the rest), one per owning module, gathered for the forward and for the backward
+through them like any unit. They have no gradient shard and are never reduced or
+stepped. Their shard (``master``) is in the training dtype, as DeepSpeed's
+``ds_tensor`` (nothing updates it, so no fp32 copy); it is the only copy a rank keeps,
+and checkpoints save it as such (no fp32 master block). A frozen unit has no gradient
+to say when its module's backward is done, so the gatherer frees it once the gradients
+of the module's inputs are computed (``UnitGatherer._post_backward_hook``), or at the
+end of backward.
 
 Gradients are handled as in stage 2 (see ``_sharded.py``): copied to a staging buffer,
 reduce-scattered per unit in a fixed order, accumulated into an fp32 shard. The
@@ -211,9 +213,8 @@ class Stage3Strategy(ShardedStrategy):
         )
         self.gatherer.count_live(unit, +1)
         host = self._master_device(device)
-        unit.master = nn.Parameter(
-            self._host_tensor(unit.local(flat, rank).detach().to(host, torch.float32, copy=True))
-        )
+        shard_dtype = dtype if group == FROZEN_GROUP else torch.float32  # see [Note: frozen units]
+        unit.master = nn.Parameter(self._host_tensor(unit.local(flat, rank).detach().to(host, shard_dtype, copy=True)))
         if group == FROZEN_GROUP:  # see [Note: frozen units]
             unit.frozen = True
             unit.master.requires_grad_(False)

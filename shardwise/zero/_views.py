@@ -456,11 +456,12 @@ class Stage3Views(ShardedViews):
 
     def model_state_bytes(self) -> ModelStateBytes:
         live = sum(u.flat_param.untyped_storage().nbytes() for u in self.strategy.buckets)
-        masters = sum(u.master.numel() * 4 for u in self.strategy.buckets)
+        masters = sum(u.master.numel() * 4 for u in self.strategy.buckets if not u.frozen)
+        frozen = sum(u.master.numel() * u.master.element_size() for u in self.strategy.buckets if u.frozen)
         mixed = self.strategy.policy.needs_master_copy
         grads = sum(u.grad_shard.numel() * 4 for u in self.strategy.buckets if not u.frozen)
         return ModelStateBytes(
-            live + (0 if mixed else masters),
+            live + frozen + (0 if mixed else masters),
             grads,
             masters if mixed else 0,
             optimizer_state_bytes(self.strategy.optimizer),

@@ -114,7 +114,28 @@ def _train(rank, world_size, checkpoint_dir):
                 report["fp32"] = max((fp32[n] - p).abs().max().item() for n, p in reference.model.state_dict().items())
             if kind == "frozen layer" and optimizer == "SGD":
                 report["in backward"] = _frozen_unit_state_in_backward(engine)
+    report["bf16"] = _bf16(rank, world_size)
     return report
+
+
+def _bf16(rank, world_size) -> tuple:
+    """Under bf16 a frozen shard stays in bf16 (no fp32 copy) and its weights bit-identical."""
+    from shardwise.zero import GatheredParameters
+
+    model = _LoraModel()
+    engine, *_ = shardwise.initialize(
+        model=copy.deepcopy(model), config={**_config("AdamW"), "bf16": {"enabled": True}}
+    )
+    tokens, targets = token_batches(num_steps=1, batch=MICRO * world_size, seed=2)[0]
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    engine.backward(engine(tokens[mine], targets[mine]))
+    engine.step()
+    frozen = {n: p for n, p in engine.module.named_parameters() if not p.requires_grad}
+    dtypes = sorted({str(engine.strategy.unit_of(p).master.dtype) for p in frozen.values()})
+    with GatheredParameters(list(frozen.values())):
+        initial = dict(model.named_parameters())
+        unchanged = all(torch.equal(p, initial[n].to(torch.bfloat16)) for n, p in frozen.items())
+    return dtypes, unchanged
 
 
 def _round_trip(engine, reference, checkpoint_dir, rank) -> dict:
@@ -160,3 +181,4 @@ def test_frozen_parameters_are_partitioned_and_train_as_single_process(tmp_path)
         checkpoint = report["checkpoint"]
         assert max(checkpoint.values()) < TOLERANCE, f"rank {rank}: frozen weights not whole again: {checkpoint}"
         assert report["fp32"] < TOLERANCE, f"zero_to_fp32 weights off by {report['fp32']}"
+        assert report["bf16"] == (["torch.bfloat16"], True), f"rank {rank}: bf16 frozen shards {report['bf16']}"
