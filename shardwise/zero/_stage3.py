@@ -135,8 +135,9 @@ class Stage3Strategy(ShardedStrategy):
         self.optimizer_params(params)
 
     def optimizer_params(self, model_parameters) -> list[dict]:
-        """Units for every owning module, then one persistent unit per param group (laid
-        out last, so waiting for its gradients delays no other unit's reduction)."""
+        """Units for every owning module, then the frozen units (see [Note: frozen units]),
+        then one persistent unit per param group (laid out last, so waiting for its
+        gradients delays no other unit's reduction)."""
         super().optimizer_params(model_parameters)
         if self.frozen:
             self._layout(list(reversed(self.frozen)), FROZEN_GROUP)
@@ -306,8 +307,9 @@ def _make_whole(params: list[nn.Parameter]) -> None:
 
 def _rank_piece(master: torch.Tensor, offset: int, numel: int, shard_start: int) -> torch.Tensor:
     """DeepSpeed's ``param.ds_tensor``: this rank's piece of one parameter, a view of the
-    unit's master shard (fp32). Scripts test ``hasattr(p, "ds_tensor")`` to tell a
-    partitioned parameter and count ``ds_numel`` then (DeepSpeed-Chat's throughput print).
+    unit's master shard (fp32; a frozen unit's is in the training dtype). Scripts test
+    ``hasattr(p, "ds_tensor")`` to tell a partitioned parameter and count ``ds_numel``
+    then (DeepSpeed-Chat's throughput print).
     A unit is sharded flat, so a piece is this rank's overlap with the parameter: any
     length from 0 to the whole shard, not DeepSpeed's even ceil(numel / world)."""
     begin = min(max(offset - shard_start, 0), master.numel())

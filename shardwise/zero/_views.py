@@ -369,7 +369,7 @@ class ShardedViews:
         self.strategy._ensure_layout()
         tensors = {
             "optim_states": optimizer_state_tensors(self.strategy.optimizer),
-            "hp_params": [b.master for b in self.strategy.buckets if master_is_copy(b)],
+            "hp_params": [b.master for b in self.strategy.buckets if master_is_copy(b) and not b.frozen],
             "lp_params": [b.flat_param for b in self.strategy.buckets],
             "lp_grads": [t for b in self.strategy.buckets for t in (b.grad_full, b.grad_shard) if t is not None],
             "contiguous_grad_buffer": [b.staging for b in self.strategy.buckets if b.staging is not None],
