@@ -43,6 +43,9 @@ class ShardedBucket:
     """The ranks the bucket is sharded over and reduced across: the data-parallel group,
     or for expert parameters their expert-data-parallel group (see [Note: expert groups]
     in ``parallel/_expert.py``)."""
+    frozen: bool = False
+    """Parameters that take no gradient (stage 3's frozen units): gathered like the rest,
+    never reduced, stepped or given a gradient shard (``grad_shard`` stays None)."""
 
     def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         return tensor[rank * self.shard : (rank + 1) * self.shard]

@@ -340,7 +340,24 @@ class UnitGatherer:
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_hook(units))
+            self._post_backward_hook([u for u in units if u.frozen], args)
         return output
+
+    def _post_backward_hook(self, frozen: list[Stage3Unit], args) -> None:
+        """Free the frozen ``units`` once the gradients of the module's ``args`` are computed:
+        the module's backward is then done with them (they have no gradient of their own
+        to say so). Without such inputs no backward runs through them but the one that ends
+        at ``backward_done``. See [Note: frozen units] in ``_stage3.py``."""
+        inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not frozen or not inputs:
+            return
+
+        def hook(grads):
+            for unit in frozen:
+                if unit.active == 0:
+                    self.reshard(unit)
+
+        torch.autograd.graph.register_multi_grad_hook(inputs, hook)
 
     def _keep_for_reuse(self, position: int) -> bool:
         """Whether the unit of the call at trace ``position`` stays whole after its forward:

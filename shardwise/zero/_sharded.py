@@ -240,7 +240,8 @@ class ShardedStrategy:
         if getattr(self, "_grads_unwritten", False):
             self._grads_unwritten = False
             for bucket in self.buckets:
-                bucket.grad_shard.zero_()
+                if bucket.grad_shard is not None:
+                    bucket.grad_shard.zero_()
 
     def adopt_client_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Use ``optimizer``; one built over the original parameters is rebuilt over shards."""
@@ -328,6 +329,9 @@ class ShardedStrategy:
     def _launch_ready(self, *, force: bool) -> None:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
+            if bucket.frozen:  # no gradient to reduce
+                self._next_launch += 1
+                continue
             if not force and len(bucket.ready) < len(bucket.params):
                 return
             self._launch(bucket)
@@ -403,7 +407,7 @@ class ShardedStrategy:
     def step(self, *, max_grad_norm: float, loss_scale: float) -> StepResult:
         """Unscale, take the global norm across shards, skip on overflow, clip, update, gather."""
         self._zero_new_grads()  # a step with no backward before it sees zero gradients
-        grads = [b.grad_shard for b in self.buckets]
+        grads = [b.grad_shard for b in self.buckets if not b.frozen]
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
         # see [Note: the global norm over the grid] in _strategy.py
@@ -438,6 +442,8 @@ class ShardedStrategy:
             return []
         views = []
         for bucket in self.buckets:
+            if bucket.frozen:
+                continue
             low = bucket.comm.rank * bucket.shard
             for p, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 start, end = max(offset, low), min(offset + shape.numel(), low + bucket.shard)
@@ -456,7 +462,8 @@ class ShardedStrategy:
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
-            bucket.grad_shard.zero_()
+            if bucket.grad_shard is not None:
+                bucket.grad_shard.zero_()
             if bucket.grad_full is not None:
                 bucket.grad_full.zero_()
 

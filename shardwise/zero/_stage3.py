@@ -21,6 +21,20 @@ Which units are gathered when (the module hooks, [Note: prefetch], reuse,
 in ``_unit.py`` ([Note: unit states]). This module lays the units out and gives the
 module state a unit at a time.
 
+[Note: frozen units]
+Parameters that take no gradient (``requires_grad=False``: a frozen base under LoRA
+adapters, a frozen embedding, a reference model) are partitioned too, as DeepSpeed does:
+after the trainable parameters' units they get units of their own (param group
+``FROZEN_GROUP``, in no optimizer group; small ones go to a persistent unit of that group
+as the rest), one per owning module, gathered for the forward and for the backward
+through them like any unit. They have no gradient shard and are never reduced or
+stepped. Their shard (``master``) is in the training dtype, as DeepSpeed's
+``ds_tensor`` (nothing updates it, so no fp32 copy); it is the only copy a rank keeps,
+and checkpoints save it as such (no fp32 master block). A frozen unit has no gradient
+to say when its module's backward is done, so the gatherer frees it once the gradients
+of the module's inputs are computed (``UnitGatherer._post_backward_hook``), or at the
+end of backward.
+
 Gradients are handled as in stage 2 (see ``_sharded.py``): copied to a staging buffer,
 reduce-scattered per unit in a fixed order, accumulated into an fp32 shard. The
 optimizer updates the fp32 shards; nothing is gathered after the step (the next forward
@@ -45,6 +59,9 @@ from shardwise.zero._sharded import ShardedStrategy
 from shardwise.zero._unit import Stage3Unit, ZeroParamStatus
 from shardwise.zero._views import Stage3Views
 
+FROZEN_GROUP = -2
+"""The param group of frozen units (-1 is trainable parameters no optimizer group holds)."""
+
 
 class Stage3Strategy(ShardedStrategy):
     """ZeRO stage 3 (see the module docstring). Arguments as :class:`ShardedStrategy`."""
@@ -60,14 +77,7 @@ class Stage3Strategy(ShardedStrategy):
         param_offload=None,
         **kwargs,
     ):
-        frozen = [p for p in module.parameters() if init_shard(p) is not None and not p.requires_grad]
-        if frozen:  # frozen parameters stay whole at stage 3 (they have no unit yet)
-            gather_init_params(frozen)
-            for p in frozen:
-                p.data = p.data.clone()
-                del p._shardwise_init, p.ds_tensor
-                p.__dict__.pop("__deepcopy__", None)
-                p.ds_status = ZeroParamStatus.AVAILABLE  # keeps its ds_id: whole for good
+        _make_whole([p for p in module.parameters() if not p.is_floating_point() and init_shard(p) is not None])
         super().__init__(module, stage=3, **kwargs)
         self.gatherer = UnitGatherer(
             self,
@@ -79,6 +89,10 @@ class Stage3Strategy(ShardedStrategy):
         self.views = Stage3Views(self)
         self.persistence_threshold = persistence_threshold
         self._owner, self._sharers = self._owners(module)
+        self.frozen = [p for p in module.parameters() if not p.requires_grad and p.is_floating_point()]
+        """Parameters that take no gradient: partitioned in units of their own (see [Note:
+        frozen units]). Integer ones (quantized weights) stay whole: a unit's buffer is
+        in the training dtype."""
         self._persistent_params: dict[tuple[int, int], list[nn.Parameter]] = {}
         """(param group, id of its bucket's communicator) -> small parameters kept whole."""
 
@@ -121,9 +135,12 @@ class Stage3Strategy(ShardedStrategy):
         self.optimizer_params(params)
 
     def optimizer_params(self, model_parameters) -> list[dict]:
-        """Units for every owning module, then one persistent unit per param group (laid
-        out last, so waiting for its gradients delays no other unit's reduction)."""
+        """Units for every owning module, then the frozen units (see [Note: frozen units]),
+        then one persistent unit per param group (laid out last, so waiting for its
+        gradients delays no other unit's reduction)."""
         super().optimizer_params(model_parameters)
+        if self.frozen:
+            self._layout(list(reversed(self.frozen)), FROZEN_GROUP)
         for (group, _), params in self._persistent_params.items():
             self._add_bucket(params, group, module=self.module, persistent=True)
         self._persistent_params.clear()
@@ -197,11 +214,14 @@ class Stage3Strategy(ShardedStrategy):
         )
         self.gatherer.count_live(unit, +1)
         host = self._master_device(device)
-        unit.master = nn.Parameter(
-            self._host_tensor(unit.local(flat, rank).detach().to(host, torch.float32, copy=True))
-        )
-        unit.grad_shard = self._new_grad_shard(shard, host)
-        unit.master.grad = unit.grad_shard
+        shard_dtype = dtype if group == FROZEN_GROUP else torch.float32  # see [Note: frozen units]
+        unit.master = nn.Parameter(self._host_tensor(unit.local(flat, rank).detach().to(host, shard_dtype, copy=True)))
+        if group == FROZEN_GROUP:  # see [Note: frozen units]
+            unit.frozen = True
+            unit.master.requires_grad_(False)
+        else:
+            unit.grad_shard = self._new_grad_shard(shard, host)
+            unit.master.grad = unit.grad_shard
         for p, shape, off in zip(params, shapes, offsets):
             p._shardwise_unit = (self, unit)  # found by GatheredParameters
             p.ds_shape, p.ds_numel = shape, shape.numel()  # DeepSpeed's names for the full size
@@ -272,10 +292,24 @@ class Stage3Strategy(ShardedStrategy):
                 self.gatherer.reshard(unit, force=not self.gatherer.keeping)
 
 
+def _make_whole(params: list[nn.Parameter]) -> None:
+    """Gather parameters built partitioned by ``zero.Init`` for good (integer weights, which
+    no unit holds); each keeps its ``ds_id``."""
+    if not params:
+        return
+    gather_init_params(params)
+    for p in params:
+        p.data = p.data.clone()
+        del p._shardwise_init, p.ds_tensor
+        p.__dict__.pop("__deepcopy__", None)
+        p.ds_status = ZeroParamStatus.AVAILABLE
+
+
 def _rank_piece(master: torch.Tensor, offset: int, numel: int, shard_start: int) -> torch.Tensor:
     """DeepSpeed's ``param.ds_tensor``: this rank's piece of one parameter, a view of the
-    unit's master shard (fp32). Scripts test ``hasattr(p, "ds_tensor")`` to tell a
-    partitioned parameter and count ``ds_numel`` then (DeepSpeed-Chat's throughput print).
+    unit's master shard (fp32; a frozen unit's is in the training dtype). Scripts test
+    ``hasattr(p, "ds_tensor")`` to tell a partitioned parameter and count ``ds_numel``
+    then (DeepSpeed-Chat's throughput print).
     A unit is sharded flat, so a piece is this rank's overlap with the parameter: any
     length from 0 to the whole shard, not DeepSpeed's even ceil(numel / world)."""
     begin = min(max(offset - shard_start, 0), master.numel())

@@ -108,7 +108,9 @@ class ShardedViews:
                 for key, value in sorted(held.items()):  # one collective per key: same order on every rank
                     per_key[key] = self._gather(bucket, value) if self._is_shard_state(bucket, key, value) else value
                 full_master = (
-                    self._gather(bucket, bucket.master.detach()) if self.strategy.policy.needs_master_copy else None
+                    self._gather(bucket, bucket.master.detach())
+                    if self.strategy.policy.needs_master_copy and not bucket.frozen
+                    else None
                 )
             for p, off, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
                 name = self.strategy.names[p]
@@ -162,7 +164,7 @@ class ShardedViews:
             dtypes = {k: v.dtype for k, v in held.items() if self._is_shard_state(bucket, k, v)}
             if self.strategy.swapper is not None:
                 dtypes.update(self.strategy.swapper.swapped_state_dtypes(bucket.index))
-            if self.strategy.policy.needs_master_copy:
+            if self.strategy.policy.needs_master_copy and not bucket.frozen:  # a frozen unit's is its weights
                 dtypes[MASTER_KEY] = torch.float32
             names = tuple(self.strategy.names[p] for p in bucket.params)
             blocks += [
@@ -188,7 +190,7 @@ class ShardedViews:
         with self.strategy._resident([b]):
             held = self.strategy.optimizer.state.get(b.master, {})
             shards = {k: v for k, v in held.items() if self._is_shard_state(b, k, v)}
-            if self.strategy.policy.needs_master_copy:
+            if self.strategy.policy.needs_master_copy and not b.frozen:
                 shards[MASTER_KEY] = b.master.detach()
             yield shards
 
@@ -367,7 +369,7 @@ class ShardedViews:
         self.strategy._ensure_layout()
         tensors = {
             "optim_states": optimizer_state_tensors(self.strategy.optimizer),
-            "hp_params": [b.master for b in self.strategy.buckets if master_is_copy(b)],
+            "hp_params": [b.master for b in self.strategy.buckets if master_is_copy(b) and not b.frozen],
             "lp_params": [b.flat_param for b in self.strategy.buckets],
             "lp_grads": [t for b in self.strategy.buckets for t in (b.grad_full, b.grad_shard) if t is not None],
             "contiguous_grad_buffer": [b.staging for b in self.strategy.buckets if b.staging is not None],
@@ -454,11 +456,12 @@ class Stage3Views(ShardedViews):
 
     def model_state_bytes(self) -> ModelStateBytes:
         live = sum(u.flat_param.untyped_storage().nbytes() for u in self.strategy.buckets)
-        masters = sum(u.master.numel() * 4 for u in self.strategy.buckets)
+        masters = sum(u.master.numel() * 4 for u in self.strategy.buckets if not u.frozen)
+        frozen = sum(u.master.numel() * u.master.element_size() for u in self.strategy.buckets if u.frozen)
         mixed = self.strategy.policy.needs_master_copy
-        grads = sum(u.grad_shard.numel() * 4 for u in self.strategy.buckets)
+        grads = sum(u.grad_shard.numel() * 4 for u in self.strategy.buckets if not u.frozen)
         return ModelStateBytes(
-            live + (0 if mixed else masters),
+            live + frozen + (0 if mixed else masters),
             grads,
             masters if mixed else 0,
             optimizer_state_bytes(self.strategy.optimizer),

@@ -3,7 +3,8 @@ ZeRO-3, after each of 3 training steps greedy ``engine.generate`` (and
 ``engine.module.generate``) equals a single-process replica trained the same way, token
 for token, and the losses equal the replica's; under ZeRO-3 no parameter is left gathered
 after generate, and each unit is gathered once per generate (not once per token). LoRA
-layers (DeepSpeed-Chat's fuse / unfuse methods): generation equals the fused replica's,
+layers (DeepSpeed-Chat's fuse / unfuse methods; the first layer's bases frozen, as with
+its only_optimize_lora): generation equals the fused replica's,
 the base weights after generate are bit-identical to before, and training goes on equal
 to the replica's. With ``inference_tp_size`` 2 greedy generation equals the replica's,
 a sample equals one process sampling both ranks' rows from the first rank's seed, and a
@@ -61,6 +62,9 @@ def _model(lora: bool) -> nn.Module:
         for layer in model.model.layers:
             layer.self_attn.q_proj = LoraLinear(layer.self_attn.q_proj)
             layer.self_attn.v_proj = LoraLinear(layer.self_attn.v_proj)
+        # DeepSpeed-Chat's only_optimize_lora on the first layer: frozen bases, partitioned at stage 3
+        for lora_layer in (model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.v_proj):
+            lora_layer.weight.requires_grad_(False)
     return model
 
 

@@ -149,7 +149,7 @@ def _eval_engine(rank, world_size):
 
     config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}}
     with zero.Init(config_dict_or_path=config):
-        model = TinyMLP(seed=1, freeze_first=True)  # frozen fc1: made whole (DeepSpeed-Chat's LoRA base)
+        model = TinyMLP(seed=1, freeze_first=True)  # frozen fc1 (DeepSpeed-Chat's LoRA base): partitioned too
     plain = TinyMLP(seed=1)
     engine, *_ = shardwise.initialize(model=model, config=config)
     frozen = engine.module.fc1.weight
@@ -177,7 +177,7 @@ def test_init_model_without_optimizer_runs_its_forward(tmp_path):
         assert same, "the forward of a zero.Init model under an engine without optimizer"
         assert outside == ("NOT_AVAILABLE", 0) and inside == ("AVAILABLE", 32 * 16), (outside, inside)
         assert same_whole, "the forward of a model built whole under an engine without optimizer"
-        assert frozen == (True, "AVAILABLE", 32 * 16), f"a frozen zero.Init parameter made whole: {frozen}"
+        assert frozen == (True, "NOT_AVAILABLE", 0), f"a frozen zero.Init parameter left whole: {frozen}"
         whole_numel, shard_numel, units = held
         assert whole_numel == 0, f"{whole_numel} parameter elements left whole after a forward without grad"
         assert 0 <= 2 * shard_numel - total < 2 * units, f"rank holds {shard_numel} of {total} elements in shards"
