@@ -85,6 +85,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add("--ssh_port", type=int, default=None, help="the ssh port of the other hosts (--launcher ssh)")
     add("--no_ssh_check", action="store_true", help="accepted for DeepSpeed's scripts: no ssh check is ever run")
     add(
+        "--no_ssh",
+        action="store_true",
+        help="run this same command on every machine of the hostfile, each with its --node_rank, instead of "
+        "starting the others over ssh",
+    )
+    add(
         "--autotuning",
         default="",
         choices=["", "tune", "run"],
@@ -154,6 +160,8 @@ def run(args) -> int:
         bind_cores_to_rank=args.bind_cores_to_rank,
         bind_core_list=args.bind_core_list,
     )
+    if args.no_ssh:
+        return _run_without_ssh(spec, args, cuda)
     if args.node_rank >= 0:  # one machine's part of a job started by hand on every machine
         if args.num_nodes < 1 or args.node_rank >= args.num_nodes:
             raise HostfileError(f"--node_rank {args.node_rank} needs --num_nodes greater than it")
@@ -203,6 +211,35 @@ def run(args) -> int:
     return run_multinode(commands)
 
 
+def _run_without_ssh(spec: JobSpec, args, cuda: int) -> int:
+    """DeepSpeed's ``--no_ssh``: every machine of the hostfile runs the same command with its
+    own ``--node_rank`` (its place among the selected hosts) and starts its own ranks; the
+    master is the first host unless ``--master_addr`` says otherwise."""
+    hosts = _hosts(args)
+    if hosts is None:
+        raise HostfileError(f"--no_ssh needs a hostfile naming every machine (--hostfile, or {DEFAULT_HOSTFILE})")
+    resources = select_resources(
+        hosts, include=args.include, exclude=args.exclude, num_nodes=args.num_nodes, num_slots=args.num_gpus
+    )
+    names = list(resources)
+    if not 0 <= args.node_rank < len(names):
+        raise HostfileError(
+            f"--no_ssh needs --node_rank, this machine's place among the {len(names)} hosts {names} "
+            f"(0 to {len(names) - 1}); got {args.node_rank}"
+        )
+    sizes = {len(slots) for slots in resources.values()}
+    if len(sizes) != 1 and args.nproc <= 0:
+        raise HostfileError(f"every host must run the same number of ranks; the selection gives {resources}")
+    spec.num_nodes, spec.node_rank = len(names), args.node_rank
+    spec.nproc_per_node = args.nproc if args.nproc > 0 else sizes.pop()
+    spec.master_addr = args.master_addr or names[0]
+    if cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, resources[names[args.node_rank]]))
+    store_here = args.node_rank == 0 and spec.master_addr in LOCAL_NAMES
+    spec.master_port = master_port(args.master_port, one_machine=len(names) == 1, store_here=store_here)
+    return run_node(spec)
+
+
 def planned_ranks(args) -> tuple[int, int]:
     """(machines, ranks per machine) the flags ``args`` start a job on, as :func:`run`
     resolves them."""
@@ -243,6 +280,8 @@ def _autotune(argv: list[str], args) -> int:
     try:
         if args.module or args.no_python:
             raise HostfileError("--autotuning tunes a Python script: give its path instead of --module / --no_python")
+        if args.no_ssh:
+            raise HostfileError("--autotuning starts every experiment itself: run it on one machine, without --no_ssh")
         if is_foreign(args.script):  # shardwise run --autotuning tune torchrun|accelerate launch ...
             line = parse_launcher_line(args.script, list(args.script_args))
             reject_mixed_flags(_launcher_flags(argv, args), line.launcher)

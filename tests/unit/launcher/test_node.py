@@ -161,3 +161,19 @@ def _zombie(pid):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return False
+
+
+def test_no_ssh_runs_this_machines_share_of_the_hostfile(tmp_path, monkeypatch):
+    from shardwise.launcher.main import main
+
+    (tmp_path / "hostfile").write_text("node-a slots=2\nnode-b slots=2\n")
+    script = tmp_path / "env.sh"
+    script.write_text('#!/bin/sh\necho "$RANK $LOCAL_RANK $WORLD_SIZE $MASTER_ADDR $MASTER_PORT" > rank$RANK.txt\n')
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    common = ["--hostfile", "hostfile", "--no_ssh", "--no_python", "--master_port", "29511"]
+    assert main([*common, "--node_rank", "1", str(script)]) == 0  # the second machine's two ranks
+    assert sorted(p.read_text().split() for p in tmp_path.glob("rank*.txt")) == [
+        ["2", "0", "4", "node-a", "29511"], ["3", "1", "4", "node-a", "29511"]]  # fmt: skip
+    assert main([*common, "--node_rank", "2", str(script)]) == 2  # not a host of the file
+    assert main(["--no_ssh", "--node_rank", "0", "--no_python", str(script)]) == 2  # no hostfile
