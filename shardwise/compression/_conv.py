@@ -20,11 +20,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from shardwise.compression._layers import Pruning, WeightQuantization, weight_bits
-from shardwise.compression._quantizers import fake_quantize, topk_mask, topk_mask_values
+from shardwise.compression._layers import _SPARSE, Pruning, WeightQuantization, _CompressedWeight
+from shardwise.compression._quantizers import fake_quantize
+
+_CHANNEL = ("channel_pruning_mask", "channel_mask_scores")
 
 
-class CompressedConv2d(nn.Conv2d):
+class CompressedConv2d(_CompressedWeight, nn.Conv2d):
     """A 2-D convolution whose forward applies, each from its ``schedule_offset`` on (see
     [Note: compression schedule] in ``_layers.py``), weight quantization (groups of the
     flattened filters), sparse pruning (a mask over filter elements) and channel pruning
@@ -74,57 +76,21 @@ class CompressedConv2d(nn.Conv2d):
         """``l1``: keep the channels whose filters have the largest L1 norms now (a fixed
         buffer); ``topk``: keep the top-scoring channels of learned scores."""
         self.channel_pruning = spec
-        shape = (self.out_channels, 1, 1, 1)
-        if spec.method == "l1":
-            norms = self.weight.detach().abs().sum(dim=(1, 2, 3)).float()
-            self.register_buffer(
-                "channel_pruning_mask", topk_mask_values(norms, spec.ratio).to(self.weight.dtype).view(shape)
-            )
-        else:
-            scores = torch.empty(shape, device=self.weight.device, dtype=self.weight.dtype)
-            nn.init.kaiming_uniform_(scores, a=5**0.5)
-            self.channel_mask_scores = nn.Parameter(scores)
-
-    def enable_weight_quantization(self, spec: WeightQuantization) -> None:
-        if self.weight.numel() % spec.grid.groups:
-            raise ValueError(
-                f"quantize_groups={spec.grid.groups} does not divide the {tuple(self.weight.shape)} weight"
-            )
-        self.weight_quantization = spec
-        self.set_step(self.step)
+        norms = self.weight.detach().abs().sum(dim=(1, 2, 3))
+        self._add_mask(_CHANNEL, spec, norms, (self.out_channels, 1, 1, 1))
 
     def enable_sparse_pruning(self, spec: Pruning) -> None:
         """``l1``: keep the largest filter elements now (a fixed buffer); ``topk``: the top
         entries of learned scores."""
         self.sparse_pruning = spec
-        if spec.method == "l1":
-            mask = topk_mask_values(self.weight.detach().abs().float(), spec.ratio)
-            self.register_buffer("sparse_pruning_mask", mask.to(self.weight.dtype))
-        else:
-            scores = torch.empty_like(self.weight, requires_grad=False)
-            nn.init.kaiming_uniform_(scores, a=5**0.5)
-            self.sparse_mask_scores = nn.Parameter(scores)
-
-    def set_step(self, step: int) -> None:
-        """Apply the techniques the forward of training step ``step`` uses."""
-        self.step = step
-        spec = self.weight_quantization
-        self._bits = weight_bits(spec, step) if spec is not None else None
+        self._add_mask(_SPARSE, spec, self.weight.detach().abs(), self.weight.shape)
 
     def sparse_mask(self) -> torch.Tensor:
-        if self.sparse_pruning.method == "l1":
-            return self.sparse_pruning_mask
-        return topk_mask(self.sparse_mask_scores, self.sparse_pruning.ratio)
-
-    def current_bits(self) -> int | None:
-        """The weight bits of the next forward (None: full precision)."""
-        return self._bits
+        return self._mask(self.sparse_pruning, _SPARSE)
 
     def channel_mask(self) -> torch.Tensor:
         """Shape (out_channels, 1, 1, 1): 1 for a kept channel."""
-        if self.channel_pruning.method == "l1":
-            return self.channel_pruning_mask
-        return topk_mask(self.channel_mask_scores, self.channel_pruning.ratio)
+        return self._mask(self.channel_pruning, _CHANNEL)
 
     def active_channel_mask(self) -> torch.Tensor | None:
         """The mask the next forward applies (None before ``schedule_offset``)."""

@@ -86,7 +86,58 @@ def weight_bits(spec: WeightQuantization, step: int) -> int | None:
     return bits
 
 
-class CompressedLinear(nn.Linear):
+class _CompressedWeight:
+    """What a compressed layer does with its ``weight`` whatever its kind (linear,
+    convolution): the bit schedule of weight quantization and the masks of the pruning
+    techniques, each an ``l1`` buffer fixed when enabled or the top-k of learned scores."""
+
+    weight: torch.Tensor
+    weight_quantization: WeightQuantization | None
+    step: int
+    _bits: int | None
+
+    def enable_weight_quantization(self, spec: WeightQuantization) -> None:
+        if self.weight.numel() % spec.grid.groups:
+            raise ValueError(
+                f"quantize_groups={spec.grid.groups} does not divide the {tuple(self.weight.shape)} weight"
+            )
+        self.weight_quantization = spec
+        self.set_step(self.step)
+
+    def set_step(self, step: int) -> None:
+        """Apply the techniques the forward of training step ``step`` uses."""
+        self.step = step
+        spec = self.weight_quantization
+        self._bits = weight_bits(spec, step) if spec is not None else None
+
+    def current_bits(self) -> int | None:
+        """The weight bits of the next forward (None: full precision)."""
+        return self._bits
+
+    def _add_mask(self, names: tuple[str, str], spec: Pruning, norms: torch.Tensor, shape) -> None:
+        """``l1``: buffer ``names[0]`` keeps the largest ``norms`` now; ``topk``: parameter
+        ``names[1]`` holds learned scores of ``shape``."""
+        mask_name, scores_name = names
+        if spec.method == "l1":
+            mask = topk_mask_values(norms.float(), spec.ratio).to(self.weight.dtype)
+            self.register_buffer(mask_name, mask.view(shape))
+        else:
+            scores = torch.empty(shape, device=self.weight.device, dtype=self.weight.dtype)
+            nn.init.kaiming_uniform_(scores, a=5**0.5)
+            setattr(self, scores_name, nn.Parameter(scores))
+
+    def _mask(self, spec: Pruning, names: tuple[str, str]) -> torch.Tensor:
+        """The mask ``_add_mask`` set up under ``names`` (a buffer unless ``topk``)."""
+        if spec.method != "topk":
+            return getattr(self, names[0])
+        return topk_mask(getattr(self, names[1]), spec.ratio)
+
+
+_SPARSE = ("sparse_pruning_mask", "sparse_mask_scores")
+_ROW = ("row_pruning_mask", "row_mask_scores")
+
+
+class CompressedLinear(_CompressedWeight, nn.Linear):
     """A linear layer whose forward applies weight quantization, sparse / row / head pruning
     and activation quantization as enabled (see [Note: compression schedule]). Mask and score
     names are DeepSpeed's, so state dicts match."""
@@ -121,14 +172,6 @@ class CompressedLinear(nn.Linear):
         layer.train(linear.training)
         return layer
 
-    def enable_weight_quantization(self, spec: WeightQuantization) -> None:
-        if self.weight.numel() % spec.grid.groups:
-            raise ValueError(
-                f"quantize_groups={spec.grid.groups} does not divide the {tuple(self.weight.shape)} weight"
-            )
-        self.weight_quantization = spec
-        self.set_step(self.step)
-
     def enable_activation_quantization(self, spec: ActivationQuantization) -> None:
         self.activation_quantization = spec
         if spec.static:
@@ -142,11 +185,11 @@ class CompressedLinear(nn.Linear):
             self.snip_grad: torch.Tensor | None = None
             self.snip_hook = self.weight.register_hook(self._collect_snip_grad)
             return
-        self._add_mask("sparse", spec, self.weight.detach().abs(), self.weight.shape)
+        self._add_mask(_SPARSE, spec, self.weight.detach().abs(), self.weight.shape)
 
     def enable_row_pruning(self, spec: Pruning) -> None:
         self.row_pruning = spec
-        self._add_mask("row", spec, self.weight.detach().abs().sum(dim=1, keepdim=True), (self.out_features, 1))
+        self._add_mask(_ROW, spec, self.weight.detach().abs().sum(dim=1, keepdim=True), (self.out_features, 1))
 
     def enable_head_pruning(self, spec: Pruning) -> None:
         if spec.method != "topk":
@@ -164,46 +207,19 @@ class CompressedLinear(nn.Linear):
         grad = grad.detach().float()
         self.snip_grad = grad.clone() if self.snip_grad is None else self.snip_grad.add_(grad)
 
-    def _add_mask(self, kind: str, spec: Pruning, norms: torch.Tensor, shape) -> None:
-        names = {
-            "sparse": ("sparse_pruning_mask", "sparse_mask_scores"),
-            "row": ("row_pruning_mask", "row_mask_scores"),
-        }
-        mask_name, scores_name = names[kind]
-        if spec.method == "l1":
-            self.register_buffer(mask_name, topk_mask_values(norms.float(), spec.ratio).to(self.weight.dtype))
-        else:
-            scores = torch.empty(shape, device=self.weight.device, dtype=self.weight.dtype)
-            nn.init.kaiming_uniform_(scores, a=5**0.5)
-            setattr(self, scores_name, nn.Parameter(scores))
-
-    def set_step(self, step: int) -> None:
-        """Apply the techniques the forward of training step ``step`` uses."""
-        self.step = step
-        spec = self.weight_quantization
-        self._bits = weight_bits(spec, step) if spec is not None else None
-
     def _on(self, spec) -> bool:
         return spec is not None and self.step >= spec.offset
 
     def sparse_mask(self) -> torch.Tensor:
-        if self.sparse_pruning.method != "topk":
-            return self.sparse_pruning_mask
-        return topk_mask(self.sparse_mask_scores, self.sparse_pruning.ratio)
+        return self._mask(self.sparse_pruning, _SPARSE)
 
     def row_mask(self) -> torch.Tensor:
         """Shape (out_features, 1)."""
-        if self.row_pruning.method == "l1":
-            return self.row_pruning_mask
-        return topk_mask(self.row_mask_scores, self.row_pruning.ratio)
+        return self._mask(self.row_pruning, _ROW)
 
     def head_mask(self) -> torch.Tensor:
         """Shape (1, num_heads)."""
         return topk_mask(self.head_pruning_scores, self.head_pruning.ratio)
-
-    def current_bits(self) -> int | None:
-        """The weight bits of the next forward (None: full precision)."""
-        return self._bits
 
     def compressed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias the forward multiplies by, techniques applied."""
