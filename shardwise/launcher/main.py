@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardwise.launcher._port import DEFAULT_MASTER_PORT, PortInUseError, master_port
 from shardwise.launcher.hostfile import HostfileError, parse_hostfile, select_resources
-from shardwise.launcher.node import JobSpec, LaunchError, run_node
+from shardwise.launcher.node import JobSpec, LaunchError, add_rank_flags, rank_options, run_node
 from shardwise.launcher.runner import multinode_commands, run_multinode
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -62,21 +62,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     add("--launcher_args", default="", help="extra arguments for pdsh / srun / mpirun")
     add("--force_multi", action="store_true", help="use the multi-node path even for one host")
-    add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
-    add("--module", action="store_true", help="run the script argument as a module, as 'python -m' does")
-    add("--no_python", action="store_true", help="run the script as an executable of its own, without python")
-    add(
-        "--enable_each_rank_log",
-        default=None,
-        metavar="DIR",
-        help="write each rank's stdout and stderr to DIR/<time>_rank<RANK>.log instead of the terminal",
-    )
-    add(
-        "--bind_cores_to_rank",
-        action="store_true",
-        help="pin each rank to its own equal share of the cores (OMP_NUM_THREADS set to its count)",
-    )
-    add("--bind_core_list", default=None, help="the cores to share out, e.g. 0-3,8-11 (default: every physical core)")
+    add_rank_flags(add)
     add(
         "--save_pid",
         action="store_true",
@@ -153,12 +139,7 @@ def run(args) -> int:
         script=args.script,
         script_args=list(args.script_args),
         nproc_per_node=1,
-        no_local_rank=args.no_local_rank,
-        module=args.module,
-        no_python=args.no_python,
-        each_rank_log=args.enable_each_rank_log,
-        bind_cores_to_rank=args.bind_cores_to_rank,
-        bind_core_list=args.bind_core_list,
+        **rank_options(args),
     )
     if args.no_ssh:
         return _run_without_ssh(spec, args, cuda)

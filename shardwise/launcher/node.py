@@ -361,6 +361,37 @@ def wait_all(procs: list[subprocess.Popen], *, interval_s: float = 0.1) -> Exit:
             signal.signal(sig, handler)
 
 
+def add_rank_flags(add) -> None:
+    """DeepSpeed's flags for how each rank starts (``shardwise run``'s and this module's)."""
+    add("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    add("--module", action="store_true", help="run the script argument as a module, as 'python -m' does")
+    add("--no_python", action="store_true", help="run the script as an executable of its own, without python")
+    add(
+        "--enable_each_rank_log",
+        default=None,
+        metavar="DIR",
+        help="write each rank's stdout and stderr to DIR/<time>_rank<RANK>.log instead of the terminal",
+    )
+    add(
+        "--bind_cores_to_rank",
+        action="store_true",
+        help="pin each rank to its own equal share of the cores (OMP_NUM_THREADS set to its count)",
+    )
+    add("--bind_core_list", default=None, help="the cores to share out, e.g. 0-3,8-11 (default: every physical core)")
+
+
+def rank_options(args) -> dict:
+    """The :class:`JobSpec` fields of the flags :func:`add_rank_flags` adds."""
+    return {
+        "no_local_rank": args.no_local_rank,
+        "module": args.module,
+        "no_python": args.no_python,
+        "each_rank_log": args.enable_each_rank_log,
+        "bind_cores_to_rank": args.bind_cores_to_rank,
+        "bind_core_list": args.bind_core_list,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardwise.launcher.node", description=__doc__.split("\n")[0])
     parser.add_argument("--nnodes", type=int, default=1)
@@ -368,12 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc_per_node", type=int, default=1)
     parser.add_argument("--master_addr", default="127.0.0.1")
     parser.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT)
-    parser.add_argument("--no_local_rank", action="store_true")
-    parser.add_argument("--module", action="store_true")
-    parser.add_argument("--no_python", action="store_true")
-    parser.add_argument("--enable_each_rank_log", default=None)
-    parser.add_argument("--bind_cores_to_rank", action="store_true")
-    parser.add_argument("--bind_core_list", default=None)
+    add_rank_flags(parser.add_argument)
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -385,12 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
-        no_local_rank=args.no_local_rank,
-        module=args.module,
-        no_python=args.no_python,
-        each_rank_log=args.enable_each_rank_log,
-        bind_cores_to_rank=args.bind_cores_to_rank,
-        bind_core_list=args.bind_core_list,
+        **rank_options(args),
     )
     try:
         return run_node(spec)
