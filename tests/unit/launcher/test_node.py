@@ -163,7 +163,7 @@ def _zombie(pid):
         return False
 
 
-def test_no_ssh_runs_this_machines_share_of_the_hostfile(tmp_path, monkeypatch):
+def test_no_ssh_runs_this_machines_share_of_the_hostfile(tmp_path, monkeypatch, capsys):
     from shardwise.launcher.main import main
 
     (tmp_path / "hostfile").write_text("node-a slots=2\nnode-b slots=2\n")
@@ -175,5 +175,10 @@ def test_no_ssh_runs_this_machines_share_of_the_hostfile(tmp_path, monkeypatch):
     assert main([*common, "--node_rank", "1", str(script)]) == 0  # the second machine's two ranks
     assert sorted(p.read_text().split() for p in tmp_path.glob("rank*.txt")) == [
         ["2", "0", "4", "node-a", "29511"], ["3", "1", "4", "node-a", "29511"]]  # fmt: skip
+    capsys.readouterr()
     assert main([*common, "--node_rank", "2", str(script)]) == 2  # not a host of the file
-    assert main(["--no_ssh", "--node_rank", "0", "--no_python", str(script)]) == 2  # no hostfile
+    assert "--no_ssh needs --node_rank, this machine's place among the 2 hosts" in capsys.readouterr().err
+    assert main(["--no_ssh", "--node_rank", "0", "--no_python", str(script)]) == 2
+    assert "--no_ssh needs a hostfile naming every machine" in capsys.readouterr().err
+    assert main(["--hostfile", "hostfile", "--launcher", "pdsh", "--ssh_port", "2222", str(script)]) == 2
+    assert "--ssh_port works with --launcher ssh" in capsys.readouterr().err
