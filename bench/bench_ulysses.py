@@ -11,6 +11,9 @@ A Hugging Face Llama built from a config (``--hidden``, ``--layers``, ``--heads`
 - ``shardwise``: the sequence split over both ranks with shardwise's
   ``UlyssesSPAttentionHF.register_with_transformers``, ``UlyssesSPDataLoaderAdapter`` and
   ``shardwise.sequence.loss`` (``causal_lm_loss``, or ``mean_over_sequence`` of the tiled loss).
+- ``shardwise-keep``: ``shardwise`` registered with ``keep_attention_outputs=True`` (the
+  checkpoint's recompute takes each layer's attention output from its forward; see
+  [Note: kept attention outputs]).
 - ``deepspeed``: the same recipe with DeepSpeed's classes at the same paths (run with
   ``--ds-python``) and the loss of its ALST tutorial: each rank's mean, weighted by the token
   counts gathered with ``torch.distributed.nn.functional.all_gather``.
@@ -281,7 +284,10 @@ def _setup(args, rank: int, world: int):
     mpu, group = None, None
     if ulysses_sp is not None:
         cls = ulysses_sp.UlyssesSPAttentionHF
-        mpu = cls.register_with_transformers(llama, "sdpa", 2, 1, seq_length=args.seq_len, seq_length_is_variable=True)
+        keep = {"keep_attention_outputs": True} if args.keep_attention else {}
+        mpu = cls.register_with_transformers(
+            llama, "sdpa", 2, 1, seq_length=args.seq_len, seq_length_is_variable=True, **keep
+        )
         group = mpu.get_sequence_parallel_group()
         if args.tiles:
             _tile_mlps(llama, ulysses_sp.TiledMLP, args.tiles)
@@ -614,16 +620,23 @@ def time_report(args, runs: dict[str, list[dict]], order: list) -> list[str]:
         pairs = zip(runs.get(a, []), runs.get(b, []))
         return [x[key] / y[key] for x, y in pairs if key in x and key in y]
 
-    sw_ds = paired("shardwise", "deepspeed")
-    met = ""
-    if sw_ds:
-        met = f" (goal <= {GOAL_TIME}: {'met' if statistics.median(sw_ds) <= GOAL_TIME else 'NOT met'})"
+    def goal(ratios: list[float]) -> str:
+        return f" (goal <= {GOAL_TIME}: {'met' if statistics.median(ratios) <= GOAL_TIME else 'NOT met'})"
+
     lines += ["", "Paired ratios of step time (same round):", ""]
-    lines.append(_ratio_line("shardwise / deepspeed", sw_ds, met))
+    for variant in ("shardwise", "shardwise-keep"):
+        if ratios := paired(variant, "deepspeed"):
+            lines.append(_ratio_line(f"{variant} / deepspeed", ratios, goal(ratios)))
+    if not any(paired(v, "deepspeed") for v in ("shardwise", "shardwise-keep")):
+        lines.append(_ratio_line("shardwise / deepspeed", []))
     note = "deepspeed / ddp (ddp trains two sequences per step, the others one)"
     lines.append(_ratio_line(note, paired("deepspeed", "ddp")))
     lines.append(_ratio_line("shardwise / ddp", paired("shardwise", "ddp")))
-    lines.append(_ratio_line("CPU s/step, shardwise / deepspeed", paired("shardwise", "deepspeed", "cpu_s")))
+    if paired("shardwise-keep", "shardwise"):
+        lines.append(_ratio_line("shardwise-keep / shardwise", paired("shardwise-keep", "shardwise")))
+    for variant in ("shardwise", "shardwise-keep"):
+        if variant == "shardwise" or variant in runs:
+            lines.append(_ratio_line(f"CPU s/step, {variant} / deepspeed", paired(variant, "deepspeed", "cpu_s")))
     lines += ["", "Loss per step (first run, mean of the ranks; same data and seed in every variant):", ""]
     for variant, rs in runs.items():
         good = [r for r in rs if "losses" in r]
@@ -720,6 +733,8 @@ _QUICK.update(granularity=512, max_len=4096, seq_len=512, rounds=1, steps=2)
 def main() -> None:
     args = parse_args()
     if args.worker:
+        args.keep_attention = args.variant == "shardwise-keep"
+        args.variant = "shardwise" if args.keep_attention else args.variant
         return worker(args)
     started, load = datetime.now(timezone.utc), _LoadSampler()
     variants = args.variants.split(",")

@@ -29,6 +29,7 @@ from shardwise.runtime.sequence_parallel._tiled import (  # noqa: F401 - DeepSpe
     TiledMLP,
     sequence_tiled_compute,
 )
+from shardwise.sequence import _kept_attention
 from shardwise.sequence._batch_gather import gather_batches
 from shardwise.sequence._exchange import HeadSplit, ToHeads, ToSequence, communicator, even_split, piece_lengths
 
@@ -49,7 +50,14 @@ class UlyssesSPAttentionHF(nn.Module):
             ``local_seq_length`` is checked on every call.
         local_seq_length, global_seq_length: the fixed lengths (None when variable).
         disable_in_eval: run ``attn`` unsplit while the module is in eval mode.
+        keep_attention_outputs: keep each layer's attention output from its forward for
+            activation checkpointing's recompute instead of computing it again (a shardwise
+            addition, off by default: faster, but a checkpointed layer stores about twice as
+            much; see [Note: kept attention outputs]). None takes the class attribute, which a
+            script can set before accelerate or the Trainer registers the attention.
     """
+
+    keep_attention_outputs: bool = False
 
     def __init__(
         self,
@@ -64,6 +72,7 @@ class UlyssesSPAttentionHF(nn.Module):
         local_seq_length: int | None = None,
         global_seq_length: int | None = None,
         disable_in_eval: bool = False,
+        keep_attention_outputs: bool | None = None,
     ) -> None:
         super().__init__()
         self.attn = attn
@@ -79,6 +88,9 @@ class UlyssesSPAttentionHF(nn.Module):
         self.split = HeadSplit.build(attn_head_count, kv_head_count, self.world_size)
         self.core_attn_implementation = None
         self._cache = None  # see _pieces
+        if keep_attention_outputs is not None:
+            self.keep_attention_outputs = keep_attention_outputs
+        self._kept = _kept_attention.KeptAttention()
 
     def forward(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *args, **kwargs):
         if (not module.training and self.disable_in_eval) or self.world_size == 1:
@@ -115,7 +127,10 @@ class UlyssesSPAttentionHF(nn.Module):
         if groups is not None:  # this rank's query heads per key/value head (differs when replicated)
             module.num_key_value_groups = q.shape[1] // k.shape[1]
         try:
-            out, weights = self.attn(module, q, k, v, None, *args, **kwargs)  # out: [b, s, heads_local, d]
+            if self.keep_attention_outputs and not args and _kept_attention.applies(self.attn, module, q, k, v, kwargs):
+                out, weights = _kept_attention.attention(self._kept, module, q, k, v, kwargs), None
+            else:
+                out, weights = self.attn(module, q, k, v, None, *args, **kwargs)  # out: [b, s, heads_local, d]
         finally:
             if groups is not None:
                 module.num_key_value_groups = groups
@@ -160,12 +175,14 @@ class UlyssesSPAttentionHF(nn.Module):
         seq_length_is_variable=True,
         disable_in_eval=False,
         max_length=None,
+        keep_attention_outputs=None,
     ):
         """Build the sequence-parallel groups and make transformers' ``core_attn_implementation``
         attention run sequence-parallel (see [Note: Ulysses inside Hugging Face attention]);
         returns the ``mpu`` to pass to ``shardwise.initialize(mpu=...)`` (None when
         ``sequence_parallel_size`` is 1). ``model_name_or_path`` is a model, its config's
-        name on the Hub or a local path."""
+        name on the Hub or a local path. ``keep_attention_outputs`` (shardwise's addition) is
+        the attention's (see the class)."""
         if sequence_parallel_size == 1:
             return None
         if seq_length is None:
@@ -212,6 +229,7 @@ class UlyssesSPAttentionHF(nn.Module):
             local_seq_length=None if seq_length_is_variable else seq_length // sequence_parallel_size,
             global_seq_length=None if seq_length_is_variable else seq_length,
             disable_in_eval=disable_in_eval,
+            keep_attention_outputs=keep_attention_outputs,
         )
         attention.core_attn_implementation = name
 

@@ -63,14 +63,19 @@ def _reference(world, seq, kv_heads, lr):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(rank, world_size, seq, kv_heads, stage):
+def _train(rank, world_size, seq, kv_heads, stage, keep=False):
     from shardwise.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from shardwise.sequence import _kept_attention
     from shardwise.sequence.loss import causal_lm_loss
 
     lr = 0.5
     ref_losses, ref_weights = _reference(world_size, seq, kv_heads, lr)
     model = _llama(kv_heads)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, BATCH)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, BATCH, keep_attention_outputs=keep)
+    kernel_runs, flash = [], _kept_attention._FLASH
+    if keep:  # checkpointed layers whose recompute takes the forward's attention output
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _kept_attention._FLASH = lambda *args, **kwargs: kernel_runs.append(1) or flash(*args, **kwargs)
     try:
         config = {
             "train_micro_batch_size_per_gpu": BATCH,
@@ -104,22 +109,28 @@ def _train(rank, world_size, seq, kv_heads, stage):
             state = engine.module.state_dict()
     finally:
         UlyssesSPAttentionHF.unregister_from_transformers()
+        _kept_attention._FLASH = flash
     loss_error = max(abs(a - ref[replica]) for a, ref in zip(losses, ref_losses))
     weight_error = max(float((state[k] - ref_weights[k]).abs().max()) for k in ref_weights)
-    return loss_error, weight_error, pieces
+    return loss_error, weight_error, pieces, len(kernel_runs)
 
 
 @pytest.mark.parametrize(
-    ("world", "seq", "kv_heads", "stage"),
-    [(2, 16, 2, 0), (2, 15, 1, 2), (4, 16, 2, 2), (4, 16, 2, 3)],
-    ids=["gqa-zero0", "mqa-uneven-length-zero2", "dp2-zero2", "dp2-zero3"],
+    ("world", "seq", "kv_heads", "stage", "keep"),
+    [(2, 16, 2, 0, False), (2, 15, 1, 2, False), (4, 16, 2, 2, False), (4, 16, 2, 3, False), (2, 16, 2, 2, True)],
+    ids=["gqa-zero0", "mqa-uneven-length-zero2", "dp2-zero2", "dp2-zero3", "checkpointed-kept-attention-zero2"],
 )
-def test_hf_llama_with_ulysses_equals_whole_sequence_training(tmp_path, world, seq, kv_heads, stage):
-    results = run_distributed(_train, world_size=world, tmp_path=tmp_path, seq=seq, kv_heads=kv_heads, stage=stage)
-    for rank, (loss_error, weight_error, pieces) in enumerate(results):
+def test_hf_llama_with_ulysses_equals_whole_sequence_training(tmp_path, world, seq, kv_heads, stage, keep):
+    """With ``keep_attention_outputs`` and activation checkpointing, the attention kernel also runs
+    once per layer and step: the recompute takes the forward's output."""
+    results = run_distributed(
+        _train, world_size=world, tmp_path=tmp_path, seq=seq, kv_heads=kv_heads, stage=stage, keep=keep
+    )
+    for rank, (loss_error, weight_error, pieces, kernel_runs) in enumerate(results):
         assert loss_error < 1e-5, (rank, loss_error)
         assert weight_error < 1e-5, (rank, weight_error)
         assert pieces == {seq // SP + (rank % SP < seq % SP)}  # only this rank's piece of each sequence
+        assert kernel_runs == (STEPS * 2 if keep else 0), kernel_runs  # 2 layers
 
 
 def _refused(rank, world_size):
