@@ -384,6 +384,11 @@ class UnitGatherer:
             self._reuse_distance.append(between)
 
     def _pre_backward_hook(self, units):
+        """A hook for each output of a call of the units' module: autograd runs it just before
+        the node that made that output, so every call's backward gathers again what an
+        earlier-run call's backward may have freed (a module called in two branches;
+        tests/dist/zero/test_stage3_reused_modules.py)."""
+
         def hook(grad):
             for unit in units:
                 self.unshard(unit)
