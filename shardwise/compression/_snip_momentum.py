@@ -7,13 +7,13 @@ Each pruned weight has a score, ``score = 0.9 * score + |weight * grad|``, updat
 optimizer step whose scores a later pruning step reads. ``grad`` is the step's gradient of
 the global batch: a hook on the weight sums the rank's micro-batch gradients (before ZeRO's
 bucketing, so it works at stages 0-2), and with several ranks one all-reduce over the
-default process group averages them. DeepSpeed's engine all-reduced the gradients in
-``backward`` and INC read ``weight.grad`` in the optimizer's ``step``, after that reduction
-(at ZeRO-0, the only stage where ``weight.grad`` was still there), so its scores, and here
-the masks and weights, are those of one process on the whole batch whatever the
-data-parallel size. The cost is one all-reduce of the pruned weights' gradients per step
-until the last pruning step (none after it; scores are then left as they were). Unlike
-DeepSpeed, the gradient is read before clipping.
+default process group (every rank a data-parallel replica) averages them. DeepSpeed's
+engine all-reduced the gradients in ``backward`` and INC read ``weight.grad`` in the
+optimizer's ``step``, after that reduction (at ZeRO-0, the only stage where ``weight.grad``
+was still there), so its scores, and here the masks and weights, are those of one process
+on the whole batch whatever the data-parallel size. The cost is one all-reduce of the
+pruned weights' gradients per step until the last pruning step (none after it; the scores
+then stay as they were). Unlike DeepSpeed, the gradient is read before clipping.
 
 Pruning steps are ``schedule_offset``, ``schedule_offset + stride``, ... up to
 ``schedule_offset_end``: ``P = (end - offset) // stride + 1`` of them. At the forward of
@@ -102,10 +102,10 @@ def snip_layer_names(model: nn.Module, excluded: list[str]) -> list[str]:
     Raises:
         ValueError: another convolution not excluded (INC pruned those too), or no layer left.
     """
-    patterns_ = [re.compile(p) for p in excluded]
+    compiled = [re.compile(p) for p in excluded]
     names = []
     for name, module in model.named_modules():
-        if any(p.search(name) for p in patterns_):
+        if any(p.search(name) for p in compiled):
             continue
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             names.append(name)
@@ -134,7 +134,8 @@ def check_block_fits(layer: nn.Module, pattern: BlockPattern, name: str) -> None
         )
 
 
-def _data_parallel_size() -> int:
+def _world_size() -> int:
+    """The ranks of the default process group, each taken as a data-parallel replica."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -152,7 +153,7 @@ class SnipMomentumPruner:
         for layer in self.layers:
             grad, layer.snip_grad = layer.snip_grad, None
             grads.append(grad if grad is not None else torch.zeros_like(layer.sparse_snip_scores))
-        world = _data_parallel_size()
+        world = _world_size()
         if world == 1:
             return grads
         flat = torch.cat([g.flatten() for g in grads])
@@ -189,7 +190,7 @@ class SnipMomentumPruner:
         pruned = math.floor(fraction * flat.numel() + 1e-6)
         keep = torch.ones_like(flat)
         keep[flat.argsort(stable=True)[:pruned]] = 0
-        if _data_parallel_size() > 1:
+        if _world_size() > 1:
             dist.broadcast(keep, src=0)
         start = 0
         for layer, s, m, (u, _) in zip(self.layers, scores, masks, units, strict=True):
