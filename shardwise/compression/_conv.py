@@ -29,7 +29,8 @@ _CHANNEL = ("channel_pruning_mask", "channel_mask_scores")
 class CompressedConv2d(_CompressedWeight, nn.Conv2d):
     """A 2-D convolution whose forward applies, each from its ``schedule_offset`` on (see
     [Note: compression schedule] in ``_layers.py``), weight quantization (groups of the
-    flattened filters), sparse pruning (a mask over filter elements) and channel pruning
+    flattened filters), sparse pruning (a mask over filter elements; l1, topk or
+    snip_momentum) and channel pruning
     (the filters and biases of pruned output channels multiplied by zero), as
     :class:`CompressedLinear` does. Mask and score names are DeepSpeed's."""
 
@@ -81,8 +82,12 @@ class CompressedConv2d(_CompressedWeight, nn.Conv2d):
 
     def enable_sparse_pruning(self, spec: Pruning) -> None:
         """``l1``: keep the largest filter elements now (a fixed buffer); ``topk``: the top
-        entries of learned scores."""
+        entries of learned scores; ``snip_momentum``: a buffer recomputed at its pruning
+        steps (see [Note: snip_momentum schedule] in ``_snip_momentum.py``)."""
         self.sparse_pruning = spec
+        if spec.method == "snip_momentum":
+            self._enable_snip_momentum()
+            return
         self._add_mask(_SPARSE, spec, self.weight.detach().abs(), self.weight.shape)
 
     def sparse_mask(self) -> torch.Tensor:

@@ -89,10 +89,12 @@ def weight_bits(spec: WeightQuantization, step: int) -> int | None:
 class _CompressedWeight:
     """What a compressed layer does with its ``weight`` whatever its kind (linear,
     convolution): the bit schedule of weight quantization and the masks of the pruning
-    techniques, each an ``l1`` buffer fixed when enabled or the top-k of learned scores."""
+    techniques, each an ``l1`` buffer fixed when enabled, the top-k of learned scores, or
+    snip_momentum's buffer recomputed at its pruning steps."""
 
     weight: torch.Tensor
     weight_quantization: WeightQuantization | None
+    sparse_pruning: Pruning | None
     step: int
     _bits: int | None
 
@@ -125,6 +127,22 @@ class _CompressedWeight:
             scores = torch.empty(shape, device=self.weight.device, dtype=self.weight.dtype)
             nn.init.kaiming_uniform_(scores, a=5**0.5)
             setattr(self, scores_name, nn.Parameter(scores))
+
+    def _enable_snip_momentum(self) -> None:
+        """A mask buffer recomputed at the pruning steps, a score buffer, and a hook that
+        collects the weight's gradients (see [Note: snip_momentum schedule])."""
+        self.register_buffer("sparse_pruning_mask", torch.ones_like(self.weight, requires_grad=False))
+        self.register_buffer("sparse_snip_scores", torch.zeros_like(self.weight, dtype=torch.float32))
+        self.snip_grad: torch.Tensor | None = None
+        self.snip_hook = self.weight.register_hook(self._collect_snip_grad)
+
+    def _collect_snip_grad(self, grad: torch.Tensor) -> None:
+        """The weight's gradients of this step (every micro-batch's, before any reduction or
+        ZeRO bucketing), summed for the snip_momentum score while a pruning step is ahead."""
+        if self.step >= self.sparse_pruning.schedule.last_prune:
+            return
+        grad = grad.detach().float()
+        self.snip_grad = grad.clone() if self.snip_grad is None else self.snip_grad.add_(grad)
 
     def _mask(self, spec: Pruning, names: tuple[str, str]) -> torch.Tensor:
         """The mask ``_add_mask`` set up under ``names`` (a buffer unless ``topk``)."""
@@ -179,11 +197,8 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
 
     def enable_sparse_pruning(self, spec: Pruning) -> None:
         self.sparse_pruning = spec
-        if spec.method == "snip_momentum":  # see [Note: snip_momentum schedule]
-            self.register_buffer("sparse_pruning_mask", torch.ones_like(self.weight, requires_grad=False))
-            self.register_buffer("sparse_snip_scores", torch.zeros_like(self.weight, dtype=torch.float32))
-            self.snip_grad: torch.Tensor | None = None
-            self.snip_hook = self.weight.register_hook(self._collect_snip_grad)
+        if spec.method == "snip_momentum":
+            self._enable_snip_momentum()
             return
         self._add_mask(_SPARSE, spec, self.weight.detach().abs(), self.weight.shape)
 
@@ -200,12 +215,6 @@ class CompressedLinear(_CompressedWeight, nn.Linear):
         scores = torch.empty(1, spec.num_heads, device=self.weight.device, dtype=self.weight.dtype)
         nn.init.kaiming_uniform_(scores, a=5**0.5)
         self.head_pruning_scores = nn.Parameter(scores)
-
-    def _collect_snip_grad(self, grad: torch.Tensor) -> None:
-        """The weight's gradients of this step (every micro-batch's, before any reduction or
-        ZeRO bucketing), summed for the snip_momentum score."""
-        grad = grad.detach().float()
-        self.snip_grad = grad.clone() if self.snip_grad is None else self.snip_grad.add_(grad)
 
     def _on(self, spec) -> bool:
         return spec is not None and self.step >= spec.offset

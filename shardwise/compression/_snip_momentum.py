@@ -1,22 +1,38 @@
 """Sparse pruning's ``snip_momentum`` method: the pruner of Intel Neural Compressor that
-DeepSpeed's ``init_compression`` set up, rebuilt on :class:`CompressedLinear`.
+DeepSpeed's ``init_compression`` set up, rebuilt on :class:`CompressedLinear` and
+:class:`CompressedConv2d`.
 
 [Note: snip_momentum schedule]
 Each pruned weight has a score, ``score = 0.9 * score + |weight * grad|``, updated at every
-optimizer step with the step's gradients (summed over its micro-batches by a hook on the
-weight, before data-parallel reduction or ZeRO-2's bucketing, so it works at stages 0-2).
+optimizer step whose scores a later pruning step reads. ``grad`` is the step's gradient of
+the global batch: a hook on the weight sums the rank's micro-batch gradients (before ZeRO's
+bucketing, so it works at stages 0-2), and with several ranks one all-reduce over the
+default process group (every rank a data-parallel replica) averages them. DeepSpeed's
+engine all-reduced the gradients in ``backward`` and INC read ``weight.grad`` in the
+optimizer's ``step``, after that reduction (at ZeRO-0, the only stage where ``weight.grad``
+was still there), so its scores, and here the masks and weights, are those of one process
+on the whole batch whatever the data-parallel size. The cost is one all-reduce of the
+pruned weights' gradients per step until the last pruning step (none after it; the scores
+then stay as they were). Unlike DeepSpeed, the gradient is read before clipping.
+
 Pruning steps are ``schedule_offset``, ``schedule_offset + stride``, ... up to
 ``schedule_offset_end``: ``P = (end - offset) // stride + 1`` of them. At the forward of
-the ``k``-th (1-based) the mask is recomputed from the scores summed over ``NxM`` blocks
-(``block_pattern``), over all pruned layers together (INC's global scope): the blocks with
-the lowest scores are zeroed so that the kept fraction is ``dense_ratio ** (k / P)`` (INC's
-default exponential decay), which is ``dense_ratio`` at the last one. A pruned block stays
-pruned (its masked weights get no gradient, and it sorts below every live block). Masks
-and scores are buffers (``sparse_pruning_mask``, ``sparse_snip_scores``), saved with the
-model; the step is the engine's. With several data-parallel ranks each rank scores its own
-gradients and the block scores are summed over the default process group before
-choosing, so every rank keeps the same blocks. Unlike INC, no per-layer cap (its
-``max_sparsity_ratio_per_op``, 0.98) is applied.
+the ``k``-th (1-based) the masks are recomputed from the scores of units over all pruned
+layers together (INC's global scope): the units with the lowest scores are pruned so that
+the pruned fraction of the weights is ``1 - dense_ratio ** (k / P)`` (INC's default
+exponential decay), ``1 - dense_ratio`` at the last one. Units live on each weight's 2-D
+view, INC's: a linear weight as it is, a convolution's ``[out, in, kh, kw]`` as ``[out, kh
+* kw * in]`` (``_prune_patterns.as_rows``). ``block_pattern`` ``"NxM"``: a unit is a block
+of N rows by M columns, scored by its summed scores and pruned whole. ``"N:M"`` (INC's rule,
+N counts the pruned weights): a unit is a group of M consecutive weights of a row, scored
+by its N lowest scores, and pruning it zeroes those N; ``1 - dense_ratio`` must not exceed
+N / M. A pruned unit stays pruned (its masked weights get no gradient, and it sorts below
+every live unit). Rank 0's choice is broadcast, so the ranks agree even if their scores
+differ in the last bit. Masks and scores are buffers (``sparse_pruning_mask``,
+``sparse_snip_scores``, in the weight's shape), saved with the model; the step is the
+engine's. Unlike INC, no per-layer cap (its ``max_sparsity_ratio_per_op``, 0.98) is
+applied, and a weight the pattern does not tile is refused, not skipped. DeepSpeed 0.18's
+own call could not run: it imported INC's classes ``from nc`` (an alias, not a module).
 """
 
 from __future__ import annotations
@@ -30,10 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config._compression import parse_block_pattern
+from shardwise.compression import _prune_patterns as patterns
+from shardwise.config._compression import BlockPattern, parse_block_pattern
 
 MOMENTUM = 0.9
 """INC's snip_momentum decay of the previous score."""
+
+_WHERE = "compression_training.sparse_pruning.shared_parameters"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,17 +60,16 @@ class SnipSchedule:
     """The snip_momentum settings of ``shared_parameters`` (see [Note: snip_momentum schedule])."""
 
     dense_ratio: float
-    block: tuple[int, int]
+    pattern: BlockPattern
     offset: int
     offset_end: int
     stride: int
 
     @classmethod
     def from_shared(cls, shared: Mapping) -> SnipSchedule:
-        path = "compression_training.sparse_pruning.shared_parameters.block_pattern"
         return cls(
             dense_ratio=shared["dense_ratio"],
-            block=parse_block_pattern(path, shared["block_pattern"]),
+            pattern=parse_block_pattern(f"{_WHERE}.block_pattern", shared["block_pattern"]),
             offset=shared["schedule_offset"],
             offset_end=shared["schedule_offset_end"],
             stride=shared["schedule_offset_stride"],
@@ -60,6 +78,11 @@ class SnipSchedule:
     @property
     def num_prunes(self) -> int:
         return (self.offset_end - self.offset) // self.stride + 1
+
+    @property
+    def last_prune(self) -> int:
+        """The last pruning step: the scores of later steps are never read."""
+        return self.offset + (self.num_prunes - 1) * self.stride
 
     def prune_count(self, step: int) -> int | None:
         """``k`` when the forward of ``step`` is the ``k``-th pruning step, else None."""
@@ -73,47 +96,47 @@ class SnipSchedule:
 
 
 def snip_layer_names(model: nn.Module, excluded: list[str]) -> list[str]:
-    """Every ``nn.Linear`` of ``model`` that no ``excluded_modules`` pattern finds.
+    """Every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` that no ``excluded_modules`` pattern
+    finds (INC's "Linear" and "Conv" layer kinds).
 
     Raises:
-        ValueError: an ``nn.Conv2d`` not excluded (DeepSpeed pruned them too), or no layer left.
+        ValueError: another convolution not excluded (INC pruned those too), or no layer left.
     """
-    where = "compression_training.sparse_pruning.shared_parameters.excluded_modules"
-    patterns = [re.compile(p) for p in excluded]
+    compiled = [re.compile(p) for p in excluded]
     names = []
     for name, module in model.named_modules():
-        if any(p.search(name) for p in patterns):
+        if any(p.search(name) for p in compiled):
             continue
-        if isinstance(module, nn.Conv2d):
-            raise ValueError(
-                f"{where}: snip_momentum of nn.Conv2d layers ({name!r}) is not available in this version of "
-                "shardwise; add a pattern matching it to excluded_modules"
-            )
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
             names.append(name)
+        elif isinstance(module, nn.modules.conv._ConvNd):
+            raise ValueError(
+                f"{_WHERE}.excluded_modules: snip_momentum of {type(module).__name__} layers ({name!r}) is not "
+                "available in this version of shardwise (nn.Linear and nn.Conv2d are); add a pattern matching it "
+                "to excluded_modules"
+            )
     if not names:
-        raise ValueError(f"{where}: snip_momentum found no nn.Linear layer outside excluded_modules {excluded!r}")
+        raise ValueError(
+            f"{_WHERE}.excluded_modules: snip_momentum found no nn.Linear or nn.Conv2d layer outside {excluded!r}"
+        )
     return names
 
 
-def check_block_fits(layer: nn.Linear, block: tuple[int, int], name: str) -> None:
-    rows, cols = block
-    if layer.out_features % rows or layer.in_features % cols:
+def check_block_fits(layer: nn.Module, pattern: BlockPattern, name: str) -> None:
+    """Raises ValueError when ``pattern`` does not cut ``layer``'s weight into whole units."""
+    shape = patterns.as_rows(layer.weight.detach()).shape
+    problem = patterns.fit_problem(pattern, (shape[0], shape[1]))
+    if problem is not None:
+        view = " (the convolution viewed as out x kh*kw*in)" if layer.weight.dim() == 4 else ""
         raise ValueError(
-            f"compression_training.sparse_pruning.shared_parameters.block_pattern '{rows}x{cols}' does not tile "
-            f"the {layer.out_features}x{layer.in_features} weight of {name!r}; pick a pattern dividing it or "
-            "exclude the layer (excluded_modules)"
+            f"{_WHERE}.block_pattern: {problem} of {name!r}{view}; pick a pattern dividing it or exclude the "
+            "layer (excluded_modules)"
         )
 
 
-def _block_sums(scores: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    rows, cols = block
-    out, inp = scores.shape
-    return scores.view(out // rows, rows, inp // cols, cols).sum(dim=(1, 3))
-
-
-def _expand(blocks: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    return blocks.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+def _world_size() -> int:
+    """The ranks of the default process group, each taken as a data-parallel replica."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class SnipMomentumPruner:
@@ -124,13 +147,30 @@ class SnipMomentumPruner:
         self.layers = layers
         self.schedule = schedule
 
-    @torch.no_grad()
-    def accumulate(self) -> None:
-        """Fold the step's gradients (collected by a hook on each weight) into the scores."""
+    def _global_grads(self) -> list[torch.Tensor]:
+        """Each layer's gradient of the step, averaged over the ranks (zero where none came)."""
+        grads = []
         for layer in self.layers:
             grad, layer.snip_grad = layer.snip_grad, None
-            if grad is not None:
-                layer.sparse_snip_scores.mul_(MOMENTUM).add_((layer.weight.detach().float() * grad).abs())
+            grads.append(grad if grad is not None else torch.zeros_like(layer.sparse_snip_scores))
+        world = _world_size()
+        if world == 1:
+            return grads
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        return [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+
+    @torch.no_grad()
+    def accumulate(self, next_step: int) -> None:
+        """Fold the step's gradients (collected by a hook on each weight) into the scores,
+        when a pruning step at or after ``next_step`` will read them."""
+        if next_step > self.schedule.last_prune:
+            for layer in self.layers:
+                layer.snip_grad = None
+            return
+        for layer, grad in zip(self.layers, self._global_grads(), strict=True):
+            layer.sparse_snip_scores.mul_(MOMENTUM).add_((layer.weight.detach().float() * grad).abs())
 
     @torch.no_grad()
     def prune_for(self, step: int) -> None:
@@ -138,19 +178,23 @@ class SnipMomentumPruner:
         count = self.schedule.prune_count(step)
         if count is None:
             return
-        block = self.schedule.block
-        sums = [_block_sums(layer.sparse_snip_scores, block) for layer in self.layers]
-        flat = torch.cat([s.flatten() for s in sums])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flat)
-        # a pruned block keeps a zero score; -1 sorts it below every live block
-        masks = torch.cat([layer.sparse_pruning_mask[:: block[0], :: block[1]].flatten() for layer in self.layers])
-        flat = torch.where(masks > 0, flat, torch.full_like(flat, -1.0))
-        pruned = math.floor((1 - self.schedule.dense_at(count)) * flat.numel() + 1e-6)
+        pattern = self.schedule.pattern
+        scores = [patterns.as_rows(layer.sparse_snip_scores) for layer in self.layers]
+        masks = [patterns.as_rows(layer.sparse_pruning_mask) for layer in self.layers]
+        units = [patterns.unit_scores(pattern, s, m) for s, m in zip(scores, masks, strict=True)]
+        flat = torch.cat([u.flatten() for u, _ in units])
+        alive = torch.cat([a.flatten() for _, a in units])
+        # a pruned unit sorts below every live one (scores are >= 0)
+        flat = torch.where(alive, flat, torch.full_like(flat, -1.0))
+        fraction = patterns.unit_fraction(pattern, 1 - self.schedule.dense_at(count))
+        pruned = math.floor(fraction * flat.numel() + 1e-6)
         keep = torch.ones_like(flat)
         keep[flat.argsort(stable=True)[:pruned]] = 0
+        if _world_size() > 1:
+            dist.broadcast(keep, src=0)
         start = 0
-        for layer, s in zip(self.layers, sums, strict=True):
-            part = keep[start : start + s.numel()].view_as(s)
-            layer.sparse_pruning_mask.copy_(_expand(part, block))
-            start += s.numel()
+        for layer, s, m, (u, _) in zip(self.layers, scores, masks, units, strict=True):
+            part = keep[start : start + u.numel()].view_as(u) > 0
+            mask = patterns.unit_mask(pattern, part, s, m)
+            layer.sparse_pruning_mask.copy_(patterns.from_rows(mask, layer.sparse_pruning_mask.shape))
+            start += u.numel()

@@ -1,7 +1,7 @@
 """``deepspeed.compression.compress``: :func:`init_compression` swaps the ``nn.Linear`` layers
 the config names for :class:`CompressedLinear` (the ``nn.Conv2d`` layers of channel pruning,
 weight quantization and sparse pruning for :class:`CompressedConv2d`; sparse pruning's
-``snip_momentum`` takes every ``nn.Linear`` outside ``excluded_modules``); the engine
+``snip_momentum`` takes every ``nn.Linear`` and ``nn.Conv2d`` outside ``excluded_modules``); the engine
 advances them with the training step (``scheduler.CompressionFeature``);
 :func:`redundancy_clean` then folds the techniques into the weights and removes pruned
 rows, heads and channels.
@@ -258,7 +258,7 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
     :class:`CompressedLinear` (sharing their parameters) and enable each technique on them;
     channel pruning, weight quantization and sparse pruning do the same for ``nn.Conv2d``
     layers with :class:`CompressedConv2d`, sparse pruning's ``snip_momentum`` for every
-    ``nn.Linear`` outside ``excluded_modules`` (see [Note: snip_momentum schedule]), and
+    ``nn.Linear`` and ``nn.Conv2d`` outside ``excluded_modules`` (see [Note: snip_momentum schedule]), and
     channel pruning makes the BatchNorms of its ``related_modules`` mask the pruned
     channels too (see [Note: channel pruning and BatchNorm]). Call it before ``initialize`` (topk pruning adds
     score parameters the optimizer must see); the engine then advances the schedule (see
@@ -280,7 +280,7 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
             twice by one technique, a technique the matched layer cannot take (quantize_groups
             that do not divide the weight, num_heads that do not divide in_features,
             quantize_group_size on an nn.Conv2d, a snip_momentum block pattern that does not
-            tile a weight, an nn.Conv2d snip_momentum would take), or a channel-pruning
+            tile a weight, another convolution snip_momentum would take), or a channel-pruning
             related module that does not fit its convolution.
     """
     _check_mpu(mpu)
@@ -298,11 +298,7 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: nn.Modul
         for group, index, names in group_modules(target, technique):
             pairs = _channel_related_pairs(target, group, index, names) if technique.name == "channel_pruning" else []
             for name in names:
-                module = recursive_getattr(target, name)
-                if isinstance(module, nn.Conv2d):
-                    layer = CompressedConv2d.from_conv(module)
-                else:
-                    layer = CompressedLinear.from_linear(module)
+                layer = _compressed(recursive_getattr(target, name))
                 _enable(layer, technique, group.params)
                 recursive_setattr(target, name, layer)
             for name, related in pairs:  # see [Note: channel pruning and BatchNorm]
@@ -318,16 +314,22 @@ def _is_snip(technique: TechniqueConfig) -> bool:
     return technique.name == "sparse_pruning" and technique.shared["method"] == "snip_momentum"
 
 
+def _compressed(module: nn.Module) -> CompressedLinear | CompressedConv2d:
+    if isinstance(module, nn.Conv2d):
+        return CompressedConv2d.from_conv(module)
+    return CompressedLinear.from_linear(module)
+
+
 def _init_snip_momentum(model: nn.Module, shared: Mapping) -> None:
-    """Every nn.Linear outside ``excluded_modules`` becomes a :class:`CompressedLinear`
+    """Every nn.Linear and nn.Conv2d outside ``excluded_modules`` becomes a compressed layer
     pruned by snip_momentum (see [Note: snip_momentum schedule])."""
     schedule = SnipSchedule.from_shared(shared)
     names = snip_layer_names(model, list(shared["excluded_modules"]))
     for name in names:
-        check_block_fits(recursive_getattr(model, name), schedule.block, name)
+        check_block_fits(recursive_getattr(model, name), schedule.pattern, name)
     spec = Pruning(method="snip_momentum", ratio=schedule.dense_ratio, offset=schedule.offset, schedule=schedule)
     for name in names:
-        layer = CompressedLinear.from_linear(recursive_getattr(model, name))
+        layer = _compressed(recursive_getattr(model, name))
         layer.enable_sparse_pruning(spec)
         recursive_setattr(model, name, layer)
 
@@ -359,7 +361,7 @@ def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None) -> nn.Module:
         if _is_snip(technique):
             for name in snip_layer_names(target, list(technique.shared["excluded_modules"])):
                 layer = recursive_getattr(target, name)
-                if not isinstance(layer, CompressedLinear):
+                if not isinstance(layer, (CompressedLinear, CompressedConv2d)):
                     raise ValueError(
                         f"compression_training.sparse_pruning: {name!r} is not compressed; call init_compression first"
                     )

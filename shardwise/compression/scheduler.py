@@ -44,7 +44,7 @@ class CompressionScheduler:
         snip_momentum scores, then move to ``training_steps``, recomputing the snip_momentum
         masks at its pruning steps (see [Note: snip_momentum schedule])."""
         if self.pruner is not None:
-            self.pruner.accumulate()
+            self.pruner.accumulate(training_steps)
             self.pruner.prune_for(training_steps)
         self.set_step(training_steps)
 

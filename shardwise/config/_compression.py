@@ -5,12 +5,12 @@ Read by ``shardwise/compression/``.
 
 Built: weight quantization, activation quantization, sparse pruning (l1, topk and
 ``snip_momentum``, Intel Neural Compressor's pruner that DeepSpeed called: its keys
-``dense_ratio``, ``block_pattern`` ("NxM" blocks; "N:M" and channel patterns refused by
-name), ``schedule_offset``, ``schedule_offset_stride``, ``schedule_offset_end`` and
+``dense_ratio``, ``block_pattern`` ("NxM" blocks or "N:M" groups; channel patterns refused
+by name), ``schedule_offset``, ``schedule_offset_stride``, ``schedule_offset_end`` and
 ``excluded_modules`` live in ``shared_parameters``, and it takes no ``different_groups``),
 row pruning, head pruning, channel pruning (Conv2d output channels; l1, topk) and layer
 reduction. Parsed but refused by name when enabled: weight quantization's
-``fp16_mixed_quantize``. Weight quantization and l1 / topk sparse pruning take ``nn.Linear``
+``fp16_mixed_quantize``. Weight quantization and sparse pruning take ``nn.Linear``
 and ``nn.Conv2d`` layers, channel pruning ``nn.Conv2d`` only, the other techniques
 ``nn.Linear`` only (``init_compression`` refuses a pattern naming another layer).
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from shardwise.config._errors import ConfigError, as_bool, as_choice, as_int, as_number, check_keys
 
@@ -271,23 +271,56 @@ def _shared(technique: str, path: str, section: Any) -> dict:
     return out
 
 
-def parse_block_pattern(path: str, pattern: Any) -> tuple[int, int]:
+@dataclass(frozen=True, kw_only=True)
+class BlockPattern:
+    """snip_momentum's ``block_pattern`` as Intel Neural Compressor read it, on each weight's
+    2-D view (rows: output channels; columns: the input dimension, for a convolution its
+    kernel positions and input channels, input channels fastest)."""
+
+    kind: Literal["NxM", "N:M"]
+    """``NxM``: blocks of ``n`` rows by ``m`` columns pruned whole; ``N:M``: ``n`` of every
+    ``m`` consecutive weights of a row pruned (INC's rule: N counts the pruned ones)."""
+    n: int
+    m: int
+
+    def __str__(self) -> str:
+        return f"{self.n}x{self.m}" if self.kind == "NxM" else f"{self.n}:{self.m}"
+
+    @property
+    def max_sparsity(self) -> float:
+        """The largest fraction of weights the pattern can prune."""
+        return 1.0 if self.kind == "NxM" else self.n / self.m
+
+
+def parse_block_pattern(path: str, pattern: Any) -> BlockPattern:
     """``"NxM"``: blocks of N output rows by M input columns (Intel Neural Compressor's
-    rule: the first number runs along the weight's output dimension).
+    rule: the first number runs along the weight's output dimension); ``"N:M"``: N of every
+    M consecutive input weights pruned (1 <= N < M).
 
     Raises:
-        ConfigError: any other pattern (INC's ``"N:M"`` and ``"channelx1"`` are refused by name).
+        ConfigError: any other pattern (INC's ``"channelxM"`` / ``"Nxchannel"`` are refused by name).
     """
     text = pattern if isinstance(pattern, str) else ""
-    rows, _, cols = text.partition("x")
-    if rows.isdigit() and cols.isdigit() and int(rows) >= 1 and int(cols) >= 1:
-        return int(rows), int(cols)
-    if ":" in text or "channel" in text:
+    rows, cross, cols = text.partition("x")
+    if cross and rows.isdigit() and cols.isdigit() and int(rows) >= 1 and int(cols) >= 1:
+        return BlockPattern(kind="NxM", n=int(rows), m=int(cols))
+    pruned, colon, group = text.partition(":")
+    if colon and pruned.isdigit() and group.isdigit():
+        if 1 <= int(pruned) < int(group):
+            return BlockPattern(kind="N:M", n=int(pruned), m=int(group))
         raise ConfigError(
-            f"{path} {pattern!r}: the N:M and channel patterns of Intel Neural Compressor are not "
-            "available in this version of shardwise; use an 'NxM' block pattern such as '4x1'"
+            f"{path} {pattern!r}: an 'N:M' pattern prunes N of every M consecutive weights and needs "
+            "1 <= N < M, such as '2:4'"
         )
-    raise ConfigError(f"{path} must be an 'NxM' block pattern (N, M >= 1) such as '4x1', got {pattern!r}")
+    if "channel" in text:
+        raise ConfigError(
+            f"{path} {pattern!r}: the channel patterns of Intel Neural Compressor are not available in this "
+            "version of shardwise; use an 'NxM' block pattern such as '4x1' or an 'N:M' pattern such as '2:4'"
+        )
+    raise ConfigError(
+        f"{path} must be an 'NxM' block pattern (N, M >= 1) such as '4x1' or an 'N:M' pattern (1 <= N < M) "
+        f"such as '2:4', got {pattern!r}"
+    )
 
 
 def _snip_momentum(path: str, shared: dict) -> None:
@@ -295,7 +328,13 @@ def _snip_momentum(path: str, shared: dict) -> None:
     ratio = as_number(f"{path}.dense_ratio", shared["dense_ratio"])
     if not 0 < ratio < 1:
         raise ConfigError(f"{path}.dense_ratio must be in (0, 1) for snip_momentum (the fraction kept), got {ratio!r}")
-    parse_block_pattern(f"{path}.block_pattern", shared["block_pattern"])
+    pattern = parse_block_pattern(f"{path}.block_pattern", shared["block_pattern"])
+    if 1 - ratio > pattern.max_sparsity + 1e-9:
+        raise ConfigError(
+            f"{path}.dense_ratio {ratio!r} prunes {1 - ratio:.0%} of the weights, but block_pattern "
+            f"'{pattern}' prunes at most {pattern.n} of every {pattern.m}: set dense_ratio >= "
+            f"{1 - pattern.max_sparsity:g} or pick a pattern that prunes more"
+        )
     if shared["schedule_offset"] < 1:
         raise ConfigError(
             f"{path}.schedule_offset must be >= 1 for snip_momentum: its scores come from the gradients "
@@ -329,7 +368,7 @@ def _technique(name: str, section: Any) -> TechniqueConfig:
         _snip_momentum(f"{path}.shared_parameters", shared)
         if groups_raw:
             raise ConfigError(
-                f"{path}.different_groups: snip_momentum prunes every nn.Linear layer but those of "
+                f"{path}.different_groups: snip_momentum prunes every nn.Linear and nn.Conv2d layer but those of "
                 "shared_parameters.excluded_modules, to shared_parameters.dense_ratio (as DeepSpeed, whose "
                 "groups fail with this method); remove different_groups"
             )

@@ -78,7 +78,7 @@ def test_the_engine_config_carries_the_section():
         (_pruning("channel_pruning", shared={"method": "l2"}), "did you mean 'l1'"),
         (
             _pruning("sparse_pruning", shared={"method": "snip_momentum", "block_pattern": "2:4"}),
-            "the N:M and channel patterns",
+            "dense_ratio 0.1 prunes 90% of the weights, but block_pattern '2:4' prunes at most 2 of every 4",
         ),
         (_wq(shared={"fp16_mixed_quantize": {"enabled": True}}), "fp16_mixed_quantize"),
         (

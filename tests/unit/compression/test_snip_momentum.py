@@ -110,28 +110,44 @@ def test_the_schedule_reaches_dense_ratio_in_whole_blocks_and_pruned_weights_sta
 
 
 class _WithConv(nn.Module):
-    def __init__(self):
+    def __init__(self, conv=nn.Conv2d):
         super().__init__()
-        self.conv = nn.Conv2d(2, 4, 3)
+        self.conv = conv(2, 4, 3)
         self.fc = nn.Linear(6, 8)
+
+
+_VIEW = " (the convolution viewed as out x kh*kw*in)"
 
 
 @pytest.mark.parametrize(
     "shared, error, message",
     [
-        ({"block_pattern": "2:4"}, ConfigError, "'2:4': the N:M and channel patterns"),
-        ({"block_pattern": "channelx1"}, ConfigError, "'channelx1': the N:M and channel patterns"),
+        ({"block_pattern": "4:4"}, ConfigError, "block_pattern '4:4': an 'N:M' pattern prunes N of every M"),
+        ({"block_pattern": "channelx1"}, ConfigError, "'channelx1': the channel patterns of Intel Neural"),
         ({"block_pattern": "4by1"}, ConfigError, "block_pattern must be an 'NxM' block pattern"),
+        ({"block_pattern": "1:4"}, ConfigError, "dense_ratio 0.25 prunes 75% of the weights, but block_pattern '1:4'"),
         ({"dense_ratio": 1.0}, ConfigError, "dense_ratio must be in (0, 1) for snip_momentum"),
         ({"schedule_offset": 0}, ConfigError, "schedule_offset must be >= 1 for snip_momentum"),
         ({"schedule_offset_end": 1}, ConfigError, "schedule_offset_end (1) must not be below"),
-        ({"excluded_modules": []}, ValueError, "snip_momentum of nn.Conv2d layers ('conv')"),
-        ({"excluded_modules": ["conv"], "block_pattern": "4x4"}, ValueError, "'4x4' does not tile the 8x6 weight"),
+        ({"block_pattern": "8x1"}, ValueError, f"'8x1' blocks do not tile its 4x18 weight of 'conv'{_VIEW}"),
+        ({"excluded_modules": ["conv"], "block_pattern": "4x4"}, ValueError, "'4x4' blocks do not tile its 8x6 weight"),
+        (
+            {"excluded_modules": ["conv"], "block_pattern": "2:4", "dense_ratio": 0.5},
+            ValueError,
+            "'2:4' groups of 4 do not tile the 6 input weights of its rows of 'fc'",
+        ),
     ],
 )
 def test_bad_snip_momentum_settings_are_refused_by_name(shared, error, message):
     with pytest.raises(error, match=re.escape(message)):
         init_compression(_WithConv(), _snip(**shared))
+
+
+def test_other_convolutions_are_refused_unless_excluded():
+    with pytest.raises(ValueError, match=re.escape("snip_momentum of Conv1d layers ('conv') is not available")):
+        init_compression(_WithConv(nn.Conv1d), _snip(block_pattern="2x1"))
+    model = init_compression(_WithConv(nn.Conv1d), _snip(block_pattern="2x1", excluded_modules=["conv"]))
+    assert type(model.conv) is nn.Conv1d and model.fc.sparse_pruning.method == "snip_momentum"
 
 
 def test_snip_momentum_takes_no_groups():
@@ -151,3 +167,108 @@ def test_zero2_scores_the_same_gradients_as_stage_0():
         scores.append(model.fc1.sparse_snip_scores)
     assert scores[0].abs().sum() > 0
     torch.testing.assert_close(scores[1], scores[0])
+
+
+class _TinyCNN(nn.Module):
+    """A 4 -> 8 channel 3x3 convolution (its 2-D view 8 x 36) and a 128 -> 4 linear head."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(128, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def _images(step):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 4, 4, 4, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+
+
+def _train_cnn(model, steps, on_step=None):
+    """The engine's order without the engine: backward, scores and masks, optimizer step."""
+    scheduler = CompressionScheduler(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        x, y = _images(step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if on_step is not None:
+            on_step(step)
+        scheduler.step()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _rows(tensor):
+    """A conv weight as [out, kh * kw * in], written out here rather than taken from the library."""
+    return tensor.permute(0, 2, 3, 1).reshape(tensor.shape[0], -1) if tensor.dim() == 4 else tensor
+
+
+def test_conv2d_blocks_join_the_global_threshold_and_stay_masked_through_clean():
+    config = _snip(excluded_modules=[], schedule_offset=2, schedule_offset_end=4, schedule_offset_stride=1)
+    model = init_compression(_TinyCNN(), config)
+    conv = model.conv
+    grads, expected, seen = [], torch.zeros_like(conv.weight), []
+    conv.weight.register_hook(grads.append)
+
+    def on_step(step):
+        nonlocal expected
+        if step < 4:  # the scores of the steps before the last pruning step (4)
+            expected = 0.9 * expected + (conv.weight.detach() * grads[-1]).abs()
+        seen.append(sum(int((m.sparse_pruning_mask == 0).sum()) for m in (conv, model.fc)))
+
+    _train_cnn(model, 5, on_step)
+    torch.testing.assert_close(conv.sparse_snip_scores, expected)
+    blocks = (8 * 36 + 4 * 128) // 4  # 4x1 blocks over both layers
+    assert seen[1:] == [4 * math.floor((1 - 0.25 ** (k / 3)) * blocks + 1e-6) for k in (0, 1, 2, 3)]
+    assert seen[-1] == 3 * blocks
+    sums, alive = [], []
+    for layer in (conv, model.fc):
+        rows, mask = _rows(layer.sparse_snip_scores), _rows(layer.sparse_pruning_mask)
+        per_block = mask.view(mask.shape[0] // 4, 4, -1).sum(dim=1)
+        assert set(per_block.unique().tolist()) <= {0.0, 4.0}
+        sums.append(rows.view(rows.shape[0] // 4, 4, -1).sum(dim=1).flatten())
+        alive.append(per_block.flatten() > 0)
+    sums, alive = torch.cat(sums), torch.cat(alive)
+    assert 0 < int((~alive[:72]).sum()) < 72  # the convolution lost some blocks, not all
+    assert sums[alive].min() >= sums[~alive].max()
+
+    x, _ = _images(9)
+    mask = conv.sparse_pruning_mask.clone()
+    masked = nn.functional.conv2d(x, conv.weight * mask, conv.bias, padding=1)
+    assert torch.equal(conv(x), masked)
+    before = model(x)
+    redundancy_clean(model, config)
+    assert not hasattr(conv, "sparse_pruning_mask") and conv.sparse_pruning is None
+    assert conv.weight.detach()[mask == 0].abs().sum() == 0
+    torch.testing.assert_close(model(x), before)
+
+
+@pytest.mark.parametrize("pattern, dense", [("2:4", 0.5), ("1:4", 0.75)])
+def test_n_in_m_prunes_n_of_every_m_consecutive_input_weights(pattern, dense):
+    pruned, group = (int(v) for v in pattern.split(":"))
+    config = _snip(
+        excluded_modules=[],
+        block_pattern=pattern,
+        dense_ratio=dense,
+        schedule_offset=1,
+        schedule_offset_end=2,
+        schedule_offset_stride=1,
+    )
+    model = init_compression(_TinyCNN(), config)
+    layers = (model.conv, model.fc)
+    groups = (8 * 36 + 4 * 128) // group
+    thinned = []
+    _train_cnn(model, 3, lambda step: thinned.append(sum(int((m.sparse_pruning_mask == 0).sum()) for m in layers)))
+    # 1 - dense ** (k / 2) of the weights at pruning step k, N of them per pruned group
+    assert thinned[0] == 0 and thinned[1] == pruned * math.floor((1 - dense**0.5) * group / pruned * groups + 1e-6)
+    for layer in layers:
+        zeros = (_rows(layer.sparse_pruning_mask) == 0).view(layer.weight.shape[0], -1, group).sum(dim=-1)
+        assert set(zeros.unique().tolist()) == {pruned}
+    conv_zeros = (model.conv.sparse_pruning_mask == 0).permute(0, 2, 3, 1)  # groups: the 4 input channels
+    assert set(conv_zeros.sum(dim=-1).unique().tolist()) == {pruned}
