@@ -110,8 +110,11 @@ class TrainingFeatures:
 
 
 def _compression_feature(config, model: nn.Module) -> TrainingFeature:
-    """The compression scheduler; ZeRO-3 is refused (its layers see partitioned weights)."""
+    """The compression scheduler; ZeRO-3 is refused (its layers see partitioned weights), and
+    snip_momentum with pipeline stages or tensor parallelism (its scores average the
+    gradients over every rank, each taken as a data-parallel replica)."""
     from shardwise.compression.scheduler import CompressionFeature
+    from shardwise.pipe.module import PipelineModule  # the pipeline package imports the engine
 
     if config.zero.stage == 3:
         raise ConfigError(
@@ -119,7 +122,18 @@ def _compression_feature(config, model: nn.Module) -> TrainingFeature:
             "stage 3: the compressed layers quantize and mask whole weights, which stage 3 partitions; "
             "use zero_optimization.stage 0, 1 or 2"
         )
-    return CompressionFeature(model)
+    feature = CompressionFeature(model)
+    tensor_parallel = (config.raw.get("tensor_parallel") or {}).get("autotp_size") or 1
+    if feature.scheduler.pruner is not None and (isinstance(model, PipelineModule) or tensor_parallel > 1):
+        split = (
+            "pipeline stages" if isinstance(model, PipelineModule) else f"tensor_parallel.autotp_size {tensor_parallel}"
+        )
+        raise ConfigError(
+            f"sparse_pruning's snip_momentum is not available with {split} in this version of shardwise: its "
+            "scores average each weight's gradient over every rank as data-parallel replicas; use method "
+            "'l1' or 'topk', or train without the split"
+        )
+    return feature
 
 
 def _refuse_unscheduled_compression(model: nn.Module) -> None:

@@ -159,6 +159,19 @@ def test_snip_momentum_takes_no_groups():
         init_compression(TinyMLP(seed=1), config)
 
 
+def test_snip_momentum_with_tensor_parallelism_is_refused():
+    """Its scores average the gradients over every rank; tensor-parallel ranks hold other slices."""
+    from shardwise.config import load_config
+    from shardwise.runtime._training_features import build_training_features
+
+    model = init_compression(TinyMLP(seed=1), _snip())
+    config = load_config(
+        {**_snip(), "train_micro_batch_size_per_gpu": 4, "tensor_parallel": {"autotp_size": 2}}, world_size=1
+    )
+    with pytest.raises(ConfigError, match=r"snip_momentum is not available with tensor_parallel.autotp_size 2"):
+        build_training_features(config, model)
+
+
 def test_zero2_scores_the_same_gradients_as_stage_0():
     scores = []
     for stage in (0, 2):
