@@ -49,6 +49,7 @@ def _engine(*, freeze: bool):
 
 
 def test_a_checkpoint_without_frozen_parameters_loads_only_where_they_are_frozen(engine, tmp_path, caplog):
+    from shardwise.inference._loading import load_checkpoint as load_for_inference
     from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as fp32_state
 
     engine.save_checkpoint(tmp_path, tag="adapters", exclude_frozen_parameters=True)
@@ -58,6 +59,9 @@ def test_a_checkpoint_without_frozen_parameters_loads_only_where_they_are_frozen
         assert set(fp32_state(tmp_path, "adapters")) == set(trained) - FROZEN
     assert "fc1.bias, fc1.weight) are not in it" in caplog.text
     assert set(fp32_state(tmp_path, "everything", exclude_frozen_parameters=True)) == set(trained) - FROZEN
+
+    with pytest.raises(ValueError, match="saved with exclude_frozen_parameters=True: .* cannot fill a model alone"):
+        load_for_inference(TinyMLP(), tmp_path / "adapters")
 
     frozen = _engine(freeze=True)  # the same frozen base (seed 0 vs 1: only the trainable ones differ)
     frozen.module.fc1.load_state_dict(engine.module.fc1.state_dict())
