@@ -10,10 +10,17 @@ per-rank state, the 1-bit family's error buffers). At ZeRO stages 1-3 the sharde
 name, tensor-parallel parameters included (as the model without tensor parallelism holds
 them). Because every tensor is stored whole under its name, consolidation needs no
 knowledge of the world size, ZeRO stage or tensor-parallel degree that saved it.
+
+The manifest's ``skeletons.frozen`` lists the state-dict keys of the parameters that took
+no gradient (``requires_grad=False``) when it was saved, and ``exclude_frozen_parameters``
+says whether the checkpoint leaves their tensors out (``save_checkpoint(...,
+exclude_frozen_parameters=True)``); see [Note: checkpoints without frozen parameters] in
+``runtime/_frozen_checkpoint.py``.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -24,6 +31,12 @@ from shardwise.checkpoint._read import read_manifest, read_tensors, resolve_tag
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 ENGINE_FILE = "engine_state.safetensors"
+EXCLUDES_FROZEN = "exclude_frozen_parameters"
+"""The manifest entry saying that the frozen parameters' tensors were left out."""
+FROZEN_SKELETON = "frozen"
+"""The skeletons entry listing the frozen parameters' state-dict keys."""
+
+logger = logging.getLogger("shardwise")
 
 
 def rng_file(rank: int) -> str:
@@ -36,17 +49,45 @@ def optimizer_rank_file(rank: int) -> str:
     return f"optimizer_rank{rank}.safetensors"
 
 
+def frozen_keys(manifest: dict) -> list[str] | None:
+    """The state-dict keys of the parameters that took no gradient when the checkpoint was
+    saved; None for a checkpoint from before shardwise recorded them."""
+    return manifest["skeletons"].get(FROZEN_SKELETON)
+
+
+def excludes_frozen(manifest: dict) -> bool:
+    """Whether the checkpoint leaves the frozen parameters' tensors out."""
+    return bool(manifest.get(EXCLUDES_FROZEN, False))
+
+
+def checkpoint_path(load_dir, tag: str | None = None) -> Path:
+    """The directory of one checkpoint: ``load_dir/tag`` (``latest``'s tag for None), or
+    ``load_dir`` itself when ``tag`` is None and it holds a manifest."""
+    load_dir = Path(load_dir)
+    if tag is None and (load_dir / "manifest.json").is_file():
+        return load_dir
+    return load_dir / resolve_tag(load_dir, tag)
+
+
 def consolidated_sources(load_dir, tag: str | None = None, *, mmap: bool = False) -> dict:
     """What ``consolidate`` returns before the dtype conversion: each state-dict key's tensor
     as stored (views of mapped files with ``mmap``, so a caller converting and writing one
-    tensor at a time never holds the model; see ``shardwise convert``)."""
-    load_dir = Path(load_dir)
-    if tag is None and (load_dir / "manifest.json").is_file():
-        path = load_dir
-    else:
-        path = load_dir / resolve_tag(load_dir, tag)
+    tensor at a time never holds the model; see ``shardwise convert``). A checkpoint saved
+    with ``exclude_frozen_parameters=True`` gives its trainable parameters and buffers only,
+    and a warning says so."""
+    path = checkpoint_path(load_dir, tag)
     manifest = read_manifest(path)
     skeletons = manifest["skeletons"]
+    if excludes_frozen(manifest):
+        left_out = frozen_keys(manifest) or []
+        logger.warning(
+            "%s was saved with exclude_frozen_parameters=True: its %d frozen parameter tensor(s) (%s) are not "
+            "in it, so the state dict holds the trainable parameters and buffers only; take the frozen ones "
+            "from the base model",
+            path,
+            len(left_out),
+            ", ".join(left_out[:5]) + (", ..." if len(left_out) > 5 else ""),
+        )
     module = read_module_state(path, manifest, mmap=mmap)
     masters = {}
     if "optimizer" in skeletons and manifest.get("layout", {}).get("param_dtype") != "float32":

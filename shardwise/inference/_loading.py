@@ -279,12 +279,20 @@ def _open_shardwise(path: Path) -> dict[str, _Stored]:
     and ``consolidate`` check them)."""
     from shardwise.checkpoint import CheckpointError
     from shardwise.checkpoint._read import read_manifest, resolve_tag
+    from shardwise.checkpoint.layout import excludes_frozen
 
     try:
         tag_dir = path if (path / "manifest.json").is_file() else path / resolve_tag(path)
         manifest = read_manifest(tag_dir)
     except CheckpointError as exc:
         raise ValueError(f"shardwise checkpoint {path}: {exc} (or pass the tag's directory as checkpoint=)") from None
+    if excludes_frozen(manifest):
+        raise ValueError(
+            f"shardwise checkpoint {tag_dir} was saved with exclude_frozen_parameters=True: it holds the trained "
+            "parameters but not the frozen ones, so it cannot fill a model alone; build the model from the base "
+            "weights, load shardwise.checkpoint.consolidate(checkpoint) into it with strict=False, and pass that "
+            "model without checkpoint="
+        )
     skeletons = manifest.get("skeletons", {})
     names = _tensor_keys(skeletons.get("module", {}))
     if manifest.get("layout", {}).get("param_dtype", "float32") != "float32":

@@ -70,6 +70,7 @@ import torch
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import CheckpointError, TensorSplit
 from shardwise.checkpoint import layout as ckpt_layout
+from shardwise.runtime import _frozen_checkpoint as frozen
 from shardwise.runtime._checkpoint_parts import (
     Writers,
     block_groups,
@@ -106,14 +107,9 @@ def save(
     """Write a checkpoint of ``parts`` under ``save_dir/tag`` (default ``global_step<N>``),
     this rank writing what ``place`` says it holds. Collective: every rank calls it, with
     the same ``save_dir`` and ``tag`` (``tag_validation``: the config's ``Ignore`` / ``Warn``
-    / ``Fail`` for a tag that differs). A checkpoint holds every parameter:
-    ``exclude_frozen_parameters`` is refused."""
-    if exclude_frozen_parameters:
-        raise NotImplementedError(
-            "save_checkpoint(exclude_frozen_parameters=True) is not available in this version of shardwise: "
-            "checkpoints hold every parameter; pass False (save_16bit_model and module_state_dict do leave "
-            "frozen parameters out)"
-        )
+    / ``Fail`` for a tag that differs). ``exclude_frozen_parameters`` leaves the parameters
+    that take no gradient out (see [Note: checkpoints without frozen parameters] in
+    ``_frozen_checkpoint.py``)."""
     writers = place.writers
     tag = str(tag) if tag is not None else f"global_step{parts.counters.global_steps}"
     _check_same_directory(place, save_dir)
@@ -129,9 +125,13 @@ def save(
         records, skeletons["optimizer"], skeletons["optimizer_files"] = _write_optimizer(
             parts.optimizer, place, staging
         )
-    module_records, skeletons["module"], skeletons["module_files"] = _write_module(parts.module, place, staging)
+    left_out = frozen.left_out(place, exclude_frozen_parameters)
+    module_records, skeletons["module"], skeletons["module_files"] = _write_module(
+        parts.module, place, staging, left_out=left_out
+    )
     records.update(module_records)
-    skeletons["aliases"] = place.aliases
+    skeletons["aliases"] = {k: v for k, v in place.aliases.items() if place.name_of_key.get(k) not in left_out}
+    skeletons[ckpt_layout.FROZEN_SKELETON] = frozen.stored_frozen_keys(place)
     rank_records, rank_skeletons = _write_rank_files(parts, place, staging, skeletons)
     records.update(rank_records)
     merge = writers.stages > 1 or place.experts is not None  # skeletons differ between ranks
@@ -144,6 +144,7 @@ def save(
         manifest = {
             **parts.counters.state_dict(),
             "layout": place.layout(parts.module.param_dtype),
+            ckpt_layout.EXCLUDES_FROZEN: bool(exclude_frozen_parameters),
             "skeletons": _manifest_skeletons(skeletons, all_records, merge, rank_state=rank_skeletons[1] is not None),
         }
         merged = {name: rec for _, recs, _, _ in all_records for name, rec in recs.items()}
@@ -246,6 +247,7 @@ def _merge_stage_skeletons(stages: list[dict]) -> dict:
     for what in ("module", "aliases"):
         if what in merged:
             merged[what] = {k: v for skel in stages for k, v in skel[what].items()}
+    merged[ckpt_layout.FROZEN_SKELETON] = sorted({k for skel in stages for k in skel[ckpt_layout.FROZEN_SKELETON]})
     if "optimizer" in merged:
         optimizer = dict(merged["optimizer"])
         for what in ("state", "master"):
@@ -375,13 +377,16 @@ def _stored_block(block, place: Placement):
     return dataclasses.replace(block, names=tuple(place.store(n) for n in block.names))
 
 
-def _write_module(module: ModuleState, place: Placement, staging) -> tuple[dict, dict, list[str]]:
+def _write_module(
+    module: ModuleState, place: Placement, staging, *, left_out: frozenset[str]
+) -> tuple[dict, dict, list[str]]:
     """Write the module's state dict the same way: entries every rank holds alike (buffers,
     parameters outside ZeRO buckets) by rank 0 in ``model.safetensors``, the bucketed and
     tensor-parallel parameters by every rank into ``model-00001.safetensors``... under
-    their own names (tied names refer to one tensor). Collective."""
+    their own names (tied names refer to one tensor), the parameters ``left_out`` (by
+    name) not at all. Collective."""
     writers, splits, name_of, experts = place.writers, place.splits, place.name_of_key, place.experts
-    replicated = module.replicated()
+    replicated = {k: v for k, v in module.replicated().items() if name_of.get(k) not in left_out}
     piped = writers.stages > 1  # every stage's tensors go to the parts
 
     def to_parts(key: str) -> bool:  # see [Note: experts in checkpoints]
@@ -396,6 +401,7 @@ def _write_module(module: ModuleState, place: Placement, staging) -> tuple[dict,
     skeleton = {
         place.store(key): flat_skeleton[key] if key in plain else {"__tensor__": place.store(name_of.get(key, key))}
         for key in place.keys
+        if name_of.get(key) not in left_out
     }
     groups = block_groups([_stored_block(b, place) for b in module.blocks()], module.shards, place.stored_splits)
     groups += [
@@ -408,7 +414,7 @@ def _write_module(module: ModuleState, place: Placement, staging) -> tuple[dict,
         )
         for name, tensor in sliced.items()
     ]
-    groups = without_names(groups, place.tied_elsewhere)
+    groups = without_names(groups, place.tied_elsewhere | {place.store(name) for name in left_out})
     part_records, parts = write_parts(
         writers, staging, "model", groups, part_bytes=CHECKPOINT_PART_BYTES, across_data=experts is not None
     )
@@ -446,12 +452,14 @@ def load(
             "with load_optimizer_states=False"
         )
     where = f"checkpoint {path} (saved at {_saved_layout(manifest)})"
+    excluded = frozen.excluded_keys(manifest, place)
+    frozen.check_excluded(excluded, place, strict=strict, where=where)
     module_state = _read_module_state(path, manifest, place, where=where)
     saved_optimizer = _read_optimizer_state(path, manifest, place, where=where) if load_optimizer else None
     engine_state = ckpt.unflatten_state(
         ckpt.read_tensors(path, _ENGINE, manifest=manifest), manifest["skeletons"]["engine_state"]
     )
-    _load_module(parts.module, module_state, strict=strict)
+    frozen.load_module(parts.module, module_state, strict=strict, excluded=excluded)
     del module_state
     parts.client.load_state_dict(engine_state["client_state"])
     if not module_only:
@@ -487,14 +495,6 @@ def _read_optimizer_state(path: Path, manifest: dict, place: Placement, *, where
     """The named optimizer state this rank loads: its stage's parameters', sliced."""
     saved = ckpt_layout.read_optimizer_state(path, manifest, mmap=True)
     return _optimizer_to_layout(place.stage_optimizer_state(saved), place, where=where)
-
-
-def _load_module(module: ModuleState, state: dict, *, strict: bool) -> None:
-    result = module.load_state_dict(state, strict=strict)
-    if not strict and (result.missing_keys or result.unexpected_keys):
-        logger.warning(
-            "checkpoint loaded non-strictly: missing %s, unexpected %s", result.missing_keys, result.unexpected_keys
-        )
 
 
 def _load_optimizer_rank_state(optimizer: OptimizerState, path: Path, manifest: dict, rank: int) -> None:

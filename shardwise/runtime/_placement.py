@@ -78,6 +78,13 @@ class Placement:
     """State-dict keys naming a tensor an earlier key already names (tied weights)."""
     experts: ExpertNames | None = field(default=None)
     """How this rank's experts are stored; None when no MoE layer splits its experts."""
+    frozen: frozenset[str] = frozenset()
+    """The parameter names this stage holds that take no gradient (``requires_grad=False``)."""
+
+    @property
+    def frozen_keys(self) -> list[str]:
+        """The state-dict keys of the frozen parameters (a tied one under each key)."""
+        return [key for key, name in self.name_of_key.items() if name in self.frozen]
 
     def store(self, name: str) -> str:
         """The name ``name`` (a state-dict key or parameter name) is stored under."""
@@ -169,6 +176,7 @@ def placement(module: nn.Module, grid, *, zero_stage: int) -> Placement:
         _tied_elsewhere(module, grid, name_of),
         _aliases(current),
         experts,
+        frozenset(name for name, p in module.named_parameters() if not p.requires_grad),
     )
 
 

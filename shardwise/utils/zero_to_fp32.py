@@ -14,16 +14,22 @@ from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint import consolidate
+from shardwise.checkpoint import CheckpointError, consolidate, read_manifest
+from shardwise.checkpoint.layout import checkpoint_path, frozen_keys
 
 
-def _refuse_frozen_exclusion(exclude_frozen_parameters: bool) -> None:
-    if exclude_frozen_parameters:
-        raise NotImplementedError(
-            "exclude_frozen_parameters=True is not available in this version of "
-            "shardwise: checkpoints do not record which parameters were frozen; "
-            "drop the frozen names from the returned state dict yourself"
+def _without_frozen(state: dict, checkpoint_dir, tag) -> dict:
+    """``state`` without the keys the checkpoint records as frozen parameters."""
+    path = checkpoint_path(checkpoint_dir, tag)
+    frozen = frozen_keys(read_manifest(path))
+    if frozen is None:
+        raise CheckpointError(
+            f"{path} does not record which parameters were frozen (it was saved by an older shardwise), so "
+            "exclude_frozen_parameters=True cannot leave them out; call without it and drop the frozen names "
+            "from the returned state dict yourself"
         )
+    frozen = set(frozen)
+    return {key: value for key, value in state.items() if key not in frozen}
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
@@ -32,14 +38,19 @@ def get_fp32_state_dict_from_zero_checkpoint(
     """The full fp32 state dict of the checkpoint ``checkpoint_dir/tag`` (tag None: the one
     named in ``latest``), on the CPU, ready for ``model.load_state_dict``.
 
+    ``exclude_frozen_parameters`` leaves out the parameters that took no gradient in the
+    run that saved it (the manifest records them). A checkpoint saved with
+    ``save_checkpoint(..., exclude_frozen_parameters=True)`` holds the trainable
+    parameters and buffers only: so does the state dict, and a warning says so.
+
     ``lazy_mode`` is accepted: the tensors are real (``.contiguous()`` on them, as
     DeepSpeed's lazy tensors need, works)."""
     del lazy_mode
-    _refuse_frozen_exclusion(exclude_frozen_parameters)
     checkpoint_dir = Path(checkpoint_dir)
     if tag is None and not (checkpoint_dir / "latest").is_file():
         raise ValueError(f"Unable to find 'latest' file at {checkpoint_dir / 'latest'}; pass tag=")
-    return consolidate(checkpoint_dir, tag, dtype=torch.float32)
+    state = consolidate(checkpoint_dir, tag, dtype=torch.float32)
+    return _without_frozen(state, checkpoint_dir, tag) if exclude_frozen_parameters else state
 
 
 def _parse_size(size) -> int:
