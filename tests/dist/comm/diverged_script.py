@@ -23,10 +23,17 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 zero = {"stage": args.stage}
 if args.offload:
     zero["offload_optimizer"] = {"device": "cpu"}
-engine, _, _, _ = shardwise.initialize(model=TinyMLP(), config={
-    "gradient_clipping": 0.0,
-    "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-    "zero_optimization": zero, "comm": {"timeout_s": args.timeout_s}, "steps_per_print": 1000})
+engine, _, _, _ = shardwise.initialize(
+    model=TinyMLP(),
+    config={
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": zero,
+        "comm": {"timeout_s": args.timeout_s},
+        "steps_per_print": 1000,
+    },
+)
 steps = args.steps + (1 if rank == world - 1 else 0)
 for tokens, targets in token_batches(num_steps=steps, batch=2, seed=rank):
     engine.backward(engine(tokens, targets))

@@ -26,13 +26,29 @@ def launch(launcher, cwd, script, *script_args, kill_after_s, env=None):
     if launcher == "shardwise run":
         cmd = [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", port]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", port, "--max_restarts", "0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            port,
+            "--max_restarts",
+            "0",
+        ]
     job_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     job_env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu", **(env or {}))
     start = time.monotonic()
-    proc = subprocess.Popen([*cmd, str(script), *script_args], cwd=cwd, env=job_env, text=True,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [*cmd, str(script), *script_args],
+        cwd=cwd,
+        env=job_env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         out, _ = proc.communicate(timeout=kill_after_s)
     except subprocess.TimeoutExpired:

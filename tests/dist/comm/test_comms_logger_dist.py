@@ -127,17 +127,30 @@ def _check_cases(results):
         p2p = {"send": {120: 1}} if rank == 0 else {"recv": {120: 1}}
         sent = out["communicator_sent"]
         assert out["communicator"] == {
-            "all_reduce": {1000 * FP32: 2}, "broadcast": {100 * FP32: 1},
+            "all_reduce": {1000 * FP32: 2},
+            "broadcast": {100 * FP32: 1},
             # the compressed exchange: its all-to-all's input, its all-gather's one-rank input
             "all_gather_into_tensor": {250 * FP32: 1, sent["all_gather"] // 2: 1},
-            "reduce_scatter_tensor": {500 * FP32: 2}, **p2p,
-            "all_to_all_single": {sent["all_to_all"]: 1}}, (rank, out["communicator"])
-        assert out["unpaired"] == ["all_gather_into_tensor", "all_reduce", "all_to_all_single", "broadcast",
-                                   "reduce_scatter_tensor"]
+            "reduce_scatter_tensor": {500 * FP32: 2},
+            **p2p,
+            "all_to_all_single": {sent["all_to_all"]: 1},
+        }, (rank, out["communicator"])
+        assert out["unpaired"] == [
+            "all_gather_into_tensor",
+            "all_reduce",
+            "all_to_all_single",
+            "broadcast",
+            "reduce_scatter_tensor",
+        ]
         assert out["functional"] == {
-            "all_reduce": {1000 * FP32: 2}, "grads": {1000 * FP32: 1}, "broadcast": {100 * FP32: 1},
-            "all_gather_into_tensor": {250 * FP32: 1}, "all_gather": {250 * FP32: 1},
-            "reduce_scatter_tensor": {500 * FP32: 1}, "barrier": {0: 1}}, (rank, out["functional"])
+            "all_reduce": {1000 * FP32: 2},
+            "grads": {1000 * FP32: 1},
+            "broadcast": {100 * FP32: 1},
+            "all_gather_into_tensor": {250 * FP32: 1},
+            "all_gather": {250 * FP32: 1},
+            "reduce_scatter_tensor": {500 * FP32: 1},
+            "barrier": {0: 1},
+        }, (rank, out["functional"])
         assert out["prof_ops"] == {"all_reduce": {8 * FP32: 2, 2 * FP32: 1}, "broadcast": {16 * FP32: 1}}
         assert out["debug"] == {"all_reduce | [Caller Func: _issue_from_here]": {10 * FP32: 2}}
         assert out["disabled"] == (0, {})
@@ -160,8 +173,21 @@ def _check_report(results):
     assert results[1]["verbose"] == []  # rank 0 only, as in DeepSpeed
     printed = results[0]["printed"].splitlines()
     assert results[1]["printed"] == ""
-    assert printed[0].split() == ["Comm.", "Op", "Message", "Size", "Count", "Total", "Latency(ms)", "Avg",
-                                  "Latency(ms)", "tput_avg", "(Gbps)", "busbw_avg", "(Gbps)"]
+    assert printed[0].split() == [
+        "Comm.",
+        "Op",
+        "Message",
+        "Size",
+        "Count",
+        "Total",
+        "Latency(ms)",
+        "Avg",
+        "Latency(ms)",
+        "tput_avg",
+        "(Gbps)",
+        "busbw_avg",
+        "(Gbps)",
+    ]
     assert printed[1] == "all_reduce" and printed[2].split()[:3] == ["28.0", "B", "1"]
     assert printed[3].split()[:3] == ["3.91", "KB", "3"]  # sizes ascending
     assert printed[4] == "broadcast" and printed[5].split()[:3] == ["400.0", "B", "1"]

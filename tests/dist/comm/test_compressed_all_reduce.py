@@ -24,7 +24,7 @@ def _compress(rows: np.ndarray, error: np.ndarray) -> np.ndarray:
     scales = (np.sqrt((error.astype(np.float64) ** 2).sum(-1)) / np.sqrt(error.shape[-1])).astype(np.float32)
     signs = np.where(np.signbit(error), -1.0, 1.0).astype(np.float32)
     # the signs survive a trip through 8-per-byte packing
-    signs = np.unpackbits(np.packbits(signs > 0, axis=-1), axis=-1)[..., :signs.shape[-1]] * 2.0 - 1.0
+    signs = np.unpackbits(np.packbits(signs > 0, axis=-1), axis=-1)[..., : signs.shape[-1]] * 2.0 - 1.0
     values = (signs * scales[..., None]).astype(np.float32)
     error -= values
     return values
@@ -92,8 +92,9 @@ def _check_against_simulation(reports, world_size):
         for rank, (report, *_) in enumerate(reports):
             results, worker, server = report[numel]
             for round_, (got, want) in enumerate(zip(results, expected)):
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
-                                           err_msg=f"rank {rank}, {numel} elements, round {round_}")
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}, {numel} elements, round {round_}"
+                )
                 assert np.array_equal(got, reports[0][0][numel][0][round_]), "ranks disagree"
             np.testing.assert_allclose(worker, workers[rank], rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(server, servers[rank], rtol=1e-5, atol=1e-5)
@@ -106,8 +107,7 @@ def _check_against_simulation(reports, world_size):
     assert np.abs(got[0] - exact[0]).max() > 0.1
     worker = np.mean([reports[r][0][numel][1] for r in range(world_size)], axis=0)
     server = np.concatenate([reports[r][0][numel][2] for r in range(world_size)])
-    np.testing.assert_allclose(np.sum(got, axis=0), np.sum(exact, axis=0) - worker[:numel] - server[:numel],
-                               atol=1e-4)
+    np.testing.assert_allclose(np.sum(got, axis=0), np.sum(exact, axis=0) - worker[:numel] - server[:numel], atol=1e-4)
 
 
 def _check_bytes_written(reports, world_size):

@@ -50,13 +50,23 @@ went past it."""
 
 
 def _run_diverged(launcher, *script_args):
-    return lambda cwd: launch(launcher, cwd, SCRIPT, "--timeout_s", str(TIMEOUT_S), "--stall_s", str(STALL_S),
-                              *script_args, kill_after_s=KILL_AFTER_S)
+    return lambda cwd: launch(
+        launcher,
+        cwd,
+        SCRIPT,
+        "--timeout_s",
+        str(TIMEOUT_S),
+        "--stall_s",
+        str(STALL_S),
+        *script_args,
+        kill_after_s=KILL_AFTER_S,
+    )
 
 
 def _run_user_script(*script_args):
-    return lambda cwd: launch("torchrun", cwd, USER_SCRIPT, "--stall_s", str(USER_STALL_S), *script_args,
-                              kill_after_s=USER_KILL_AFTER_S)
+    return lambda cwd: launch(
+        "torchrun", cwd, USER_SCRIPT, "--stall_s", str(USER_STALL_S), *script_args, kill_after_s=USER_KILL_AFTER_S
+    )
 
 
 def _job_for(item):
@@ -89,8 +99,10 @@ def jobs(request, tmp_path_factory):
 
 def _check(code, out, elapsed, kind):
     assert code != 0, out[-3000:]
-    assert (f"CollectiveError: rank 1 waited in data-parallel group rank 1: {kind} #" in out
-            and f"[gradient bucket 0] which did not complete within {TIMEOUT_S} s" in out), out[-3000:]
+    assert (
+        f"CollectiveError: rank 1 waited in data-parallel group rank 1: {kind} #" in out
+        and f"[gradient bucket 0] which did not complete within {TIMEOUT_S} s" in out
+    ), out[-3000:]
     assert elapsed < TIMEOUT_S + MARGIN_S, f"the job took {elapsed:.1f} s:\n{out[-3000:]}"
 
 
@@ -112,8 +124,10 @@ def test_diverged_ranks_fail_fast_under_torchrun(jobs, request, stage, offload, 
 def test_a_diverged_functional_collective_fails_the_job_within_the_deadline(jobs, request, op, deadline_from):
     code, out, elapsed = jobs[request.node.name].result()
     assert code != 0, out[-3000:]
-    assert (f"CollectiveError: rank 1 waited in world group rank 1: {op} #2 (4 x float32) which did "
-            f"not complete within {USER_TIMEOUT_S} s." in out), out[-3000:]
+    assert (
+        f"CollectiveError: rank 1 waited in world group rank 1: {op} #2 (4 x float32) which did "
+        f"not complete within {USER_TIMEOUT_S} s." in out
+    ), out[-3000:]
     assert elapsed < USER_TIMEOUT_S + USER_MARGIN_S, f"the job took {elapsed:.1f} s:\n{out[-3000:]}"
 
 

@@ -10,10 +10,15 @@ from shardwise.testing import run_distributed
 def _script_like(rank, world_size):
     import shardwise.comm as dist
 
-    out = {"initialized": dist.is_initialized(), "rank": dist.get_rank(),
-           "world_size": dist.get_world_size(), "local_rank": dist.get_local_rank(),
-           "backend": dist.get_backend(), "global_rank_of_1": dist.get_global_rank(None, 1),
-           "all_ranks": dist.get_all_ranks_from_group()}
+    out = {
+        "initialized": dist.is_initialized(),
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "local_rank": dist.get_local_rank(),
+        "backend": dist.get_backend(),
+        "global_rank_of_1": dist.get_global_rank(None, 1),
+        "all_ranks": dist.get_all_ranks_from_group(),
+    }
     dist.barrier()
     dist.monitored_barrier()
 
@@ -22,8 +27,7 @@ def _script_like(rank, world_size):
     m = torch.tensor([float(rank + 1)])
     dist.all_reduce(m, dist.ReduceOp.MAX, None, False)
     a = torch.tensor([float(rank + 1)])
-    handle = dist.all_reduce(a, op=torch.distributed.ReduceOp.PRODUCT, async_op=True,
-                             log_name="grads", debug="caller")
+    handle = dist.all_reduce(a, op=torch.distributed.ReduceOp.PRODUCT, async_op=True, log_name="grads", debug="caller")
     handle.wait()
     out["all_reduce"], out["max"], out["product"] = t.tolist(), m.tolist(), a.tolist()
     i = torch.tensor([float(rank + 1)])
@@ -49,8 +53,7 @@ def _script_like(rank, world_size):
     flat2 = torch.empty(world_size)
     dist.allgather_fn(flat2, torch.tensor([rank * 5.0]))
     outs = [torch.empty(world_size), torch.empty(2 * world_size)]
-    dist.all_gather_coalesced(outs, [torch.tensor([float(rank)]), torch.full((2,), rank + 7.0)],
-                              async_op=True).wait()
+    dist.all_gather_coalesced(outs, [torch.tensor([float(rank)]), torch.full((2,), rank + 7.0)], async_op=True).wait()
     out["all_gather_into_tensor"], out["allgather_fn"] = flat.tolist(), flat2.tolist()
     out["all_gather_coalesced"] = [o.tolist() for o in outs]
 
@@ -102,12 +105,19 @@ def _script_like(rank, world_size):
 
     # Synchronous calls return None as DeepSpeed's do, asynchronous ones torch's Work.
     out["sync_returns"] = [
-        dist.all_reduce(torch.ones(1)), dist.broadcast(torch.ones(1), 0), dist.barrier(),
+        dist.all_reduce(torch.ones(1)),
+        dist.broadcast(torch.ones(1), 0),
+        dist.barrier(),
         dist.all_gather_into_tensor(torch.empty(world_size), torch.ones(1)),
         dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world_size)),
-        dist.all_gather_object([None] * world_size, rank), dist.broadcast_object_list([rank], 0)]
-    works = [dist.all_reduce(torch.ones(1), async_op=True), dist.barrier(async_op=True),
-             dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world_size), async_op=True)]
+        dist.all_gather_object([None] * world_size, rank),
+        dist.broadcast_object_list([rank], 0),
+    ]
+    works = [
+        dist.all_reduce(torch.ones(1), async_op=True),
+        dist.barrier(async_op=True),
+        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world_size), async_op=True),
+    ]
     out["async_returns_work"] = [isinstance(work, torch.distributed.Work) for work in works]
     for work in works:
         work.wait()

@@ -22,7 +22,7 @@ def _compare(rank, world_size, by_all_reduce):
     reduced_equal = torch.equal(got, expected)
     # all-gather: this rank's slice in place, the rest garbage
     buffer = torch.full((6 * world_size,), float("nan"))
-    buffer[rank * 6:(rank + 1) * 6] = expected
+    buffer[rank * 6 : (rank + 1) * 6] = expected
     comm.all_gather_scratch(buffer).wait()
     full = torch.empty(6 * world_size)
     comm.all_gather_into_tensor(full, expected).wait()
@@ -32,8 +32,9 @@ def _compare(rank, world_size, by_all_reduce):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_scratch_collectives_equal_the_real_ones(tmp_path, world_size):
     for by_all_reduce in (True, False):
-        for reduced, gathered, calls in run_distributed(_compare, world_size=world_size, tmp_path=tmp_path,
-                                                        by_all_reduce=by_all_reduce):
+        for reduced, gathered, calls in run_distributed(
+            _compare, world_size=world_size, tmp_path=tmp_path, by_all_reduce=by_all_reduce
+        ):
             assert reduced and gathered, by_all_reduce
             # counted under the collective they stand for
             assert calls == {"reduce_scatter": 2, "all_gather": 2}, calls

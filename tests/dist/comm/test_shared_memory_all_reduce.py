@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import CollectiveError, Communicator
-from shardwise.comm import _collectives, _shm
+from shardwise.comm import Communicator, _collectives, _shm
 from shardwise.testing import DistributedTestError, run_distributed
 
 
@@ -47,8 +46,15 @@ def _sums(rank, world_size, disable_on=None, skew=False, slot_bytes=None):
     real_gather = _collectives._all_gather_single
     _collectives._all_gather_single = lambda out, *a, **k: gloo_calls.append(-out.numel()) or real_gather(out, *a, **k)
     comm = Communicator(timeout_s=30, name="tensor-parallel", shared_memory=True)
-    cases = [(1, torch.float32), (1000, torch.float32), (777, torch.bfloat16), (513, torch.float16),
-             (100, torch.float64), (257, torch.int64), (33, torch.int32)]
+    cases = [
+        (1, torch.float32),
+        (1000, torch.float32),
+        (777, torch.bfloat16),
+        (513, torch.float16),
+        (100, torch.float64),
+        (257, torch.int64),
+        (33, torch.int32),
+    ]
     rng = random.Random(rank)
     mismatches = []
     for step in range(60):
@@ -76,15 +82,22 @@ def _sums(rank, world_size, disable_on=None, skew=False, slot_bytes=None):
     if not torch.equal(big, torch.arange(float(big.numel())) * world_size):
         mismatches.append("big")
     leftovers = glob.glob("/dev/shm/shardwise-allreduce-*")
-    return {"mismatches": mismatches, "shm": comm._shm is not None, "gloo_calls": gloo_calls,
-            "calls": dict(comm.calls), "leftovers": leftovers}
+    return {
+        "mismatches": mismatches,
+        "shm": comm._shm is not None,
+        "gloo_calls": gloo_calls,
+        "calls": dict(comm.calls),
+        "leftovers": leftovers,
+    }
 
 
-@pytest.mark.parametrize("world_size, slot_bytes", [(2, None), (4, None), (2, 96), (4, 96)],
-                         ids=["2-ranks", "4-ranks", "2-ranks-96-byte-slots", "4-ranks-96-byte-slots"])
+@pytest.mark.parametrize(
+    "world_size, slot_bytes",
+    [(2, None), (4, None), (2, 96), (4, 96)],
+    ids=["2-ranks", "4-ranks", "2-ranks-96-byte-slots", "4-ranks-96-byte-slots"],
+)
 def test_sums_are_the_rank_order_sum_on_every_rank(tmp_path, world_size, slot_bytes):
-    for result in run_distributed(_sums, world_size=world_size, tmp_path=tmp_path, skew=True,
-                                  slot_bytes=slot_bytes):
+    for result in run_distributed(_sums, world_size=world_size, tmp_path=tmp_path, skew=True, slot_bytes=slot_bytes):
         assert result["mismatches"] == []
         assert result["shm"]
         assert result["gloo_calls"] == []
@@ -120,8 +133,11 @@ def test_a_missing_peer_is_a_collective_error_within_the_deadline(tmp_path):
         run_distributed(_missing_peer, world_size=2, tmp_path=tmp_path, failed_flag=str(tmp_path / "rank0-done"))
     message = str(info.value)
     assert "CollectiveError" in message
-    assert re.search(r"rank 0 waited in tensor-parallel group rank 0: all_reduce #\d+ \(4 x float32\) "
-                     r"\[row-parallel output\] which did not complete within 3 s", message), message
+    assert re.search(
+        r"rank 0 waited in tensor-parallel group rank 0: all_reduce #\d+ \(4 x float32\) "
+        r"\[row-parallel output\] which did not complete within 3 s",
+        message,
+    ), message
     assert "rank 1: published nothing" in message
     assert time.monotonic() - start < 60  # spawn and imports included; the deadline itself is 3 s
 
@@ -140,8 +156,9 @@ def test_ranks_in_different_collectives_get_an_error_naming_both(tmp_path):
         run_distributed(_different_collectives, world_size=2, tmp_path=tmp_path)
     message = str(info.value)
     assert "CollectiveError" in message
-    assert ("failed: ranks posted different collectives: rank 0 all_reduce (8 x float32), "
-            "rank 1 all_gather (4 x float32)") in message, message
+    assert (
+        "failed: ranks posted different collectives: rank 0 all_reduce (8 x float32), rank 1 all_gather (4 x float32)"
+    ) in message, message
 
 
 def _grid_groups(rank, world_size):
@@ -160,7 +177,7 @@ def _grid_groups(rank, world_size):
         sums[axis] = (tensor[0].item(), comm._shm is not None)
     buffer = torch.zeros(6)
     shard = buffer.numel() // grid.data_comm.world_size
-    buffer[grid.data_comm.rank * shard:(grid.data_comm.rank + 1) * shard] = rank + 1.0
+    buffer[grid.data_comm.rank * shard : (grid.data_comm.rank + 1) * shard] = rank + 1.0
     gloo_calls.clear()  # the set-up exchanges of the first calls above
     grid.data_comm.scratch_gather_min_numel = 0  # on gloo this buffer would be all-reduced
     grid.data_comm.all_gather_scratch(buffer).wait()
@@ -172,7 +189,8 @@ def _grid_groups(rank, world_size):
 
 def test_the_grids_tensor_and_data_groups_use_it(tmp_path):
     for rank, (sums, gathered, gloo_calls, pipe_wanted, wrapped_wanted) in enumerate(
-            run_distributed(_grid_groups, world_size=4, tmp_path=tmp_path)):
+        run_distributed(_grid_groups, world_size=4, tmp_path=tmp_path)
+    ):
         tensor_peer, data_peer = rank ^ 1, rank ^ 2  # tensor innermost: groups {0,1},{2,3} and {0,2},{1,3}
         assert sums["tensor"] == (float(rank + tensor_peer), True)
         assert sums["data"] == (float(rank + data_peer), True)

@@ -20,8 +20,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--op", choices=["all_reduce", "reduce_scatter_tensor"], default=None)
 parser.add_argument("--exit", type=int, default=None, help="the last rank calls sys.exit(EXIT)")
 parser.add_argument("--group_timeout_s", type=float, default=1800.0)
-parser.add_argument("--engine_timeout_s", type=float, default=None,
-                    help="build an engine whose config sets comm.timeout_s")
+parser.add_argument(
+    "--engine_timeout_s", type=float, default=None, help="build an engine whose config sets comm.timeout_s"
+)
 parser.add_argument("--stall_s", type=float, default=600.0)
 args = parser.parse_args()
 
@@ -31,10 +32,16 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 atexit.register(lambda: print(f"rank {rank} passed the exit barrier", flush=True))
 dist.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.group_timeout_s))
 if args.engine_timeout_s is not None:
-    shardwise.initialize(model=TinyMLP(), config={
-        "gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-        "comm": {"timeout_s": args.engine_timeout_s}, "steps_per_print": 1000})
+    shardwise.initialize(
+        model=TinyMLP(),
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "comm": {"timeout_s": args.engine_timeout_s},
+            "steps_per_print": 1000,
+        },
+    )
 in_step = torch.ones(4)
 dist.all_reduce(in_step)  # every rank: the ranks are in step up to here
 if rank == world - 1:

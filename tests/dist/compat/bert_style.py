@@ -50,17 +50,25 @@ def main():
     parser.add_argument("--offload", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
-    config = {"gradient_clipping": 0.0,
-              "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
-              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_gather_16bit_weights_on_model_save": True}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    }
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = MaskedLM()
     partitioned = all(p.numel() == 0 for p in model.parameters())
-    engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                training_data=masked_dataset(), config=config)
+    engine, _, loader, _ = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=masked_dataset(), config=config
+    )
     start = 0
     if args.load_checkpoint_dir:
         _, client_state = engine.load_checkpoint(args.load_checkpoint_dir)
@@ -79,8 +87,12 @@ def main():
         if dist.get_rank() == 0:
             print(f"STEP {step} {float(mean) / dist.get_world_size():.8f}", flush=True)
         if args.offload:
-            engine.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.lp_grads],
-                                  device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False)
+            engine.offload_states(
+                include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.lp_grads],
+                device=OffloadDeviceEnum.cpu,
+                pin_memory=True,
+                non_blocking=False,
+            )
             engine.reload_states()
         if step % args.checkpoint_every == 0:
             engine.save_checkpoint(args.checkpoint_dir, client_state={"step": step})
@@ -88,9 +100,19 @@ def main():
     engine.save_16bit_model("hf_out")
     if dist.get_rank() == 0:
         saved = torch.load("hf_out/pytorch_model.bin")
-        print("RESULT " + json.dumps({"partitioned_at_init": partitioned, "global_steps": engine.global_steps,
-                                      "exp_avg_shape": list(exp_avg.shape), "saved_head": list(saved["head.weight"].shape),
-                                      "gas": engine.get_batch_info()[2]}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "partitioned_at_init": partitioned,
+                    "global_steps": engine.global_steps,
+                    "exp_avg_shape": list(exp_avg.shape),
+                    "saved_head": list(saved["head.weight"].shape),
+                    "gas": engine.get_batch_info()[2],
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

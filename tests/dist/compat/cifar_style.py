@@ -54,25 +54,39 @@ def main():
     deepspeed.init_distributed()
     set_random_seed(1234)
     g = torch.Generator().manual_seed(0)
-    trainset = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g))
+    trainset = torch.utils.data.TensorDataset(
+        torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
+    )
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
     if args.moe_param_group:
         parameters = split_params_into_different_moe_groups_for_optimizer(
-            {"params": [p for p in net.parameters() if p.requires_grad], "name": "parameters"})
+            {"params": [p for p in net.parameters() if p.requires_grad], "name": "parameters"}
+        )
     ds_config = {
-        "train_batch_size": 16, "steps_per_print": 1000,
+        "train_batch_size": 16,
+        "steps_per_print": 1000,
         "optimizer": {"type": "Adam", "params": {"lr": 0.01, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}},
-        "gradient_clipping": 1.0, "prescale_gradients": False,
-        "bf16": {"enabled": False}, "fp16": {"enabled": False, "fp16_master_weights_and_grads": False},
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False, "fp16_master_weights_and_grads": False},
         "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": args.stage, "allgather_partitions": True, "reduce_scatter": True,
-                              "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000,
-                              "overlap_comm": True, "contiguous_gradients": True, "cpu_offload": False},
+        "zero_optimization": {
+            "stage": args.stage,
+            "allgather_partitions": True,
+            "reduce_scatter": True,
+            "allgather_bucket_size": 50000000,
+            "reduce_bucket_size": 50000000,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "cpu_offload": False,
+        },
     }
     model_engine, optimizer, trainloader, __ = deepspeed.initialize(
-        args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config)
+        args=args, model=net, model_parameters=parameters, training_data=trainset, config=ds_config
+    )
     local_device = get_accelerator().device_name(model_engine.local_rank)
     local_rank = model_engine.local_rank
     see_memory_usage("after initialize", force=False)
@@ -103,13 +117,22 @@ def main():
     live = {n: safe_get_full_fp32_param(p) for n, p in model_engine.module.named_parameters()}
     _, client_state = model_engine.load_checkpoint(args.ckpt)
     result = {
-        "world_size": dist.get_world_size(), "local_rank_arg": args.local_rank, "local_rank": local_rank,
-        "env_local_rank": int(os.environ["LOCAL_RANK"]), "dist_local_rank": dist.get_local_rank(),
-        "device": local_device, "backend": get_accelerator().communication_backend_name(),
-        "steps": model_engine.global_steps, "first_loss": losses[0], "last_loss": losses[-1],
-        "mean_last": float(last) / dist.get_world_size(), "gathered": [float(t) for t in gathered],
-        "broadcast": float(flag), "client_state": client_state["epoch"],
-        "grad_norm_positive": all(n > 0 for n in grad_norms), "stage": model_engine.zero_optimization_stage(),
+        "world_size": dist.get_world_size(),
+        "local_rank_arg": args.local_rank,
+        "local_rank": local_rank,
+        "env_local_rank": int(os.environ["LOCAL_RANK"]),
+        "dist_local_rank": dist.get_local_rank(),
+        "device": local_device,
+        "backend": get_accelerator().communication_backend_name(),
+        "steps": model_engine.global_steps,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "mean_last": float(last) / dist.get_world_size(),
+        "gathered": [float(t) for t in gathered],
+        "broadcast": float(flag),
+        "client_state": client_state["epoch"],
+        "grad_norm_positive": all(n > 0 for n in grad_norms),
+        "stage": model_engine.zero_optimization_stage(),
         "lr": model_engine.get_lr()[0],
     }
     if dist.get_rank() == 0:

@@ -32,7 +32,11 @@ class Dataset(torch.utils.data.Dataset):
     def __init__(self, n=256):
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 16, generator=g)
-        self.y = self.x @ torch.linspace(-1, 1, 16 * 4, ).reshape(16, 4) + 0.01 * torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.linspace(
+            -1,
+            1,
+            16 * 4,
+        ).reshape(16, 4) + 0.01 * torch.randn(n, 4, generator=g)
 
     def __len__(self):
         return len(self.x)
@@ -45,23 +49,51 @@ def main():
     args = get_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(args.seed)
-    layers = [LayerSpec(nn.Linear, 16, 64), nn.ReLU(), LayerSpec(nn.Linear, 64, 64), nn.ReLU(),
-              LayerSpec(nn.Linear, 64, 4)]
-    net = PipelineModule(layers=layers, loss_fn=nn.MSELoss(), num_stages=args.pipeline_parallel_size,
-                         partition_method="parameters", activation_checkpoint_interval=0, dynamic_shape=False)
-    config = {"gradient_clipping": 0.0,
-              "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 100,
-              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "pipeline": {"seed_layers": False}}
-    engine, _, _, _ = deepspeed.initialize(args=args, model=net, config=config,
-                                           model_parameters=[p for p in net.parameters() if p.requires_grad],
-                                           training_data=Dataset())
+    layers = [
+        LayerSpec(nn.Linear, 16, 64),
+        nn.ReLU(),
+        LayerSpec(nn.Linear, 64, 64),
+        nn.ReLU(),
+        LayerSpec(nn.Linear, 64, 4),
+    ]
+    net = PipelineModule(
+        layers=layers,
+        loss_fn=nn.MSELoss(),
+        num_stages=args.pipeline_parallel_size,
+        partition_method="parameters",
+        activation_checkpoint_interval=0,
+        dynamic_shape=False,
+    )
+    config = {
+        "gradient_clipping": 0.0,
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 100,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "pipeline": {"seed_layers": False},
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        args=args,
+        model=net,
+        config=config,
+        model_parameters=[p for p in net.parameters() if p.requires_grad],
+        training_data=Dataset(),
+    )
     losses = [float(engine.train_batch()) for _ in range(args.steps)]
     if torch.distributed.get_rank() == 0:
-        print("RESULT " + json.dumps({
-            "losses": losses, "stages": engine.num_stages, "first": engine.is_first_stage(),
-            "gas": engine.gradient_accumulation_steps(), "layers": sorted({n.split(".")[0] for n, _ in
-                                                                           engine.module.named_parameters()}),
-            "global_steps": engine.global_steps}))
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "losses": losses,
+                    "stages": engine.num_stages,
+                    "first": engine.is_first_stage(),
+                    "gas": engine.gradient_accumulation_steps(),
+                    "layers": sorted({n.split(".")[0] for n, _ in engine.module.named_parameters()}),
+                    "global_steps": engine.global_steps,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,11 @@ AT_ONCE = 2
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
     return env
 
@@ -37,11 +40,30 @@ def _free_port():
 
 def _launch(launcher, script, args, tmp_path):
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               _free_port(), str(HERE / script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            _free_port(),
+            str(HERE / script),
+            *args,
+        ]
     else:
-        cmd = [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", _free_port(),
-               str(HERE / script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardwise.cli",
+            "run",
+            "--nproc",
+            "2",
+            "--master_port",
+            _free_port(),
+            str(HERE / script),
+            *args,
+        ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
@@ -53,8 +75,9 @@ def _bert_resume(tmp_path):
     """6 steps saving every 3, then a resume from the step-3 checkpoint in the same directory."""
     full, proc = _launch("shardwise", "bert_style.py", ["--offload"], tmp_path)
     (tmp_path / "bert_ckpt" / "latest").write_text("global_step3")  # rewind to the step-3 checkpoint
-    resumed, again = _launch("torchrun", "bert_style.py", ["--load_checkpoint_dir", "bert_ckpt",
-                                                           "--checkpoint_dir", "again"], tmp_path)
+    resumed, again = _launch(
+        "torchrun", "bert_style.py", ["--load_checkpoint_dir", "bert_ckpt", "--checkpoint_dir", "again"], tmp_path
+    )
     return full, proc.stdout, resumed, again.stdout
 
 

@@ -19,18 +19,37 @@ from shardwise.testing import run_distributed
 from shardwise.testing.parity import full_parameters
 
 VOCAB, WIDTH, HEAD, LAYERS, SEQ, BATCH, STEPS = 32, 16, 4, 3, 16, 4, 4
-CURRICULUM = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": SEQ,
-              "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 3, "difficulty_step": 4}}
+CURRICULUM = {
+    "enabled": True,
+    "curriculum_type": "seqlen",
+    "min_difficulty": 8,
+    "max_difficulty": SEQ,
+    "schedule_type": "fixed_linear",
+    "schedule_config": {"total_curriculum_step": 3, "difficulty_step": 4},
+}
 PLD = {"enabled": True, "theta": 0.5, "gamma": 0.5}
-RANDOM_LTD = {"enabled": True, "total_layer_num": LAYERS, "random_ltd_layer_num": 1, "random_ltd_layer_id": [1],
-              "model_mask_name": None, "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
-              "random_ltd_schedule": {"min_value": 4, "max_value": SEQ, "schedule_type": "fixed_linear",
-                                      "schedule_config": {"require_steps": 3, "seq_per_step": 4}}}
+RANDOM_LTD = {
+    "enabled": True,
+    "total_layer_num": LAYERS,
+    "random_ltd_layer_num": 1,
+    "random_ltd_layer_id": [1],
+    "model_mask_name": None,
+    "model_type": "decoder",
+    "hidden_state_order": "batch_seq_dim",
+    "random_ltd_schedule": {
+        "min_value": 4,
+        "max_value": SEQ,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"require_steps": 3, "seq_per_step": 4},
+    },
+}
 OF_MOVEMENT = {"SGD": 1e-5, "AdamW": 2e-3}
 """Largest |engine - reference| allowed, as a fraction of the reference's movement (as in
 tests/dist/tensor_parallel/test_autotp.py: AdamW turns reduction-order noise into more)."""
-SPECS = [{"patterns": [r".*\.(q|k|v|fc)\.(weight|bias)$"], "partition_type": "column"},
-         {"patterns": [r".*\.(proj|out)\.weight$"], "partition_type": "row"}]
+SPECS = [
+    {"patterns": [r".*\.(q|k|v|fc)\.(weight|bias)$"], "partition_type": "column"},
+    {"patterns": [r".*\.(proj|out)\.weight$"], "partition_type": "row"},
+]
 
 
 class Block(nn.Module):
@@ -87,8 +106,9 @@ def _reference(model, optimizer, lr):
     torch.manual_seed(3)
     for step, tokens in enumerate(_batches()):
         ltd.before_forward(step)
-        model(tokens[:, :-1], tokens[:, 1:], curriculum_seqlen=curriculum.update_difficulty(step + 1),
-              **pld.get_state()).backward()
+        model(
+            tokens[:, :-1], tokens[:, 1:], curriculum_seqlen=curriculum.update_difficulty(step + 1), **pld.get_state()
+        ).backward()
         pld.update_state(step)
         opt.step()
         opt.zero_grad()
@@ -100,22 +120,34 @@ def _job(rank, world_size, clusters):
     for name, optimizer, lr in (("SGD", torch.optim.SGD, 0.5), ("AdamW", torch.optim.AdamW, 1e-2)):
         model = convert_to_random_ltd(Decoder(), Block)
         reference = _reference(model, optimizer, lr)
-        config = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 1000, "gradient_clipping": 0.0,
-                  "optimizer": {"type": name, "params": {"lr": lr, "weight_decay": 0.0}},
-                  "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": SPECS}},
-                  "curriculum_learning": CURRICULUM, "progressive_layer_drop": PLD,
-                  "data_efficiency": {"enabled": True, "data_routing": {"random_ltd": RANDOM_LTD}}}
+        config = {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "steps_per_print": 1000,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": name, "params": {"lr": lr, "weight_decay": 0.0}},
+            "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": SPECS}},
+            "curriculum_learning": CURRICULUM,
+            "progressive_layer_drop": PLD,
+            "data_efficiency": {"enabled": True, "data_routing": {"random_ltd": RANDOM_LTD}},
+        }
         engine, *_ = shardwise.initialize(model=copy.deepcopy(model), config=config)
         torch.manual_seed(3)  # the same kept tokens on both ranks, and as the reference's
         for tokens in _batches():
             engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
             engine.step()
         got = full_parameters(engine)
-        split = engine.module.blocks[0].random_ltd_layer.q.weight.shape[0] if hasattr(
-            engine.module.blocks[0], "random_ltd_layer") else engine.module.blocks[0].q.weight.shape[0]
-        out[name] = (max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()),
-                     max((p.detach() - q.detach()).abs().max().item()
-                         for p, q in zip(reference.parameters(), model.parameters())), split)
+        split = (
+            engine.module.blocks[0].random_ltd_layer.q.weight.shape[0]
+            if hasattr(engine.module.blocks[0], "random_ltd_layer")
+            else engine.module.blocks[0].q.weight.shape[0]
+        )
+        out[name] = (
+            max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()),
+            max(
+                (p.detach() - q.detach()).abs().max().item() for p, q in zip(reference.parameters(), model.parameters())
+            ),
+            split,
+        )
     return out
 
 
@@ -131,12 +163,14 @@ def _sampled_rows(clusters):
     ref = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref)
     sampling = ref.sampler_configs(os.path.join(unit, "deepspeed_reference", "analyzer"), clusters)["value"]
-    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": SPECS}},
-              "data_efficiency": sampling}
-    _, _, loader, _ = shardwise.initialize(model=Decoder(), config=config,
-                                           training_data=list(ref.analyzer_dataset()))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": SPECS}},
+        "data_efficiency": sampling,
+    }
+    _, _, loader, _ = shardwise.initialize(model=Decoder(), config=config, training_data=list(ref.analyzer_dataset()))
     batches = iter(loader)
     return [next(batches).tolist() for _ in range(3)]
 

@@ -32,10 +32,14 @@ def _train(rank, world_size, knobs):
         torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-              "gradient_clipping": CLIP, "steps_per_print": 1000,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "eps": EPS}},
-              "zero_optimization": {"stage": 3, **knobs}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "eps": EPS}},
+        "zero_optimization": {"stage": 3, **knobs},
+    }
     torch.manual_seed(0)
     with shardwise.zero.Init(config_dict_or_path=config):
         model = GPT(CONFIG)
@@ -44,15 +48,18 @@ def _train(rank, world_size, knobs):
     for tokens in data:
         for micro in range(GAS):
             start = (micro * world_size + rank) * MICRO
-            mine = tokens[start:start + MICRO]
+            mine = tokens[start : start + MICRO]
             engine.backward(engine(mine[:, :-1], mine[:, 1:]))
             engine.step()
         norms.append(engine.get_global_grad_norm())
     return max_param_diff(reference, engine.module), max(norms)
 
 
-@pytest.mark.parametrize("world_size,knobs", [(2, STAGE3_PARTITION_ALL), (4, STAGE3_PARTITION_ALL), (2, {})],
-                         ids=["2 ranks partition all", "4 ranks partition all", "2 ranks DeepSpeed defaults"])
+@pytest.mark.parametrize(
+    "world_size,knobs",
+    [(2, STAGE3_PARTITION_ALL), (4, STAGE3_PARTITION_ALL), (2, {})],
+    ids=["2 ranks partition all", "4 ranks partition all", "2 ranks DeepSpeed defaults"],
+)
 def test_gpt_example_stage3_matches_single_process(tmp_path, world_size, knobs):
     for diff, largest_norm in run_distributed(_train, world_size=world_size, tmp_path=tmp_path, knobs=knobs):
         assert largest_norm > CLIP  # clipping was exercised

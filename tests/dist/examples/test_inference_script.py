@@ -40,9 +40,24 @@ def _launch(nproc: int, *extra: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", "run", "--nproc", str(nproc), "--master_port", str(_free_port()),
-         str(SCRIPT), *ARGS, *extra],
-        capture_output=True, text=True, timeout=240, env=env)
+        [
+            sys.executable,
+            "-m",
+            "shardwise.cli",
+            "run",
+            "--nproc",
+            str(nproc),
+            "--master_port",
+            str(_free_port()),
+            str(SCRIPT),
+            *ARGS,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
     return _tokens(nproc, proc.stdout)
 

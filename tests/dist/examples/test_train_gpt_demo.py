@@ -29,15 +29,44 @@ def _free_port():
 
 def _demo(cwd, config, steps):
     """The demo on 2 ranks for ``steps`` steps under ``config``, saving to ``cwd/ckpt``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", str(_free_port()),
-         str(REPO / "examples" / "train_gpt.py"), "--steps", str(steps), "--width", "32", "--layers", "2",
-         "--seq_len", "32", "--corpus_bytes", "100000", "--deepspeed_config",
-         str(REPO / "examples" / "configs" / config), "--save", str(cwd / "ckpt")],
-        capture_output=True, text=True, timeout=240, env=env, cwd=cwd)
+        [
+            sys.executable,
+            "-m",
+            "shardwise.cli",
+            "run",
+            "--nproc",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(REPO / "examples" / "train_gpt.py"),
+            "--steps",
+            str(steps),
+            "--width",
+            "32",
+            "--layers",
+            "2",
+            "--seq_len",
+            "32",
+            "--corpus_bytes",
+            "100000",
+            "--deepspeed_config",
+            str(REPO / "examples" / "configs" / config),
+            "--save",
+            str(cwd / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=cwd,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
     return proc, cwd
 
@@ -59,8 +88,9 @@ def jobs(request, tmp_path_factory):
 
 
 # stage 1 is left to the engine tests (tests/dist/runtime, tests/dist/zero): a launch costs ~7 s
-@pytest.mark.parametrize("config", ["zero0_bf16.json", "zero3.json", "zero2_offload_cpu.json",
-                                    "zero3_offload_nvme.json"])
+@pytest.mark.parametrize(
+    "config", ["zero0_bf16.json", "zero3.json", "zero2_offload_cpu.json", "zero3_offload_nvme.json"]
+)
 def test_demo_runs_under_config(jobs, request, config):
     proc, cwd = jobs[request.node.name].result()
     match = re.search(r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+)", proc.stdout)

@@ -27,13 +27,34 @@ def _free_port():
 
 
 def _demo(tmp_path, *args):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", "--master_port", str(_free_port()),
-         str(REPO / "examples" / "train_gpt.py"), *TINY, "--deepspeed_config", str(tmp_path / "config.json"),
-         *args], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "shardwise.cli",
+            "run",
+            "--nproc",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(REPO / "examples" / "train_gpt.py"),
+            *TINY,
+            "--deepspeed_config",
+            str(tmp_path / "config.json"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-8000:]
     # "step k | loss x | lr y | ... samples/s" every step (steps_per_print 1), rank 0's loss
     steps = {int(m[1]): m[2] for m in re.finditer(r"step (\d+) \| (loss [\d.]+ \| lr \S+)", proc.stderr)}
@@ -53,8 +74,9 @@ def test_resumed_demo_continues_as_if_never_stopped(tmp_path):
     resumed.mkdir()
     shutil.copytree(straight / "global_step2", resumed / "global_step2")
     (resumed / "latest").write_text("global_step2")
-    stdout, resumed_steps = _demo(tmp_path, "--steps", "6", "--save", str(resumed), "--save_interval", "2",
-                                  "--resume", str(resumed))
+    stdout, resumed_steps = _demo(
+        tmp_path, "--steps", "6", "--save", str(resumed), "--save_interval", "2", "--resume", str(resumed)
+    )
     assert f"resumed from {resumed / 'global_step2'} at step 2 (epoch 1, micro-batch 1)" in stdout, stdout
     assert sorted(resumed_steps) == [3, 4, 5, 6], resumed_steps
     for step, line in resumed_steps.items():

@@ -102,12 +102,14 @@ def _body(rank, world_size, root):
         plain_open = _loading.safe_open
         _loading.safe_open = functools.partial(_counting_open, plain_open, read)
         try:
-            engine = shardwise.init_inference(meta, dtype=torch.float32, tensor_parallel={"tp_size": world_size},
-                                              checkpoint=path)
+            engine = shardwise.init_inference(
+                meta, dtype=torch.float32, tensor_parallel={"tp_size": world_size}, checkpoint=path
+            )
         finally:
             _loading.safe_open = plain_open
-        sharded = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                           tensor_parallel={"tp_size": world_size})
+        sharded = shardwise.init_inference(
+            copy.deepcopy(reference), dtype=torch.float32, tensor_parallel={"tp_size": world_size}
+        )
         _check_slices(engine, sharded)
         must, full = _expected_elements(reference, engine, world_size)
         assert read[0] == must < 0.75 * full, (family, read[0], must, full)

@@ -21,12 +21,14 @@ NEW = 32
 
 def _split_layers(family: str) -> tuple[str, str]:
     """A column-parallel and a row-parallel layer of the family's first block."""
-    return {"llama": ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"),
-            "mistral": ("model.layers.0.mlp.up_proj", "model.layers.0.self_attn.o_proj"),
-            "qwen2": ("model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.o_proj"),
-            "gpt2": ("transformer.h.0.mlp.c_fc", "transformer.h.0.attn.c_proj"),
-            "opt": ("model.decoder.layers.0.fc1", "model.decoder.layers.0.fc2"),
-            "gpt_neox": ("gpt_neox.layers.0.mlp.dense_h_to_4h", "gpt_neox.layers.0.attention.dense")}[family]
+    return {
+        "llama": ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"),
+        "mistral": ("model.layers.0.mlp.up_proj", "model.layers.0.self_attn.o_proj"),
+        "qwen2": ("model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.o_proj"),
+        "gpt2": ("transformer.h.0.mlp.c_fc", "transformer.h.0.attn.c_proj"),
+        "opt": ("model.decoder.layers.0.fc1", "model.decoder.layers.0.fc2"),
+        "gpt_neox": ("gpt_neox.layers.0.mlp.dense_h_to_4h", "gpt_neox.layers.0.attention.dense"),
+    }[family]
 
 
 def _check_split(engine, reference, family: str, rank: int, tp: int) -> None:
@@ -48,11 +50,13 @@ def _reference_outputs(reference, single, batch, mask) -> dict:
     with torch.no_grad():
         outputs = {"logits": reference(batch, attention_mask=mask).logits}
     for name, ids, kwargs in (("single", single, {}), ("batch", batch, {"attention_mask": mask})):
-        outputs[name] = reference.generate(ids, **kwargs, max_new_tokens=NEW, do_sample=False,
-                                           return_dict_in_generate=True, output_logits=True)
+        outputs[name] = reference.generate(
+            ids, **kwargs, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True
+        )
     torch.manual_seed(7)
-    outputs["sampled"] = reference.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=20,
-                                            temperature=0.9)
+    outputs["sampled"] = reference.generate(
+        batch, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=20, temperature=0.9
+    )
     return outputs
 
 
@@ -79,9 +83,12 @@ def _body(rank, world_size, plain_outputs):
         wanted = plain_outputs[family]
         for inject in _injections(family, world_size):
             reference = tiny_lm(family)  # seeded: the weights the plain outputs came from
-            engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                              tensor_parallel={"tp_size": world_size},
-                                              replace_with_kernel_inject=inject)
+            engine = shardwise.init_inference(
+                copy.deepcopy(reference),
+                dtype=torch.float32,
+                tensor_parallel={"tp_size": world_size},
+                replace_with_kernel_inject=inject,
+            )
             assert engine.mp_world_size == world_size
             _check_split(engine, reference, family, rank, world_size)
             got = engine(batch, attention_mask=mask).logits
@@ -98,14 +105,19 @@ def _body(rank, world_size, plain_outputs):
                 assert step_err < 1e-4, (family, inject, step_err)
             if world_size == 2:
                 torch.manual_seed(7)
-                got = engine.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=20,
-                                      temperature=0.9)
+                got = engine.generate(
+                    batch, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=20, temperature=0.9
+                )
                 assert torch.equal(got, wanted["sampled"]), (family, inject, "sampling")
             report[(family, inject)] = (logit_err, engine.fast_path)
     if world_size == 4:  # tp 2 in a world of 4: two tensor groups, {0, 1} and {2, 3}, each a whole model
         reference = tiny_lm("llama")
-        engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                          tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True)
+        engine = shardwise.init_inference(
+            copy.deepcopy(reference),
+            dtype=torch.float32,
+            tensor_parallel={"tp_size": 2},
+            replace_with_kernel_inject=True,
+        )
         _check_split(engine, reference, "llama", rank % 2, 2)
         kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
         assert torch.equal(engine.generate(batch, **kwargs), plain_outputs["llama"]["batch"].sequences)
@@ -126,8 +138,9 @@ def _injections(family, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_generation_equals_plain_model(tmp_path, plain_outputs, world_size):
-    reports = run_distributed(_body, world_size=world_size, tmp_path=tmp_path, timeout_s=600,
-                              plain_outputs=plain_outputs)
+    reports = run_distributed(
+        _body, world_size=world_size, tmp_path=tmp_path, timeout_s=600, plain_outputs=plain_outputs
+    )
     assert [tp for _, tp in reports] == [2 if world_size == 4 else None] * world_size
     fast = {family for (family, inject), (_, on) in reports[0][0].items() if inject and on}
     assert fast == {family for family in FAMILIES if True in _injections(family, world_size)}
@@ -160,8 +173,14 @@ def _llama(**overrides):
     import transformers
 
     torch.manual_seed(0)
-    options = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=128)
+    options = dict(
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     options.update(overrides)
     return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**options))
 
@@ -171,8 +190,12 @@ def _policy_int8_and_errors_body(rank, world_size):
 
     # injection_policy on a model no built-in policy knows: fc_out reduced, fc_in split
     reference = _Net()
-    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                      tensor_parallel={"tp_size": 2}, injection_policy={_Block: ("fc_out",)})
+    engine = shardwise.init_inference(
+        copy.deepcopy(reference),
+        dtype=torch.float32,
+        tensor_parallel={"tp_size": 2},
+        injection_policy={_Block: ("fc_out",)},
+    )
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(engine(x), reference(x), rtol=0, atol=1e-5)
     held = engine.module.blocks[0]
@@ -181,35 +204,42 @@ def _policy_int8_and_errors_body(rank, world_size):
     # the tensor group given as a process group (tensor_parallel.tp_group), and one that disagrees with tp_size
     group = torch.distributed.new_group([0, 1])
     reference = tiny_lm("gpt2")
-    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.float32,
-                                      tensor_parallel={"tp_group": group, "tp_size": 2})
+    engine = shardwise.init_inference(
+        copy.deepcopy(reference), dtype=torch.float32, tensor_parallel={"tp_group": group, "tp_size": 2}
+    )
     _check_split(engine, reference, "gpt2", rank, 2)
     errors = {}
     try:
-        shardwise.init_inference(tiny_lm("gpt2"), dtype=torch.float32, tensor_parallel={"tp_group": group, "tp_size": 4})
+        shardwise.init_inference(
+            tiny_lm("gpt2"), dtype=torch.float32, tensor_parallel={"tp_group": group, "tp_size": 4}
+        )
     except ValueError as exc:
         errors["group size"] = str(exc)
     for name, build, kwargs in (
-            ("no policy", _Net, {}),
-            ("policy names no class", _Net, {"injection_policy": {"Nope": ("fc_out",)}}),
-            ("heads", lambda: _llama(num_attention_heads=3, num_key_value_heads=3), {}),
-            ("kv heads", lambda: _llama(num_key_value_heads=1), {}),
-            ("vocab", lambda: _llama(vocab_size=127), {})):
+        ("no policy", _Net, {}),
+        ("policy names no class", _Net, {"injection_policy": {"Nope": ("fc_out",)}}),
+        ("heads", lambda: _llama(num_attention_heads=3, num_key_value_heads=3), {}),
+        ("kv heads", lambda: _llama(num_key_value_heads=1), {}),
+        ("vocab", lambda: _llama(vocab_size=127), {}),
+    ):
         try:
             shardwise.init_inference(build(), dtype=torch.float32, tensor_parallel={"tp_size": 2}, **kwargs)
         except ValueError as exc:
             errors[name] = str(exc)
     # int8 shards: each rank quantises its own slice
     reference = tiny_lm("llama")
-    engine = shardwise.init_inference(copy.deepcopy(reference), dtype=torch.int8, replace_with_kernel_inject=True,
-                                      tensor_parallel={"tp_size": 2})
+    engine = shardwise.init_inference(
+        copy.deepcopy(reference), dtype=torch.int8, replace_with_kernel_inject=True, tensor_parallel={"tp_size": 2}
+    )
     ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = reference(ids).logits
     got = engine(ids).logits
-    int8 = ((got - want).abs().max().item() / want.abs().max().item(),
-            (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
-            engine.module.model.layers[0].self_attn.q_proj.parametrizations.weight.original.shape)
+    int8 = (
+        (got - want).abs().max().item() / want.abs().max().item(),
+        (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+        engine.module.model.layers[0].self_attn.q_proj.parametrizations.weight.original.shape,
+    )
     return errors, int8
 
 

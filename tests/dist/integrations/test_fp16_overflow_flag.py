@@ -18,9 +18,14 @@ from shardwise.testing.models import TinyMLP, token_batches
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate")
 
-CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 1000,
-          "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "steps_per_print": 1000,
+    "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+}
 
 
 def _loss(rank, step, loss):
@@ -46,8 +51,9 @@ def _through_accelerate(rank, world_size):
 
     config = {key: value for key, value in CONFIG.items() if key != "optimizer"}
     config["zero_optimization"] = {"stage": 0}
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
-                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    accelerator = Accelerator(
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]
+    )
     model = TinyMLP(seed=1)
     batches = token_batches(num_steps=2, batch=2, seed=rank)
     engine, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -66,10 +72,11 @@ def _both(rank, world_size):
 
 def test_the_overflow_flag_is_set_by_a_skipped_step_and_cleared_by_the_next_applied_one(tmp_path):
     for (flags, applied), (accelerate_flags, fp16, scale) in run_distributed(
-            _both, world_size=2, tmp_path=tmp_path, timeout_s=180, fresh_processes=True):
+        _both, world_size=2, tmp_path=tmp_path, timeout_s=180, fresh_processes=True
+    ):
         assert applied == [False, True]
         assert flags == [False, True, False]
         assert all(type(flag) is bool for flag in flags)
-        assert fp16 and scale == 2 ** 7  # Accelerate ran the fp16 engine, which skipped once
+        assert fp16 and scale == 2**7  # Accelerate ran the fp16 engine, which skipped once
         assert accelerate_flags == [False, True, False]
         assert all(type(flag) is bool for flag in accelerate_flags)

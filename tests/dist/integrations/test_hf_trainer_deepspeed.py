@@ -11,7 +11,6 @@ on weights and 1e-5 relative on losses are far below one step's change.
 import copy
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
@@ -28,8 +27,9 @@ MICRO, ACCUMULATION, STEPS, LR, WARMUP = 2, 2, 4, 1e-2, 2
 
 def _model():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -47,16 +47,24 @@ class _Tokens(torch.utils.data.Dataset):
 def _deepspeed_config(stage: int) -> dict:
     """Batch sizes, clipping and the optimizer from TrainingArguments ("auto"); at stage 3
     no optimizer section, so the Trainer's own AdamW (with its no-decay group) is used."""
-    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto",
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"}}
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
+    }
     if stage == 3:
-        config["zero_optimization"].update(stage3_gather_16bit_weights_on_model_save=True,
-                                           stage3_param_persistence_threshold=0,
-                                           stage3_prefetch_bucket_size="auto")
+        config["zero_optimization"].update(
+            stage3_gather_16bit_weights_on_model_save=True,
+            stage3_param_persistence_threshold=0,
+            stage3_prefetch_bucket_size="auto",
+        )
     else:
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                           "weight_decay": "auto"}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
     return config
 
 
@@ -76,12 +84,27 @@ def _reset_accelerate(deepspeed: bool) -> None:
 
 def _train(out_dir, *, config=None, resume=None, weight_decay=0.0):
     _reset_accelerate(config is not None)
-    placement = dict(use_cpu=True, ddp_backend="gloo") if config is None else \
-        dict(deepspeed=copy.deepcopy(config), accelerator_config={"use_configured_state": True})
+    placement = (
+        dict(use_cpu=True, ddp_backend="gloo")
+        if config is None
+        else dict(deepspeed=copy.deepcopy(config), accelerator_config={"use_configured_state": True})
+    )
     args = transformers.TrainingArguments(
-        output_dir=str(out_dir), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION,
-        max_steps=STEPS, learning_rate=LR, warmup_steps=WARMUP, weight_decay=weight_decay, logging_steps=1,
-        save_strategy="steps", save_steps=2, report_to=[], seed=0, disable_tqdm=True, **placement)
+        output_dir=str(out_dir),
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        learning_rate=LR,
+        warmup_steps=WARMUP,
+        weight_decay=weight_decay,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        **placement,
+    )
     trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_Tokens())
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(str(out_dir / "final"))
@@ -116,8 +139,7 @@ def _partitioned_from_pretrained(rank, config, saved_dir):
     model = transformers.GPT2LMHeadModel.from_pretrained(str(saved_dir))
     checks = {"zero3_enabled": is_deepspeed_zero3_enabled()}
     params = dict(model.named_parameters())
-    checks["partitioned"] = all(p.numel() == 0 and p.ds_tensor.numel() == -(-p.ds_numel // 2)
-                                for p in params.values())
+    checks["partitioned"] = all(p.numel() == 0 and p.ds_tensor.numel() == -(-p.ds_numel // 2) for p in params.values())
     with shardwise.zero.GatheredParameters(list(params.values())):
         full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     saved = _saved(saved_dir)
@@ -134,19 +156,27 @@ def _stage_job(rank, world_size, stage, out):
     shardwise.install_as_deepspeed()  # before the Trainer and Accelerate are imported
     import deepspeed
 
-    checks = {"real_deepspeed_absent": before is None, "alias": deepspeed is shardwise,
-              "alias_spec": importlib.util.find_spec("deepspeed").name == "shardwise"}
+    checks = {
+        "real_deepspeed_absent": before is None,
+        "alias": deepspeed is shardwise,
+        "alias_spec": importlib.util.find_spec("deepspeed").name == "shardwise",
+    }
     out, decay = Path(out), 0.1 if stage == 3 else 0.0
     _, checks["reference"] = _train(out / "reference", weight_decay=decay)
     config = _deepspeed_config(stage)
     trainer, checks["deepspeed"] = _train(out / "deepspeed", config=config, weight_decay=decay)
     engine = trainer.model_wrapped
-    checks["engine"] = [isinstance(engine, deepspeed.DeepSpeedEngine), engine.zero_optimization_stage(),
-                        engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-                        engine.gradient_clipping()]
+    checks["engine"] = [
+        isinstance(engine, deepspeed.DeepSpeedEngine),
+        engine.zero_optimization_stage(),
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+        engine.gradient_clipping(),
+    ]
     del trainer, engine
-    _, checks["resumed"] = _train(out / "resumed", config=config, weight_decay=decay,
-                                  resume=str(out / "deepspeed" / "checkpoint-2"))
+    _, checks["resumed"] = _train(
+        out / "resumed", config=config, weight_decay=decay, resume=str(out / "deepspeed" / "checkpoint-2")
+    )
     if rank == 0:
         final = _saved(out / "deepspeed" / "final")
         checks["weights_vs_reference"] = _max_diff(_saved(out / "reference" / "final"), final)
@@ -159,8 +189,15 @@ def _stage_job(rank, world_size, stage, out):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_with_deepspeed_config_matches_trainer_without(tmp_path, stage):
-    results = run_distributed(_stage_job, world_size=2, tmp_path=tmp_path, timeout_s=240, fresh_processes=True,
-                              stage=stage, out=str(tmp_path / "runs"))
+    results = run_distributed(
+        _stage_job,
+        world_size=2,
+        tmp_path=tmp_path,
+        timeout_s=240,
+        fresh_processes=True,
+        stage=stage,
+        out=str(tmp_path / "runs"),
+    )
     for rank, checks in enumerate(results):
         assert checks["real_deepspeed_absent"] and checks["alias"] and checks["alias_spec"]
         assert checks["engine"] == [True, stage, MICRO, ACCUMULATION, 1.0]

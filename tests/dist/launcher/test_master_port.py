@@ -24,12 +24,20 @@ dist.destroy_process_group()
 def _start(tmp_path, *flags):
     script = tmp_path / "tiny.py"
     script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", SHARDWISE_ACCELERATOR="cpu")
-    return subprocess.Popen([sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", *flags,
-                             "--no_local_rank", str(script)], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "run", "--nproc", "2", *flags, "--no_local_rank", str(script)],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_two_jobs_on_one_machine_at_once_both_succeed(tmp_path):

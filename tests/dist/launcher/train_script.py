@@ -4,8 +4,6 @@ import argparse
 import os
 import sys
 
-import torch
-
 import shardwise
 from shardwise.testing.models import TinyMLP, token_batches
 
@@ -18,14 +16,21 @@ args = parser.parse_args()
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 # one write per line: ranks share the launcher's stdout, and print() writes the newline
 # separately, so lines of different ranks could interleave
-sys.stdout.write(f"RANKINFO rank={rank} local_rank={os.environ['LOCAL_RANK']} world={world} "
-      f"passed_local_rank={int(any(a.startswith('--local_rank') for a in sys.argv))} "
-      f"MY_VAR={os.environ.get('MY_VAR')}\n")
+sys.stdout.write(
+    f"RANKINFO rank={rank} local_rank={os.environ['LOCAL_RANK']} world={world} "
+    f"passed_local_rank={int(any(a.startswith('--local_rank') for a in sys.argv))} "
+    f"MY_VAR={os.environ.get('MY_VAR')}\n"
+)
 sys.stdout.flush()
-engine, _, _, _ = shardwise.initialize(model=TinyMLP(), config={
-    "gradient_clipping": 0.0,
-    "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-    "steps_per_print": 1000})
+engine, _, _, _ = shardwise.initialize(
+    model=TinyMLP(),
+    config={
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "steps_per_print": 1000,
+    },
+)
 for step, (tokens, targets) in enumerate(token_batches(num_steps=args.steps, batch=2, seed=rank)):
     if step == 1 and rank == args.crash_rank:
         raise RuntimeError(f"injected failure on rank {rank}")

@@ -13,8 +13,8 @@ import torch
 
 import shardwise
 from shardwise.config import ConfigError
-from shardwise.runtime import _checkpointing as checkpointing
 from shardwise.offload import SwapFileError, SwapPathError, make_swap_dir, state_tensors_per_param
+from shardwise.runtime import _checkpointing as checkpointing
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train, max_param_diff, reference_run
@@ -30,10 +30,14 @@ def _config(stage, dtype, offload=None, optimizer=ADAMW, **zero):
     zero = {"stage": stage, "reduce_bucket_size": 300, **(STAGE3_PARTITION_ALL if stage == 3 else {}), **zero}
     if offload:
         zero["offload_optimizer"] = offload
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-              "gradient_clipping": CLIP, "steps_per_print": 1000,
-              "optimizer": optimizer,
-              "zero_optimization": zero}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 1000,
+        "optimizer": optimizer,
+        "zero_optimization": zero,
+    }
     if dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 20}  # the first step overflows
     elif dtype == "bf16":
@@ -87,8 +91,9 @@ def _check(rank, world_size, cases, nvme_root):
         offload = {"device": device, "nvme_path": nvme_root, **knobs.pop("offload", {})}
         if "offload_param" in knobs:
             knobs["offload_param"] = {"nvme_path": nvme_root, **knobs["offload_param"]}
-        engine, optimizer, _, _ = shardwise.initialize(model=copy.deepcopy(model),
-                                                       config=_config(stage, dtype, offload, **knobs))
+        engine, optimizer, _, _ = shardwise.initialize(
+            model=copy.deepcopy(model), config=_config(stage, dtype, offload, **knobs)
+        )
         strategy = engine.strategy
         if late:
             strategy._host_copies = _LateCopies()
@@ -98,20 +103,33 @@ def _check(rank, world_size, cases, nvme_root):
         # single-process PyTorch with the same optimizer (bugs the run without offload
         # shares cancel in ``same``); fp16's skipped steps are its first ones
         options = dict(optimizer_config["params"])
-        reference = reference_run(model, batches[engine.skipped_steps:], clip=CLIP,
-                                  optimizer=getattr(torch.optim, optimizer_config["type"]), **options)
-        result = {"same": same, "clipped": max(norms) > CLIP, "skipped": engine.skipped_steps,
-                  "vs_reference": max_param_diff(reference.model, engine.module),
-                  "update_error": reference.update_error(engine.module),
-                  # every reduced gradient shard went to the host through the copy queue
-                  # (see [Note: host copies]); on a CPU machine nothing else tells offload apart
-                  "copied_to_host": strategy._host_copies is not None,
-                  "separate_grad_shard": any(b.grad_full is None or b.grad_shard.untyped_storage().data_ptr()
-                                             != b.grad_full.untyped_storage().data_ptr() for b in strategy.buckets)}
+        reference = reference_run(
+            model,
+            batches[engine.skipped_steps :],
+            clip=CLIP,
+            optimizer=getattr(torch.optim, optimizer_config["type"]),
+            **options,
+        )
+        result = {
+            "same": same,
+            "clipped": max(norms) > CLIP,
+            "skipped": engine.skipped_steps,
+            "vs_reference": max_param_diff(reference.model, engine.module),
+            "update_error": reference.update_error(engine.module),
+            # every reduced gradient shard went to the host through the copy queue
+            # (see [Note: host copies]); on a CPU machine nothing else tells offload apart
+            "copied_to_host": strategy._host_copies is not None,
+            "separate_grad_shard": any(
+                b.grad_full is None
+                or b.grad_shard.untyped_storage().data_ptr() != b.grad_full.untyped_storage().data_ptr()
+                for b in strategy.buckets
+            ),
+        }
         if late:
             copies = strategy._host_copies
-            result.update(late_landed=copies.landed, late_pending=copies.pending,
-                          late_most_in_flight=copies.most_in_flight)
+            result.update(
+                late_landed=copies.landed, late_pending=copies.pending, late_most_in_flight=copies.most_in_flight
+            )
         if device == "nvme":
             swapper = strategy.swapper
             shard_bytes = sum(b.shard * 4 for b in strategy.buckets)
@@ -120,11 +138,18 @@ def _check(rank, world_size, cases, nvme_root):
             pinned_bytes = sum(strategy.buckets[i].shard * 4 for i in swapper.pinned)
             largest_group = max(sum(strategy.buckets[i].shard for i in g) for g in swapper.sub_groups) * 4
             result.update(
-                sub_groups=len(swapper.sub_groups), swap_masters=swapper.swap_masters, moments=moments,
+                sub_groups=len(swapper.sub_groups),
+                swap_masters=swapper.swap_masters,
+                moments=moments,
                 # nothing parameter-sized is left in the optimizer's state between steps
-                state_in_memory=sum(v.numel() for s in optimizer.state.values() for v in s.values()
-                                    if isinstance(v, torch.Tensor) and v.numel() > 1),
-                swapped_ok=swapper.swapped_bytes() == shard_bytes * per_element - pinned_bytes * (per_element - moments),
+                state_in_memory=sum(
+                    v.numel()
+                    for s in optimizer.state.values()
+                    for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.numel() > 1
+                ),
+                swapped_ok=swapper.swapped_bytes()
+                == shard_bytes * per_element - pinned_bytes * (per_element - moments),
                 peak_ok=swapper.peak_bytes <= swapper.buffer_count * largest_group * per_element,
                 peak_fraction=swapper.peak_bytes / (shard_bytes * per_element),
                 files=len(list(swapper.folder.glob("*.bin"))),
@@ -132,7 +157,8 @@ def _check(rank, world_size, cases, nvme_root):
                 params_in_memory=sum(m.numel() for m in masters),
                 pinned_numel=sum(masters[i].numel() for i in swapper.pinned),
                 read_buffers=getattr(strategy, "peak_param_buffers", 0),
-                buffer_count=engine.train_config.zero.offload_param.buffer_count)
+                buffer_count=engine.train_config.zero.offload_param.buffer_count,
+            )
             swapper.close()
             result["folder_removed"] = not swapper.folder.exists()
         report[name] = result
@@ -141,47 +167,98 @@ def _check(rank, world_size, cases, nvme_root):
 
 # (name, stage, offload device, dtype, extra zero_optimization keys)
 CASES = {
-    1: [("s2 nvme fp32", 2, "nvme", "fp32", {"sub_group_size": 400}),
-        ("s3 cpu fp32", 3, "cpu", "fp32", {})],
-    2: [("s1 cpu fp32", 1, "cpu", "fp32", {}),
+    1: [("s2 nvme fp32", 2, "nvme", "fp32", {"sub_group_size": 400}), ("s3 cpu fp32", 3, "cpu", "fp32", {})],
+    2: [
+        ("s1 cpu fp32", 1, "cpu", "fp32", {}),
         ("s1 nvme bf16", 1, "nvme", "bf16", {"sub_group_size": 500}),
         ("s2 cpu bf16", 2, "cpu", "bf16", {}),
         ("s1 cpu bf16, gradient copies land late", 1, "cpu", "bf16", {"late_copies": True}),
         ("s2 cpu bf16, gradient copies land late", 2, "cpu", "bf16", {"late_copies": True}),
-        ("s3 cpu fp32, parameters on cpu, gradient copies land late", 3, "cpu", "fp32",
-         {"late_copies": True, "offload_param": {"device": "cpu"}}),
-        ("s2 nvme fp32, many sub-groups, 2 buffers", 2, "nvme", "fp32",
-         {"sub_group_size": 1, "reduce_bucket_size": 100, "offload": {"buffer_count": 2}}),
+        (
+            "s3 cpu fp32, parameters on cpu, gradient copies land late",
+            3,
+            "cpu",
+            "fp32",
+            {"late_copies": True, "offload_param": {"device": "cpu"}},
+        ),
+        (
+            "s2 nvme fp32, many sub-groups, 2 buffers",
+            2,
+            "nvme",
+            "fp32",
+            {"sub_group_size": 1, "reduce_bucket_size": 100, "offload": {"buffer_count": 2}},
+        ),
         ("s2 nvme fp16 with skipped steps", 2, "nvme", "fp16", {"sub_group_size": 500}),
         ("s3 cpu fp32", 3, "cpu", "fp32", {}),
         ("s3 nvme bf16", 3, "nvme", "bf16", {"sub_group_size": 300}),
-        ("s3 nvme bf16, parameters on nvme", 3, "nvme", "bf16",
-         {"sub_group_size": 300, "offload_param": {"device": "nvme", "max_in_cpu": 0}}),
-        ("s3 nvme bf16, parameters on nvme, 1 read buffer", 3, "nvme", "bf16",
-         {"offload_param": {"device": "nvme", "max_in_cpu": 0, "buffer_count": 1}}),
-        ("s3 nvme fp32, parameters on nvme, 600 in cpu", 3, "nvme", "fp32",
-         {"offload_param": {"device": "nvme", "max_in_cpu": 600}}),
+        (
+            "s3 nvme bf16, parameters on nvme",
+            3,
+            "nvme",
+            "bf16",
+            {"sub_group_size": 300, "offload_param": {"device": "nvme", "max_in_cpu": 0}},
+        ),
+        (
+            "s3 nvme bf16, parameters on nvme, 1 read buffer",
+            3,
+            "nvme",
+            "bf16",
+            {"offload_param": {"device": "nvme", "max_in_cpu": 0, "buffer_count": 1}},
+        ),
+        (
+            "s3 nvme fp32, parameters on nvme, 600 in cpu",
+            3,
+            "nvme",
+            "fp32",
+            {"offload_param": {"device": "nvme", "max_in_cpu": 600}},
+        ),
         ("s3 cpu fp32, parameters on cpu", 3, "cpu", "fp32", {"offload_param": {"device": "cpu"}}),
-        ("s2 nvme fp32, SGD with momentum instead of AdamW", 2, "nvme", "fp32",
-         {"sub_group_size": 500, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}}),
-        ("s3 nvme bf16, Adagrad instead of AdamW, parameters on nvme", 3, "nvme", "bf16",
-         {"optimizer": {"type": "Adagrad", "params": {"lr": 0.05}},
-          "offload_param": {"device": "nvme", "max_in_cpu": 0}}),
-        ("s3 nvme fp32, parameters on nvme, persistent vectors in cpu", 3, "nvme", "fp32",
-         {"stage3_param_persistence_threshold": 40, "offload_param": {"device": "nvme", "max_in_cpu": 0}})],
-    4: [("s1 cpu bf16", 1, "cpu", "bf16", {}),
+        (
+            "s2 nvme fp32, SGD with momentum instead of AdamW",
+            2,
+            "nvme",
+            "fp32",
+            {"sub_group_size": 500, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}},
+        ),
+        (
+            "s3 nvme bf16, Adagrad instead of AdamW, parameters on nvme",
+            3,
+            "nvme",
+            "bf16",
+            {
+                "optimizer": {"type": "Adagrad", "params": {"lr": 0.05}},
+                "offload_param": {"device": "nvme", "max_in_cpu": 0},
+            },
+        ),
+        (
+            "s3 nvme fp32, parameters on nvme, persistent vectors in cpu",
+            3,
+            "nvme",
+            "fp32",
+            {"stage3_param_persistence_threshold": 40, "offload_param": {"device": "nvme", "max_in_cpu": 0}},
+        ),
+    ],
+    4: [
+        ("s1 cpu bf16", 1, "cpu", "bf16", {}),
         ("s2 nvme fp32", 2, "nvme", "fp32", {"sub_group_size": 200}),
         ("s3 nvme fp32", 3, "nvme", "fp32", {"sub_group_size": 200}),
-        ("s3 nvme fp32, parameters on nvme", 3, "nvme", "fp32",
-         {"sub_group_size": 200, "offload_param": {"device": "nvme", "max_in_cpu": 0}})],
+        (
+            "s3 nvme fp32, parameters on nvme",
+            3,
+            "nvme",
+            "fp32",
+            {"sub_group_size": 200, "offload_param": {"device": "nvme", "max_in_cpu": 0}},
+        ),
+    ],
 }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_offloaded_training_matches_the_same_stage_without_offload(tmp_path, world_size):
     cases = CASES[world_size]
-    reports = run_distributed(_check, world_size=world_size, tmp_path=tmp_path,
-                              cases=copy.deepcopy(cases), nvme_root=str(tmp_path))
+    reports = run_distributed(
+        _check, world_size=world_size, tmp_path=tmp_path, cases=copy.deepcopy(cases), nvme_root=str(tmp_path)
+    )
     for rank, report in enumerate(reports):
         for name, stage, device, dtype, _ in cases:
             r = report[name]
@@ -225,8 +302,7 @@ def _bad_paths(rank, world_size, tmp):
     errors = {}
     a_file = Path(tmp) / "a-file"
     a_file.write_text("x")
-    for name, path in (("missing", str(Path(tmp) / "no-such-dir")), ("file", str(a_file)),
-                       ("unwritable", "/sys")):
+    for name, path in (("missing", str(Path(tmp) / "no-such-dir")), ("file", str(a_file)), ("unwritable", "/sys")):
         config = _config(2, "fp32", {"device": "nvme", "nvme_path": path})
         try:
             shardwise.initialize(model=TinyMLP(seed=1), config=config)
@@ -234,8 +310,12 @@ def _bad_paths(rank, world_size, tmp):
         except SwapPathError as exc:
             errors[name] = str(exc)
     # a unit shard larger than one parameter read buffer (fc1 holds 544 elements: 272 per rank)
-    config = _config(3, "fp32", {"device": "nvme", "nvme_path": tmp},
-                     offload_param={"device": "nvme", "nvme_path": tmp, "max_in_cpu": 0, "buffer_size": 200})
+    config = _config(
+        3,
+        "fp32",
+        {"device": "nvme", "nvme_path": tmp},
+        offload_param={"device": "nvme", "nvme_path": tmp, "max_in_cpu": 0, "buffer_size": 200},
+    )
     try:
         shardwise.initialize(model=TinyMLP(seed=1), config=config)
         errors["buffer_size"] = None
@@ -243,7 +323,8 @@ def _bad_paths(rank, world_size, tmp):
         errors["buffer_size"] = str(exc)
     # a swap file altered between steps is caught on the next read
     engine, _, _, _ = shardwise.initialize(
-        model=TinyMLP(seed=1), config=_config(2, "fp32", {"device": "nvme", "nvme_path": tmp}))
+        model=TinyMLP(seed=1), config=_config(2, "fp32", {"device": "nvme", "nvme_path": tmp})
+    )
     batches = token_batches(num_steps=2, batch=MICRO * GAS * world_size, seed=2)
     engine_train(engine, batches[:1], rank=rank, world_size=world_size, micro=MICRO)
     victim = sorted(engine.strategy.swapper.folder.glob("*.exp_avg.bin"))[0]
@@ -264,15 +345,17 @@ def test_bad_nvme_path_is_a_clear_error_before_training(tmp_path):
         assert "is not a directory" in errors["file"], errors
         assert "cannot create swap files" in errors["unwritable"] and "/sys" in errors["unwritable"], errors
         assert "fails its checksum" in errors["corrupt"] and "exp_avg" in errors["corrupt"], errors
-        assert "buffer_size=200" in errors["buffer_size"] and "fc1.weight" in errors["buffer_size"] \
-            and "at least 272" in errors["buffer_size"], errors
+        assert (
+            "buffer_size=200" in errors["buffer_size"]
+            and "fc1.weight" in errors["buffer_size"]
+            and "at least 272" in errors["buffer_size"]
+        ), errors
 
 
 def test_full_disk_is_a_clear_error(tmp_path):
     total = os.statvfs(tmp_path).f_blocks * os.statvfs(tmp_path).f_frsize
     with pytest.raises(SwapPathError, match="free but rank 0 needs"):
-        make_swap_dir(str(tmp_path), key="zero_optimization.offload_optimizer.nvme_path", rank=0,
-                      need_bytes=2 * total)
+        make_swap_dir(str(tmp_path), key="zero_optimization.offload_optimizer.nvme_path", rank=0, need_bytes=2 * total)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
@@ -280,8 +363,9 @@ def _resume(rank, world_size, save_dir, nvme_root, stage):
     batches = token_batches(num_steps=5, batch=MICRO * GAS * world_size, seed=3)
     offload = {"device": "nvme", "nvme_path": nvme_root}
     params_too = {"offload_param": {"device": "nvme", "nvme_path": nvme_root, "max_in_cpu": 0}} if stage == 3 else {}
-    straight, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1),
-                                             config=_config(stage, "bf16", offload, sub_group_size=500, **params_too))
+    straight, _, _, _ = shardwise.initialize(
+        model=TinyMLP(seed=1), config=_config(stage, "bf16", offload, sub_group_size=500, **params_too)
+    )
     engine_train(straight, batches[:2], rank=rank, world_size=world_size, micro=MICRO)
     checkpointing.CHECKPOINT_PART_BYTES = 3000  # shards are written a few buckets per file
     straight.save_checkpoint(save_dir)
@@ -290,20 +374,29 @@ def _resume(rank, world_size, save_dir, nvme_root, stage):
     expected = _params(straight.module)
     tag = Path(save_dir) / "global_step2"
     consolidated = shardwise.checkpoint.consolidate(save_dir)
-    same = {"optimizer files": len(list(tag.glob("optimizer*.safetensors"))) >= 3,
-            "model files": len(list(tag.glob("model*.safetensors"))) >= 2,
-            # fp32 masters, which the bf16 parameters are roundings of
-            "consolidated": all(torch.equal(a, consolidated[n].bfloat16().float())
-                                for (n, _), a in zip(straight.module.named_parameters(), saved_params)),
-            "from the masters": all(not torch.equal(c, c.bfloat16().float()) for c in consolidated.values())}
-    for name, config in (("nvme", _config(stage, "bf16", offload, sub_group_size=300, **params_too)),
-                         ("cpu", _config(stage, "bf16", {"device": "cpu"})),
-                         ("none", _config(stage, "bf16"))):
+    same = {
+        "optimizer files": len(list(tag.glob("optimizer*.safetensors"))) >= 3,
+        "model files": len(list(tag.glob("model*.safetensors"))) >= 2,
+        # fp32 masters, which the bf16 parameters are roundings of
+        "consolidated": all(
+            torch.equal(a, consolidated[n].bfloat16().float())
+            for (n, _), a in zip(straight.module.named_parameters(), saved_params)
+        ),
+        "from the masters": all(not torch.equal(c, c.bfloat16().float()) for c in consolidated.values()),
+    }
+    for name, config in (
+        ("nvme", _config(stage, "bf16", offload, sub_group_size=300, **params_too)),
+        ("cpu", _config(stage, "bf16", {"device": "cpu"})),
+        ("none", _config(stage, "bf16")),
+    ):
         resumed, _, _, _ = shardwise.initialize(model=TinyMLP(seed=99), config=config)
         resumed.load_checkpoint(save_dir)
         if name == "nvme":  # loaded straight into the swap files
-            same["nothing resident"] = not any(isinstance(v, torch.Tensor) and v.numel() > 1
-                                               for s in resumed.optimizer.state.values() for v in s.values())
+            same["nothing resident"] = not any(
+                isinstance(v, torch.Tensor) and v.numel() > 1
+                for s in resumed.optimizer.state.values()
+                for v in s.values()
+            )
         engine_train(resumed, batches[2:], rank=rank, world_size=world_size, micro=MICRO)
         same[name] = all(torch.equal(a, b) for a, b in zip(expected, _params(resumed.module)))
     return same
@@ -311,8 +404,9 @@ def _resume(rank, world_size, save_dir, nvme_root, stage):
 
 @pytest.mark.parametrize("stage", [2, 3], ids=["stage 2", "stage 3 with parameters on nvme"])
 def test_offloaded_checkpoint_resumes_with_or_without_offload(tmp_path, stage):
-    for same in run_distributed(_resume, world_size=2, tmp_path=tmp_path, save_dir=str(tmp_path / "ckpt"),
-                                nvme_root=str(tmp_path), stage=stage):
+    for same in run_distributed(
+        _resume, world_size=2, tmp_path=tmp_path, save_dir=str(tmp_path / "ckpt"), nvme_root=str(tmp_path), stage=stage
+    ):
         assert all(same.values()), same
 
 
@@ -320,8 +414,12 @@ def _built_on_nvme(rank, world_size, nvme_root):
     batches = token_batches(num_steps=3, batch=MICRO * GAS * world_size, seed=2)
     plain, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=_config(3, "fp32"))
     engine_train(plain, batches, rank=rank, world_size=world_size, micro=MICRO)
-    config = _config(3, "fp32", {"device": "nvme", "nvme_path": nvme_root},
-                     offload_param={"device": "nvme", "nvme_path": nvme_root, "max_in_cpu": 0})
+    config = _config(
+        3,
+        "fp32",
+        {"device": "nvme", "nvme_path": nvme_root},
+        offload_param={"device": "nvme", "nvme_path": nvme_root, "max_in_cpu": 0},
+    )
     with shardwise.zero.Init(remote_device="nvme", config_dict_or_path=config):
         model = TinyMLP(seed=1)
     slices_on_cpu = all(p.ds_tensor.device.type == "cpu" and p.numel() == 0 for p in model.parameters())
@@ -333,8 +431,9 @@ def _built_on_nvme(rank, world_size, nvme_root):
 
 
 def test_model_built_under_zero_init_trains_with_parameters_on_nvme(tmp_path):
-    for slices_on_cpu, same, params_in_memory in run_distributed(_built_on_nvme, world_size=2, tmp_path=tmp_path,
-                                                                 nvme_root=str(tmp_path)):
+    for slices_on_cpu, same, params_in_memory in run_distributed(
+        _built_on_nvme, world_size=2, tmp_path=tmp_path, nvme_root=str(tmp_path)
+    ):
         assert slices_on_cpu and same and params_in_memory == 0
 
 
@@ -345,8 +444,12 @@ class _Branching(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.inp, self.a, self.b, self.out = (torch.nn.Linear(8, 8), torch.nn.Linear(8, 8),
-                                              torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        self.inp, self.a, self.b, self.out = (
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 1),
+        )
         self.calls = 0
 
     def forward(self, x, y):
@@ -360,8 +463,10 @@ def _mispredicted(rank, world_size, nvme_root):
     generator = torch.Generator().manual_seed(5)
     batches = [(torch.randn(8, 8, generator=generator), torch.randn(8, 1, generator=generator)) for _ in range(4)]
     params = {}
-    for name, knobs in (("plain", {}), ("nvme", {"offload_param": {"device": "nvme", "nvme_path": nvme_root,
-                                                                   "max_in_cpu": 0, "buffer_count": 1}})):
+    for name, knobs in (
+        ("plain", {}),
+        ("nvme", {"offload_param": {"device": "nvme", "nvme_path": nvme_root, "max_in_cpu": 0, "buffer_count": 1}}),
+    ):
         config = _config(3, "fp32", {"device": "nvme", "nvme_path": nvme_root} if knobs else None, **knobs)
         engine, _, _, _ = shardwise.initialize(model=_Branching(), config=config)
         engine_train(engine, batches, rank=rank, world_size=world_size, micro=1)
@@ -396,6 +501,7 @@ def _unwritten_grads(rank, world_size, nvme_root):
 
 
 def test_gradient_shards_are_zeroed_before_first_use(tmp_path):
-    for same, finite, stepped in run_distributed(_unwritten_grads, world_size=2, tmp_path=tmp_path,
-                                                 nvme_root=str(tmp_path)):
+    for same, finite, stepped in run_distributed(
+        _unwritten_grads, world_size=2, tmp_path=tmp_path, nvme_root=str(tmp_path)
+    ):
         assert same and finite and stepped == (True, 1), (same, finite, stepped)

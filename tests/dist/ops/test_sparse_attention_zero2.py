@@ -4,8 +4,6 @@ from the config's ``sparse_attention`` section; a layout with random blocks draw
 differently on each rank is made rank 0's (by the engine's buffer broadcast, and without an
 engine by the first forward)."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,8 +15,14 @@ from shardwise.testing import run_distributed
 from shardwise.testing.parity import engine_train, max_param_diff, reference_run
 
 VOCAB, WIDTH, HEADS, SEQ, MICRO, STEPS = 32, 16, 2, 64, 2, 3
-SECTION = {"mode": "bigbird", "block": 8, "num_random_blocks": 2, "num_sliding_window_blocks": 1,
-           "num_global_blocks": 1, "different_layout_per_head": True}
+SECTION = {
+    "mode": "bigbird",
+    "block": 8,
+    "num_random_blocks": 2,
+    "num_sliding_window_blocks": 1,
+    "num_global_blocks": 1,
+    "different_layout_per_head": True,
+}
 
 
 class SparseLM(nn.Module):
@@ -42,8 +46,13 @@ class SparseLM(nn.Module):
 
 def _batches(world_size):
     generator = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, VOCAB, (MICRO * world_size, SEQ), generator=generator),
-             torch.randint(0, VOCAB, (MICRO * world_size, SEQ), generator=generator)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, VOCAB, (MICRO * world_size, SEQ), generator=generator),
+            torch.randint(0, VOCAB, (MICRO * world_size, SEQ), generator=generator),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def _first_forward_syncs(rank):
@@ -56,25 +65,35 @@ def _first_forward_syncs(rank):
     attention(q, q, q)
     torch.manual_seed(100)
     return not torch.equal(drawn, attention.master_layout), torch.equal(
-        attention.master_layout, SparseSelfAttention(sparsity_config_from_dict(SECTION, HEADS),
-                                                     max_seq_length=SEQ).master_layout)
+        attention.master_layout,
+        SparseSelfAttention(sparsity_config_from_dict(SECTION, HEADS), max_seq_length=SEQ).master_layout,
+    )
 
 
 def _train(rank, world_size):
     report = {"first_forward_syncs": _first_forward_syncs(rank)}
-    for name, optimizer, params in (("sgd", torch.optim.SGD, {"lr": 0.5}), ("adamw", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.0})):
+    for name, optimizer, params in (
+        ("sgd", torch.optim.SGD, {"lr": 0.5}),
+        ("adamw", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.0}),
+    ):
         batches = _batches(world_size)
         reference = reference_run(SparseLM(layout_seed=100), batches, lr=params["lr"], clip=0.0, optimizer=optimizer)
         model = SparseLM(layout_seed=100 + rank)  # each rank draws its own random blocks
         drawn = model.attention.master_layout.clone()
-        config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-                  "optimizer": {"type": name.replace("adamw", "AdamW").replace("sgd", "SGD"), "params": params},
-                  "zero_optimization": {"stage": 2, "reduce_bucket_size": 500}, "sparse_attention": SECTION}
+        config = {
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 1000,
+            "optimizer": {"type": name.replace("adamw", "AdamW").replace("sgd", "SGD"), "params": params},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 500},
+            "sparse_attention": SECTION,
+        }
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
         engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
         layout = engine.module.attention.master_layout
         report[name] = {
-            "diff": max_param_diff(reference.model, engine.module), "movement": reference.movement(),
+            "diff": max_param_diff(reference.model, engine.module),
+            "movement": reference.movement(),
             "update_error": reference.update_error(engine.module),
             "drawn_differs": not torch.equal(drawn, reference.model.attention.master_layout),
             "layout_is_rank0s": torch.equal(layout, reference.model.attention.master_layout),

@@ -22,10 +22,14 @@ MICRO, LR, WD, BETAS, EPS, CLIP = 2, 1e-2, 0.01, (0.9, 0.999), 1e-8, 0.05
 
 
 def _config(freeze_step, gas=1, **extra):
-    return {"gradient_clipping": 0.0,
-            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
-            "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "weight_decay": WD, "freeze_step": freeze_step}},
-            **extra}
+    return {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "weight_decay": WD, "freeze_step": freeze_step}},
+        **extra,
+    }
 
 
 def _train(engine, batches, rank, world_size, gas=1, poison=None):
@@ -34,7 +38,7 @@ def _train(engine, batches, rank, world_size, gas=1, poison=None):
     for step, (tokens, targets) in enumerate(batches):
         for micro in range(gas):
             start = (micro * world_size + rank) * MICRO
-            loss = engine(tokens[start:start + MICRO], targets[start:start + MICRO])
+            loss = engine(tokens[start : start + MICRO], targets[start : start + MICRO])
             if poison == (step, rank) and micro == 0:
                 loss = loss * float("inf")
             engine.backward(loss)
@@ -68,7 +72,7 @@ def _simulate(model, batches, world_size, freeze_step, gas=1, clip=0.0):
             for micro in range(gas):
                 start = (micro * world_size + rank) * MICRO
                 model.zero_grad()
-                (model(tokens[start:start + MICRO], targets[start:start + MICRO]) / gas).backward()
+                (model(tokens[start : start + MICRO], targets[start : start + MICRO]) / gas).backward()
                 total = [t + p.grad for t, p in zip(total, params)]
             grads.append(total)
         with torch.no_grad():
@@ -88,20 +92,29 @@ def _simulate(model, batches, world_size, freeze_step, gas=1, clip=0.0):
                     local = [mi.lerp(gr, 1 - BETAS[0]) for mi, gr in zip(m, grads[rank])]
                     flat = torch.cat([t.reshape(-1) for t in local] + [torch.zeros(padded - numel)])
                     sent.append(decompress(compress(flat.view(world_size, chunk), worker[rank])))
-                out = torch.cat([decompress(compress(torch.stack([sent[r][j] for r in range(world_size)]).mean(0)[None],
-                                                     server[j]))[0] for j in range(world_size)])
+                out = torch.cat(
+                    [
+                        decompress(
+                            compress(torch.stack([sent[r][j] for r in range(world_size)]).mean(0)[None], server[j])
+                        )[0]
+                        for j in range(world_size)
+                    ]
+                )
                 pieces = out[:numel].split([p.numel() for p in params])
                 m = [piece.view_as(p).clone() for piece, p in zip(pieces, params)]
             c1, c2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** min(step, freeze_step)
             for p, mi, vi in zip(params, m, v):
                 p.mul_(1 - LR * WD)
-                p.addcdiv_(mi, (vi.sqrt() / c2 ** 0.5).add_(EPS), value=-LR / c1)
+                p.addcdiv_(mi, (vi.sqrt() / c2**0.5).add_(EPS), value=-LR / c1)
     return model
 
 
 def _error_buffers(optimizer):
-    return {f"{name}.{kind}": value.clone() for name, buffers in optimizer.rank_state_dict()["exchanges"].items()
-            for kind, value in buffers.items()}
+    return {
+        f"{name}.{kind}": value.clone()
+        for name, buffers in optimizer.rank_state_dict()["exchanges"].items()
+        for kind, value in buffers.items()
+    }
 
 
 def _params(module):
@@ -120,26 +133,34 @@ def _run(rank, world_size, save_dir):
     # 3 warm-up steps, then compressed, with and without gradient accumulation
     for gas in (1, 2):
         batches = token_batches(num_steps=7, batch=MICRO * gas * world_size, seed=3)
-        engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config={
-            **_config(freeze_step=3, gas=gas), "steps_per_print": 1})
+        engine, _, _, _ = shardwise.initialize(
+            model=copy.deepcopy(model), config={**_config(freeze_step=3, gas=gas), "steps_per_print": 1}
+        )
         _train(engine, batches, rank, world_size, gas=gas)
-        report[f"compressed gas{gas}"] = (_params(engine.module), dict(engine.comm.calls), dict(engine.comm.bytes),
-                                          engine._progress.last["data_parallel_bytes_per_step"])
+        report[f"compressed gas{gas}"] = (
+            _params(engine.module),
+            dict(engine.comm.calls),
+            dict(engine.comm.bytes),
+            engine._progress.last["data_parallel_bytes_per_step"],
+        )
 
     # gradient clipping on every step: by the global norm in warm-up, by the ranks' RMS after
     batches = token_batches(num_steps=7, batch=MICRO * world_size, seed=3)
-    engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config={
-        **_config(freeze_step=3), "gradient_clipping": CLIP})
+    engine, _, _, _ = shardwise.initialize(
+        model=copy.deepcopy(model), config={**_config(freeze_step=3), "gradient_clipping": CLIP}
+    )
     norms = []
     for step in range(len(batches)):
-        _train(engine, batches[step:step + 1], rank, world_size)
+        _train(engine, batches[step : step + 1], rank, world_size)
         norms.append(engine.get_global_grad_norm())
     report["compressed clip"] = (_params(engine.module), min(norms))
 
     # fp16: rank 0 overflows at a compressed step; every rank skips it, error buffers untouched
     batches = token_batches(num_steps=5, batch=MICRO * world_size, seed=4)
-    engine, optimizer, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=_config(
-        freeze_step=2, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}))
+    engine, optimizer, _, _ = shardwise.initialize(
+        model=copy.deepcopy(model),
+        config=_config(freeze_step=2, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}),
+    )
     _train(engine, batches[:3], rank, world_size)
     errors = _error_buffers(optimizer)
     _train(engine, batches[3:4], rank, world_size, poison=(0, 0))
@@ -162,10 +183,15 @@ def _run(rank, world_size, save_dir):
 
     # ZeRO stages that partition state refuse a 1-bit optimizer built by the user
     try:
-        shardwise.initialize(model=copy.deepcopy(model), optimizer=shardwise.optim.OneBitAdam(
-            copy.deepcopy(model).parameters()), config={"gradient_clipping": 0.0,
-                                                        "train_micro_batch_size_per_gpu": MICRO,
-                                                       "zero_optimization": {"stage": 2}})
+        shardwise.initialize(
+            model=copy.deepcopy(model),
+            optimizer=shardwise.optim.OneBitAdam(copy.deepcopy(model).parameters()),
+            config={
+                "gradient_clipping": 0.0,
+                "train_micro_batch_size_per_gpu": MICRO,
+                "zero_optimization": {"stage": 2},
+            },
+        )
         report["zero2"] = "accepted"
     except ValueError as exc:
         report["zero2"] = str(exc)
@@ -180,8 +206,14 @@ def _max_diff(a, b):
 def test_onebit_adam(tmp_path, world_size):
     reports = run_distributed(_run, world_size=world_size, tmp_path=tmp_path, save_dir=str(tmp_path / "ckpt"))
     model = TinyMLP(seed=1)
-    warm = reference_run(model, token_batches(num_steps=4, batch=MICRO * world_size, seed=2), lr=LR,
-                         weight_decay=WD, clip=0.0, foreach=False)
+    warm = reference_run(
+        model,
+        token_batches(num_steps=4, batch=MICRO * world_size, seed=2),
+        lr=LR,
+        weight_decay=WD,
+        clip=0.0,
+        foreach=False,
+    )
     for rank, report in enumerate(reports):
         params, name, calls = report["warm-up"]
         assert name == "OneBitAdam" and "all_to_all" not in calls
@@ -190,11 +222,17 @@ def test_onebit_adam(tmp_path, world_size):
 
         for gas in (1, 2):
             params, calls, sent, last_step = report[f"compressed gas{gas}"]
-            expected = _simulate(model, token_batches(num_steps=7, batch=MICRO * gas * world_size, seed=3),
-                                 world_size, freeze_step=3, gas=gas)
+            expected = _simulate(
+                model,
+                token_batches(num_steps=7, batch=MICRO * gas * world_size, seed=3),
+                world_size,
+                freeze_step=3,
+                gas=gas,
+            )
             # measured 1.6e-7 (fp32 rounding); the parameters move by 0.1-0.4
-            assert _max_diff(params, list(expected.parameters())) < 1e-5, \
+            assert _max_diff(params, list(expected.parameters())) < 1e-5, (
                 f"rank {rank} gas {gas}: not the simulated 1-bit Adam"
+            )
             # 3 gradient all-reduces in warm-up (one bucket), then 4 steps of two compressed collectives
             assert calls["all_to_all"] == calls["all_gather"] == 4, calls
             assert calls["all_reduce"] == 3, calls
@@ -205,8 +243,9 @@ def test_onebit_adam(tmp_path, world_size):
 
         params, smallest_norm = report["compressed clip"]
         assert smallest_norm > CLIP, smallest_norm  # every step clipped
-        expected = _simulate(model, token_batches(num_steps=7, batch=MICRO * world_size, seed=3), world_size,
-                             freeze_step=3, clip=CLIP)
+        expected = _simulate(
+            model, token_batches(num_steps=7, batch=MICRO * world_size, seed=3), world_size, freeze_step=3, clip=CLIP
+        )
         assert _max_diff(params, list(expected.parameters())) < 1e-5, f"rank {rank}: clipping is not the simulated"
 
         skipped, untouched, params = report["fp16 overflow"]

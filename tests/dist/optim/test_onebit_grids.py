@@ -23,8 +23,15 @@ MICRO, VOCAB, SEQ, LR = 2, 64, 8, 1e-2
 
 def _llama():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=False, vocab_size=VOCAB)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        vocab_size=VOCAB,
+    )
     config.use_cache = False
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
@@ -39,48 +46,76 @@ def _config(freeze_step, optimizer="OneBitAdam", **extra):
     params = {"lr": LR, key: freeze_step}
     if optimizer == "ZeroOneAdam":  # variance steps 1, 2, 4; local steps after, synchronised every 2nd
         params.update(var_update_scaler=2, local_step_scaler=1, local_step_clipper=2)
-    return {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-            "optimizer": {"type": optimizer, "params": params}, **extra}
+    return {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1000,
+        "optimizer": {"type": optimizer, "params": params},
+        **extra,
+    }
 
 
 def _tensor_parallel(rank, world_size):
     out = {}
     model = _llama()
     dp = world_size // 2
-    for optimizer, freeze_step, steps in (("OneBitAdam", 100, 3), ("OneBitAdam", 2, 6), ("ZeroOneAdam", 4, 8),
-                                          ("OneBitLamb", 2, 6)):
+    for optimizer, freeze_step, steps in (
+        ("OneBitAdam", 100, 3),
+        ("OneBitAdam", 2, 6),
+        ("ZeroOneAdam", 4, 8),
+        ("OneBitLamb", 2, 6),
+    ):
         batches = _batches(steps, MICRO * dp)
-        engine, *_ = shardwise.initialize(model=copy.deepcopy(model), config=_config(
-            freeze_step, optimizer, tensor_parallel={"autotp_size": 2}))
+        engine, *_ = shardwise.initialize(
+            model=copy.deepcopy(model), config=_config(freeze_step, optimizer, tensor_parallel={"autotp_size": 2})
+        )
         dp_rank = engine.grid.get_data_parallel_rank()
         losses = []
         for ids in batches:
-            chunk = ids[dp_rank * MICRO:(dp_rank + 1) * MICRO]
+            chunk = ids[dp_rank * MICRO : (dp_rank + 1) * MICRO]
             loss = engine(input_ids=chunk, labels=chunk).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        split = {n: p.numel() for n, p in engine.module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
-        out[optimizer, freeze_step] = (full_parameters(engine), dict(engine.comm.calls), dict(engine.grid.tensor_comm.calls),
-                            split, losses)
+        split = {
+            n: p.numel() for n, p in engine.module.named_parameters() if getattr(p, "tensor_model_parallel", False)
+        }
+        out[optimizer, freeze_step] = (
+            full_parameters(engine),
+            dict(engine.comm.calls),
+            dict(engine.grid.tensor_comm.calls),
+            split,
+            losses,
+        )
     return out
 
 
 def _pipeline(rank, world_size):
     specs = pipeline_specs(4, tied=True, vocab=32, width=16)
-    model = PipelineModule(specs, num_stages=2, loss_fn=lambda logits, labels: F.cross_entropy(
-        logits.reshape(-1, 32), labels.reshape(-1)), seed_layers=True, base_seed=1234, partition_method="uniform")
+    model = PipelineModule(
+        specs,
+        num_stages=2,
+        loss_fn=lambda logits, labels: F.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1)),
+        seed_layers=True,
+        base_seed=1234,
+        partition_method="uniform",
+    )
     engine, *_ = shardwise.initialize(model=model, config=_config(2, gradient_accumulation_steps=2))
     dp, dp_rank = engine.grid.data, engine.grid.get_data_parallel_rank()
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(6):
         tokens = torch.randint(0, 32, (MICRO * 2 * dp, 6), generator=g)
-        micro = [(tokens[(m * dp + dp_rank) * MICRO:(m * dp + dp_rank + 1) * MICRO],) * 2 for m in range(2)]
+        micro = [(tokens[(m * dp + dp_rank) * MICRO : (m * dp + dp_rank + 1) * MICRO],) * 2 for m in range(2)]
         losses.append(float(engine.train_batch(iter(micro))))
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    return engine.grid.pipe_rank if hasattr(engine.grid, "pipe_rank") else engine.grid.get_pipe_parallel_rank(), \
-        params, dict(engine.comm.calls), dict(engine.grid.pipe_comm.calls), losses
+    return (
+        engine.grid.pipe_rank if hasattr(engine.grid, "pipe_rank") else engine.grid.get_pipe_parallel_rank(),
+        params,
+        dict(engine.comm.calls),
+        dict(engine.grid.pipe_comm.calls),
+        losses,
+    )
 
 
 def _reference_adamw(model, batches):

@@ -26,8 +26,12 @@ ZERO_ONE = {"lr": LR, "var_freeze_step": 6, "var_update_scaler": 2, "local_step_
 LAMB_LR = 5e-2
 ONEBIT_LAMB = {"lr": LAMB_LR, "freeze_step": 6, "coeff_beta": 0.5}
 # What each step of 0/1 Adam does with the settings above (see the unit test's SCHEDULE).
-SCHEDULE = (["var", "var", "grad", "var", "grad", "var", "sync", "sync", "local", "sync", "local", "sync"]
-            + ["local", "local", "local", "sync"] * 4)
+SCHEDULE = ["var", "var", "grad", "var", "grad", "var", "sync", "sync", "local", "sync", "local", "sync"] + [
+    "local",
+    "local",
+    "local",
+    "sync",
+] * 4
 
 
 def _exact_average_(optimizer, tensors, *, tag, params=None, state=False):
@@ -36,8 +40,9 @@ def _exact_average_(optimizer, tensors, *, tag, params=None, state=False):
     flat = torch.cat([t.reshape(-1) for t in tensors])
     comm.all_reduce(flat, tag=f"exact {tag}").wait()
     flat.div_(comm.world_size)
-    torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]),
-                                                                            tensors)])
+    torch._foreach_copy_(
+        tensors, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    )
 
 
 class _ExactZeroOneAdam(ZeroOneAdam):
@@ -50,8 +55,10 @@ class _ExactOneBitLamb(OneBitLamb):
 
 def _batches(seed):
     """Global batches whose target is a fixed function of the token (learnable)."""
-    return [(tokens, (tokens * 5 + 3) % VOCAB)
-            for tokens, _ in token_batches(num_steps=STEPS + 1, batch=MICRO * 2, vocab=VOCAB, seed=seed)]
+    return [
+        (tokens, (tokens * 5 + 3) % VOCAB)
+        for tokens, _ in token_batches(num_steps=STEPS + 1, batch=MICRO * 2, vocab=VOCAB, seed=seed)
+    ]
 
 
 def _flat(module):
@@ -75,11 +82,16 @@ def _train(rank, model, batches, optimizer, params):
         calls = dict(engine.comm.calls)
         sent = dict(engine.comm.bytes)
         start = rank * MICRO
-        engine.backward(engine(tokens[start:start + MICRO], targets[start:start + MICRO]))
+        engine.backward(engine(tokens[start : start + MICRO], targets[start : start + MICRO]))
         engine.step()
-        steps.append({"local": local, "params": _flat(engine.module),
-                      "calls": {k: v - calls.get(k, 0) for k, v in engine.comm.calls.items() if v > calls.get(k, 0)},
-                      "bytes": {k: v - sent.get(k, 0) for k, v in engine.comm.bytes.items() if v > sent.get(k, 0)}})
+        steps.append(
+            {
+                "local": local,
+                "params": _flat(engine.module),
+                "calls": {k: v - calls.get(k, 0) for k, v in engine.comm.calls.items() if v > calls.get(k, 0)},
+                "bytes": {k: v - sent.get(k, 0) for k, v in engine.comm.bytes.items() if v > sent.get(k, 0)},
+            }
+        )
     with torch.no_grad():
         loss = float(engine.module(*batches[-1]))
     return {"steps": steps, "params": _flat(engine.module), "loss": loss}
@@ -89,12 +101,16 @@ def _resume(rank, model, batches, optimizer_type, params, *, save_dir, at, until
     """Train ``at`` steps, save, load into a new engine and train on to step ``until``;
     returns the parameters and whether the optimizer kept the gradients local at each
     step after the load."""
-    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-              "optimizer": {"type": optimizer_type, "params": params}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1000,
+        "optimizer": {"type": optimizer_type, "params": params},
+    }
     start = rank * MICRO
     engine, _, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=config)
     for tokens, targets in batches[:at]:
-        engine.backward(engine(tokens[start:start + MICRO], targets[start:start + MICRO]))
+        engine.backward(engine(tokens[start : start + MICRO], targets[start : start + MICRO]))
         engine.step()
     engine.save_checkpoint(save_dir, tag=optimizer_type)
     engine, optimizer, _, _ = shardwise.initialize(model=copy.deepcopy(model), config=config)
@@ -102,7 +118,7 @@ def _resume(rank, model, batches, optimizer_type, params, *, save_dir, at, until
     local = []
     for tokens, targets in batches[at:until]:
         local.append(optimizer.averages_gradients_itself())
-        engine.backward(engine(tokens[start:start + MICRO], targets[start:start + MICRO]))
+        engine.backward(engine(tokens[start : start + MICRO], targets[start : start + MICRO]))
         engine.step()
     return {"params": _flat(engine.module), "local": local}
 
@@ -115,10 +131,12 @@ def _run(rank, world_size, save_dir):
     return {
         "initial loss": initial,
         # saved after a synchronisation; the ranks' local states agree there
-        "zero one adam, resumed": _resume(rank, model, batches, "ZeroOneAdam", ZERO_ONE, save_dir=save_dir,
-                                          at=10, until=16),
-        "onebit lamb, resumed": _resume(rank, model, batches, "OneBitLamb", ONEBIT_LAMB, save_dir=save_dir,
-                                        at=8, until=10),
+        "zero one adam, resumed": _resume(
+            rank, model, batches, "ZeroOneAdam", ZERO_ONE, save_dir=save_dir, at=10, until=16
+        ),
+        "onebit lamb, resumed": _resume(
+            rank, model, batches, "OneBitLamb", ONEBIT_LAMB, save_dir=save_dir, at=8, until=10
+        ),
         "zero one adam": _train(rank, model, batches, "ZeroOneAdam", ZERO_ONE),
         "zero one adam, exact": _train(rank, model, batches, _ExactZeroOneAdam, ZERO_ONE),
         "adam": _train(rank, model, batches, "Adam", {"lr": LR}),
@@ -155,8 +173,9 @@ def test_zero_one_adam_and_onebit_lamb(tmp_path):
 
     # (c) 0/1 Adam's communication, step by step: a gradient all-reduce on variance steps,
     # nothing on local steps, one compressed all-to-all and all-gather otherwise
-    for step, (kind, mine, other) in enumerate(zip(SCHEDULE, first["zero one adam"]["steps"],
-                                                   second["zero one adam"]["steps"]), start=1):
+    for step, (kind, mine, other) in enumerate(
+        zip(SCHEDULE, first["zero one adam"]["steps"], second["zero one adam"]["steps"]), start=1
+    ):
         where = f"step {step} ({kind}): {mine['calls']}"
         assert mine["local"] == (kind != "var"), where
         if kind == "var":

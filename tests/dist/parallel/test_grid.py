@@ -61,17 +61,32 @@ def _ranks(group):
 def _grid_layout(rank, world_size):
     out = {}
     grid = ParallelGrid.build(tensor=2)
-    out["tp2"] = (_ranks(grid.get_tensor_model_parallel_group()), _ranks(grid.get_data_parallel_group()),
-                  _ranks(grid.get_model_parallel_group()), grid.get_data_parallel_rank(),
-                  grid.get_tensor_model_parallel_rank(), grid.get_stage_id(), grid.data_comm.world_size,
-                  grid.tensor_comm.world_size, grid.get_tensor_model_parallel_src_rank())
+    out["tp2"] = (
+        _ranks(grid.get_tensor_model_parallel_group()),
+        _ranks(grid.get_data_parallel_group()),
+        _ranks(grid.get_model_parallel_group()),
+        grid.get_data_parallel_rank(),
+        grid.get_tensor_model_parallel_rank(),
+        grid.get_stage_id(),
+        grid.data_comm.world_size,
+        grid.tensor_comm.world_size,
+        grid.get_tensor_model_parallel_src_rank(),
+    )
     grid = ParallelGrid.from_topology(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))
-    out["pp2 tp2"] = (_ranks(grid.get_pipe_parallel_group()), _ranks(grid.get_model_parallel_group()),
-                      grid.get_stage_id(), grid.is_first_stage, grid.is_last_stage, grid.stage_to_global(1),
-                      grid.get_model_parallel_rank())
+    out["pp2 tp2"] = (
+        _ranks(grid.get_pipe_parallel_group()),
+        _ranks(grid.get_model_parallel_group()),
+        grid.get_stage_id(),
+        grid.is_first_stage,
+        grid.is_last_stage,
+        grid.stage_to_global(1),
+        grid.get_model_parallel_rank(),
+    )
     errors = {}
-    for name, build in (("tensor 3", lambda: ParallelGrid.build(tensor=3)),
-                        ("transposed mpu", lambda: ParallelGrid.from_mpu(MegatronStyleMPU(2, transposed=True)))):
+    for name, build in (
+        ("tensor 3", lambda: ParallelGrid.build(tensor=3)),
+        ("transposed mpu", lambda: ParallelGrid.from_mpu(MegatronStyleMPU(2, transposed=True))),
+    ):
         try:
             build()
         except ValueError as exc:
@@ -113,9 +128,14 @@ def _train_with_mpu(rank, world_size):
     for stage, gas, clip in CASES:
         if isinstance(stage, str):  # built already partitioned over the mpu's data group
             config_stage = 3
-            with shardwise.zero.Init(mpu=mpu, config_dict_or_path={"gradient_clipping": 0.0,
-                                                                   "train_micro_batch_size_per_gpu": MICRO,
-                                                                  "zero_optimization": {"stage": 3}}):
+            with shardwise.zero.Init(
+                mpu=mpu,
+                config_dict_or_path={
+                    "gradient_clipping": 0.0,
+                    "train_micro_batch_size_per_gpu": MICRO,
+                    "zero_optimization": {"stage": 3},
+                },
+            ):
                 model = TinyMLP(seed=3)
             reference_model = TinyMLP(seed=3)  # the same values, whole
             local = [p.ds_tensor.numel() for p in model.parameters()]
@@ -126,23 +146,42 @@ def _train_with_mpu(rank, world_size):
             model = reference_model = TinyMLP(seed=3)
         batches = token_batches(num_steps=STEPS, batch=MICRO * gas * dp, seed=4)
         reference = reference_run(reference_model, batches, lr=LR, clip=clip, optimizer=torch.optim.SGD)
-        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-                  "gradient_clipping": clip, "optimizer": {"type": "SGD", "params": {"lr": LR}},
-                  "steps_per_print": 1000,
-                  "zero_optimization": {"stage": config_stage, "reduce_bucket_size": 300,
-                                        **(STAGE3_PARTITION_ALL if config_stage == 3 else {})}}
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": gas,
+            "gradient_clipping": clip,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "steps_per_print": 1000,
+            "zero_optimization": {
+                "stage": config_stage,
+                "reduce_bucket_size": 300,
+                **(STAGE3_PARTITION_ALL if config_stage == 3 else {}),
+            },
+        }
         engine, *_ = shardwise.initialize(model=copy.deepcopy(model), config=config, mpu=mpu)
         norms = engine_train(engine, batches, rank=dp_rank, world_size=dp, micro=MICRO)
-        shards = [b.grad_shard.numel() * dp == b.padded for b in getattr(engine.strategy, "buckets", [])
-                  if getattr(b, "grad_shard", None) is not None]
+        shards = [
+            b.grad_shard.numel() * dp == b.padded
+            for b in getattr(engine.strategy, "buckets", [])
+            if getattr(b, "grad_shard", None) is not None
+        ]
         from shardwise.utils import groups
+
         out[(stage, gas, clip)] = {
-            "diff": max((a - b.detach()).abs().max().item() for a, b in zip(
-                reference.model.parameters(), _full_params(engine))),
+            "diff": max(
+                (a - b.detach()).abs().max().item() for a, b in zip(reference.model.parameters(), _full_params(engine))
+            ),
             "moved": reference.movement(),
             "norms": (norms, reference.norms),
-            "split": (engine.dp_world_size, engine.grid.tensor, engine.mpu is mpu, all(shards), len(shards),
-                      groups.get_data_parallel_world_size(), groups.get_tensor_model_parallel_world_size()),
+            "split": (
+                engine.dp_world_size,
+                engine.grid.tensor,
+                engine.mpu is mpu,
+                all(shards),
+                len(shards),
+                groups.get_data_parallel_world_size(),
+                groups.get_tensor_model_parallel_world_size(),
+            ),
         }
     return out
 

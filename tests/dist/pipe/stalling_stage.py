@@ -30,11 +30,17 @@ class Stall(nn.Module):
 timeout_s = float(next(arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")))
 layers = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.Linear, 8, 8), LayerSpec(Stall)]
 model = PipelineModule(layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method=[0, 1, 3])
-engine, *_ = shardwise.initialize(model=model, config={
-    "gradient_clipping": 0.0,
-    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "comm": {"timeout_s": timeout_s},
-    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+engine, *_ = shardwise.initialize(
+    model=model,
+    config={
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "comm": {"timeout_s": timeout_s},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    },
+)
 data = [(torch.randn(2, 8), torch.randn(2, 8)) for _ in range(12)]
 for step in range(3):
-    engine.train_batch(iter(data[step * 4:(step + 1) * 4]))
+    engine.train_batch(iter(data[step * 4 : (step + 1) * 4]))
 print("FINISHED", flush=True)

@@ -46,7 +46,9 @@ class Reference(nn.Module):
                     tied[spec.key] = spec.build()
                     self.layers.append(tied[spec.key])
                 module = tied[spec.key]
-                self.funcs.append(module if spec.forward_fn is None else (lambda x, m=module, f=spec.forward_fn: f(m, x)))
+                self.funcs.append(
+                    module if spec.forward_fn is None else (lambda x, m=module, f=spec.forward_fn: f(m, x))
+                )
             else:
                 module = spec.build()
                 self.layers.append(module)
@@ -76,12 +78,31 @@ def _batches(gbs, seqs=None):
     """``STEPS`` global batches; ``seqs`` gives each step its own sequence length."""
     g = torch.Generator().manual_seed(3)
     seqs = seqs or [S] * STEPS
-    return [(torch.randint(0, V, (gbs, seq), generator=g), torch.randint(0, V, (gbs, seq), generator=g))
-            for seq in seqs]
+    return [
+        (torch.randint(0, V, (gbs, seq), generator=g), torch.randint(0, V, (gbs, seq), generator=g)) for seq in seqs
+    ]
 
 
-def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b", interval=0, blocks=4, opt="SGD",
-          extra=None, seqs=None, virtual=1, dtype="fp32", transport="shared memory", clip=1.0, partition="uniform"):
+def _case(
+    rank,
+    world_size,
+    *,
+    stages,
+    gas,
+    zero=0,
+    tied=False,
+    schedule="1f1b",
+    interval=0,
+    blocks=4,
+    opt="SGD",
+    extra=None,
+    seqs=None,
+    virtual=1,
+    dtype="fp32",
+    transport="shared memory",
+    clip=1.0,
+    partition="uniform",
+):
     import os
 
     os.environ["SHARDWISE_SHM_P2P"] = "1" if transport == "shared memory" else "0"  # read by initialize
@@ -90,23 +111,43 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     initial = copy.deepcopy(reference)
     dp = world_size // stages
     batches = _batches(MICRO * gas * dp, seqs)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR) if opt == "SGD" else \
-        torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    optimizer = (
+        torch.optim.SGD(reference.parameters(), lr=LR)
+        if opt == "SGD"
+        else torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    )
     ref_losses = _train_reference(reference, optimizer, batches, clip)
     # "profile": the layers timed on the first micro-batch (each rank's own) cut the stages
     sample = {"partition_sample": (batches[0][0][:MICRO], batches[0][1][:MICRO])} if partition == "profile" else {}
-    model = PipelineModule(specs, num_stages=stages, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
-                           partition_method=partition, activation_checkpoint_interval=interval,
-                           virtual_stages=virtual, **sample)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-              "optimizer": {"type": opt, "params": {"lr": LR} if opt == "SGD" else {"lr": 1e-2, "weight_decay": 0.0}},
-              "steps_per_print": 1000,
-              "pipeline": {**({"schedule": schedule} if schedule else {}),
-                           **({"virtual_stages": virtual} if virtual > 1 else {})},
-              "zero_optimization": {"stage": zero, "reduce_bucket_size": 300,
-                                    # stage 3 partitions every layer (the tiny layers would stay whole)
-                                    **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})},
-              **(extra or {})}
+    model = PipelineModule(
+        specs,
+        num_stages=stages,
+        loss_fn=_loss,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        partition_method=partition,
+        activation_checkpoint_interval=interval,
+        virtual_stages=virtual,
+        **sample,
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": opt, "params": {"lr": LR} if opt == "SGD" else {"lr": 1e-2, "weight_decay": 0.0}},
+        "steps_per_print": 1000,
+        "pipeline": {
+            **({"schedule": schedule} if schedule else {}),
+            **({"virtual_stages": virtual} if virtual > 1 else {}),
+        },
+        "zero_optimization": {
+            "stage": zero,
+            "reduce_bucket_size": 300,
+            # stage 3 partitions every layer (the tiny layers would stay whole)
+            **({"stage3_param_persistence_threshold": 0} if zero == 3 else {}),
+        },
+        **(extra or {}),
+    }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -120,17 +161,29 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     dp_rank = engine.grid.get_data_parallel_rank()
     losses = []
     for tokens, labels in batches:
-        micro = [(tokens[(m * dp + dp_rank) * MICRO:(m * dp + dp_rank + 1) * MICRO],
-                  labels[(m * dp + dp_rank) * MICRO:(m * dp + dp_rank + 1) * MICRO]) for m in range(gas)]
+        micro = [
+            (
+                tokens[(m * dp + dp_rank) * MICRO : (m * dp + dp_rank + 1) * MICRO],
+                labels[(m * dp + dp_rank) * MICRO : (m * dp + dp_rank + 1) * MICRO],
+            )
+            for m in range(gas)
+        ]
         losses.append(float(engine.train_batch(iter(micro))))
     # what this rank holds between batches: under stage 3 only shards (the layers are empty)
-    resident = (sum(p.numel() for p in engine.module.parameters()),
-                engine.strategy.views.model_state_bytes().params // 4,  # fp32 shards, masters included
-                sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()))
+    resident = (
+        sum(p.numel() for p in engine.module.parameters()),
+        engine.strategy.views.model_state_bytes().params // 4,  # fp32 shards, masters included
+        sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
+    )
     # evaluation of the trained model on the first batch, against the reference's
     tokens, labels = batches[0]
-    micro = [(tokens[(m * dp + dp_rank) * MICRO:(m * dp + dp_rank + 1) * MICRO],
-              labels[(m * dp + dp_rank) * MICRO:(m * dp + dp_rank + 1) * MICRO]) for m in range(gas)]
+    micro = [
+        (
+            tokens[(m * dp + dp_rank) * MICRO : (m * dp + dp_rank + 1) * MICRO],
+            labels[(m * dp + dp_rank) * MICRO : (m * dp + dp_rank + 1) * MICRO],
+        )
+        for m in range(gas)
+    ]
     training_iterator = iter([])
     engine.set_dataiterator(training_iterator)
     eval_loss, logits = engine.eval_batch(iter(micro), return_logits=True)
@@ -138,7 +191,7 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
     restored = engine.data_iterator is training_iterator  # eval_batch gives the training iterator back
     with torch.no_grad():
         ref_eval = _loss(reference(tokens), labels).item()
-        ref_first = _loss(reference(tokens[:MICRO * dp]), labels[:MICRO * dp]).item()
+        ref_first = _loss(reference(tokens[: MICRO * dp]), labels[: MICRO * dp]).item()
     # compare this stage's parameters with the reference's layers of the same index
     from shardwise.zero import GatheredParameters
 
@@ -155,8 +208,9 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
             if spec.key in seen:
                 continue
             seen[spec.key] = position
-        ref_by_index[f"tied_modules.{spec.key}" if isinstance(spec, TiedLayerSpec) else str(index)] = \
-            reference.layers[position]
+        ref_by_index[f"tied_modules.{spec.key}" if isinstance(spec, TiedLayerSpec) else str(index)] = reference.layers[
+            position
+        ]
         position += 1
     diff = 0.0
     names = []
@@ -168,18 +222,30 @@ def _case(rank, world_size, *, stages, gas, zero=0, tied=False, schedule="1f1b",
             ref_p = dict(ref_by_index[layer_key].named_parameters())[attr]
             diff = max(diff, (p.detach() - ref_p.detach()).abs().max().item())
             names.append(name)
-    moved = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(reference.parameters(),
-                                                                             initial.parameters()))
+    moved = max(
+        (a.detach() - b.detach()).abs().max().item() for a, b in zip(reference.parameters(), initial.parameters())
+    )
     first_only = float(first_only) if first_only is not None else None
     Channel.recv = original_recv
-    return {"losses": (losses, ref_losses), "eval": (float(eval_loss), ref_eval, len(logits or []), engine.is_last_stage()),
-            "eval one micro-batch": (first_only, ref_first, restored),
-            "diff": diff, "moved": moved, "names": names, "resident": resident,
-            "parts": engine.module.parts, "stage": engine.grid.stage_id, "schedule": (engine.schedule_name, config["pipeline"].get("schedule", "1f1b_split")),
-            "channels": sorted({type(c).__name__ for c in engine._runner.channels.values()}),
-            # ... and none is left posted after the batches (nothing more was coming)
-            "posted ahead": (sum(ahead), len(ahead), sum(getattr(c, "_header", None) is not None
-                                                          for c in engine._runner.channels.values()))}
+    return {
+        "losses": (losses, ref_losses),
+        "eval": (float(eval_loss), ref_eval, len(logits or []), engine.is_last_stage()),
+        "eval one micro-batch": (first_only, ref_first, restored),
+        "diff": diff,
+        "moved": moved,
+        "names": names,
+        "resident": resident,
+        "parts": engine.module.parts,
+        "stage": engine.grid.stage_id,
+        "schedule": (engine.schedule_name, config["pipeline"].get("schedule", "1f1b_split")),
+        "channels": sorted({type(c).__name__ for c in engine._runner.channels.values()}),
+        # ... and none is left posted after the batches (nothing more was coming)
+        "posted ahead": (
+            sum(ahead),
+            len(ahead),
+            sum(getattr(c, "_header", None) is not None for c in engine._runner.channels.values()),
+        ),
+    }
 
 
 def _shm_room() -> bool:
@@ -207,7 +273,9 @@ def _check(reports, cases):
             eval_loss, ref_eval, logits, last = got["eval"]
             dtype = cases[name].get("dtype", "fp32")
             loss_tol = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}[dtype]
-            assert abs(eval_loss - ref_eval) <= loss_tol * abs(ref_eval), f"rank {rank} {name}: eval {eval_loss} vs {ref_eval}"
+            assert abs(eval_loss - ref_eval) <= loss_tol * abs(ref_eval), (
+                f"rank {rank} {name}: eval {eval_loss} vs {ref_eval}"
+            )
             assert logits == (cases[name]["gas"] if last else 0), f"rank {rank} {name}: {logits} logits returned"
             first_only, ref_first, restored = got["eval one micro-batch"]
             assert restored, f"rank {rank} {name}: eval_batch did not restore the training iterator"
@@ -218,18 +286,22 @@ def _check(reports, cases):
             # bf16 rounding moves this tanh stack by up to 0.16 of the update at lr 0.5 with or
             # without a pipeline (measured 0.135 at pp2, 0.158 at pp1 x dp2); no update would be 1.0
             tol = {"fp32": 1e-4, "bf16": 0.3, "fp16": 0.05}[dtype] if cases[name].get("opt", "SGD") == "SGD" else 2e-3
-            assert got["diff"] <= tol * got["moved"], f"rank {rank} {name}: |diff| {got['diff']:.3g} vs moved {got['moved']:.3g}"
+            assert got["diff"] <= tol * got["moved"], (
+                f"rank {rank} {name}: |diff| {got['diff']:.3g} vs moved {got['moved']:.3g}"
+            )
             if cases[name].get("zero") == 3:  # the split: each data rank holds 1 / dp of its stage's layers
                 whole, shards, full = got["resident"]
                 dp = 4 // cases[name]["stages"]
-                assert whole == 0 and full // dp <= shards <= full // dp + 8 * dp, \
+                assert whole == 0 and full // dp <= shards <= full // dp + 8 * dp, (
                     f"rank {rank} {name}: {got['resident']}"
+                )
             # stages on one host talk through shared memory unless it is turned off (or
             # /dev/shm has no room for the rings: then the backend carries the transfers)
             gloo = cases[name].get("transport") == "gloo"
             if gloo or _shm_room():
-                assert got["channels"] == ["Channel" if gloo else "SharedChannel"], \
+                assert got["channels"] == ["Channel" if gloo else "SharedChannel"], (
                     f"rank {rank} {name}: {got['channels']}"
+                )
             if gloo:
                 posted, received, left = got["posted ahead"]
                 assert posted == received > 0 and left == 0, f"rank {rank} {name}: {got['posted ahead']}"
@@ -241,8 +313,9 @@ def _check(reports, cases):
             mine = {int(n.split(".")[0]) for n in got["names"] if not n.startswith("tied_modules")}
             tied_only = any(n.startswith("tied_modules") for n in got["names"])
             held = {i for c in range(stage, len(parts) - 1, stages) for i in range(parts[c], parts[c + 1])}
-            assert (mine or tied_only) and mine <= held, \
+            assert (mine or tied_only) and mine <= held, (
                 f"rank {rank} {name}: stage {stage} holds layers {sorted(mine)} outside {parts}"
+            )
 
 
 TWO_RANKS = {
@@ -264,17 +337,20 @@ TWO_RANKS = {
     "pp2 zero bubble gas8 adamw": dict(stages=2, gas=8, schedule="zero_bubble", opt="AdamW"),
     "pp2 zero bubble checkpointed": dict(stages=2, gas=4, schedule="zero_bubble", interval=1),
     "pp2 1f1b split drain bf16": dict(stages=2, gas=4, schedule="1f1b_split", dtype="bf16", tied=True),
-    "pp2 profiled partition default schedule adamw": dict(stages=2, gas=4, schedule=None, partition="profile",
-                                                          opt="AdamW", blocks=5),
-    "pp2 profiled partition default schedule tied": dict(stages=2, gas=4, schedule=None, partition="profile",
-                                                         tied=True),
+    "pp2 profiled partition default schedule adamw": dict(
+        stages=2, gas=4, schedule=None, partition="profile", opt="AdamW", blocks=5
+    ),
+    "pp2 profiled partition default schedule tied": dict(
+        stages=2, gas=4, schedule=None, partition="profile", tied=True
+    ),
     "pp2 interleaved x2 tied": dict(stages=2, gas=4, schedule="interleaved", virtual=2, tied=True, blocks=6),
     "pp2 checkpointed": dict(stages=2, gas=4, interval=1),
     "pp2 checkpointed by config": dict(stages=2, gas=2, extra={"pipeline": {"activation_checkpoint_interval": 2}}),
     "pp2 variable sequence length": dict(stages=2, gas=2, seqs=[6, 3, 9]),
     "pp2 variable sequence length over gloo": dict(stages=2, gas=2, seqs=[6, 3, 9], transport="gloo"),
-    "pp2 interleaved x2 tied over gloo": dict(stages=2, gas=4, schedule="interleaved", virtual=2, tied=True, blocks=6,
-                                              transport="gloo"),
+    "pp2 interleaved x2 tied over gloo": dict(
+        stages=2, gas=4, schedule="interleaved", virtual=2, tied=True, blocks=6, transport="gloo"
+    ),
 }
 FOUR_RANKS = {
     **{f"pp2 dp2 zero{z}": dict(stages=2, gas=4, zero=z) for z in (0, 1, 2, 3)},
@@ -285,8 +361,10 @@ FOUR_RANKS = {
     "pp4 zero bubble tied": dict(stages=4, gas=8, schedule="zero_bubble", tied=True, blocks=4),
     "pp4 1f1b split drain tied": dict(stages=4, gas=8, schedule="1f1b_split", tied=True, blocks=4),
     "pp2 dp2 1f1b split drain zero3 tied": dict(stages=2, gas=4, zero=3, schedule="1f1b_split", tied=True),
-    **{f"pp2 dp2 zero bubble zero{z} tied": dict(stages=2, gas=4, zero=z, schedule="zero_bubble", tied=True)
-       for z in (1, 2, 3)},
+    **{
+        f"pp2 dp2 zero bubble zero{z} tied": dict(stages=2, gas=4, zero=z, schedule="zero_bubble", tied=True)
+        for z in (1, 2, 3)
+    },
     "pp2 dp2 interleaved zero2": dict(stages=2, gas=4, zero=2, schedule="interleaved", virtual=2, blocks=6),
     "pp4 tied over gloo": dict(stages=4, gas=4, tied=True, blocks=4, transport="gloo"),
 }
@@ -311,8 +389,12 @@ def _errors(rank, world_size, failure):
         return None
 
     specs = _specs(2, tied=False)
-    base = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
-            "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+    base = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+    }
     out = {
         "stages": error(lambda: PipelineModule(specs, num_stages=3)),
         "few layers": error(lambda: PipelineModule(specs[:1], num_stages=2)),
@@ -320,19 +402,34 @@ def _errors(rank, world_size, failure):
         "regex": error(lambda: PipelineModule(specs, num_stages=2, partition_method="type:Transformer")),
         "no sample": error(lambda: PipelineModule(specs, num_stages=2, partition_method="profile")),
         "sample unread": error(lambda: PipelineModule(specs, num_stages=2, partition_sample=(1, 2))),
-        "bad sample": error(lambda: PipelineModule(specs, num_stages=2, partition_method="profile",
-                                                   partition_sample=torch.zeros(2))),
-        "tied shapes": error(lambda: PipelineModule(
-            [TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1), LayerSpec(PipelineBlock, H),
-             TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1, forward_fn=tied_head)], num_stages=2,
-            partition_method=[0, 2, 3])),
+        "bad sample": error(
+            lambda: PipelineModule(specs, num_stages=2, partition_method="profile", partition_sample=torch.zeros(2))
+        ),
+        "tied shapes": error(
+            lambda: PipelineModule(
+                [
+                    TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1),
+                    LayerSpec(PipelineBlock, H),
+                    TiedLayerSpec("e", nn.Embedding, V, H if rank == 0 else H + 1, forward_fn=tied_head),
+                ],
+                num_stages=2,
+                partition_method=[0, 2, 3],
+            )
+        ),
     }
     tokens = torch.randint(0, V, (MICRO, S))
     plain, *_ = shardwise.initialize(model=nn.Linear(2, 2), config=base)
     out["not a pipeline"] = error(lambda: plain.train_batch(iter([])))
-    out["zero bubble per use"] = error(lambda: shardwise.initialize(
-        model=PipelineModule(specs, num_stages=2, loss_fn=_loss),
-        config={**base, "zero_optimization": {"stage": 3}, "pipeline": {"schedule": "zero_bubble", "keep_gathered": False}}))
+    out["zero bubble per use"] = error(
+        lambda: shardwise.initialize(
+            model=PipelineModule(specs, num_stages=2, loss_fn=_loss),
+            config={
+                **base,
+                "zero_optimization": {"stage": 3},
+                "pipeline": {"schedule": "zero_bubble", "keep_gathered": False},
+            },
+        )
+    )
     # last: a failure inside a batch parts the stages (the other stage then waits in vain
     # for its peer, a short deadline later)
     timeout = {**base, "comm": {"timeout_s": FAILURE_DEADLINE_S}}
@@ -380,10 +477,16 @@ class TPBlock(nn.Module):
         from shardwise.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         self.norm = nn.LayerNorm(width)
-        self.up = ColumnParallelLinear(width, 2 * width, gather_output=False, group=group) if group is not None \
+        self.up = (
+            ColumnParallelLinear(width, 2 * width, gather_output=False, group=group)
+            if group is not None
             else nn.Linear(width, 2 * width)
-        self.down = RowParallelLinear(2 * width, width, input_is_parallel=True, group=group) if group is not None \
+        )
+        self.down = (
+            RowParallelLinear(2 * width, width, input_is_parallel=True, group=group)
+            if group is not None
             else nn.Linear(2 * width, width)
+        )
 
     def forward(self, x):
         return x + self.down(torch.tanh(self.up(self.norm(x))))
@@ -393,21 +496,40 @@ def _pipe_and_tensor(rank, world_size, schedule):
     from shardwise.parallel import ParallelGrid, PipeModelDataParallelTopology
 
     grid = ParallelGrid.from_topology(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))
+
     def specs(group):
-        return [LayerSpec(nn.Embedding, V, H)] + [LayerSpec(TPBlock, H, group=group) for _ in range(2)] + \
-            [LayerSpec(nn.Linear, H, V)]
+        return (
+            [LayerSpec(nn.Embedding, V, H)]
+            + [LayerSpec(TPBlock, H, group=group) for _ in range(2)]
+            + [LayerSpec(nn.Linear, H, V)]
+        )
+
     reference = Reference(specs(None))
     batches = _batches(MICRO * 4)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     ref_losses = _train_reference(reference, optimizer, batches)
-    model = PipelineModule(specs(grid), topology=grid, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
-                           partition_method="uniform")
-    engine, *_ = shardwise.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "steps_per_print": 1000,
-        "pipeline": {"schedule": schedule}})
-    losses = [float(engine.train_batch(iter([(t[m * MICRO:(m + 1) * MICRO], y[m * MICRO:(m + 1) * MICRO])
-                                             for m in range(4)]))) for t, y in batches]
+    model = PipelineModule(
+        specs(grid), topology=grid, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED, partition_method="uniform"
+    )
+    engine, *_ = shardwise.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 4,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "steps_per_print": 1000,
+            "pipeline": {"schedule": schedule},
+        },
+    )
+    losses = [
+        float(
+            engine.train_batch(
+                iter([(t[m * MICRO : (m + 1) * MICRO], y[m * MICRO : (m + 1) * MICRO]) for m in range(4)])
+            )
+        )
+        for t, y in batches
+    ]
     up = [p for n, p in engine.module.named_parameters() if n.endswith("up.weight")]
     return losses, ref_losses, [tuple(p.shape) for p in up], engine.grid.stage_id
 
@@ -415,7 +537,8 @@ def _pipe_and_tensor(rank, world_size, schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_pipeline_with_tensor_parallel_stages(tmp_path, schedule):
     for rank, (losses, ref_losses, up_shapes, stage) in enumerate(
-            run_distributed(_pipe_and_tensor, world_size=4, tmp_path=tmp_path, schedule=schedule)):
+        run_distributed(_pipe_and_tensor, world_size=4, tmp_path=tmp_path, schedule=schedule)
+    ):
         for mine, ref in zip(losses, ref_losses):
             assert abs(mine - ref) <= 1e-5 * abs(ref), f"rank {rank}: loss {mine} vs {ref}"
         assert up_shapes == [(H, H)], f"rank {rank} (stage {stage}): up projections {up_shapes}, want one of ({H}, {H})"
@@ -423,12 +546,18 @@ def test_pipeline_with_tensor_parallel_stages(tmp_path, schedule):
 
 def _gathers(rank, world_size, keep):
     specs = _specs(4, True)
-    model = PipelineModule(specs, num_stages=2, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
-                           partition_method="uniform")
-    config = {"gradient_clipping": 0.0,
-              "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
-              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"keep_gathered": keep},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    model = PipelineModule(
+        specs, num_stages=2, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED, partition_method="uniform"
+    )
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 4,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "pipeline": {"keep_gathered": keep},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = shardwise.initialize(model=model, config=config)
     tokens, labels = _batches(MICRO * 4 * 2, None)[0]
     dp_rank = engine.grid.get_data_parallel_rank()
@@ -437,11 +566,15 @@ def _gathers(rank, world_size, keep):
     before, reduced_before = calls["all_gather"], calls["reduce_scatter"]
     at_step = []
     step = engine._take_model_step
-    engine._take_model_step = lambda *a: (at_step.append(sum(p.numel() for p in engine.module.parameters())),
-                                          step(*a))
+    engine._take_model_step = lambda *a: (at_step.append(sum(p.numel() for p in engine.module.parameters())), step(*a))
     loss = float(engine.train_batch(iter([(tokens[r], labels[r]) for r in rows])))
-    return (loss, calls["all_gather"] - before, len(engine.strategy.buckets), at_step,
-            calls["reduce_scatter"] - reduced_before)
+    return (
+        loss,
+        calls["all_gather"] - before,
+        len(engine.strategy.buckets),
+        at_step,
+        calls["reduce_scatter"] - reduced_before,
+    )
 
 
 def test_stage3_keeps_a_stages_layers_gathered_across_the_batch(tmp_path):
@@ -451,8 +584,9 @@ def test_stage3_keeps_a_stages_layers_gathered_across_the_batch(tmp_path):
     ``pipeline.keep_gathered: false`` gathers per use and reduces every micro-batch."""
     kept = run_distributed(_gathers, world_size=4, tmp_path=tmp_path, keep=True)
     per_use = run_distributed(_gathers, world_size=4, tmp_path=tmp_path, keep=False)
-    for (loss, gathers, units, whole, reduced), (loss_per_use, gathers_per_use, _, _, reduced_per_use) in \
-            zip(kept, per_use):
+    for (loss, gathers, units, whole, reduced), (loss_per_use, gathers_per_use, _, _, reduced_per_use) in zip(
+        kept, per_use
+    ):
         assert loss == loss_per_use
         assert gathers == units and whole == [0], (gathers, units, whole)  # freed before the step
         assert gathers_per_use >= 4 * units, gathers_per_use  # every unit in every micro-batch, at least
@@ -476,26 +610,39 @@ def _backward_halves(rank, world_size, schedule):
                 Matmuls.count += 1
             return func(*args, **(kwargs or {}))
 
-    model = PipelineModule(_specs(4, False), num_stages=2, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
-                           partition_method="uniform")
-    engine, *_ = shardwise.initialize(model=model, config={
-        "gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"schedule": schedule}})
+    model = PipelineModule(
+        _specs(4, False), num_stages=2, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED, partition_method="uniform"
+    )
+    engine, *_ = shardwise.initialize(
+        model=model,
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 4,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "pipeline": {"schedule": schedule},
+        },
+    )
     seen = []
     for kind in (_actions.Backward, _actions.BackwardInput, _actions.BackwardWeight):
+
         def wrapped(run, action, name=kind.__name__, original=HANDLERS[kind]):
             grads = [None if p.grad is None else p.grad.clone() for p in engine.module.parameters()]
             Matmuls.count = 0
             with Matmuls():
                 original(run, action)
-            changed = sum(not (a is None and p.grad is None) and (a is None or not torch.equal(a, p.grad))
-                          for a, p in zip(grads, engine.module.parameters()))
+            changed = sum(
+                not (a is None and p.grad is None) and (a is None or not torch.equal(a, p.grad))
+                for a, p in zip(grads, engine.module.parameters())
+            )
             seen.append((name, Matmuls.count, changed))
+
         HANDLERS[kind] = wrapped
     tokens, labels = _batches(MICRO * 4)[0]
-    engine.train_batch(iter([(tokens[m * MICRO:(m + 1) * MICRO], labels[m * MICRO:(m + 1) * MICRO])
-                             for m in range(4)]))
+    engine.train_batch(
+        iter([(tokens[m * MICRO : (m + 1) * MICRO], labels[m * MICRO : (m + 1) * MICRO]) for m in range(4)])
+    )
     return seen, len(list(engine.module.parameters()))
 
 

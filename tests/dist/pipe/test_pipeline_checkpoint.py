@@ -58,19 +58,34 @@ def _reference(steps: int, tied: bool = True) -> tuple[dict[str, torch.Tensor], 
 
 def _batches():
     g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, V, (GBS, S), generator=g), torch.randint(0, V, (GBS, S), generator=g))
-            for _ in range(SAVED_STEPS + MORE_STEPS)]
+    return [
+        (torch.randint(0, V, (GBS, S), generator=g), torch.randint(0, V, (GBS, S), generator=g))
+        for _ in range(SAVED_STEPS + MORE_STEPS)
+    ]
 
 
 def _engine(stages: int, world_size: int, zero: int, tied: bool = True):
-    model = PipelineModule(_specs(tied), num_stages=stages, loss_fn=_loss, seed_layers=True, base_seed=BASE_SEED,
-                           partition_method="uniform")
+    model = PipelineModule(
+        _specs(tied),
+        num_stages=stages,
+        loss_fn=_loss,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        partition_method="uniform",
+    )
     dp = world_size // stages
-    config = {"gradient_clipping": 0.0,
-              "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GBS // (MICRO * dp),
-              "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}, "steps_per_print": 1000,
-              "zero_optimization": {"stage": zero, "reduce_bucket_size": 300,
-                                    **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GBS // (MICRO * dp),
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
+        "steps_per_print": 1000,
+        "zero_optimization": {
+            "stage": zero,
+            "reduce_bucket_size": 300,
+            **({"stage3_param_persistence_threshold": 0} if zero == 3 else {}),
+        },
+    }
     engine, *_ = shardwise.initialize(model=model, config=config)
     return engine
 
@@ -108,8 +123,16 @@ def _save_then_resume(rank, world_size, *, root):
             engine = _engine(4, world_size, 1)
             engine.load_module_state_dict({"module": state})
             report["state dict at pp4"] = {"losses": [], "diff": _diff(engine, _reference(SAVED_STEPS)[0])}
-    for stages, saved, zero in [(2, "z0", 0), (2, "z1", 1), (2, "z2", 2), (4, "z1", 0), (4, "z2", 1), (4, "z0", 2),
-                                (4, "z3", 3), (2, "z2", 3)]:
+    for stages, saved, zero in [
+        (2, "z0", 0),
+        (2, "z1", 1),
+        (2, "z2", 2),
+        (4, "z1", 0),
+        (4, "z2", 1),
+        (4, "z0", 2),
+        (4, "z3", 3),
+        (2, "z2", 3),
+    ]:
         tied = SAVES[saved][1]
         engine = _engine(stages, world_size, zero, tied)
         engine.load_checkpoint(f"{root}/{saved}", tag="saved")
@@ -159,8 +182,9 @@ def test_pipeline_checkpoint_loads_at_other_stage_counts(tmp_path):
         after_save = references[tied][0]
         directory = root / saved
         consolidated = shardwise.checkpoint.consolidate(directory, "saved")
-        assert {k: tuple(v.shape) for k, v in consolidated.items()} == \
-            {k: tuple(v.shape) for k, v in after_save.items()}, f"{saved}: {sorted(consolidated)}"
+        assert {k: tuple(v.shape) for k, v in consolidated.items()} == {
+            k: tuple(v.shape) for k, v in after_save.items()
+        }, f"{saved}: {sorted(consolidated)}"
         for name, value in consolidated.items():
             assert torch.allclose(value, after_save[name], atol=1e-5), f"{saved} consolidated {name}"
         from safetensors.torch import load_file
@@ -182,11 +206,22 @@ def _same_shaped_specs():
 
 def _names_held(rank, world_size, *, root):
     """pp2 of four same-shaped blocks: each stage's state dict, saved as a checkpoint."""
-    model = PipelineModule(_same_shaped_specs(), num_stages=2, loss_fn=F.mse_loss, seed_layers=True,
-                           base_seed=BASE_SEED, partition_method="uniform")
-    engine, *_ = shardwise.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    model = PipelineModule(
+        _same_shaped_specs(),
+        num_stages=2,
+        loss_fn=F.mse_loss,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        partition_method="uniform",
+    )
+    engine, *_ = shardwise.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        },
+    )
     engine.save_checkpoint(root, tag="built")
     return {name: value.clone() for name, value in engine.module.state_dict().items()}
 

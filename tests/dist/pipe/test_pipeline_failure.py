@@ -29,8 +29,14 @@ def _job_for(item):
     if "launcher" not in params:
         return None
     env = {"SHARDWISE_SHM_P2P": "1" if params["transport"] == "shared memory" else "0"}
-    return lambda cwd: launch(params["launcher"], cwd, Path(__file__).parent / "stalling_stage.py", str(DEADLINE_S),
-                              kill_after_s=DEADLINE_S + MARGIN_S + 60, env=env)
+    return lambda cwd: launch(
+        params["launcher"],
+        cwd,
+        Path(__file__).parent / "stalling_stage.py",
+        str(DEADLINE_S),
+        kill_after_s=DEADLINE_S + MARGIN_S + 60,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +45,9 @@ def jobs(request, tmp_path_factory):
         yield started
 
 
-@pytest.mark.parametrize("launcher, transport", [("torchrun", "shared memory"), ("shardwise run", "shared memory"),
-                                                  ("torchrun", "gloo")])
+@pytest.mark.parametrize(
+    "launcher, transport", [("torchrun", "shared memory"), ("shardwise run", "shared memory"), ("torchrun", "gloo")]
+)
 def test_a_stalled_stage_fails_the_pipeline_job_within_the_deadline(jobs, request, launcher, transport):
     code, out, elapsed = jobs[request.node.name].result()
     assert code != 0 and "FINISHED" not in out, out[-3000:]

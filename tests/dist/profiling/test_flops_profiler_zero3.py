@@ -45,15 +45,20 @@ def _profile_steps(model, phases, tokens, output_file=None, engine=None):
 
 def _zero3_rank(rank, world_size, output_dir):
     torch.manual_seed(0)
-    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL},
+    }
     engine, _, _, _ = shardwise.initialize(model=Model(), config=config)
     local = sum(p.numel() for p in engine.module.parameters())
     tokens = torch.randint(0, 20, (MICRO, 5), generator=torch.Generator().manual_seed(rank))
     output_file = f"{output_dir}/rank{rank}.txt"
-    numbers = _profile_steps(engine.module, (engine, engine.backward, engine.step), tokens,
-                             output_file=output_file, engine=engine)
+    numbers = _profile_steps(
+        engine.module, (engine, engine.backward, engine.step), tokens, output_file=output_file, engine=engine
+    )
     with open(output_file) as stream:
         return local, numbers, stream.read()
 

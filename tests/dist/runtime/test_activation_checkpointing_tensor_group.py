@@ -128,8 +128,9 @@ def _check_partitioned_checkpointing(rank, world_size):
     report["mask kept whole"] = any(t is mask for t in saved)
     report["one all-gather per partitioned input"] = SETTINGS.tensor_comm.calls["all_gather"] == 2
 
-    checkpointing.configure(mpu, deepspeed_config={"activation_checkpointing": {
-        "partition_activations": True, "cpu_checkpointing": True}})
+    checkpointing.configure(
+        mpu, deepspeed_config={"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}}
+    )
     grads, nbytes, saved = _run(layers, x, mask, checkpointed=True)
     floats = [t for t in saved if t.is_floating_point()]
     report["partitioned in host memory matches"] = _same(grads, reference) and nbytes * TP == plain_bytes
@@ -150,7 +151,8 @@ def _check_partitioned_checkpointing(rank, world_size):
     slices = [t for t in saved if t.is_floating_point()]
     report["contiguous matches"] = _same(grads, reference) and nbytes * TP == plain_bytes
     report["contiguous slots share one buffer"] = (
-        len({t.untyped_storage().data_ptr() for t in slices}) == 1 and slices[1].data_ptr() > slices[0].data_ptr())
+        len({t.untyped_storage().data_ptr() for t in slices}) == 1 and slices[1].data_ptr() > slices[0].data_ptr()
+    )
     h = x.clone().requires_grad_()
     for layer in layers:
         h = checkpointing.checkpoint(layer, h, mask)
@@ -174,8 +176,11 @@ def _check_partitioned_checkpointing(rank, world_size):
 def test_partitioned_activations_on_a_tensor_group_of_two(tmp_path):
     results = run_distributed(_check_partitioned_checkpointing, world_size=TP, tmp_path=tmp_path)
     for rank, (report, _, _) in enumerate(results):
-        failed = {name: value for name, value in report.items()
-                  if value is not True and not (isinstance(value, tuple) and value[0] is True)}
+        failed = {
+            name: value
+            for name, value in report.items()
+            if value is not True and not (isinstance(value, tuple) and value[0] is True)
+        }
         assert not failed, f"rank {rank}: {failed}"
     (_, out0, in0), (_, out1, in1) = results
     assert torch.equal(out0, out1), "dropout outside fork() must agree across tensor ranks"

@@ -6,8 +6,11 @@ import shardwise
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP
 
-CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
-          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "steps_per_print": 1000,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+}
 
 
 def _save_to_own_directory(rank, world_size, root):

@@ -11,8 +11,13 @@ from shardwise.checkpoint._format import sha256_file
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 
-CONFIG = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2}}
+CONFIG = {
+    "gradient_clipping": 0.0,
+    "train_micro_batch_size_per_gpu": 2,
+    "steps_per_print": 1000,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 2},
+}
 
 
 class _Records(logging.Handler):
@@ -65,14 +70,18 @@ def _save_after_a_killed_save(rank, world_size, save_dir):
     resumed, _, _, _ = shardwise.initialize(model=TinyMLP(seed=99), config=CONFIG)
     path, _ = resumed.load_checkpoint(save_dir)
     same = all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), resumed.module.parameters()))
-    return {"hidden": hidden, "complete untouched": untouched, "loaded": Path(path).name,
-            "same params": same, "log": [m for m in records.messages if "staging" in m]}
+    return {
+        "hidden": hidden,
+        "complete untouched": untouched,
+        "loaded": Path(path).name,
+        "same params": same,
+        "log": [m for m in records.messages if "staging" in m],
+    }
 
 
 def test_stale_staging_is_removed_at_the_next_save(tmp_path):
     save_dir = tmp_path / "ckpt"
-    results = run_distributed(_save_after_a_killed_save, world_size=2, tmp_path=tmp_path,
-                              save_dir=str(save_dir))
+    results = run_distributed(_save_after_a_killed_save, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir))
     for rank, result in enumerate(results):
         assert result["hidden"] == [".global_step5.staging"], (rank, result)
         assert result["complete untouched"] and result["same params"], (rank, result)

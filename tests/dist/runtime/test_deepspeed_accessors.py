@@ -12,16 +12,31 @@ from shardwise.testing.parity import STAGE3_PARTITION_ALL
 
 
 def _accessors(rank, world_size):
-    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config={
-        "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}})
-    out = {"info": engine.get_batch_info(), "zero": (engine.zero_optimization(),
-                                                     engine.zero_optimization_partition_gradients(),
-                                                     engine.zero_optimization_partition_weights()),
-           "dtype": engine.communication_data_type, "name": engine.optimizer_name(),
-           "print": engine.steps_per_print(), "scale": engine.loss_scale(), "dynamic": engine.dynamic_loss_scale(),
-           "offload": engine.zero_offload_optimizer().device, "config": engine.config["train_micro_batch_size_per_gpu"]}
+    engine, _, _, _ = shardwise.initialize(
+        model=TinyMLP(seed=1),
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": 2,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL},
+        },
+    )
+    out = {
+        "info": engine.get_batch_info(),
+        "zero": (
+            engine.zero_optimization(),
+            engine.zero_optimization_partition_gradients(),
+            engine.zero_optimization_partition_weights(),
+        ),
+        "dtype": engine.communication_data_type,
+        "name": engine.optimizer_name(),
+        "print": engine.steps_per_print(),
+        "scale": engine.loss_scale(),
+        "dynamic": engine.dynamic_loss_scale(),
+        "offload": engine.zero_offload_optimizer().device,
+        "config": engine.config["train_micro_batch_size_per_gpu"],
+    }
     with pytest.raises(ValueError, match="must be divisible by micro-batch size x data-parallel size = 4"):
         engine.set_train_batch_size(6)
     engine.set_train_batch_size(8)  # two micro-batches per step now
@@ -52,9 +67,12 @@ def _accessors(rank, world_size):
         with torch.no_grad():
             for name, p in dst.named_parameters():
                 p.copy_(src[name])
+
     engine.load_module_state_dict({"module": other.state_dict()}, custom_load_fn=copy_in, fetch_z3_params=True)
-    out["custom"] = all(torch.equal(shardwise.utils.safe_get_full_fp32_param(p), other.get_parameter(n))
-                        for n, p in engine.module.named_parameters())
+    out["custom"] = all(
+        torch.equal(shardwise.utils.safe_get_full_fp32_param(p), other.get_parameter(n))
+        for n, p in engine.module.named_parameters()
+    )
     ids = [getattr(p, "ds_id", None) for p in engine.module.parameters()]  # DeepSpeed-Chat's stage-3 test
     out["ds_ids"] = (len(ids), len(set(ids)), all(isinstance(i, int) for i in ids))
     params = list(engine.module.parameters())  # DeepSpeed-Chat's perf.py counts the full size by ds_tensor

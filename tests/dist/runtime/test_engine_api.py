@@ -10,8 +10,11 @@ from shardwise.config import ConfigError
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 
-BASE = {"gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+BASE = {
+    "gradient_clipping": 0.0,
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+}
 
 
 def _expect_error(exc_type, fn):
@@ -24,25 +27,53 @@ def _expect_error(exc_type, fn):
 
 def _api(rank, world_size):
     out = {}
-    out["lamb_zero"] = _expect_error(NotImplementedError, lambda: shardwise.initialize(
-        model=TinyMLP(), config={**BASE, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}))
-    out["offload"] = _expect_error(ConfigError, lambda: shardwise.initialize(
-        model=TinyMLP(), config={**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
-    out["offload_stage0"] = _expect_error(ConfigError, lambda: shardwise.initialize(
-        model=TinyMLP(), config={**BASE, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
-    out["grad_accum"] = _expect_error(NotImplementedError, lambda: shardwise.initialize(
-        model=TinyMLP(), config={**BASE, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}))
-    out["two_optimizers"] = _expect_error(ValueError, lambda: shardwise.initialize(
-        model=TinyMLP(), optimizer=torch.optim.SGD(TinyMLP().parameters(), lr=0.1), config=BASE))
+    out["lamb_zero"] = _expect_error(
+        NotImplementedError,
+        lambda: shardwise.initialize(
+            model=TinyMLP(), config={**BASE, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}
+        ),
+    )
+    out["offload"] = _expect_error(
+        ConfigError,
+        lambda: shardwise.initialize(
+            model=TinyMLP(), config={**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+        ),
+    )
+    out["offload_stage0"] = _expect_error(
+        ConfigError,
+        lambda: shardwise.initialize(
+            model=TinyMLP(), config={**BASE, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+        ),
+    )
+    out["grad_accum"] = _expect_error(
+        NotImplementedError,
+        lambda: shardwise.initialize(
+            model=TinyMLP(), config={**BASE, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+        ),
+    )
+    out["two_optimizers"] = _expect_error(
+        ValueError,
+        lambda: shardwise.initialize(
+            model=TinyMLP(), optimizer=torch.optim.SGD(TinyMLP().parameters(), lr=0.1), config=BASE
+        ),
+    )
     out["no_config"] = _expect_error(ValueError, lambda: shardwise.initialize(model=TinyMLP()))
-    out["bad_batch"] = _expect_error(ConfigError, lambda: shardwise.initialize(
-        model=TinyMLP(), config={**BASE, "train_batch_size": 7}))
+    out["bad_batch"] = _expect_error(
+        ConfigError, lambda: shardwise.initialize(model=TinyMLP(), config={**BASE, "train_batch_size": 7})
+    )
 
     # the batch triangle uses the real world size
     engine, optimizer, loader, scheduler = shardwise.initialize(
-        model=TinyMLP(), config={**BASE, "train_batch_size": 4 * world_size,
-                                 "scheduler": {"type": "WarmupLR", "params": {
-                                     "warmup_num_steps": 4, "warmup_max_lr": 0.4, "warmup_type": "linear"}}})
+        model=TinyMLP(),
+        config={
+            **BASE,
+            "train_batch_size": 4 * world_size,
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.4, "warmup_type": "linear"},
+            },
+        },
+    )
     out["gas"] = engine.gradient_accumulation_steps()
     out["returned"] = (optimizer is engine.optimizer, loader is None, scheduler is engine.lr_scheduler)
     tokens, targets = token_batches(num_steps=1, batch=2, seed=rank)[0]
@@ -60,9 +91,11 @@ def _api(rank, world_size):
     # a client optimizer and a client scheduler factory
     model = TinyMLP()
     engine, optimizer, _, scheduler = shardwise.initialize(
-        model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.5), config={
-            "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2},
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+        model=model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        config={"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2},
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    )
     engine.backward(engine(tokens, targets))
     engine.step()
     out["client"] = (type(optimizer).__name__, type(scheduler).__name__, engine.get_lr())
@@ -111,8 +144,9 @@ def _progress(rank, world_size):
             records.append(record.getMessage())
 
     logging.getLogger("shardwise").addHandler(Capture())
-    engine, _, _, _ = shardwise.initialize(model=TinyMLP(), config={
-        **BASE, "steps_per_print": 2, "fp16": {"enabled": True}, "wall_clock_breakdown": True})
+    engine, _, _, _ = shardwise.initialize(
+        model=TinyMLP(), config={**BASE, "steps_per_print": 2, "fp16": {"enabled": True}, "wall_clock_breakdown": True}
+    )
     tokens, targets = token_batches(num_steps=1, batch=2, seed=rank)[0]
     for _ in range(4):
         engine.backward(engine(tokens, targets))

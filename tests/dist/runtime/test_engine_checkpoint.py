@@ -12,10 +12,14 @@ MICRO = 2
 
 
 def _config(dtype):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}},
-           "gradient_clipping": 1.0, "steps_per_print": 1000}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-2}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+    }
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
     return cfg
@@ -25,7 +29,7 @@ def _train(engine, batches, rank, world_size):
     for tokens, targets in batches:
         for micro in range(engine.gradient_accumulation_steps()):
             start = (micro * world_size + rank) * MICRO
-            engine.backward(engine(tokens[start:start + MICRO], targets[start:start + MICRO]))
+            engine.backward(engine(tokens[start : start + MICRO], targets[start : start + MICRO]))
             engine.step()
 
 
@@ -34,8 +38,7 @@ def _resume(rank, world_size, save_dir, dtype):
     config = _config(dtype)
     straight, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
     _train(straight, batches[:3], rank, world_size)
-    straight.save_checkpoint(save_dir, client_state={"epoch": 7, "note": "hello",
-                                                     "ids": torch.arange(3)})
+    straight.save_checkpoint(save_dir, client_state={"epoch": 7, "note": "hello", "ids": torch.arange(3)})
     _train(straight, batches[3:], rank, world_size)
 
     resumed, _, _, _ = shardwise.initialize(model=TinyMLP(seed=99), config=config)
@@ -45,15 +48,13 @@ def _resume(rank, world_size, save_dir, dtype):
     assert torch.equal(client["ids"], torch.arange(3))
     assert resumed.global_steps == 3
     _train(resumed, batches[3:], rank, world_size)
-    same = all(torch.equal(a, b) for a, b in zip(straight.module.parameters(),
-                                                 resumed.module.parameters()))
+    same = all(torch.equal(a, b) for a, b in zip(straight.module.parameters(), resumed.module.parameters()))
     return same, resumed.get_lr() == straight.get_lr(), resumed.global_samples == straight.global_samples
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_resume_is_bit_identical(tmp_path, dtype):
-    results = run_distributed(_resume, world_size=2, tmp_path=tmp_path,
-                              save_dir=str(tmp_path / "ckpt"), dtype=dtype)
+    results = run_distributed(_resume, world_size=2, tmp_path=tmp_path, save_dir=str(tmp_path / "ckpt"), dtype=dtype)
     assert all(all(r) for r in results), results
 
 
@@ -87,8 +88,7 @@ def test_damaged_checkpoint_is_a_clear_error(tmp_path):
 
 def test_missing_latest_starts_fresh(tmp_path):
     # DeepSpeed's contract: load_checkpoint on a directory without checkpoints returns (None, None).
-    results = run_distributed(_resume_missing, world_size=2, tmp_path=tmp_path,
-                              save_dir=str(tmp_path / "empty"))
+    results = run_distributed(_resume_missing, world_size=2, tmp_path=tmp_path, save_dir=str(tmp_path / "empty"))
     assert results == [(None, None), (None, None)]
 
 
@@ -136,8 +136,10 @@ def test_sharded_checkpoint_parts_are_checked_and_the_single_file_layout_still_l
             (folder / name).unlink()
             del manifest["files"][name]
         safetensors.torch.save_file(merged, str(folder / f"{stem}.safetensors"))
-        manifest["files"][f"{stem}.safetensors"] = {"bytes": (folder / f"{stem}.safetensors").stat().st_size,
-                                                    "sha256": sha256_file(folder / f"{stem}.safetensors")}
+        manifest["files"][f"{stem}.safetensors"] = {
+            "bytes": (folder / f"{stem}.safetensors").stat().st_size,
+            "sha256": sha256_file(folder / f"{stem}.safetensors"),
+        }
     (folder / "manifest.json").write_text(json.dumps(manifest))
     for loaded in run_distributed(_load_stage2, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir)):
         assert not isinstance(loaded, str), loaded

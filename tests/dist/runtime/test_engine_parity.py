@@ -7,8 +7,8 @@ import torch
 
 import shardwise
 from shardwise.testing import run_distributed
-from shardwise.testing.parity import engine_train, reference_run
 from shardwise.testing.models import TinyMLP, token_batches
+from shardwise.testing.parity import engine_train, reference_run
 
 STEPS = 4
 MICRO = 2
@@ -31,8 +31,7 @@ def _config(gas, *, clip=0.0, dtype="fp32", extra=None):
 
 
 def _engine_train(model, batches, config, rank, world_size):
-    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config)
+    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.norms = engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
     return engine
 
@@ -45,8 +44,7 @@ def _check_parity(rank, world_size, cases):
         batches = token_batches(num_steps=STEPS, batch=MICRO * gas * world_size, seed=2)
         # plain single-process PyTorch training on the full global batches
         reference = reference_run(model, batches, lr=1e-2, weight_decay=0.01, clip=clip)
-        engine = _engine_train(copy.deepcopy(model), batches, _config(gas, clip=clip, dtype=dtype),
-                               rank, world_size)
+        engine = _engine_train(copy.deepcopy(model), batches, _config(gas, clip=clip, dtype=dtype), rank, world_size)
         assert engine.global_steps == STEPS
         assert engine.global_samples == STEPS * MICRO * gas * world_size
         worst = 0.0
@@ -96,7 +94,8 @@ def _no_comm_off_boundary(rank, world_size):
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
     launched_when_fc1_ready = []
     model.fc1.weight.register_post_accumulate_grad_hook(
-        lambda p: launched_when_fc1_ready.append(engine.comm.calls["all_reduce"]))
+        lambda p: launched_when_fc1_ready.append(engine.comm.calls["all_reduce"])
+    )
     tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=rank)[0]
     calls = []
     for _ in range(4):
@@ -111,8 +110,9 @@ def _no_comm_off_boundary(rank, world_size):
 
 
 def test_all_reduce_only_on_boundary_and_during_backward(tmp_path):
-    for calls, after_no_sync, buckets, launched in run_distributed(_no_comm_off_boundary, world_size=2,
-                                                                   tmp_path=tmp_path):
+    for calls, after_no_sync, buckets, launched in run_distributed(
+        _no_comm_off_boundary, world_size=2, tmp_path=tmp_path
+    ):
         assert buckets >= 3
         assert calls == [0, 0, 0, buckets]
         assert after_no_sync == buckets
@@ -123,9 +123,14 @@ def test_all_reduce_only_on_boundary_and_during_backward(tmp_path):
 
 def _overflow(rank, world_size):
     model = TinyMLP(seed=1)
-    config = _config(1, dtype="fp16", extra={
-        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}}})
+    config = _config(
+        1,
+        dtype="fp16",
+        extra={
+            "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-2}},
+        },
+    )
     engine, _, _, scheduler = shardwise.initialize(model=model, config=config)
     tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=rank)[0]
     before = [p.detach().clone() for p in engine.module.parameters()]
@@ -136,23 +141,33 @@ def _overflow(rank, world_size):
     engine.backward(loss)
     engine.step()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-    return (unchanged, engine.was_step_applied(), engine.get_loss_scale(), engine.skipped_steps,
-            engine.get_lr() == lr_before, engine.global_steps)
+    return (
+        unchanged,
+        engine.was_step_applied(),
+        engine.get_loss_scale(),
+        engine.skipped_steps,
+        engine.get_lr() == lr_before,
+        engine.global_steps,
+    )
 
 
 def test_fp16_overflow_skips_step_everywhere(tmp_path):
     for unchanged, applied, scale, skipped, lr_kept, steps in run_distributed(
-            _overflow, world_size=2, tmp_path=tmp_path):
+        _overflow, world_size=2, tmp_path=tmp_path
+    ):
         assert unchanged and not applied
-        assert scale == 2 ** 7
+        assert scale == 2**7
         assert skipped == 1 and steps == 1
         assert lr_kept
 
 
 def _bf16_nonfinite(rank, world_size, stage, check):
     model = TinyMLP(seed=1)
-    config = _config(1, dtype="bf16", extra={"bf16": {"enabled": True, "check_grad_overflow": check},
-                                             "zero_optimization": {"stage": stage}})
+    config = _config(
+        1,
+        dtype="bf16",
+        extra={"bf16": {"enabled": True, "check_grad_overflow": check}, "zero_optimization": {"stage": stage}},
+    )
     engine, _, _, _ = shardwise.initialize(model=model, config=config)
     tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=rank)[0]
     before = [p.detach().clone() for p in engine.module.parameters()]
@@ -170,9 +185,11 @@ def _bf16_nonfinite(rank, world_size, stage, check):
 def test_bf16_nonfinite_gradients_skip_the_step_as_deepspeed(tmp_path, stage):
     # DeepSpeed's bf16.check_grad_overflow (default true): the step is skipped on every rank
     for unchanged, finite, applied, skipped in run_distributed(
-            _bf16_nonfinite, world_size=2, tmp_path=tmp_path, stage=stage, check=True):
+        _bf16_nonfinite, world_size=2, tmp_path=tmp_path, stage=stage, check=True
+    ):
         assert unchanged and finite and not applied and skipped == 1
     # switched off, the nan is applied (what the key asks for)
     for unchanged, finite, applied, skipped in run_distributed(
-            _bf16_nonfinite, world_size=2, tmp_path=tmp_path, stage=stage, check=False):
+        _bf16_nonfinite, world_size=2, tmp_path=tmp_path, stage=stage, check=False
+    ):
         assert not finite and applied and skipped == 0

@@ -17,10 +17,16 @@ def _lion(rank, world_size):
     model = TinyMLP(seed=3)
     reference = copy.deepcopy(model)
     optimizer = Lion(reference.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1)
-    engine, _, _, _ = shardwise.initialize(model=model, config={
-        "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-        "optimizer": {"type": "Lion", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 300}})
+    engine, _, _, _ = shardwise.initialize(
+        model=model,
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "Lion", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 300},
+        },
+    )
     start = copy.deepcopy(reference)
     for tokens, targets in token_batches(num_steps=3, batch=MICRO * world_size, seed=1):
         reference(tokens, targets).backward()
@@ -34,9 +40,16 @@ def _lion(rank, world_size):
     loaders = {}
     data = torch.utils.data.TensorDataset(torch.arange(10.0))
     for drop in (False, True):
-        _, _, loader, _ = shardwise.initialize(model=torch.nn.Linear(1, 1), training_data=data, config={
-            "gradient_clipping": 0.0,
-            "train_micro_batch_size_per_gpu": MICRO, "dataloader_drop_last": drop, "steps_per_print": 1000})
+        _, _, loader, _ = shardwise.initialize(
+            model=torch.nn.Linear(1, 1),
+            training_data=data,
+            config={
+                "gradient_clipping": 0.0,
+                "train_micro_batch_size_per_gpu": MICRO,
+                "dataloader_drop_last": drop,
+                "steps_per_print": 1000,
+            },
+        )
         loaders[drop] = [len(batch[0]) for batch in loader]
     return diff, moved, engine.optimizer_name(), loaders
 

@@ -12,34 +12,49 @@ import shardwise.comm as dist
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 from shardwise.testing.parity import STAGE3_PARTITION_ALL
-from shardwise.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                             safe_get_local_fp32_param, safe_set_full_fp32_param, safe_set_full_optimizer_state)
-from shardwise.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
-                                          get_fp32_state_dict_from_zero_checkpoint,
-                                          load_state_dict_from_zero_checkpoint)
+from shardwise.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+from shardwise.utils.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
 
 MICRO, LR = 2, 0.05
 
 
 def _config(stage, optimizer, bf16=False):
     zero = {"stage": stage, **(STAGE3_PARTITION_ALL if stage == 3 else {})}
-    return {"gradient_clipping": 0.0,
-            "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "bf16": {"enabled": bf16},
-            "optimizer": {"type": optimizer, "params": {"lr": LR, "weight_decay": 0.01 if optimizer == "AdamW" else 0.0}},
-            "zero_optimization": zero}
+    return {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1000,
+        "bf16": {"enabled": bf16},
+        "optimizer": {"type": optimizer, "params": {"lr": LR, "weight_decay": 0.01 if optimizer == "AdamW" else 0.0}},
+        "zero_optimization": zero,
+    }
 
 
 def _micro(batch, rank):
     tokens, targets = batch
-    return tokens[rank * MICRO:(rank + 1) * MICRO], targets[rank * MICRO:(rank + 1) * MICRO]
+    return tokens[rank * MICRO : (rank + 1) * MICRO], targets[rank * MICRO : (rank + 1) * MICRO]
 
 
 def _params(rank, world_size, stage, optimizer, tmp, bf16=False):
     torch.manual_seed(0)
     model = TinyMLP(width=24)
     reference = copy.deepcopy(model)
-    ref_opt = (torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01) if optimizer == "AdamW"
-               else torch.optim.SGD(reference.parameters(), lr=LR))
+    ref_opt = (
+        torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+        if optimizer == "AdamW"
+        else torch.optim.SGD(reference.parameters(), lr=LR)
+    )
     engine, _, _, _ = shardwise.initialize(model=model, config=_config(stage, optimizer, bf16))
     names = dict(engine.module.named_parameters())
     batches = token_batches(num_steps=3, batch=MICRO * world_size, seed=4)
@@ -49,8 +64,9 @@ def _params(rank, world_size, stage, optimizer, tmp, bf16=False):
         engine.backward(engine(*_micro(batch, rank)))
         # between backward and step: the reduced full gradient, collective at stages 1-3
         for name, p in names.items():
-            out["grad"] = max(out["grad"], (safe_get_full_grad(p).float() - reference.get_parameter(name).grad)
-                              .abs().max().item())
+            out["grad"] = max(
+                out["grad"], (safe_get_full_grad(p).float() - reference.get_parameter(name).grad).abs().max().item()
+            )
         ref_opt.step()
         ref_opt.zero_grad()
         engine.step()
@@ -77,8 +93,9 @@ def _params(rank, world_size, stage, optimizer, tmp, bf16=False):
     out["set_master"] = torch.equal(safe_get_full_fp32_param(names["fc2.weight"]), new)
     if optimizer == "AdamW":
         safe_set_full_optimizer_state(names["fc2.weight"], torch.ones_like(new), "exp_avg")
-        out["set_state"] = torch.equal(safe_get_full_optimizer_state(names["fc2.weight"], "exp_avg"),
-                                       torch.ones_like(new))
+        out["set_state"] = torch.equal(
+            safe_get_full_optimizer_state(names["fc2.weight"], "exp_avg"), torch.ones_like(new)
+        )
 
     # zero_to_fp32 over a checkpoint equals the live fp32 masters
     engine.save_checkpoint(tmp / "ckpt", client_state={"step": 3})
@@ -99,12 +116,23 @@ def _params(rank, world_size, stage, optimizer, tmp, bf16=False):
     return out
 
 
-@pytest.mark.parametrize("stage,optimizer,bf16,world_size", [
-    (0, "AdamW", False, 2), (1, "SGD", False, 2), (2, "AdamW", False, 2), (2, "SGD", True, 2),
-    (3, "AdamW", False, 2), (3, "SGD", False, 2), (2, "SGD", False, 4), (3, "AdamW", False, 4)])
+@pytest.mark.parametrize(
+    "stage,optimizer,bf16,world_size",
+    [
+        (0, "AdamW", False, 2),
+        (1, "SGD", False, 2),
+        (2, "AdamW", False, 2),
+        (2, "SGD", True, 2),
+        (3, "AdamW", False, 2),
+        (3, "SGD", False, 2),
+        (2, "SGD", False, 4),
+        (3, "AdamW", False, 4),
+    ],
+)
 def test_safe_get_set_and_zero_to_fp32_match_pytorch(tmp_path, stage, optimizer, bf16, world_size):
-    results = run_distributed(_params, world_size=world_size, tmp_path=tmp_path, stage=stage, optimizer=optimizer,
-                              tmp=tmp_path, bf16=bf16)
+    results = run_distributed(
+        _params, world_size=world_size, tmp_path=tmp_path, stage=stage, optimizer=optimizer, tmp=tmp_path, bf16=bf16
+    )
     for r in results:
         # same global batches as single-process PyTorch: fp32 round-off only (bf16: its rounding,
         # still well below one SGD step's change of lr * grad ~ 1e-3)
@@ -137,20 +165,29 @@ def _offload(rank, world_size, stage):
         engine.step()
         if step == 1:
             kinds = engine.strategy.views.state_tensors
-            held = [t for kind in ("optim_states", "lp_grads", "lp_params") for t in kinds(kind)
-                    if t.untyped_storage().nbytes() > 0]  # stage 3's sharded units hold none
+            held = [
+                t
+                for kind in ("optim_states", "lp_grads", "lp_params")
+                for t in kinds(kind)
+                if t.untyped_storage().nbytes() > 0
+            ]  # stage 3's sharded units hold none
             engine.offload_states()
             out["freed"] = all(t.untyped_storage().nbytes() == 0 for t in held)
             out["offloaded_bytes"] = engine._offloader.offloaded_bytes
             engine.reload_states()
             out["back"] = all(t.untyped_storage().nbytes() > 0 for t in held)
             engine.offload_states(include=["optim_states"])
-            out["only_optimizer"] = all(t.untyped_storage().nbytes() > 0 for t in held
-                                        if any(t is u for u in kinds("lp_params") + kinds("lp_grads")))
+            out["only_optimizer"] = all(
+                t.untyped_storage().nbytes() > 0
+                for t in held
+                if any(t is u for u in kinds("lp_params") + kinds("lp_grads"))
+            )
             engine.reload_states()
     with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
-        out["diff"] = max((a - b.detach().float()).abs().max().item()
-                          for a, b in zip(reference.parameters(), engine.module.parameters()))
+        out["diff"] = max(
+            (a - b.detach().float()).abs().max().item()
+            for a, b in zip(reference.parameters(), engine.module.parameters())
+        )
     return out
 
 

@@ -4,7 +4,6 @@ training on the same global batches, each rank holding half of every split layer
 
 import copy
 
-import pytest
 import torch
 import torch.distributed as dist
 import transformers
@@ -22,26 +21,60 @@ def _model(family: str):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB)
     if family == "llama":  # grouped-query attention, untied embeddings
-        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                          **common)
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **common,
+        )
     elif family == "mistral":
-        config = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                            num_attention_heads=4, num_key_value_heads=2, **common)
+        config = transformers.MistralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
     elif family == "qwen2":  # biases on q/k/v
-        config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2, **common)
+        config = transformers.Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
     elif family == "gpt2":  # Conv1D, stacked q/k/v, tied embeddings
-        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        config = transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
+        )
     elif family == "opt":
-        config = transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4,
-                                        max_position_embeddings=16, word_embed_proj_dim=32, dropout=0.0,
-                                        attention_dropout=0.0, **common)
+        config = transformers.OPTConfig(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=16,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            **common,
+        )
     elif family == "gpt_neox":  # fused head-major query_key_value
-        config = transformers.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                            num_attention_heads=4, max_position_embeddings=16, hidden_dropout=0.0,
-                                            attention_dropout=0.0, **common)
+        config = transformers.GPTNeoXConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=16,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **common,
+        )
     else:
         raise ValueError(family)
     config.use_cache = False
@@ -71,7 +104,7 @@ def _train(engine, batches, *, gas):
     for ids in batches:
         for step in range(gas):
             start = (step * dp + dp_rank) * MICRO
-            chunk = ids[start:start + MICRO]
+            chunk = ids[start : start + MICRO]
             engine.backward(engine(input_ids=chunk, labels=chunk).loss)
             engine.step()
         norms.append(engine.get_global_grad_norm())
@@ -83,19 +116,30 @@ def _case(family, *, stage, gas, clip, tp, opt="SGD", extra=None):
     dp = dist.get_world_size() // tp
     lr = 0.5 if opt == "SGD" else 1e-2
     batches = _batches(MICRO * gas * dp)
-    reference, ref_norms = _reference(model, batches, lr=lr, clip=clip,
-                                      optimizer=torch.optim.SGD if opt == "SGD" else torch.optim.AdamW)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-              "gradient_clipping": clip, "steps_per_print": 1000,
-              "optimizer": {"type": opt, "params": {"lr": lr, **({"weight_decay": 0.0} if opt == "AdamW" else {})}},
-              "tensor_parallel": {"autotp_size": tp, **(extra or {})},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
-                                    **(STAGE3_PARTITION_ALL if stage == 3 else {})}}
+    reference, ref_norms = _reference(
+        model, batches, lr=lr, clip=clip, optimizer=torch.optim.SGD if opt == "SGD" else torch.optim.AdamW
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+        "optimizer": {"type": opt, "params": {"lr": lr, **({"weight_decay": 0.0} if opt == "AdamW" else {})}},
+        "tensor_parallel": {"autotp_size": tp, **(extra or {})},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 2000,
+            **(STAGE3_PARTITION_ALL if stage == 3 else {}),
+        },
+    }
     full_numel = {n: p.numel() for n, p in model.named_parameters()}
     engine, *_ = shardwise.initialize(model=copy.deepcopy(model), config=config)
     local_numel = {n: p.ds_numel if hasattr(p, "ds_numel") else p.numel() for n, p in engine.module.named_parameters()}
-    split = {n: (local_numel[n], full_numel[n]) for n, p in engine.module.named_parameters()
-             if getattr(p, "tensor_model_parallel", False)}
+    split = {
+        n: (local_numel[n], full_numel[n])
+        for n, p in engine.module.named_parameters()
+        if getattr(p, "tensor_model_parallel", False)
+    }
     before = engine.grid.tensor_comm.calls["all_reduce"]
     norms = _train(engine, batches, gas=gas)
     per_step = (engine.grid.tensor_comm.calls["all_reduce"] - before) / len(batches)
@@ -104,13 +148,26 @@ def _case(family, *, stage, gas, clip, tp, opt="SGD", extra=None):
     initial = dict(model.named_parameters())
     diff = max((got[n] - ref[n].detach()).abs().max().item() for n in ref)
     moved = max((ref[n].detach() - initial[n].detach()).abs().max().item() for n in ref)
-    return {"diff": diff, "moved": moved, "norms": (norms, ref_norms), "split": split, "all_reduces": per_step,
-            "shapes_ok": all(got[n].shape == ref[n].shape for n in ref), "names": sorted(got) == sorted(ref)}
+    return {
+        "diff": diff,
+        "moved": moved,
+        "norms": (norms, ref_norms),
+        "split": split,
+        "all_reduces": per_step,
+        "shapes_ok": all(got[n].shape == ref[n].shape for n in ref),
+        "names": sorted(got) == sorted(ref),
+    }
 
 
-TP2_CASES = [("llama", 0, 1, 0.0, "SGD"), ("llama", 0, 2, 0.5, "AdamW"), ("gpt2", 0, 2, 0.5, "SGD"),
-             ("mistral", 0, 1, 0.0, "SGD"), ("qwen2", 0, 1, 0.0, "SGD"), ("opt", 0, 1, 0.0, "SGD"),
-             ("gpt_neox", 0, 1, 0.0, "SGD")]
+TP2_CASES = [
+    ("llama", 0, 1, 0.0, "SGD"),
+    ("llama", 0, 2, 0.5, "AdamW"),
+    ("gpt2", 0, 2, 0.5, "SGD"),
+    ("mistral", 0, 1, 0.0, "SGD"),
+    ("qwen2", 0, 1, 0.0, "SGD"),
+    ("opt", 0, 1, 0.0, "SGD"),
+    ("gpt_neox", 0, 1, 0.0, "SGD"),
+]
 TP2_DP2_CASES = [(family, stage, 2, 0.5, "SGD") for family in ("llama", "gpt2") for stage in (0, 1, 2, 3)]
 
 
@@ -125,8 +182,9 @@ def _check(reports, cases):
             assert got["names"] and got["shapes_ok"], f"{case}: names or shapes differ from the model's"
             # AdamW's normalised update turns reduction-order noise in small gradients into
             # visible differences (measured 2.4e-4 of the movement); SGD stays below 1e-5
-            assert got["diff"] < OF_MOVEMENT[case[4]] * got["moved"], \
+            assert got["diff"] < OF_MOVEMENT[case[4]] * got["moved"], (
                 f"rank {rank} {case}: max |diff| {got['diff']:.3g}, training moved {got['moved']:.3g}"
+            )
             norms, ref_norms = got["norms"]
             for mine, ref in zip(norms, ref_norms):
                 assert abs(mine - ref) <= 1e-5 * ref, f"rank {rank} {case}: norm {mine} vs {ref}"
@@ -164,21 +222,30 @@ def _custom_and_errors(rank, world_size):
         opt.step()
         opt.zero_grad()
     candidate = copy.deepcopy(model)
-    specs = [{"patterns": [r".*fc1\.weight$", r".*fc1\.bias$"], "partition_type": "column"},
-             {"patterns": [r"fc2"], "partition_type": "row"}]
-    engine, *_ = shardwise.initialize(model=candidate, optimizer=torch.optim.SGD(candidate.parameters(), lr=1.0),
-                                      config={"gradient_clipping": 0.0,
-                                              "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-                                              "tensor_parallel": {"autotp_size": 2, "partition_config": {
-                                                  "layer_specs": specs}}})
+    specs = [
+        {"patterns": [r".*fc1\.weight$", r".*fc1\.bias$"], "partition_type": "column"},
+        {"patterns": [r"fc2"], "partition_type": "row"},
+    ]
+    engine, *_ = shardwise.initialize(
+        model=candidate,
+        optimizer=torch.optim.SGD(candidate.parameters(), lr=1.0),
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 1000,
+            "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": specs}},
+        },
+    )
     for tokens, targets in batches:
         engine.backward(engine(tokens, targets))
         engine.step()
     got = full_parameters(engine)
-    out["custom"] = (max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()),
-                     max((p.detach() - q.detach()).abs().max().item()
-                         for p, q in zip(reference.parameters(), model.parameters())),
-                     engine.module.fc1.weight.shape, engine.module.fc2.weight.shape)
+    out["custom"] = (
+        max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()),
+        max((p.detach() - q.detach()).abs().max().item() for p, q in zip(reference.parameters(), model.parameters())),
+        engine.module.fc1.weight.shape,
+        engine.module.fc2.weight.shape,
+    )
 
     def error(build):
         try:
@@ -187,25 +254,37 @@ def _custom_and_errors(rank, world_size):
             return str(exc)
         return None
 
-    base = {"gradient_clipping": 0.0,
-            "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    out["no policy"] = error(lambda: shardwise.initialize(model=TinyMLP(), config={
-        **base, "tensor_parallel": {"autotp_size": 2}}))
-    out["size 3"] = error(lambda: shardwise.initialize(model=_model("llama"), config={
-        **base, "tensor_parallel": {"autotp_size": 3}}))
+    base = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    out["no policy"] = error(
+        lambda: shardwise.initialize(model=TinyMLP(), config={**base, "tensor_parallel": {"autotp_size": 2}})
+    )
+    out["size 3"] = error(
+        lambda: shardwise.initialize(model=_model("llama"), config={**base, "tensor_parallel": {"autotp_size": 3}})
+    )
     gqa = _model("llama")
     gqa.config.num_key_value_heads = 1
-    out["kv heads"] = error(lambda: shardwise.initialize(model=gqa, config={
-        **base, "tensor_parallel": {"autotp_size": 2}}))
+    out["kv heads"] = error(
+        lambda: shardwise.initialize(model=gqa, config={**base, "tensor_parallel": {"autotp_size": 2}})
+    )
     grid = shardwise.parallel.ParallelGrid.build(tensor=2)
-    out["mpu and autotp"] = error(lambda: shardwise.initialize(model=_model("llama"), mpu=grid, config={
-        **base, "tensor_parallel": {"autotp_size": 2}}))
+    out["mpu and autotp"] = error(
+        lambda: shardwise.initialize(
+            model=_model("llama"), mpu=grid, config={**base, "tensor_parallel": {"autotp_size": 2}}
+        )
+    )
     recorded = shardwise.tp_model_init(_model("gpt_neox"), tp_size=2, dtype=torch.float32)
     engine, *_ = shardwise.initialize(model=recorded, config=base)  # DeepSpeed's older entry point
     out["tp_model_init"] = (engine.grid.tensor, tuple(engine.module.gpt_neox.layers[0].mlp.dense_h_to_4h.weight.shape))
-    out["tp_model_init mismatch"] = error(lambda: shardwise.initialize(
-        model=shardwise.tp_model_init(_model("llama"), tp_size=2, dtype=torch.float32),
-        config={**base, "tensor_parallel": {"autotp_size": 4}}))
+    out["tp_model_init mismatch"] = error(
+        lambda: shardwise.initialize(
+            model=shardwise.tp_model_init(_model("llama"), tp_size=2, dtype=torch.float32),
+            config={**base, "tensor_parallel": {"autotp_size": 4}},
+        )
+    )
     engine, *_ = shardwise.initialize(model=_model("llama"), config={**base, "tensor_parallel": {"autotp_size": 2}})
     ids = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(rank))  # differs by rank
     out["different batches"] = error(lambda: engine(input_ids=ids, labels=ids))

@@ -17,12 +17,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                       VocabParallelEmbedding, as_tensor_comm, copy_to_tensor_region,
-                                       gather_from_sequence_region, gather_from_tensor_region,
-                                       reduce_from_tensor_region, reduce_scatter_to_sequence_region,
-                                       scatter_to_sequence_region, scatter_to_tensor_region,
-                                       vocab_parallel_cross_entropy)
+from shardwise.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    VocabParallelEmbedding,
+    as_tensor_comm,
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    gather_from_tensor_region,
+    reduce_from_tensor_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tensor_region,
+    vocab_parallel_cross_entropy,
+)
 from shardwise.testing import run_distributed
 
 TP = 2
@@ -71,9 +80,17 @@ def _check_groups(report, rank, comm, solo):
     report.check("groups: sum over this tensor group", mine.item() == sum(range(first, first + TP)), mine.item())
     report.check("groups: one Communicator per group", as_tensor_comm(comm.group) is comm)
     x = torch.randn(4, 2, 6, requires_grad=True)
-    ys = [f(x, solo) for f in (copy_to_tensor_region, reduce_from_tensor_region, scatter_to_tensor_region,
-                               gather_from_tensor_region, gather_from_sequence_region,
-                               reduce_scatter_to_sequence_region)]
+    ys = [
+        f(x, solo)
+        for f in (
+            copy_to_tensor_region,
+            reduce_from_tensor_region,
+            scatter_to_tensor_region,
+            gather_from_tensor_region,
+            gather_from_sequence_region,
+            reduce_scatter_to_sequence_region,
+        )
+    ]
     report.check("size-1 group: identity", all(y is x for y in ys))
     layer = ColumnParallelLinear(6, 4, group=solo)
     layer(x).sum().backward()
@@ -97,25 +114,49 @@ def _check_mappings(report, comm):
     run("copy_to_tensor_region", lambda x: copy_to_tensor_region(x, comm), xs[me], xs[me], sum(g_same))
     run("reduce_from_tensor_region", lambda x: reduce_from_tensor_region(x, comm), xs[me], sum(xs), g_same[me])
     g_half = [_rand(100 + r, 4, 2, 3) for r in ranks]
-    run("scatter_to_tensor_region", lambda x: scatter_to_tensor_region(x, comm), shared,
-        _chunk(shared, me, -1), torch.cat(g_half, -1))
+    run(
+        "scatter_to_tensor_region",
+        lambda x: scatter_to_tensor_region(x, comm),
+        shared,
+        _chunk(shared, me, -1),
+        torch.cat(g_half, -1),
+    )
     g_double = [_rand(100 + r, 4, 2, 12) for r in ranks]
-    run("gather_from_tensor_region", lambda x: gather_from_tensor_region(x, comm), xs[me],
-        torch.cat(xs, -1), _chunk(g_double[me], me, -1))
+    run(
+        "gather_from_tensor_region",
+        lambda x: gather_from_tensor_region(x, comm),
+        xs[me],
+        torch.cat(xs, -1),
+        _chunk(g_double[me], me, -1),
+    )
     for dim in (0, 1):
         half = list(shared.shape)
         half[dim] //= TP
         g_split = [_rand(100 + r, *half) for r in ranks]
-        run(f"scatter_to_sequence_region dim {dim}", lambda x: scatter_to_sequence_region(x, comm, dim=dim),
-            shared, _chunk(shared, me, dim), torch.cat(g_split, dim))
+        run(
+            f"scatter_to_sequence_region dim {dim}",
+            lambda x: scatter_to_sequence_region(x, comm, dim=dim),
+            shared,
+            _chunk(shared, me, dim),
+            torch.cat(g_split, dim),
+        )
         double = list(shared.shape)
         double[dim] *= TP
         g_gathered = [_rand(100 + r, *double) for r in ranks]
-        run(f"gather_from_sequence_region dim {dim}", lambda x: gather_from_sequence_region(x, comm, dim=dim),
-            xs[me], torch.cat(xs, dim), _chunk(sum(g_gathered), me, dim))
-        run(f"reduce_scatter_to_sequence_region dim {dim}",
-            lambda x: reduce_scatter_to_sequence_region(x, comm, dim=dim), xs[me], _chunk(sum(xs), me, dim),
-            torch.cat(g_split, dim))
+        run(
+            f"gather_from_sequence_region dim {dim}",
+            lambda x: gather_from_sequence_region(x, comm, dim=dim),
+            xs[me],
+            torch.cat(xs, dim),
+            _chunk(sum(g_gathered), me, dim),
+        )
+        run(
+            f"reduce_scatter_to_sequence_region dim {dim}",
+            lambda x: reduce_scatter_to_sequence_region(x, comm, dim=dim),
+            xs[me],
+            _chunk(sum(xs), me, dim),
+            torch.cat(g_split, dim),
+        )
 
 
 def _check_mlp(report, comm, seed, steps=3, lr=0.1):
@@ -124,15 +165,20 @@ def _check_mlp(report, comm, seed, steps=3, lr=0.1):
     torch.manual_seed(seed)
     ref = nn.Sequential(nn.Linear(H, FF), nn.GELU(), nn.Linear(FF, H))
     torch.manual_seed(seed)
-    built = [ColumnParallelLinear(H, FF, gather_output=False, group=comm),
-             RowParallelLinear(FF, H, input_is_parallel=True, group=comm)]
+    built = [
+        ColumnParallelLinear(H, FF, gather_output=False, group=comm),
+        RowParallelLinear(FF, H, input_is_parallel=True, group=comm),
+    ]
     column = ColumnParallelLinear.from_linear(ref[0], group=comm)
     row = RowParallelLinear.from_linear(ref[2], group=comm)
     for name, a, b in (("column", built[0], column), ("row", built[1], row)):
         for (pname, p), q in zip(a.named_parameters(), b.parameters()):
             report.check(f"mlp: seeded {name}.{pname} == from_linear", torch.equal(p, q))
-    for name, param, full in (("column.weight", column.weight, ref[0].weight),
-                              ("column.bias", column.bias, ref[0].bias), ("row.weight", row.weight, ref[2].weight)):
+    for name, param, full in (
+        ("column.weight", column.weight, ref[0].weight),
+        ("column.bias", column.bias, ref[0].bias),
+        ("row.weight", row.weight, ref[2].weight),
+    ):
         report.check(f"mlp: {name} holds 1/tp", param.numel() * TP == full.numel(), param.shape)
     report.check("mlp: row.bias replicated", row.bias.shape == ref[2].bias.shape)
 
@@ -154,9 +200,11 @@ def _check_mlp(report, comm, seed, steps=3, lr=0.1):
         if step == 0:
             report.check("mlp: one all-reduce forward", forward == {"all_reduce": 1}, forward)
             report.check("mlp: one all-reduce backward", backward == {"all_reduce": 1}, backward)
-            for name, param, full, dim in (("column.weight", column.weight, ref[0].weight, 0),
-                                           ("column.bias", column.bias, ref[0].bias, 0),
-                                           ("row.weight", row.weight, ref[2].weight, 1)):
+            for name, param, full, dim in (
+                ("column.weight", column.weight, ref[0].weight, 0),
+                ("column.bias", column.bias, ref[0].bias, 0),
+                ("row.weight", row.weight, ref[2].weight, 1),
+            ):
                 report.close(f"mlp grad {name}", param.grad, _chunk(full.grad, me, dim))
             report.close("mlp grad row.bias", row.bias.grad, ref[2].bias.grad)
             report.close("mlp grad input", x.grad, ref_x.grad)
@@ -173,13 +221,18 @@ def _check_mlp(report, comm, seed, steps=3, lr=0.1):
     out, bias = ColumnParallelLinear.from_linear(ref[0], group=comm, gather_output=True, skip_bias_add=True)(x)
     report.close("column gather_output skip_bias_add", out + bias, ref[0](x))
     x_ff = _rand(seed + 1, B, S, FF)
-    report.close("row scatters its input", RowParallelLinear.from_linear(ref[2], group=comm,
-                                                                         input_is_parallel=False)(x_ff), ref[2](x_ff))
+    report.close(
+        "row scatters its input",
+        RowParallelLinear.from_linear(ref[2], group=comm, input_is_parallel=False)(x_ff),
+        ref[2](x_ff),
+    )
     out, bias = RowParallelLinear.from_linear(ref[2], group=comm, skip_bias_add=True)(_chunk(x_ff, me, -1))
     report.close("row skip_bias_add", out + bias, ref[2](x_ff))
     twin = copy.deepcopy(row)
-    report.check("deepcopy shares the Communicator and keeps the marks",
-                 twin.comm is comm and twin.weight.partition_dim == 1 and twin.weight is not row.weight)
+    report.check(
+        "deepcopy shares the Communicator and keeps the marks",
+        twin.comm is comm and twin.weight.partition_dim == 1 and twin.weight is not row.weight,
+    )
 
 
 def _check_vocab(report, comm, seed):
@@ -189,8 +242,9 @@ def _check_vocab(report, comm, seed):
     ref_emb, ref_head = nn.Embedding(V, H, padding_idx=3), nn.Linear(H, V, bias=False)
     torch.manual_seed(seed)
     seeded = VocabParallelEmbedding(V, H, group=comm, padding_idx=3)
-    report.check("vocab: seeded shard == slice of nn.Embedding",
-                 torch.equal(seeded.weight, _chunk(ref_emb.weight, me, 0)))
+    report.check(
+        "vocab: seeded shard == slice of nn.Embedding", torch.equal(seeded.weight, _chunk(ref_emb.weight, me, 0))
+    )
     emb = VocabParallelEmbedding.from_embedding(ref_emb, group=comm)
     head = ColumnParallelLinear.from_linear(ref_head, group=comm)
     report.check("vocab: embedding holds 1/tp", emb.weight.numel() * TP == ref_emb.weight.numel())
@@ -203,16 +257,19 @@ def _check_vocab(report, comm, seed):
     weights = _rand(seed, S, B)
     for smoothing in (0.0, 0.1):
         ref_logits = ref_head(ref_emb(ids))
-        ref_loss = F.cross_entropy(ref_logits.view(-1, V), target.view(-1), reduction="none",
-                                   label_smoothing=smoothing).view(S, B)
+        ref_loss = F.cross_entropy(
+            ref_logits.view(-1, V), target.view(-1), reduction="none", label_smoothing=smoothing
+        ).view(S, B)
         (ref_loss * weights).sum().backward()
         loss = vocab_parallel_cross_entropy(head(emb(ids)), target, comm, smoothing)
         (loss * weights).sum().backward()
         report.close(f"vocab eps={smoothing}: per-token loss", loss, ref_loss)
         report.close(f"vocab eps={smoothing}: embedding grad", emb.weight.grad, _chunk(ref_emb.weight.grad, me, 0))
         report.close(f"vocab eps={smoothing}: head grad", head.weight.grad, _chunk(ref_head.weight.grad, me, 0))
-        report.check(f"vocab eps={smoothing}: padding row gets no grad",
-                     ref_emb.weight.grad[3].abs().sum() == 0 and (me != 0 or emb.weight.grad[3].abs().sum() == 0))
+        report.check(
+            f"vocab eps={smoothing}: padding row gets no grad",
+            ref_emb.weight.grad[3].abs().sum() == 0 and (me != 0 or emb.weight.grad[3].abs().sum() == 0),
+        )
         for p in (*ref_emb.parameters(), *ref_head.parameters(), *emb.parameters(), *head.parameters()):
             p.grad = None
 
@@ -244,10 +301,14 @@ def _check_sequence_parallel(report, comm, seed):
     report.close("sp: column bias grad", column.bias.grad, _chunk(fc1.bias.grad, me, 0))
     report.close("sp: row weight grad", row.weight.grad, _chunk(fc2.weight.grad, me, 1))
     report.close("sp: row bias grad", row.bias.grad, fc2.bias.grad)
-    report.check("sp: forward all-gathers and reduce-scatters once",
-                 forward == {"all_gather": 1, "reduce_scatter": 1}, forward)
-    report.check("sp: backward mirrors it and sums the 3 replicated grads",
-                 backward == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 3}, backward)
+    report.check(
+        "sp: forward all-gathers and reduce-scatters once", forward == {"all_gather": 1, "reduce_scatter": 1}, forward
+    )
+    report.check(
+        "sp: backward mirrors it and sums the 3 replicated grads",
+        backward == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 3},
+        backward,
+    )
 
 
 def _check_all(rank, world_size):

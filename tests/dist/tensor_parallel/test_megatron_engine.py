@@ -10,9 +10,14 @@ from torch import nn
 
 import shardwise
 from shardwise.parallel import ParallelGrid
-from shardwise.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                       VocabParallelEmbedding, scatter_to_sequence_region,
-                                       vocab_parallel_cross_entropy)
+from shardwise.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    VocabParallelEmbedding,
+    scatter_to_sequence_region,
+    vocab_parallel_cross_entropy,
+)
 from shardwise.testing import run_distributed
 from shardwise.testing.models import token_batches
 from shardwise.testing.parity import STAGE3_PARTITION_ALL, full_parameters
@@ -80,30 +85,52 @@ def _train(rank, world_size):
                 ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
                 opt.step()
                 opt.zero_grad()
-            config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
-                      "gradient_clipping": CLIP, "optimizer": {"type": "SGD", "params": {"lr": LR}},
-                      "steps_per_print": 1000, "zero_optimization": {
-                          "stage": stage, "reduce_bucket_size": 500, **(STAGE3_PARTITION_ALL if stage == 3 else {})}}
-            engine, *_ = shardwise.initialize(model=Megatron(plain, grid, sequence_parallel=sp), mpu=grid,
-                                              config=config)
+            config = {
+                "train_micro_batch_size_per_gpu": MICRO,
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": CLIP,
+                "optimizer": {"type": "SGD", "params": {"lr": LR}},
+                "steps_per_print": 1000,
+                "zero_optimization": {
+                    "stage": stage,
+                    "reduce_bucket_size": 500,
+                    **(STAGE3_PARTITION_ALL if stage == 3 else {}),
+                },
+            }
+            engine, *_ = shardwise.initialize(
+                model=Megatron(plain, grid, sequence_parallel=sp), mpu=grid, config=config
+            )
             norms = []
             for tokens, targets in batches:
                 for micro in range(2):
                     start = (micro * dp + dp_rank) * MICRO
-                    engine.backward(engine(tokens[start:start + MICRO], targets[start:start + MICRO]))
+                    engine.backward(engine(tokens[start : start + MICRO], targets[start : start + MICRO]))
                     engine.step()
                 norms.append(engine.get_global_grad_norm())
             got = full_parameters(engine)
-            moved = max((p.detach() - q.detach()).abs().max().item()
-                        for p, q in zip(reference.parameters(), plain.parameters()))
+            moved = max(
+                (p.detach() - q.detach()).abs().max().item() for p, q in zip(reference.parameters(), plain.parameters())
+            )
             diff = max((got[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-            out[(sp, stage)] = (diff, moved, norms, ref_norms, tuple(engine.module.fc1.weight.shape)
-                                if stage != 3 else tuple(engine.module.fc1.weight.ds_shape))
+            out[(sp, stage)] = (
+                diff,
+                moved,
+                norms,
+                ref_norms,
+                tuple(engine.module.fc1.weight.shape) if stage != 3 else tuple(engine.module.fc1.weight.ds_shape),
+            )
     # fp16: an overflow on one tensor rank's shard only makes every rank skip the step
-    engine, *_ = shardwise.initialize(model=Megatron(Plain(), grid, sequence_parallel=False), mpu=grid, config={
-        "gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "fp16": {"enabled": True, "initial_scale_power": 4}, "steps_per_print": 1000})
+    engine, *_ = shardwise.initialize(
+        model=Megatron(Plain(), grid, sequence_parallel=False),
+        mpu=grid,
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "fp16": {"enabled": True, "initial_scale_power": 4},
+            "steps_per_print": 1000,
+        },
+    )
     tokens, targets = token_batches(num_steps=1, batch=MICRO, seq=S, vocab=V, seed=9)[0]
     engine.backward(engine(tokens, targets))
     if grid.tensor_rank == 1:

@@ -30,10 +30,13 @@ module's time. After one SGD step the momentum buffers hold that step's gradient
 step after a load reads every optimizer state the checkpoint resharded; a lost or misplaced
 one moves the weights by about as much as training does."""
 OF_MOVEMENT = 1e-4
-BF16 = 2.0 ** -7
+BF16 = 2.0**-7
 """bf16 weights: two roundings (2^-8 each) of the value, on top of 5% of the movement."""
-CASES = [("llama", stage, "fp32") for stage in range(4)] + [("gpt2", stage, "fp32") for stage in range(4)] + \
-    [("llama", 0, "bf16"), ("gpt2", 2, "bf16")]
+CASES = (
+    [("llama", stage, "fp32") for stage in range(4)]
+    + [("gpt2", stage, "fp32") for stage in range(4)]
+    + [("llama", 0, "bf16"), ("gpt2", 2, "bf16")]
+)
 """(family, ZeRO stage at the save, dtype); a load at data 4 uses the next stage."""
 
 
@@ -44,12 +47,26 @@ def _name(case) -> str:
 def _model(family: str, *, seed: int = 0, intermediate: int = 64):
     torch.manual_seed(seed)
     if family == "llama":  # grouped-query attention, untied embeddings
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=intermediate,
-                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                          tie_word_embeddings=False)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=intermediate,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
     else:  # Conv1D, stacked q/k/v, tied embeddings
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=16,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=1,
+            n_head=4,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     config.use_cache = False
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
@@ -60,11 +77,18 @@ def _batches():
 
 
 def _config(stage: int, dtype: str, tp: int) -> dict:
-    config = {"gradient_clipping": 0.0,
-              "train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-              "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
-                                    **(STAGE3_PARTITION_ALL if stage == 3 else {})}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_batch_size": GLOBAL,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 2000,
+            **(STAGE3_PARTITION_ALL if stage == 3 else {}),
+        },
+    }
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp}
     if dtype != "fp32":
@@ -73,8 +97,9 @@ def _config(stage: int, dtype: str, tp: int) -> dict:
 
 
 def _engine(family, stage, dtype, tp, *, seed=0, intermediate=64):
-    engine, *_ = shardwise.initialize(model=_model(family, seed=seed, intermediate=intermediate),
-                                      config=_config(stage, dtype, tp))
+    engine, *_ = shardwise.initialize(
+        model=_model(family, seed=seed, intermediate=intermediate), config=_config(stage, dtype, tp)
+    )
     return engine
 
 
@@ -83,7 +108,7 @@ def _train(engine, batches):
     for ids in batches:
         for micro in range(gas):
             start = (micro * dp + dp_rank) * MICRO
-            chunk = ids[start:start + MICRO]
+            chunk = ids[start : start + MICRO]
             engine.backward(engine(input_ids=chunk, labels=chunk).loss)
             engine.step()
 
@@ -121,8 +146,9 @@ def _save_and_load_at_4(rank, world_size, save_dir):
             _train(engine, batches[SAVED:])
             got["straight"] = _full_parameters(engine)
         del engine
-        layouts = [("data 4", (stage + 1) % 4, 1)] + ([("tensor 2 x data 2", 1 if stage == 3 else 3, 2)]
-                                                    if dtype == "fp32" else [("tensor 2 x data 2", stage, 2)])
+        layouts = [("data 4", (stage + 1) % 4, 1)] + (
+            [("tensor 2 x data 2", 1 if stage == 3 else 3, 2)] if dtype == "fp32" else [("tensor 2 x data 2", stage, 2)]
+        )
         if case == ("gpt2", 2, "fp32"):  # 4 heads: GPT-2 splits 4 ways too
             layouts.append(("tensor 4", 3, 4))
         for label, load_stage, tp in layouts:
@@ -192,8 +218,9 @@ def _reference(family):
 def _assert_close(got: dict, want: dict, tolerance: float, what: str, *, relative: float = 0.0):
     """Every |got - want| <= tolerance + relative * |want|."""
     assert sorted(got) == sorted(want), f"{what}: names differ"
-    worst = max(((got[n].float() - want[n].float()).abs() - relative * want[n].float().abs()).max().item()
-                for n in want)
+    worst = max(
+        ((got[n].float() - want[n].float()).abs() - relative * want[n].float().abs()).max().item() for n in want
+    )
     assert worst <= tolerance, f"{what}: max |diff| {worst:.3g} > {tolerance:.3g} (+ {relative:.3g} |value|)"
 
 
@@ -243,8 +270,10 @@ def test_exports_are_the_hugging_face_state_dict(saved, tmp_path):
         state = consolidate(save_dir, name)
         assert list(state) == list(hf_state), f"{name}: keys differ from the model's state_dict"
         assert all(state[k].shape == hf_state[k].shape for k in hf_state), f"{name}: shapes differ"
-        want = {**after_saved, **({"lm_head.weight": after_saved["transformer.wte.weight"]}
-                                  if family == "gpt2" else {})}
+        want = {
+            **after_saved,
+            **({"lm_head.weight": after_saved["transformer.wte.weight"]} if family == "gpt2" else {}),
+        }
         if dtype == "fp32":
             _assert_close(state, want, OF_MOVEMENT * moved, f"{name}: consolidated")
             # engine.module_state_dict() on every tensor rank is the full state dict too

@@ -5,17 +5,22 @@ import torch
 from safetensors.torch import load_file
 
 import shardwise
-from shardwise.cli import main as cli_main
 from shardwise.checkpoint import consolidate
+from shardwise.cli import main as cli_main
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train
 
 
 def _train_and_save(rank, world_size, save_dir, stage, dtype):
-    config = {"gradient_clipping": 0.0, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 1000,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, **STAGE3_PARTITION_ALL}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, **STAGE3_PARTITION_ALL},
+    }
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
     engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
@@ -36,8 +41,9 @@ def _train_and_save(rank, world_size, save_dir, stage, dtype):
 @pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (2, "bf16"), (0, "fp16"), (3, "fp32"), (3, "bf16")])
 def test_consolidate_any_checkpoint(tmp_path, stage, dtype):
     save_dir = tmp_path / "ckpt"
-    loss, module_state, master = run_distributed(_train_and_save, world_size=2, tmp_path=tmp_path,
-                                                 save_dir=str(save_dir), stage=stage, dtype=dtype)[0]
+    loss, module_state, master = run_distributed(
+        _train_and_save, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir), stage=stage, dtype=dtype
+    )[0]
     state = consolidate(save_dir)
     assert set(state) == set(module_state)
     assert all(v.dtype == torch.float32 for v in state.values())
@@ -60,8 +66,7 @@ def test_consolidate_any_checkpoint(tmp_path, stage, dtype):
 
 def test_convert_command(tmp_path, capsys):
     save_dir = tmp_path / "ckpt"
-    run_distributed(_train_and_save, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir), stage=2,
-                    dtype="bf16")
+    run_distributed(_train_and_save, world_size=2, tmp_path=tmp_path, save_dir=str(save_dir), stage=2, dtype="bf16")
     out = tmp_path / "full.safetensors"
     assert cli_main(["convert", str(save_dir), str(out), "--dtype", "bf16"]) == 0
     converted = load_file(str(out))

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.comm import CollectiveError
 from shardwise.testing import DistributedTestError, run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
 from shardwise.testing.parity import STAGE3_PARTITION_ALL
@@ -18,11 +17,17 @@ with room for a loaded machine."""
 
 
 def _diverge(rank, world_size):
-    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config={
-        "gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}, "comm": {"timeout_s": DEADLINE_S},
-        "steps_per_print": 1000})
+    engine, _, _, _ = shardwise.initialize(
+        model=TinyMLP(seed=1),
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL},
+            "comm": {"timeout_s": DEADLINE_S},
+            "steps_per_print": 1000,
+        },
+    )
     tokens, targets = token_batches(num_steps=1, batch=2, seed=rank)[0]
     engine.backward(engine(tokens, targets))
     engine.step()

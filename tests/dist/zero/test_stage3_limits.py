@@ -30,16 +30,27 @@ def _run(rank, world_size, knobs, steps=3):
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
-    data = [(torch.randn(MICRO * world_size, WIDTH, generator=generator),
-             torch.randn(MICRO * world_size, WIDTH, generator=generator)) for _ in range(steps)]
+    data = [
+        (
+            torch.randn(MICRO * world_size, WIDTH, generator=generator),
+            torch.randn(MICRO * world_size, WIDTH, generator=generator),
+        )
+        for _ in range(steps)
+    ]
     for x, y in data:
         reference(x, y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    engine, _, _, _ = shardwise.initialize(model=model, config={
-        "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": 3, **knobs}})
+    engine, _, _, _ = shardwise.initialize(
+        model=model,
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": MICRO,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, **knobs},
+        },
+    )
     gathers = []
     for x, y in data:
         before = engine.comm.calls["all_gather"]
@@ -48,17 +59,25 @@ def _run(rank, world_size, knobs, steps=3):
         engine.step()
         gathers.append(engine.comm.calls["all_gather"] - before)
     whole = sorted(n for n, p in engine.module.named_parameters() if p.numel() > 0)
-    return {"peak": engine.strategy.peak_live_numel, "gathers": gathers, "whole": whole,
-            "diff": max_param_diff(reference, engine.module)}
+    return {
+        "peak": engine.strategy.peak_live_numel,
+        "gathers": gathers,
+        "whole": whole,
+        "diff": max_param_diff(reference, engine.module),
+    }
 
 
 def _all(rank, world_size):
     partition = {"stage3_param_persistence_threshold": 0}
     return {
-        "one at a time": _run(rank, world_size, {**partition, "stage3_max_live_parameters": 0,
-                                                 "stage3_max_reuse_distance": 0}),
-        "live cap": _run(rank, world_size, {**partition, "stage3_max_live_parameters": 3 * UNIT,
-                                            "stage3_prefetch_bucket_size": 10**6}),
+        "one at a time": _run(
+            rank, world_size, {**partition, "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}
+        ),
+        "live cap": _run(
+            rank,
+            world_size,
+            {**partition, "stage3_max_live_parameters": 3 * UNIT, "stage3_prefetch_bucket_size": 10**6},
+        ),
         "no reuse": _run(rank, world_size, {**partition, "stage3_max_reuse_distance": 0}),
         "reuse": _run(rank, world_size, {**partition, "stage3_max_reuse_distance": 10**9}),
         "persist biases": _run(rank, world_size, {"stage3_param_persistence_threshold": WIDTH + 1}),

@@ -3,8 +3,6 @@ child's parameters (torch's MultiheadAttention), leaf modules marked with
 set_z3_leaf_modules (a mixture-of-experts-style layer that runs only some children), and
 models that deep-copy partitioned layers under zero.Init (nn.TransformerEncoder)."""
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -44,9 +42,13 @@ class Model(nn.Module):
 def _train(rank, world_size, init, routed):
     torch.manual_seed(0)
     reference = Model(routed)
-    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
-              "optimizer": {"type": "SGD", "params": {"lr": LR}},
-              "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}}
+    config = {
+        "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL},
+    }
     torch.manual_seed(0)
     with shardwise.zero.Init(config_dict_or_path=config, enabled=init):
         model = Model(routed)
@@ -60,10 +62,10 @@ def _train(rank, world_size, init, routed):
     for _ in range(3):
         tokens = torch.randint(0, VOCAB, (MICRO * world_size, 6), generator=generator)
         # routing is decided per micro-batch, so the reference averages the micro-batch losses
-        (sum(reference(tokens[r * MICRO:(r + 1) * MICRO]) for r in range(world_size)) / world_size).backward()
+        (sum(reference(tokens[r * MICRO : (r + 1) * MICRO]) for r in range(world_size)) / world_size).backward()
         optimizer.step()
         optimizer.zero_grad()
-        engine.backward(engine(tokens[rank * MICRO:(rank + 1) * MICRO]))
+        engine.backward(engine(tokens[rank * MICRO : (rank + 1) * MICRO]))
         engine.step()
     held = sum(p.numel() for p in model.parameters())  # partitioned: nothing whole between steps
     with shardwise.zero.GatheredParameters(list(engine.module.parameters())):

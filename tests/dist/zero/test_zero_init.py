@@ -11,17 +11,20 @@ import shardwise
 from shardwise import zero
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
-from shardwise.testing.parity import engine_train, max_param_diff, reference_run
-from shardwise.testing.parity import STAGE3_PARTITION_ALL
+from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train, max_param_diff, reference_run
 
 MICRO, STEPS, LR, WD = 2, 3, 1e-2, 0.01
 
 
 def _config(dtype="fp32", gas=2):
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-              "gradient_clipping": 0.5, "steps_per_print": 1000,
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": 300, **STAGE3_PARTITION_ALL}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "gradient_clipping": 0.5,
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 300, **STAGE3_PARTITION_ALL},
+    }
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
     return config
@@ -61,17 +64,22 @@ def _build_and_train(rank, world_size, dtype):
     whole, excess = _share_report(model, world_size)
     shard_dtypes = {p.ds_tensor.dtype for p in model.parameters()}
     with zero.GatheredParameters(list(model.parameters())):
-        built_diff = max((a - b.float()).abs().max().item()
-                         for a, b in zip(plain.parameters(), model.parameters()))
+        built_diff = max((a - b.float()).abs().max().item() for a, b in zip(plain.parameters(), model.parameters()))
     batches = token_batches(num_steps=STEPS, batch=MICRO * 2 * world_size, seed=2)
     reference = reference_run(plain, batches, lr=LR, weight_decay=WD, clip=0.5)
-    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(),
-                                           config=_config(dtype))
+    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_config(dtype))
     engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
-    return {"whole": whole, "excess": excess, "peak": watch.peak, "largest_module": largest_module,
-            "total": sum(p.numel() for p in plain.parameters()), "dtypes": shard_dtypes,
-            "built_diff": built_diff, "trained_diff": max_param_diff(reference.model, engine.module),
-            "update_error": reference.update_error(engine.module)}
+    return {
+        "whole": whole,
+        "excess": excess,
+        "peak": watch.peak,
+        "largest_module": largest_module,
+        "total": sum(p.numel() for p in plain.parameters()),
+        "dtypes": shard_dtypes,
+        "built_diff": built_diff,
+        "trained_diff": max_param_diff(reference.model, engine.module),
+        "update_error": reference.update_error(engine.module),
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -115,19 +123,25 @@ def _meta(rank, world_size):
     with pytest.raises(ValueError, match=r"3\.weight has shape \(4, 8\) in the state dict and \(5, 8\)"):
         zero.load_state_dict(model, bad if rank == 0 else None)
     with pytest.raises(RuntimeError, match="missing keys"):
-        zero.load_state_dict(model, {k: v for k, v in plain.state_dict().items() if k != "1.bias"}
-                             if rank == 0 else None)
+        zero.load_state_dict(
+            model, {k: v for k, v in plain.state_dict().items() if k != "1.bias"} if rank == 0 else None
+        )
     # the meta-built model trains under stage 3 like the plain one
     reference = copy.deepcopy(plain)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     data = torch.randn(4 * world_size, 6, generator=torch.Generator().manual_seed(3))
     reference(data).square().mean().backward()
     optimizer.step()
-    engine, _, _, _ = shardwise.initialize(model=model, config={
-        "gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL}})
-    engine.backward(engine(data[rank * 4:(rank + 1) * 4]).square().mean())
+    engine, _, _, _ = shardwise.initialize(
+        model=model,
+        config={
+            "gradient_clipping": 0.0,
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, **STAGE3_PARTITION_ALL},
+        },
+    )
+    engine.backward(engine(data[rank * 4 : (rank + 1) * 4]).square().mean())
     engine.step()
     return whole, excess, initial, loaded_diff, max_param_diff(reference, engine.module)
 
@@ -173,7 +187,8 @@ def _eval_engine(rank, world_size):
 def test_init_model_without_optimizer_runs_its_forward(tmp_path):
     total = sum(p.numel() for p in TinyMLP().parameters())
     for same, outside, inside, same_whole, held, frozen in run_distributed(
-            _eval_engine, world_size=2, tmp_path=tmp_path):
+        _eval_engine, world_size=2, tmp_path=tmp_path
+    ):
         assert same, "the forward of a zero.Init model under an engine without optimizer"
         assert outside == ("NOT_AVAILABLE", 0) and inside == ("AVAILABLE", 32 * 16), (outside, inside)
         assert same_whole, "the forward of a model built whole under an engine without optimizer"

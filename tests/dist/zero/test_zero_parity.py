@@ -10,8 +10,14 @@ import torch
 import shardwise
 from shardwise.testing import run_distributed
 from shardwise.testing.models import TinyMLP, token_batches
-from shardwise.testing.parity import (STAGE3_PARTITION_ALL, engine_train, max_param_diff, param_groups,
-                                      reference_run, reference_train)
+from shardwise.testing.parity import (
+    STAGE3_PARTITION_ALL,
+    engine_train,
+    max_param_diff,
+    param_groups,
+    reference_run,
+    reference_train,
+)
 
 MICRO, STEPS, LR, WD = 2, 4, 1e-2, 0.01
 # fp32 differs only by reduction order. bf16/fp16 compute with 8/11-bit mantissas on fp32
@@ -34,8 +40,17 @@ CASES = [
     ("s3 defaults: persistent", 3, 2, 0.2, "fp32", True, True, 1, {}),
     ("s3 bf16 defaults: persistent", 3, 2, 0.2, "bf16", False, True, 1, {}),
     # units kept whole from forward to backward (reuse), within a live-parameter cap
-    ("s3 reuse under a live cap, twice", 3, 2, 0.2, "fp32", False, False, 2,
-     {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1200}),
+    (
+        "s3 reuse under a live cap, twice",
+        3,
+        2,
+        0.2,
+        "fp32",
+        False,
+        False,
+        2,
+        {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1200},
+    ),
     ("s1 fp32", 1, 1, 0.0, "fp32", False, False),
     ("s1 gas2 clip groups frozen", 1, 2, 0.2, "fp32", True, True),
     ("s2 fp32", 2, 1, 0.0, "fp32", False, False),
@@ -49,10 +64,14 @@ CASES = [
 def _config(stage, gas, clip, dtype, bucket, knobs=None):
     if knobs is None:
         knobs = STAGE3_PARTITION_ALL if stage == 3 else {}
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-              "gradient_clipping": clip, "steps_per_print": 1000,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, **knobs}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, **knobs},
+    }
     if dtype != "fp32":
         config[dtype] = {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}
     return config
@@ -67,11 +86,17 @@ def _check(rank, world_size, cases):
         reference = reference_run(model, batches, lr=LR, weight_decay=WD, clip=clip, split_groups=groups)
         candidate = copy.deepcopy(model)
         engine, _, _, _ = shardwise.initialize(
-            model=candidate, model_parameters=param_groups(candidate, split=groups, lr=LR, weight_decay=WD),
-            config=_config(stage, gas, clip, dtype, bucket=300, knobs=knobs))  # small buckets: several per group
+            model=candidate,
+            model_parameters=param_groups(candidate, split=groups, lr=LR, weight_decay=WD),
+            config=_config(stage, gas, clip, dtype, bucket=300, knobs=knobs),
+        )  # small buckets: several per group
         norms = engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
-        report[name] = (max_param_diff(reference.model, engine.module), reference.update_error(engine.module),
-                        len(engine.strategy.buckets), max(norms))
+        report[name] = (
+            max_param_diff(reference.model, engine.module),
+            reference.update_error(engine.module),
+            len(engine.strategy.buckets),
+            max(norms),
+        )
     return report
 
 
@@ -102,17 +127,26 @@ NORM_RTOL = {"fp32": 1e-5, "fp16": 1e-3, "bf16": 1e-2}
 """Relative tolerance of ``get_global_grad_norm()`` against ``clip_grad_norm_``'s value."""
 
 # (name, stage, gas, clip, dtype[, rank 0's first micro-step overflows])
-SGD_CASES = [(f"s{stage} {dtype} gas2", stage, 2, 0.0, dtype) for stage in (0, 1, 2, 3)
-             for dtype in ("fp32", "fp16", "bf16")]
+SGD_CASES = [
+    (f"s{stage} {dtype} gas2", stage, 2, 0.0, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "fp16", "bf16")
+]
 SGD_CASES += [("s2 fp32 gas3 clip", 2, 3, 0.2, "fp32"), ("s3 fp32 gas1 clip", 3, 1, 0.2, "fp32")]
 SGD_CASES += [(f"s{stage} fp16 overflow, then recovers", stage, 2, 0.0, "fp16", True) for stage in (0, 1, 2, 3)]
 
 
 def _sgd_config(stage, gas, clip, dtype):
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-              "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}}, "gradient_clipping": clip,
-              "steps_per_print": 1000, "zero_optimization": {
-                  "stage": stage, "reduce_bucket_size": 300, **(STAGE3_PARTITION_ALL if stage == 3 else {})}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}},
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 300,
+            **(STAGE3_PARTITION_ALL if stage == 3 else {}),
+        },
+    }
     if dtype == "fp16":  # a short window: the scale regrows within the test after an overflow
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}
     elif dtype == "bf16":
@@ -133,7 +167,7 @@ def _check_sgd(rank, world_size, cases):
         for tokens, targets in batches:
             for micro_step in range(gas):
                 start = (micro_step * world_size + rank) * MICRO
-                loss = engine(tokens[start:start + MICRO], targets[start:start + MICRO])
+                loss = engine(tokens[start : start + MICRO], targets[start : start + MICRO])
                 if overflow and rank == 0 and engine.global_steps == 0 and micro_step == 0:
                     loss = loss * float("inf")
                 engine.backward(loss)
@@ -141,9 +175,15 @@ def _check_sgd(rank, world_size, cases):
                 grads_left += sum(p.grad is not None for p in engine.module.parameters())
                 engine.step()
             norms.append(engine.get_global_grad_norm())
-        report[name] = {"diff": max_param_diff(reference.model, engine.module), "moved": reference.movement(),
-                        "norms": norms[overflow:], "reference_norms": reference.norms, "grads_left": grads_left,
-                        "skipped": engine.skipped_steps, "scale": engine.get_loss_scale()}
+        report[name] = {
+            "diff": max_param_diff(reference.model, engine.module),
+            "moved": reference.movement(),
+            "norms": norms[overflow:],
+            "reference_norms": reference.norms,
+            "grads_left": grads_left,
+            "skipped": engine.skipped_steps,
+            "scale": engine.get_loss_scale(),
+        }
     return report
 
 
@@ -155,15 +195,16 @@ def test_sgd_matches_single_process_at_every_stage(tmp_path):
             where = f"rank {rank} {name}: max |diff| {r['diff']:.3g}, reference moved {r['moved']:.3g}"
             assert r["diff"] < OF_MOVEMENT[dtype] * r["moved"], where
             for step, (got, expected) in enumerate(zip(r["norms"], r["reference_norms"])):
-                assert abs(got - expected) <= NORM_RTOL[dtype] * expected, \
+                assert abs(got - expected) <= NORM_RTOL[dtype] * expected, (
                     f"rank {rank} {name}: step {step} gradient norm {got}, clip_grad_norm_ {expected}"
+                )
             if clip:  # clipping must have scaled at least one step, or the case tests nothing
                 assert max(r["reference_norms"]) > clip, where
             if stage >= 2:
                 assert r["grads_left"] == 0, f"{name}: {r['grads_left']} parameters kept a .grad after backward"
             if overflow:  # one skipped step, then every step applied and the scale regrown
                 assert r["skipped"] == 1, f"rank {rank} {name}: {r['skipped']} steps skipped, expected 1"
-                assert r["scale"] == 2 ** 9, f"rank {rank} {name}: loss scale {r['scale']}, expected 2**9"
+                assert r["scale"] == 2**9, f"rank {rank} {name}: loss scale {r['scale']}, expected 2**9"
     assert all(r == reports[0] for r in reports)
 
 
@@ -200,6 +241,7 @@ class _ExternalUse(torch.nn.Module):
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
         if declared:
             from shardwise.zero import register_external_parameter
+
             register_external_parameter(self, self.a.weight)
 
     def forward(self, tokens, targets):

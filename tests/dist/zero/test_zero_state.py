@@ -5,39 +5,50 @@ import torch
 
 import shardwise
 from shardwise.testing import run_distributed
-from shardwise.zero import GatheredParameters
 from shardwise.testing.models import TinyMLP, token_batches
 from shardwise.testing.parity import STAGE3_PARTITION_ALL, engine_train, grad_bytes_outside
+from shardwise.zero import GatheredParameters
 
 MICRO = 2
 GLOBAL_BATCH = 8
 
 
 def _config(stage, world_size, **extra):
-    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-            "gradient_clipping": 1.0, "steps_per_print": 1000,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 400, **STAGE3_PARTITION_ALL}, **extra}
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 400, **STAGE3_PARTITION_ALL},
+        **extra,
+    }
 
 
 def _memory(rank, world_size):
     out = {}
     batches = token_batches(num_steps=1, batch=GLOBAL_BATCH, seed=0)
     for stage in (0, 1, 2, 3):
-        engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1),
-                                               config=_config(stage, world_size))
+        engine, _, _, _ = shardwise.initialize(
+            model=TinyMLP(vocab=64, width=32, seed=1), config=_config(stage, world_size)
+        )
         engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
         tokens, targets = batches[0]
         engine.backward(engine(tokens[:MICRO], targets[:MICRO]))  # gradients as they stand after backward
         # the live tensors, not only the strategy's own count: a .grad the strategy does not
         # know about (a full gradient left on a parameter) is memory too
         outside = grad_bytes_outside(engine.module, engine.strategy.views.state_tensors("lp_grads"))
-        out[stage] = (engine.model_state_bytes(), len(getattr(engine.strategy, "buckets", [])),
-                      sum(p.numel() for p in engine.module.parameters()),
-                      len(list(engine.module.parameters())), outside)
-    engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1),
-                                           config=_config(3, world_size, bf16={"enabled": True}))
+        out[stage] = (
+            engine.model_state_bytes(),
+            len(getattr(engine.strategy, "buckets", [])),
+            sum(p.numel() for p in engine.module.parameters()),
+            len(list(engine.module.parameters())),
+            outside,
+        )
+    engine, _, _, _ = shardwise.initialize(
+        model=TinyMLP(vocab=64, width=32, seed=1), config=_config(3, world_size, bf16={"enabled": True})
+    )
     engine_train(engine, batches, rank=rank, world_size=world_size, micro=MICRO)
     out["3 bf16"] = engine.model_state_bytes()
     return out
@@ -50,8 +61,12 @@ def test_optimizer_state_and_gradients_are_one_nth(tmp_path, world_size):
 
 
 def _check_memory(out, world_size):
-    (s0, _, numel, tensors, _), (s1, b1, _, _, _), (s2, b2, _, _, _), (s3, b3, _, _, _) = (out[0], out[1], out[2],
-                                                                                          out[3])
+    (s0, _, numel, tensors, _), (s1, b1, _, _, _), (s2, b2, _, _, _), (s3, b3, _, _, _) = (
+        out[0],
+        out[1],
+        out[2],
+        out[3],
+    )
     # after backward every gradient byte is in the strategy's buffers (stages 0 and 1: the
     # .grad are views into them; stages 2 and 3: no .grad at all)
     assert [out[stage][4] for stage in range(4)] == [0, 0, 0, 0], "gradient bytes outside the strategy's buffers"
@@ -78,8 +93,9 @@ def _check_memory(out, world_size):
 
 def _phase(rank, world_size, stage, save_dir, load, train_steps, save):
     torch.manual_seed(1234 + rank)
-    engine, _, _, _ = shardwise.initialize(model=TinyMLP(vocab=64, width=32, seed=1 if not load else 7),
-                                           config=_config(stage, world_size))
+    engine, _, _, _ = shardwise.initialize(
+        model=TinyMLP(vocab=64, width=32, seed=1 if not load else 7), config=_config(stage, world_size)
+    )
     batches = token_batches(num_steps=6, batch=GLOBAL_BATCH, seed=5)
     if load:
         _, client = engine.load_checkpoint(save_dir)
@@ -98,19 +114,37 @@ def _phase(rank, world_size, stage, save_dir, load, train_steps, save):
 @pytest.mark.parametrize("saved_stage,resumes", [(2, ((2, 2), (1, 2), (0, 1))), (3, ((2, 2), (3, 2)))])
 def test_checkpoint_from_4_ranks_resumes_at_other_stages_and_sizes(tmp_path, saved_stage, resumes):
     save_dir = str(tmp_path / "ckpt")
-    straight, lr = run_distributed(_phase, world_size=4, tmp_path=tmp_path, stage=saved_stage,
-                                   save_dir=save_dir, load=False, train_steps=3, save=True)[0]
+    straight, lr = run_distributed(
+        _phase,
+        world_size=4,
+        tmp_path=tmp_path,
+        stage=saved_stage,
+        save_dir=save_dir,
+        load=False,
+        train_steps=3,
+        save=True,
+    )[0]
     for stage, world_size in resumes:
-        resumed, resumed_lr = run_distributed(_phase, world_size=world_size, tmp_path=tmp_path, stage=stage,
-                                              save_dir=save_dir, load=True, train_steps=3, save=False)[0]
+        resumed, resumed_lr = run_distributed(
+            _phase,
+            world_size=world_size,
+            tmp_path=tmp_path,
+            stage=stage,
+            save_dir=save_dir,
+            load=True,
+            train_steps=3,
+            save=False,
+        )[0]
         assert resumed_lr == lr
         worst = max((a - b).abs().max().item() for a, b in zip(straight, resumed))
         assert worst < 2e-5, f"stage {stage} on {world_size} ranks: max |diff| {worst}"
 
 
 def _overflow(rank, world_size):
-    engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=_config(
-        2, world_size, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}))
+    engine, _, _, _ = shardwise.initialize(
+        model=TinyMLP(seed=1),
+        config=_config(2, world_size, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}),
+    )
     tokens, targets = token_batches(num_steps=1, batch=MICRO, seed=rank)[0]
     before = [p.detach().clone() for p in engine.module.parameters()]
     for _ in range(engine.gradient_accumulation_steps()):
@@ -123,7 +157,7 @@ def _overflow(rank, world_size):
 
 def test_stage2_fp16_overflow_skips_everywhere(tmp_path):
     for unchanged, applied, scale in run_distributed(_overflow, world_size=2, tmp_path=tmp_path):
-        assert unchanged and not applied and scale == 2 ** 7
+        assert unchanged and not applied and scale == 2**7
 
 
 def _stage3_loads(rank, world_size):
@@ -131,8 +165,9 @@ def _stage3_loads(rank, world_size):
     config = _config(3, world_size, bf16={"enabled": True})
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 40  # LayerNorm, biases: whole
     engine, _, _, _ = shardwise.initialize(model=TinyMLP(seed=1), config=config)
-    engine_train(engine, token_batches(num_steps=2, batch=GLOBAL_BATCH, seed=2), rank=rank,
-                 world_size=world_size, micro=MICRO)
+    engine_train(
+        engine, token_batches(num_steps=2, batch=GLOBAL_BATCH, seed=2), rank=rank, world_size=world_size, micro=MICRO
+    )
     generator = torch.Generator().manual_seed(7)
     full = {k: torch.randn(v.shape, generator=generator) for k, v in TinyMLP(seed=3).state_dict().items()}
     full["head.weight"] = full["embed.weight"]  # tied
@@ -149,8 +184,11 @@ def _stage3_loads(rank, world_size):
     results["same"] = all(torch.equal(got[k], v) for k, v in reference.state_dict().items())
     # the persistent LayerNorm is whole outside any gather: it must show the loaded values
     results["persistent"] = torch.equal(engine.module.norm.weight.detach(), full["norm.weight"].bfloat16())
-    for name, bad in (("missing", partial), ("unexpected", {**full, "extra.weight": torch.zeros(2)}),
-                      ("size", {**full, "fc1.weight": torch.zeros(3, 3)})):
+    for name, bad in (
+        ("missing", partial),
+        ("unexpected", {**full, "extra.weight": torch.zeros(2)}),
+        ("size", {**full, "fc1.weight": torch.zeros(3, 3)}),
+    ):
         try:
             engine.strategy.views.load_module_state_dict(bad, strict=True)
             results[f"error {name}"] = None
