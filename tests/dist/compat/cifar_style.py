@@ -20,7 +20,13 @@ import shardwise.comm as dist
 from shardwise.accelerator import get_accelerator
 from shardwise.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from shardwise.runtime.utils import see_memory_usage, set_random_seed
-from shardwise.utils import RepeatingLoader, log_dist, logger, safe_get_full_fp32_param, safe_get_full_grad
+from shardwise.utils import (
+    RepeatingLoader,  # noqa: F401 (unused: importing it from shardwise.utils, as from deepspeed.utils, is the check)
+    log_dist,
+    logger,
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+)
 from shardwise.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 
@@ -94,7 +100,7 @@ def main():
     losses, grad_norms = [], []
     for epoch in range(args.epochs):
         running_loss = 0.0
-        for i, (inputs, labels) in enumerate(trainloader):
+        for i, (inputs, labels) in enumerate(trainloader):  # noqa: B007 (i counts the batches for the log below)
             inputs, labels = inputs.to(local_device), labels.to(local_device)
             loss = criterion(model_engine(inputs), labels)
             model_engine.backward(loss)

@@ -198,7 +198,7 @@ def test_trainer_with_deepspeed_config_matches_trainer_without(tmp_path, stage):
         stage=stage,
         out=str(tmp_path / "runs"),
     )
-    for rank, checks in enumerate(results):
+    for _rank, checks in enumerate(results):
         assert checks["real_deepspeed_absent"] and checks["alias"] and checks["alias_spec"]
         assert checks["engine"] == [True, stage, MICRO, ACCUMULATION, 1.0]
         assert len(checks["deepspeed"]) == STEPS

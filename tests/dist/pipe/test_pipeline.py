@@ -195,11 +195,6 @@ def _case(
     # compare this stage's parameters with the reference's layers of the same index
     from shardwise.zero import GatheredParameters
 
-    ref_layers = {}
-    owner = {}
-    for index, spec in enumerate(specs):
-        key = f"tied_modules.{spec.key}" if isinstance(spec, TiedLayerSpec) else str(index)
-        owner.setdefault(key, index)
     ref_by_index = {}
     position = 0
     seen = {}

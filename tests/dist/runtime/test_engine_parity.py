@@ -189,7 +189,7 @@ def test_bf16_nonfinite_gradients_skip_the_step_as_deepspeed(tmp_path, stage):
     ):
         assert unchanged and finite and not applied and skipped == 1
     # switched off, the nan is applied (what the key asks for)
-    for unchanged, finite, applied, skipped in run_distributed(
+    for _unchanged, finite, applied, skipped in run_distributed(
         _bf16_nonfinite, world_size=2, tmp_path=tmp_path, stage=stage, check=False
     ):
         assert not finite and applied and skipped == 0

@@ -134,8 +134,6 @@ def test_checkpoint_without_frozen_parameters_resumes_as_never_saved(tmp_path):
     reports = run_distributed(_save_and_resume, world_size=2, tmp_path=tmp_path, checkpoint_dir=str(tmp_path))
     for (stage, optimizer), case in reports[0].items():
         where = f"ZeRO {stage} {optimizer}"
-    for (stage, optimizer), case in reports[0].items():
-        where = f"ZeRO {stage} {optimizer}"
         adapters, everything = case["files"]["adapters"], case["files"]["everything"]
         smaller = everything["bytes"] - adapters["bytes"]
         assert FROZEN_BYTES <= smaller < FROZEN_BYTES + 1024, f"{where}: smaller by {smaller}, frozen {FROZEN_BYTES}"

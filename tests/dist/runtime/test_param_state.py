@@ -59,7 +59,7 @@ def _params(rank, world_size, stage, optimizer, tmp, bf16=False):
     names = dict(engine.module.named_parameters())
     batches = token_batches(num_steps=3, batch=MICRO * world_size, seed=4)
     out = {"grad": 0.0, "master": 0.0, "state": 0.0}
-    for step, batch in enumerate(batches):
+    for _step, batch in enumerate(batches):
         reference(*batch).backward()
         engine.backward(engine(*_micro(batch, rank)))
         # between backward and step: the reduced full gradient, collective at stages 1-3

@@ -118,7 +118,7 @@ def _meta(rank, world_size):
     x = torch.randn(3, 6)
     with zero.GatheredParameters(list(model.parameters())):
         loaded_diff = (model(x) - plain(x)).abs().max().item()
-    bad = {k: v for k, v in plain.state_dict().items()}
+    bad = dict(plain.state_dict())
     bad["3.weight"] = torch.zeros(4, 8)
     with pytest.raises(ValueError, match=r"3\.weight has shape \(4, 8\) in the state dict and \(5, 8\)"):
         zero.load_state_dict(model, bad if rank == 0 else None)
@@ -148,7 +148,7 @@ def _meta(rank, world_size):
 
 def test_meta_model_materialised_partitioned_then_loaded(tmp_path):
     results = run_distributed(_meta, world_size=2, tmp_path=tmp_path)
-    for whole, excess, initial, loaded_diff, trained_diff in results:
+    for whole, excess, _initial, loaded_diff, trained_diff in results:
         assert whole == [] and excess == 0
         assert loaded_diff == 0.0
         assert trained_diff < 1e-6

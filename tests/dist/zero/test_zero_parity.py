@@ -190,7 +190,7 @@ def _check_sgd(rank, world_size, cases):
 def test_sgd_matches_single_process_at_every_stage(tmp_path):
     reports = run_distributed(_check_sgd, world_size=2, tmp_path=tmp_path, cases=SGD_CASES)
     for rank, report in enumerate(reports):
-        for name, stage, gas, clip, dtype, *overflow in SGD_CASES:
+        for name, stage, _gas, clip, dtype, *overflow in SGD_CASES:
             r = report[name]
             where = f"rank {rank} {name}: max |diff| {r['diff']:.3g}, reference moved {r['moved']:.3g}"
             assert r["diff"] < OF_MOVEMENT[dtype] * r["moved"], where
