@@ -52,6 +52,10 @@ from shardwise.config._compression import BlockPattern, parse_block_pattern
 MOMENTUM = 0.9
 """INC's snip_momentum decay of the previous score."""
 
+MAX_SPARSITY = 0.98
+"""INC's ``max_sparsity_ratio_per_op`` default: no layer loses more of its weights, and the
+target sparsity is capped to it too (DeepSpeed passed no value, so INC's default held)."""
+
 _WHERE = "compression_training.sparse_pruning.shared_parameters"
 
 
@@ -92,7 +96,9 @@ class SnipSchedule:
         return since // self.stride + 1
 
     def dense_at(self, count: int) -> float:
-        return self.dense_ratio ** (count / self.num_prunes)
+        """The kept fraction after the ``count``-th pruning step (INC capped the target
+        sparsity at ``MAX_SPARSITY``)."""
+        return max(self.dense_ratio, 1 - MAX_SPARSITY) ** (count / self.num_prunes)
 
 
 def snip_layer_names(model: nn.Module, excluded: list[str]) -> list[str]:
@@ -146,6 +152,7 @@ class SnipMomentumPruner:
     def __init__(self, layers: list[nn.Module], schedule: SnipSchedule):
         self.layers = layers
         self.schedule = schedule
+        self._pending: list[torch.Tensor] | None = None
 
     def _global_grads(self) -> list[torch.Tensor]:
         """Each layer's gradient of the step, averaged over the ranks (zero where none came)."""
@@ -162,15 +169,30 @@ class SnipMomentumPruner:
         return [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
 
     @torch.no_grad()
-    def accumulate(self, next_step: int) -> None:
-        """Fold the step's gradients (collected by a hook on each weight) into the scores,
-        when a pruning step at or after ``next_step`` will read them."""
+    def collect(self, next_step: int) -> None:
+        """Take the step's gradients (collected by a hook on each weight) and the weights
+        they apply to, ``|weight * grad|``, when a pruning step at or after ``next_step``
+        will read them; call it before the optimizer step changes the weights."""
         if next_step > self.schedule.last_prune:
             for layer in self.layers:
                 layer.snip_grad = None
+            self._pending = None
             return
-        for layer, grad in zip(self.layers, self._global_grads(), strict=True):
-            layer.sparse_snip_scores.mul_(MOMENTUM).add_((layer.weight.detach().float() * grad).abs())
+        grads = self._global_grads()
+        self._pending = [(layer.weight.detach().float() * g).abs() for layer, g in zip(self.layers, grads, strict=True)]
+
+    @torch.no_grad()
+    def accumulate(self, next_step: int, clip_coef: float = 1.0) -> None:
+        """Fold the step's ``|weight * grad|`` into the scores, the gradient scaled by
+        ``clip_coef`` (the factor gradient clipping multiplied it by); collects them first
+        when :meth:`collect` was not called for this step."""
+        if self._pending is None:
+            self.collect(next_step)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        for layer, contribution in zip(self.layers, pending, strict=True):
+            layer.sparse_snip_scores.mul_(MOMENTUM).add_(contribution, alpha=clip_coef)
 
     @torch.no_grad()
     def prune_for(self, step: int) -> None:
@@ -182,14 +204,10 @@ class SnipMomentumPruner:
         scores = [patterns.as_rows(layer.sparse_snip_scores) for layer in self.layers]
         masks = [patterns.as_rows(layer.sparse_pruning_mask) for layer in self.layers]
         units = [patterns.unit_scores(pattern, s, m) for s, m in zip(scores, masks, strict=True)]
-        flat = torch.cat([u.flatten() for u, _ in units])
-        alive = torch.cat([a.flatten() for _, a in units])
         # a pruned unit sorts below every live one (scores are >= 0)
-        flat = torch.where(alive, flat, torch.full_like(flat, -1.0))
+        ranked = [torch.where(alive, u, torch.full_like(u, -1.0)).flatten() for u, alive in units]
         fraction = patterns.unit_fraction(pattern, 1 - self.schedule.dense_at(count))
-        pruned = math.floor(fraction * flat.numel() + 1e-6)
-        keep = torch.ones_like(flat)
-        keep[flat.argsort(stable=True)[:pruned]] = 0
+        keep = torch.cat(_choose_kept(ranked, fraction, patterns.unit_fraction(pattern, MAX_SPARSITY))).float()
         if _world_size() > 1:
             dist.broadcast(keep, src=0)
         start = 0
@@ -198,3 +216,37 @@ class SnipMomentumPruner:
             mask = patterns.unit_mask(pattern, part, s, m)
             layer.sparse_pruning_mask.copy_(patterns.from_rows(mask, layer.sparse_pruning_mask.shape))
             start += u.numel()
+
+
+def _lowest(ranked: torch.Tensor, count: int) -> torch.Tensor:
+    """True for every unit of ``ranked`` but its ``count`` lowest (ties: the first)."""
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if count > 0:
+        keep[ranked.argsort(stable=True)[:count]] = False
+    return keep
+
+
+def _choose_kept(ranked: list[torch.Tensor], fraction: float, cap: float) -> list[torch.Tensor]:
+    """Which units of each layer stay (``ranked``: each layer's unit scores, -1 where
+    pruned): the lowest ``fraction`` of all units are pruned, but no layer beyond ``cap``
+    of its units (INC's global scope, see [Note: snip_momentum schedule])."""
+    residual = math.floor(fraction * sum(r.numel() for r in ranked) + 1e-6)
+    # a layer at its cap keeps its mask, and its pruned units count towards the target
+    capped = [int((r < 0).sum()) >= int(cap * r.numel()) for r in ranked]
+    residual -= sum(int((r < 0).sum()) for r, c in zip(ranked, capped, strict=True) if c)
+    kept = [r >= 0 for r in ranked]
+    while not all(capped):
+        open_layers = [i for i, c in enumerate(capped) if not c]
+        flat = torch.cat([ranked[i] for i in open_layers])
+        keep = _lowest(flat, residual) & (flat >= 0)
+        newly = False
+        for i, part in zip(open_layers, keep.split([ranked[i].numel() for i in open_layers]), strict=True):
+            if int((~part).sum()) / part.numel() > cap:  # over the cap: keep its best units
+                count = int(cap * part.numel())
+                part = _lowest(ranked[i], count)
+                capped[i], newly = True, True
+                residual -= count
+            kept[i] = part
+        if not newly:
+            break
+    return kept
