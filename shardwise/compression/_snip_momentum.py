@@ -13,14 +13,31 @@ optimizer's ``step``, after that reduction (at ZeRO-0, the only stage where ``we
 was still there), so its scores, and here the masks and weights, are those of one process
 on the whole batch whatever the data-parallel size. The cost is one all-reduce of the
 pruned weights' gradients per step until the last pruning step (none after it; the scores
-then stay as they were). Unlike DeepSpeed, the gradient is read before clipping.
+then stay as they were). DeepSpeed's engine clipped ``weight.grad`` before its optimizer
+step, so INC scored the clipped gradient: here the training feature takes ``|weight *
+grad|`` before the step (``collect``, the weights not yet updated) and folds it into the
+scores after it (``accumulate``), times the clipping coefficient the engine passes to
+``after_optimizer_step`` (``min(1, gradient_clipping / (norm + 1e-6))``, 1 without
+clipping), which is ``|weight * clipped grad|``. Driven without the engine,
+``CompressionScheduler.advance`` takes that coefficient as an argument (default 1).
 
 Pruning steps are ``schedule_offset``, ``schedule_offset + stride``, ... up to
 ``schedule_offset_end``: ``P = (end - offset) // stride + 1`` of them. At the forward of
 the ``k``-th (1-based) the masks are recomputed from the scores of units over all pruned
 layers together (INC's global scope): the units with the lowest scores are pruned so that
 the pruned fraction of the weights is ``1 - dense_ratio ** (k / P)`` (INC's default
-exponential decay), ``1 - dense_ratio`` at the last one. Units live on each weight's 2-D
+exponential decay), ``1 - dense_ratio`` at the last one. INC's per-layer cap,
+``max_sparsity_ratio_per_op``, applies with its default 0.98 (DeepSpeed's config had no
+key for it and passed none to INC): the target is at most 0.98 (a ``dense_ratio`` below
+0.02 acts as 0.02), and a layer the global threshold would leave with more than 98% of its
+units pruned instead keeps its best ``units - int(0.98 * units)`` units and is held at
+that mask from then on; its pruned units still count towards the target, so the units it
+kept are pruned elsewhere: the threshold is recomputed over the other layers for what
+remains, until no other layer passes the cap (INC's loop with ``keep_exact_sparsity_ratio``,
+its default). For ``"N:M"`` the cap is on groups, ``0.98 * M / N`` of them, so it binds
+only when N / M is above 0.98. INC's ``min_sparsity_ratio_per_op`` (default 0) and the
+adjustment that goes with it are not rebuilt: with 0 it only acts when the layers already
+hold more zeros than the final target, which this schedule never reaches. Units live on each weight's 2-D
 view, INC's: a linear weight as it is, a convolution's ``[out, in, kh, kw]`` as ``[out, kh
 * kw * in]`` (``_prune_patterns.as_rows``). ``block_pattern`` ``"NxM"``: a unit is a block
 of N rows by M columns, scored by its summed scores and pruned whole. ``"N:M"`` (INC's rule,
@@ -30,8 +47,8 @@ N / M. A pruned unit stays pruned (its masked weights get no gradient, and it so
 every live unit). Rank 0's choice is broadcast, so the ranks agree even if their scores
 differ in the last bit. Masks and scores are buffers (``sparse_pruning_mask``,
 ``sparse_snip_scores``, in the weight's shape), saved with the model; the step is the
-engine's. Unlike INC, no per-layer cap (its ``max_sparsity_ratio_per_op``, 0.98) is
-applied, and a weight the pattern does not tile is refused, not skipped. DeepSpeed 0.18's
+engine's (a layer at its cap is found from its mask, so nothing more is saved). Unlike
+INC, a weight the pattern does not tile is refused, not skipped. DeepSpeed 0.18's
 own call could not run: it imported INC's classes ``from nc`` (an alias, not a module).
 """
 
