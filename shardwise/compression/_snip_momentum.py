@@ -13,14 +13,31 @@ optimizer's ``step``, after that reduction (at ZeRO-0, the only stage where ``we
 was still there), so its scores, and here the masks and weights, are those of one process
 on the whole batch whatever the data-parallel size. The cost is one all-reduce of the
 pruned weights' gradients per step until the last pruning step (none after it; the scores
-then stay as they were). Unlike DeepSpeed, the gradient is read before clipping.
+then stay as they were). DeepSpeed's engine clipped ``weight.grad`` before its optimizer
+step, so INC scored the clipped gradient: here the training feature takes ``|weight *
+grad|`` before the step (``collect``, the weights not yet updated) and folds it into the
+scores after it (``accumulate``), times the clipping coefficient the engine passes to
+``after_optimizer_step`` (``min(1, gradient_clipping / (norm + 1e-6))``, 1 without
+clipping), which is ``|weight * clipped grad|``. Driven without the engine,
+``CompressionScheduler.advance`` takes that coefficient as an argument (default 1).
 
 Pruning steps are ``schedule_offset``, ``schedule_offset + stride``, ... up to
 ``schedule_offset_end``: ``P = (end - offset) // stride + 1`` of them. At the forward of
 the ``k``-th (1-based) the masks are recomputed from the scores of units over all pruned
 layers together (INC's global scope): the units with the lowest scores are pruned so that
 the pruned fraction of the weights is ``1 - dense_ratio ** (k / P)`` (INC's default
-exponential decay), ``1 - dense_ratio`` at the last one. Units live on each weight's 2-D
+exponential decay), ``1 - dense_ratio`` at the last one. INC's per-layer cap,
+``max_sparsity_ratio_per_op``, applies with its default 0.98 (DeepSpeed's config had no
+key for it and passed none to INC): the target is at most 0.98 (a ``dense_ratio`` below
+0.02 acts as 0.02), and a layer the global threshold would leave with more than 98% of its
+units pruned instead keeps its best ``units - int(0.98 * units)`` units and is held at
+that mask from then on; its pruned units still count towards the target, so the units it
+kept are pruned elsewhere: the threshold is recomputed over the other layers for what
+remains, until no other layer passes the cap (INC's loop with ``keep_exact_sparsity_ratio``,
+its default). For ``"N:M"`` the cap is on groups, ``0.98 * M / N`` of them, so it binds
+only when N / M is above 0.98. INC's ``min_sparsity_ratio_per_op`` (default 0) and the
+adjustment that goes with it are not rebuilt: with 0 it only acts when the layers already
+hold more zeros than the final target, which this schedule never reaches. Units live on each weight's 2-D
 view, INC's: a linear weight as it is, a convolution's ``[out, in, kh, kw]`` as ``[out, kh
 * kw * in]`` (``_prune_patterns.as_rows``). ``block_pattern`` ``"NxM"``: a unit is a block
 of N rows by M columns, scored by its summed scores and pruned whole. ``"N:M"`` (INC's rule,
@@ -30,8 +47,8 @@ N / M. A pruned unit stays pruned (its masked weights get no gradient, and it so
 every live unit). Rank 0's choice is broadcast, so the ranks agree even if their scores
 differ in the last bit. Masks and scores are buffers (``sparse_pruning_mask``,
 ``sparse_snip_scores``, in the weight's shape), saved with the model; the step is the
-engine's. Unlike INC, no per-layer cap (its ``max_sparsity_ratio_per_op``, 0.98) is
-applied, and a weight the pattern does not tile is refused, not skipped. DeepSpeed 0.18's
+engine's (a layer at its cap is found from its mask, so nothing more is saved). Unlike
+INC, a weight the pattern does not tile is refused, not skipped. DeepSpeed 0.18's
 own call could not run: it imported INC's classes ``from nc`` (an alias, not a module).
 """
 
@@ -51,6 +68,10 @@ from shardwise.config._compression import BlockPattern, parse_block_pattern
 
 MOMENTUM = 0.9
 """INC's snip_momentum decay of the previous score."""
+
+MAX_SPARSITY = 0.98
+"""INC's ``max_sparsity_ratio_per_op`` default: no layer loses more of its weights, and the
+target sparsity is capped to it too (DeepSpeed passed no value, so INC's default held)."""
 
 _WHERE = "compression_training.sparse_pruning.shared_parameters"
 
@@ -92,7 +113,9 @@ class SnipSchedule:
         return since // self.stride + 1
 
     def dense_at(self, count: int) -> float:
-        return self.dense_ratio ** (count / self.num_prunes)
+        """The kept fraction after the ``count``-th pruning step (INC capped the target
+        sparsity at ``MAX_SPARSITY``)."""
+        return max(self.dense_ratio, 1 - MAX_SPARSITY) ** (count / self.num_prunes)
 
 
 def snip_layer_names(model: nn.Module, excluded: list[str]) -> list[str]:
@@ -146,6 +169,7 @@ class SnipMomentumPruner:
     def __init__(self, layers: list[nn.Module], schedule: SnipSchedule):
         self.layers = layers
         self.schedule = schedule
+        self._pending: list[torch.Tensor] | None = None
 
     def _global_grads(self) -> list[torch.Tensor]:
         """Each layer's gradient of the step, averaged over the ranks (zero where none came)."""
@@ -162,15 +186,30 @@ class SnipMomentumPruner:
         return [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
 
     @torch.no_grad()
-    def accumulate(self, next_step: int) -> None:
-        """Fold the step's gradients (collected by a hook on each weight) into the scores,
-        when a pruning step at or after ``next_step`` will read them."""
+    def collect(self, next_step: int) -> None:
+        """Take the step's gradients (collected by a hook on each weight) and the weights
+        they apply to, ``|weight * grad|``, when a pruning step at or after ``next_step``
+        will read them; call it before the optimizer step changes the weights."""
         if next_step > self.schedule.last_prune:
             for layer in self.layers:
                 layer.snip_grad = None
+            self._pending = None
             return
-        for layer, grad in zip(self.layers, self._global_grads(), strict=True):
-            layer.sparse_snip_scores.mul_(MOMENTUM).add_((layer.weight.detach().float() * grad).abs())
+        grads = self._global_grads()
+        self._pending = [(layer.weight.detach().float() * g).abs() for layer, g in zip(self.layers, grads, strict=True)]
+
+    @torch.no_grad()
+    def accumulate(self, next_step: int, clip_coef: float = 1.0) -> None:
+        """Fold the step's ``|weight * grad|`` into the scores, the gradient scaled by
+        ``clip_coef`` (the factor gradient clipping multiplied it by); collects them first
+        when :meth:`collect` was not called for this step."""
+        if self._pending is None:
+            self.collect(next_step)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        for layer, contribution in zip(self.layers, pending, strict=True):
+            layer.sparse_snip_scores.mul_(MOMENTUM).add_(contribution, alpha=clip_coef)
 
     @torch.no_grad()
     def prune_for(self, step: int) -> None:
@@ -182,14 +221,10 @@ class SnipMomentumPruner:
         scores = [patterns.as_rows(layer.sparse_snip_scores) for layer in self.layers]
         masks = [patterns.as_rows(layer.sparse_pruning_mask) for layer in self.layers]
         units = [patterns.unit_scores(pattern, s, m) for s, m in zip(scores, masks, strict=True)]
-        flat = torch.cat([u.flatten() for u, _ in units])
-        alive = torch.cat([a.flatten() for _, a in units])
         # a pruned unit sorts below every live one (scores are >= 0)
-        flat = torch.where(alive, flat, torch.full_like(flat, -1.0))
+        ranked = [torch.where(alive, u, torch.full_like(u, -1.0)).flatten() for u, alive in units]
         fraction = patterns.unit_fraction(pattern, 1 - self.schedule.dense_at(count))
-        pruned = math.floor(fraction * flat.numel() + 1e-6)
-        keep = torch.ones_like(flat)
-        keep[flat.argsort(stable=True)[:pruned]] = 0
+        keep = torch.cat(_choose_kept(ranked, fraction, patterns.unit_fraction(pattern, MAX_SPARSITY))).float()
         if _world_size() > 1:
             dist.broadcast(keep, src=0)
         start = 0
@@ -198,3 +233,37 @@ class SnipMomentumPruner:
             mask = patterns.unit_mask(pattern, part, s, m)
             layer.sparse_pruning_mask.copy_(patterns.from_rows(mask, layer.sparse_pruning_mask.shape))
             start += u.numel()
+
+
+def _lowest(ranked: torch.Tensor, count: int) -> torch.Tensor:
+    """True for every unit of ``ranked`` but its ``count`` lowest (ties: the first)."""
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if count > 0:
+        keep[ranked.argsort(stable=True)[:count]] = False
+    return keep
+
+
+def _choose_kept(ranked: list[torch.Tensor], fraction: float, cap: float) -> list[torch.Tensor]:
+    """Which units of each layer stay (``ranked``: each layer's unit scores, -1 where
+    pruned): the lowest ``fraction`` of all units are pruned, but no layer beyond ``cap``
+    of its units (INC's global scope, see [Note: snip_momentum schedule])."""
+    residual = math.floor(fraction * sum(r.numel() for r in ranked) + 1e-6)
+    # a layer at its cap keeps its mask, and its pruned units count towards the target
+    capped = [int((r < 0).sum()) >= int(cap * r.numel()) for r in ranked]
+    residual -= sum(int((r < 0).sum()) for r, c in zip(ranked, capped, strict=True) if c)
+    kept = [r >= 0 for r in ranked]
+    while not all(capped):
+        open_layers = [i for i, c in enumerate(capped) if not c]
+        flat = torch.cat([ranked[i] for i in open_layers])
+        keep = _lowest(flat, residual) & (flat >= 0)
+        newly = False
+        for i, part in zip(open_layers, keep.split([ranked[i].numel() for i in open_layers]), strict=True):
+            if int((~part).sum()) / part.numel() > cap:  # over the cap: keep its best units
+                count = int(cap * part.numel())
+                part = _lowest(ranked[i], count)
+                capped[i], newly = True, True
+                residual -= count
+            kept[i] = part
+        if not newly:
+            break
+    return kept

@@ -39,12 +39,13 @@ class CompressionScheduler:
         for layer in self.layers:
             layer.set_step(training_steps)
 
-    def advance(self, training_steps: int) -> None:
-        """After an optimizer step, with its gradients still in ``.grad``: fold them into the
-        snip_momentum scores, then move to ``training_steps``, recomputing the snip_momentum
-        masks at its pruning steps (see [Note: snip_momentum schedule])."""
+    def advance(self, training_steps: int, clip_coef: float = 1.0) -> None:
+        """After an optimizer step: fold its gradients, scaled by ``clip_coef`` (the factor
+        gradient clipping multiplied them by), into the snip_momentum scores, then move to
+        ``training_steps``, recomputing the snip_momentum masks at its pruning steps (see
+        [Note: snip_momentum schedule])."""
         if self.pruner is not None:
-            self.pruner.accumulate(training_steps)
+            self.pruner.accumulate(training_steps, clip_coef)
             self.pruner.prune_for(training_steps)
         self.set_step(training_steps)
 
@@ -75,8 +76,10 @@ compression_scheduler = CompressionScheduler
 
 
 class CompressionFeature:
-    """``compression_training`` as a training feature: after optimizer step ``k`` the
-    layers move to step ``k + 1``; the step count is saved with the engine state."""
+    """``compression_training`` as a training feature: before optimizer step ``k`` the
+    snip_momentum pruner takes the gradients and the weights they apply to; after it the
+    scores take them, scaled by the clipping coefficient, and the layers move to step
+    ``k + 1``; the step count is saved with the engine state."""
 
     name = "compression_training"
     keyword_help: dict = {}
@@ -89,7 +92,11 @@ class CompressionFeature:
         return {}
 
     def before_model_step(self, global_steps: int) -> None:
-        self.scheduler.advance(global_steps + 1)
+        if self.scheduler.pruner is not None:
+            self.scheduler.pruner.collect(global_steps + 1)
+
+    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+        self.scheduler.advance(global_steps + 1, clip_coef)
 
     def state_dict(self) -> dict:
         return {"training_steps": self.scheduler.training_steps}

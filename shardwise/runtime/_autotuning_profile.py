@@ -188,6 +188,9 @@ class AutotuningProfile:
         if self._window is not None and (self._flops is None or self._flops.per_rank is not None):
             self._write_and_exit(*self._window)
 
+    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+        del global_steps, clip_coef  # nothing moves after the optimizer step
+
     def _write_and_exit(self, steps: int, elapsed: float) -> None:
         rank, world = _rank_and_world()
         if rank == 0:

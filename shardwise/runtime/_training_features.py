@@ -5,12 +5,15 @@ compression scheduler, the profiled window of an autotuning experiment).
 [Note: training features]
 A training feature is an object with a ``name`` (its key in checkpoints), a
 ``keyword_help`` (for each keyword it passes, how a model that lacks it can take it) and
-four methods: ``forward_kwargs(global_steps)`` (keywords for the training forward),
-``before_model_step(global_steps)`` (called at each optimizer step, before the step count
-moves), ``state_dict()`` and ``load_state_dict(state)`` (plain data, saved with the
-engine state). :func:`build_training_features` makes them from the config; the engine
-calls :class:`TrainingFeatures` at those three points and never knows which features
-there are.
+five methods: ``forward_kwargs(global_steps)`` (keywords for the training forward),
+``before_model_step(global_steps)`` (called at each optimizer step, before the optimizer
+runs and the step count moves), ``after_optimizer_step(global_steps, clip_coef)`` (called
+after the optimizer ran, skipped steps included, before the step count moves;
+``clip_coef`` is the factor gradient clipping multiplied the gradients by, 1.0 when it did
+not), ``state_dict()`` and ``load_state_dict(state)`` (plain data, saved with the engine
+state). :func:`build_training_features` makes them from the config; the engine calls
+:class:`TrainingFeatures` at those four points and never knows which features there
+are.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class TrainingFeature(Protocol):
     def forward_kwargs(self, global_steps: int) -> dict: ...
 
     def before_model_step(self, global_steps: int) -> None: ...
+
+    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None: ...
 
     def state_dict(self) -> dict: ...
 
@@ -96,6 +101,10 @@ class TrainingFeatures:
     def before_model_step(self, global_steps: int) -> None:
         for feature in self._features:
             feature.before_model_step(global_steps)
+
+    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+        for feature in self._features:
+            feature.after_optimizer_step(global_steps, clip_coef)
 
     def state_dict(self) -> dict:
         return {feature.name: feature.state_dict() for feature in self._features}

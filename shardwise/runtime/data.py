@@ -89,6 +89,9 @@ class _SamplerState:
     def before_model_step(self, global_steps: int) -> None:
         pass
 
+    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+        del global_steps, clip_coef  # nothing moves after the optimizer step
+
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
 

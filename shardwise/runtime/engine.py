@@ -33,6 +33,7 @@ from shardwise.runtime.data import engine_loader
 # ``import deepspeed``, as in DeepSpeed (Accelerate reads VALID_LR_SCHEDULES that way)
 from shardwise.runtime.lr_schedules import build_lr_scheduler
 from shardwise.zero import ModelStateBytes, StepResult, build_strategy
+from shardwise.zero._strategy import clip_coefficient
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +211,10 @@ class Engine(DeepSpeedNames, nn.Module):
                 "to the config or pass optimizer= to initialize()"
             )
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        result = self.strategy.step(max_grad_norm=self.train_config.gradient_clipping, loss_scale=scale)
+        max_norm = self.train_config.gradient_clipping
+        result = self.strategy.step(max_grad_norm=max_norm, loss_scale=scale)
         self._last_result = result
+        self.training_features.after_optimizer_step(self.global_steps, clip_coefficient(max_norm, result.grad_norm))
         self.optimizer.overflow = not result.applied
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=not result.applied)

@@ -10,10 +10,18 @@ from typing import Protocol
 import torch
 
 
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """The factor clipping multiplies the gradients by (torch's rule: ``max_norm /
+    (total_norm + 1e-6)`` when below 1); 1.0 when ``max_norm`` is 0 (no clipping)."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (float(total_norm) + 1e-6))
+
+
 def clip_by_total_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
-    """Scale ``grads`` in place so their total norm is at most ``max_norm`` (torch's rule:
-    coefficient ``max_norm / (total_norm + 1e-6)``, only when below 1)."""
-    coef = max_norm / (float(total_norm) + 1e-6)
+    """Scale ``grads`` in place so their total norm is at most ``max_norm`` (see
+    :func:`clip_coefficient`)."""
+    coef = clip_coefficient(max_norm, total_norm)
     if grads and coef < 1.0:
         torch._foreach_mul_(grads, coef)
 

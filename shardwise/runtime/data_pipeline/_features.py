@@ -36,6 +36,9 @@ class SeqlenCurriculum:
     def before_model_step(self, global_steps: int) -> None:
         del global_steps  # the schedule moves at the forward
 
+    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+        del global_steps, clip_coef  # nothing moves after the optimizer step
+
     def state_dict(self) -> dict:
         return copy.deepcopy(self.scheduler.get_state())
 
@@ -66,6 +69,9 @@ class LayerDrop:
 
     def before_model_step(self, global_steps: int) -> None:
         self.schedule.update_state(global_steps)
+
+    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+        del global_steps, clip_coef  # nothing moves after the optimizer step
 
     def state_dict(self) -> dict:
         return {"current_theta": self.schedule.current_theta}

@@ -285,3 +285,57 @@ def test_n_in_m_prunes_n_of_every_m_consecutive_input_weights(pattern, dense):
         assert set(zeros.unique().tolist()) == {pruned}
     conv_zeros = (model.conv.sparse_pruning_mask == 0).permute(0, 2, 3, 1)  # groups: the 4 input channels
     assert set(conv_zeros.sum(dim=-1).unique().tolist()) == {pruned}
+
+
+def _block_sums(layer):
+    """Each 4x1 block's summed scores, and whether it is unpruned, flattened."""
+    sums = layer.sparse_snip_scores.view(layer.out_features // 4, 4, -1).sum(dim=1).flatten()
+    return sums, (layer.sparse_pruning_mask[::4] > 0).flatten()
+
+
+def test_a_layer_the_global_threshold_would_empty_keeps_its_best_two_percent():
+    """INC's max_sparsity_ratio_per_op (0.98): every fc2 block scores below every fc1 block,
+    so the global threshold (half of the 256 blocks) would prune all 128 of fc2's; it keeps
+    its 3 best (128 - int(0.98 * 128)) and fc1 loses its 3 lowest instead."""
+    model = init_compression(TinyMLP(seed=1), _snip(dense_ratio=0.5, schedule_offset=1, schedule_offset_end=1))
+    scheduler = CompressionScheduler(model)
+    generator = torch.Generator().manual_seed(0)
+    model.fc1.sparse_snip_scores.copy_(1 + torch.rand(model.fc1.weight.shape, generator=generator))
+    model.fc2.sparse_snip_scores.copy_(0.01 * torch.rand(model.fc2.weight.shape, generator=generator))
+    scheduler.advance(1)
+    (sums1, alive1), (sums2, alive2) = _block_sums(model.fc1), _block_sums(model.fc2)
+    assert int(alive2.sum()) == 3 and int((~alive1).sum()) == 3
+    assert set(sums2[alive2].tolist()) == set(sums2.topk(3).values.tolist())
+    assert set(sums1[~alive1].tolist()) == set((-sums1).topk(3).values.neg().tolist())
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_scores_read_the_clipped_gradient(optimizer, stage):
+    """DeepSpeed's engine clipped the gradients before INC read them in the optimizer's step:
+    the scores are those of one process that clips, then scores, then steps."""
+    params = {"lr": 0.1} if optimizer == "SGD" else {"lr": 0.01, "weight_decay": 0.01}
+    snip = _snip(schedule_offset=4, schedule_offset_end=4)
+    config = {
+        **snip,
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": optimizer, "params": params},
+        "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": stage},
+    }
+    model = init_compression(TinyMLP(seed=1), snip)
+    engine, _, _, _ = shardwise.initialize(model=model, config=config)
+    _train(engine, 3)
+
+    reference = TinyMLP(seed=1)
+    torch_optimizer = getattr(torch.optim, optimizer)(reference.parameters(), **params)
+    expected = [torch.zeros_like(reference.fc1.weight), torch.zeros_like(reference.fc2.weight)]
+    for tokens, targets in token_batches(num_steps=3, batch=4, seed=5):
+        reference(tokens, targets).backward()
+        assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.1  # it clips
+        for i, layer in enumerate((reference.fc1, reference.fc2)):
+            expected[i] = 0.9 * expected[i] + (layer.weight.detach() * layer.weight.grad).abs()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+    torch.testing.assert_close(model.fc1.sparse_snip_scores, expected[0])
+    torch.testing.assert_close(model.fc2.sparse_snip_scores, expected[1])

@@ -11,9 +11,10 @@ Contract for the engine (DeepSpeed's places, ``engine.py`` 0.19.8):
   ``load_state_dict`` on resume; save model weights through ``remove_random_ltd_state_dict``.
 
 It is also a training feature of the engine's extension point (``name``,
-``keyword_help``, ``forward_kwargs``, ``before_model_step``, ``state_dict``,
-``load_state_dict``): ``forward_kwargs(global_steps)``, called before each training
-forward, is ``before_forward`` and passes no keywords; ``before_model_step`` does nothing.
+``keyword_help``, ``forward_kwargs``, ``before_model_step``, ``after_optimizer_step``,
+``state_dict``, ``load_state_dict``): ``forward_kwargs(global_steps)``, called before each
+training forward, is ``before_forward`` and passes no keywords; ``before_model_step`` and
+``after_optimizer_step`` do nothing.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class RandomLTD:
 
     def before_model_step(self, global_steps: int) -> None:
         """Nothing: the kept length moves before the forward, as in DeepSpeed."""
+
+    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+        """Nothing (a training feature's hook; the engine's count has not moved yet)."""
+        del global_steps, clip_coef
 
     def state_dict(self) -> dict[str, int]:
         """The scheduler's state under DeepSpeed's keys (the checkpoint's ``random_ltd``)."""
