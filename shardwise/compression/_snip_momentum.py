@@ -199,14 +199,16 @@ class SnipMomentumPruner:
         self._pending = [(layer.weight.detach().float() * g).abs() for layer, g in zip(self.layers, grads, strict=True)]
 
     @torch.no_grad()
-    def accumulate(self, next_step: int, clip_coef: float = 1.0) -> None:
+    def accumulate(self, next_step: int, clip_coef: float | None = 1.0) -> None:
         """Fold the step's ``|weight * grad|`` into the scores, the gradient scaled by
         ``clip_coef`` (the factor gradient clipping multiplied it by); collects them first
-        when :meth:`collect` was not called for this step."""
+        when :meth:`collect` was not called for this step. ``clip_coef`` None: the optimizer
+        skipped the step (an fp16 overflow), whose gradients are dropped, as INC's hook on
+        the optimizer's step never ran for it."""
         if self._pending is None:
             self.collect(next_step)
         pending, self._pending = self._pending, None
-        if pending is None:
+        if pending is None or clip_coef is None:
             return
         for layer, contribution in zip(self.layers, pending, strict=True):
             layer.sparse_snip_scores.mul_(MOMENTUM).add_(contribution, alpha=clip_coef)

@@ -39,11 +39,12 @@ class CompressionScheduler:
         for layer in self.layers:
             layer.set_step(training_steps)
 
-    def advance(self, training_steps: int, clip_coef: float = 1.0) -> None:
+    def advance(self, training_steps: int, clip_coef: float | None = 1.0) -> None:
         """After an optimizer step: fold its gradients, scaled by ``clip_coef`` (the factor
         gradient clipping multiplied them by), into the snip_momentum scores, then move to
         ``training_steps``, recomputing the snip_momentum masks at its pruning steps (see
-        [Note: snip_momentum schedule])."""
+        [Note: snip_momentum schedule]); ``clip_coef`` None: a step the optimizer skipped,
+        whose gradients the scores do not take."""
         if self.pruner is not None:
             self.pruner.accumulate(training_steps, clip_coef)
             self.pruner.prune_for(training_steps)
@@ -95,7 +96,7 @@ class CompressionFeature:
         if self.scheduler.pruner is not None:
             self.scheduler.pruner.collect(global_steps + 1)
 
-    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+    def after_optimizer_step(self, global_steps: int, clip_coef: float | None) -> None:
         self.scheduler.advance(global_steps + 1, clip_coef)
 
     def state_dict(self) -> dict:

@@ -188,7 +188,7 @@ class AutotuningProfile:
         if self._window is not None and (self._flops is None or self._flops.per_rank is not None):
             self._write_and_exit(*self._window)
 
-    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+    def after_optimizer_step(self, global_steps: int, clip_coef: float | None) -> None:
         del global_steps, clip_coef  # nothing moves after the optimizer step
 
     def _write_and_exit(self, steps: int, elapsed: float) -> None:

@@ -10,10 +10,10 @@ five methods: ``forward_kwargs(global_steps)`` (keywords for the training forwar
 runs and the step count moves), ``after_optimizer_step(global_steps, clip_coef)`` (called
 after the optimizer ran, skipped steps included, before the step count moves;
 ``clip_coef`` is the factor gradient clipping multiplied the gradients by, 1.0 when it did
-not), ``state_dict()`` and ``load_state_dict(state)`` (plain data, saved with the engine
-state). :func:`build_training_features` makes them from the config; the engine calls
-:class:`TrainingFeatures` at those four points and never knows which features there
-are.
+not, None when the optimizer skipped the step after an fp16 overflow), ``state_dict()``
+and ``load_state_dict(state)`` (plain data, saved with the engine state).
+:func:`build_training_features` makes them from the config; the engine calls
+:class:`TrainingFeatures` at those four points and never knows which features there are.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class TrainingFeature(Protocol):
 
     def before_model_step(self, global_steps: int) -> None: ...
 
-    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None: ...
+    def after_optimizer_step(self, global_steps: int, clip_coef: float | None) -> None: ...
 
     def state_dict(self) -> dict: ...
 
@@ -102,7 +102,7 @@ class TrainingFeatures:
         for feature in self._features:
             feature.before_model_step(global_steps)
 
-    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+    def after_optimizer_step(self, global_steps: int, clip_coef: float | None) -> None:
         for feature in self._features:
             feature.after_optimizer_step(global_steps, clip_coef)
 

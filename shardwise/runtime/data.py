@@ -89,7 +89,7 @@ class _SamplerState:
     def before_model_step(self, global_steps: int) -> None:
         pass
 
-    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+    def after_optimizer_step(self, global_steps: int, clip_coef: float | None) -> None:
         del global_steps, clip_coef  # nothing moves after the optimizer step
 
     def state_dict(self) -> dict:

@@ -214,7 +214,8 @@ class Engine(DeepSpeedNames, nn.Module):
         max_norm = self.train_config.gradient_clipping
         result = self.strategy.step(max_grad_norm=max_norm, loss_scale=scale)
         self._last_result = result
-        self.training_features.after_optimizer_step(self.global_steps, clip_coefficient(max_norm, result.grad_norm))
+        coef = clip_coefficient(max_norm, result.grad_norm) if result.applied else None  # None: skipped
+        self.training_features.after_optimizer_step(self.global_steps, coef)
         self.optimizer.overflow = not result.applied
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=not result.applied)

@@ -36,7 +36,7 @@ class SeqlenCurriculum:
     def before_model_step(self, global_steps: int) -> None:
         del global_steps  # the schedule moves at the forward
 
-    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+    def after_optimizer_step(self, global_steps: int, clip_coef: float | None) -> None:
         del global_steps, clip_coef  # nothing moves after the optimizer step
 
     def state_dict(self) -> dict:
@@ -70,7 +70,7 @@ class LayerDrop:
     def before_model_step(self, global_steps: int) -> None:
         self.schedule.update_state(global_steps)
 
-    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+    def after_optimizer_step(self, global_steps: int, clip_coef: float | None) -> None:
         del global_steps, clip_coef  # nothing moves after the optimizer step
 
     def state_dict(self) -> dict:

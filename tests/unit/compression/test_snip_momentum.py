@@ -339,3 +339,27 @@ def test_scores_read_the_clipped_gradient(optimizer, stage):
         torch_optimizer.zero_grad()
     torch.testing.assert_close(model.fc1.sparse_snip_scores, expected[0])
     torch.testing.assert_close(model.fc2.sparse_snip_scores, expected[1])
+
+
+def test_a_step_the_optimizer_skipped_adds_nothing_to_the_scores():
+    """After an fp16 overflow the engine passes no clipping coefficient: the step's gradients
+    (infinite or not) stay out of the scores, as INC's hook on the skipped optimizer step
+    never ran; the layers still move to the next step."""
+    from shardwise.compression.scheduler import CompressionFeature
+
+    model = init_compression(TinyMLP(seed=1), _snip())
+    feature = CompressionFeature(model)
+    tokens, targets = token_batches(num_steps=1, batch=4, seed=5)[0]
+    model(tokens, targets).backward()
+    feature.before_model_step(0)
+    feature.after_optimizer_step(0, 1.0)
+    kept = model.fc1.sparse_snip_scores.clone()
+    assert kept.abs().sum() > 0
+    model.zero_grad()
+    model(tokens, targets).backward()
+    with torch.no_grad():
+        model.fc1.weight.grad.fill_(float("inf"))  # what an overflow leaves
+    feature.before_model_step(1)
+    feature.after_optimizer_step(1, None)
+    assert torch.equal(model.fc1.sparse_snip_scores, kept)
+    assert feature.scheduler.training_steps == 2

@@ -102,7 +102,7 @@ class RandomLTD:
     def before_model_step(self, global_steps: int) -> None:
         """Nothing: the kept length moves before the forward, as in DeepSpeed."""
 
-    def after_optimizer_step(self, global_steps: int, clip_coef: float) -> None:
+    def after_optimizer_step(self, global_steps: int, clip_coef: float | None) -> None:
         """Nothing (a training feature's hook; the engine's count has not moved yet)."""
         del global_steps, clip_coef
 
