@@ -394,10 +394,8 @@ class Engine(DeepSpeedNames, nn.Module):
         tensor parallelism, whose slices are gathered into the full tensors, as in the model
         without it)."""
         del destination, keep_vars
-        state = _full_state.full_module_state(self.strategy.views.module_state_dict(), self._placement())
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
+        exclude = _full_state.frozen_names(self.module) if exclude_frozen_parameters else frozenset()
+        state = _full_state.full_module_state(self.strategy.views.module_state_dict(), self._placement(), exclude=exclude)
         return {prefix + k: v for k, v in state.items()}
 
     def load_module_state_dict(

@@ -3,7 +3,9 @@
 frozen expert (global id 3, rank 1's local expert 1) are left out of the checkpoint (no
 file names them, experts being stored by global id); a model built with the same frozen
 weights and scrambled trainable ones loads it, and its next step equals, bit for bit, the
-step of the run that never saved."""
+step of the run that never saved. ``save_16bit_model`` and ``module_state_dict`` with
+``exclude_frozen_parameters=True`` give every expert by global id but the frozen one, on
+every rank (each rank names its own frozen experts by local id)."""
 
 import json
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import torch
 from moe_common import expert_rank_model, make_batches, make_reference, moe_config, moe_loss
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import shardwise
 from shardwise.testing import run_distributed
@@ -58,6 +61,11 @@ def _save_and_resume(rank, world_size, checkpoint_dir):
     for batch in batches[:2]:
         _step(engine, batch, rank)
     engine.save_checkpoint(checkpoint_dir, tag="t", exclude_frozen_parameters=True)
+    engine.save_16bit_model(checkpoint_dir, "trained.safetensors", exclude_frozen_parameters=True)
+    exported = {
+        "16-bit file": sorted(load_file(str(Path(checkpoint_dir) / "trained.safetensors"))),
+        "module_state_dict": sorted(engine.module_state_dict(exclude_frozen_parameters=True)),
+    }
     went_on = _step(engine, batches[2], rank)
     fresh = _model(reference, rank)
     with torch.no_grad():
@@ -70,7 +78,7 @@ def _save_and_resume(rank, world_size, checkpoint_dir):
     want = dict(engine.module.named_parameters())
     diff = {n: (p - want[n]).abs().max().item() for n, p in resumed.module.named_parameters()}
     moved = (want["out.weight"] - reference.out.weight).abs().max().item()
-    return loss - went_on, diff, moved, _stored_names(Path(checkpoint_dir) / "t")
+    return loss - went_on, diff, moved, _stored_names(Path(checkpoint_dir) / "t"), exported
 
 
 def test_moe_checkpoint_leaves_frozen_expert_and_dense_layer_out(tmp_path):
@@ -81,6 +89,10 @@ def test_moe_checkpoint_leaves_frozen_expert_and_dense_layer_out(tmp_path):
     for expert in range(FROZEN_EXPERT):  # the trainable experts, by global id, and the trainable dense layers
         assert f"{EXPERT}{expert}.0.weight" in names, f"expert {expert} missing: {names}"
     assert {"out.weight", "moe.deepspeed_moe.gate.wg.weight"} <= set(names), names
-    for rank, (loss, diff, moved, _) in enumerate(reports):
+    frozen_prefixes = ("inp.", f"{EXPERT}{FROZEN_EXPERT}.")
+    trained = sorted(n for n in make_reference(K, DROP).state_dict() if not n.startswith(frozen_prefixes))
+    for rank, (loss, diff, moved, _, exported) in enumerate(reports):
+        for what, keys in exported.items():
+            assert keys == trained, f"rank {rank}: {what} holds {keys}, want {trained}"
         assert moved > 1e-3, f"rank {rank}: training did not move the weights ({moved})"
         assert loss == 0.0 and max(diff.values()) == 0.0, f"rank {rank}: resumed off by {loss}, {diff}"
