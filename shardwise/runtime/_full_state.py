@@ -128,9 +128,7 @@ def _with_every_expert(state: dict, place: Placement, exclude: frozenset[str]) -
     experts, splits = place.experts, place.split_by_key
     mine = {experts.store(k): v.detach().cpu() for k, v in state.items() if k in experts.stored and k not in exclude}
     rows = {
-        k: (splits[k].index, v.detach().cpu())
-        for k, v in state.items()
-        if k in experts.split_keys and k not in exclude
+        k: (splits[k].index, v.detach().cpu()) for k, v in state.items() if k in experts.split_keys and k not in exclude
     }
     every: dict = {}
     stacked: dict[str, dict[int, torch.Tensor]] = {}

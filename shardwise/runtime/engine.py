@@ -395,7 +395,8 @@ class Engine(DeepSpeedNames, nn.Module):
         without it)."""
         del destination, keep_vars
         exclude = _full_state.frozen_names(self.module) if exclude_frozen_parameters else frozenset()
-        state = _full_state.full_module_state(self.strategy.views.module_state_dict(), self._placement(), exclude=exclude)
+        local = self.strategy.views.module_state_dict()
+        state = _full_state.full_module_state(local, self._placement(), exclude=exclude)
         return {prefix + k: v for k, v in state.items()}
 
     def load_module_state_dict(
