@@ -1,7 +1,21 @@
 """The whole model's state dict from this rank's sharded, tensor-sliced, single-stage
 one: ``engine.module_state_dict()`` and ``save_16bit_model``, functions of the module's
 stateful part and the ``Placement`` (see [Note: tensor parallelism in checkpoints] and
-[Note: pipeline stages in checkpoints] in ``_checkpointing.py``)."""
+[Note: pipeline stages in checkpoints] in ``_checkpointing.py``).
+
+[Note: frozen parameters of other ranks]
+``exclude_frozen_parameters=True`` names this rank's frozen parameters, as this rank's
+module names them: a pipeline stage knows only its own layers, and an expert rank names
+its experts by local id, which in the whole model's state dict are another rank's
+experts. So each rank leaves its own frozen names out of its state dict before the
+stages' and the expert ranks' state dicts are gathered (after the tensor-parallel
+gather, whose collectives need the same keys on every tensor rank), and the result lacks
+every rank's frozen parameters and only those. DeepSpeed 0.19.8 writes no such file for a
+pipeline: its ``PipelineEngine.save_16bit_model`` fails (its ``module_state_dict`` only
+works inside ``save_checkpoint``) before any checkpoint, and after a
+``load_checkpoint`` rewrites that checkpoint's ``layer_NN-model_states.pt`` files and
+saves ``None`` as the 16-bit file; with experts its rank 0 writes its own local experts
+only."""
 
 from __future__ import annotations
 
@@ -30,25 +44,20 @@ def save_16bit_model(
     and which needs the whole state on rank 0. Tensor-parallel parameters are gathered
     over the tensor group into their full tensors (see [Note: tensor parallelism in
     checkpoints]); a pipeline's stages are all-gathered into the whole model's state dict
-    (see [Note: pipeline stages in checkpoints]). Names in ``exclude`` are left out of the
-    file (still gathered: the collectives are the same on every rank). Collective: every
-    rank calls it.
+    (see [Note: pipeline stages in checkpoints]). Names in ``exclude`` (this rank's frozen
+    parameters) are left out of the file, every stage's and expert rank's its own (see
+    [Note: frozen parameters of other ranks]). Collective: every rank calls it.
     """
     writers = place.writers
-    if exclude and writers.stages > 1:
-        raise NotImplementedError(
-            "save_16bit_model(exclude_frozen_parameters=True) with pipeline stages is not available in this version "
-            "of shardwise (each stage knows only its own frozen parameters); pass False"
-        )
     path = Path(save_dir) / save_filename
     tmp = path.with_name(f".{path.name}.tmp")
     writer = writers.rank == 0
     if writer:
         path.parent.mkdir(parents=True, exist_ok=True)
     if writers.stages > 1 or place.experts is not None:
-        state = full_module_state(module.state_dict(), place)
+        state = full_module_state(module.state_dict(), place, exclude=exclude)
         if writer:
-            _save_whole({k: v.detach().cpu().clone() for k, v in state.items() if k not in exclude}, tmp, path.suffix)
+            _save_whole({k: v.detach().cpu().clone() for k, v in state.items()}, tmp, path.suffix)
     elif path.suffix == ".safetensors":
         _save_safetensors_by_piece(module, place, tmp, exclude)
     else:
@@ -112,12 +121,15 @@ def _gather_slices(writers: Writers, state: dict, by_key: dict[str, TensorSplit]
     return out
 
 
-def _with_every_expert(state: dict, place: Placement) -> dict:
+def _with_every_expert(state: dict, place: Placement, exclude: frozenset[str]) -> dict:
     """``state`` with this rank's experts replaced by every expert under its global id
-    (all-gathered over the data group, in host memory; see [Note: experts in checkpoints])."""
+    (all-gathered over the data group, in host memory; see [Note: experts in checkpoints]),
+    each rank's ``exclude`` left out."""
     experts, splits = place.experts, place.split_by_key
-    mine = {experts.store(k): v.detach().cpu() for k, v in state.items() if k in experts.stored}
-    rows = {k: (splits[k].index, v.detach().cpu()) for k, v in state.items() if k in experts.split_keys}
+    mine = {experts.store(k): v.detach().cpu() for k, v in state.items() if k in experts.stored and k not in exclude}
+    rows = {
+        k: (splits[k].index, v.detach().cpu()) for k, v in state.items() if k in experts.split_keys and k not in exclude
+    }
     every: dict = {}
     stacked: dict[str, dict[int, torch.Tensor]] = {}
     for rank_experts, rank_rows in place.writers.data.all_gather_object((mine, rows), tag="experts of every rank"):
@@ -128,9 +140,11 @@ def _with_every_expert(state: dict, place: Placement) -> dict:
     out, placed = {}, False
     for key, value in state.items():
         if key in experts.split_keys:  # an AutoEP stacked weight: every expert rank's rows
-            out[key] = torch.cat([stacked[key][i] for i in sorted(stacked[key])])
+            if key in stacked:
+                out[key] = torch.cat([stacked[key][i] for i in sorted(stacked[key])])
         elif key not in experts.stored:
-            out[key] = value
+            if key not in exclude:
+                out[key] = value
         elif not placed:  # every expert where the first local one was, by global id
             out.update(sorted(every.items(), key=lambda item: _by_number(item[0])))
             placed = True
@@ -141,17 +155,20 @@ def _by_number(key: str) -> tuple:
     return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split("."))
 
 
-def full_module_state(state: dict, place: Placement) -> dict:
+def full_module_state(state: dict, place: Placement, *, exclude: frozenset[str] = frozenset()) -> dict:
     """A module state dict (``ModuleState.state_dict()``'s) with full tensors for
-    tensor-parallel parameters (collective over the tensor group) and, in a pipeline,
-    every stage's layers in stage order (all-gathered over the pipe group, on every rank,
-    in host memory; a tied weight once)."""
+    tensor-parallel parameters (collective over the tensor group), every expert under its
+    global id and, in a pipeline, every stage's layers in stage order (all-gathered over
+    the pipe group, on every rank, in host memory; a tied weight once); without the names
+    in ``exclude`` of any rank (see [Note: frozen parameters of other ranks])."""
     writers = place.writers
     experts = place.experts
     tensor_splits = {k: s for k, s in place.split_by_key.items() if experts is None or k not in experts.split_keys}
     state = _gather_slices(writers, state, tensor_splits)
     if experts is not None:
-        state = _with_every_expert(state, place)
+        state = _with_every_expert(state, place, exclude)
+    else:
+        state = {k: v for k, v in state.items() if k not in exclude}
     if writers.pipe is None:
         return state
     mine = {k: v.detach().cpu() for k, v in state.items()}

@@ -398,10 +398,9 @@ class Engine(DeepSpeedNames, nn.Module):
         tensor parallelism, whose slices are gathered into the full tensors, as in the model
         without it)."""
         del destination, keep_vars
-        state = _full_state.full_module_state(self.strategy.views.module_state_dict(), self._placement())
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
+        exclude = _full_state.frozen_names(self.module) if exclude_frozen_parameters else frozenset()
+        local = self.strategy.views.module_state_dict()
+        state = _full_state.full_module_state(local, self._placement(), exclude=exclude)
         return {prefix + k: v for k, v in state.items()}
 
     def load_module_state_dict(
