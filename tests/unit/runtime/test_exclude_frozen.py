@@ -19,11 +19,16 @@ FROZEN = {"fc1.weight", "fc1.bias"}
 
 @pytest.fixture(scope="module")
 def engine():
+    """One engine for the module; the world of one it initialises is destroyed after the
+    module (a module fixture is set up before the per-test clean-up looks)."""
+    had_group = torch.distributed.is_initialized()
     engine, *_ = shardwise.initialize(
         model=TinyMLP(freeze_first=True),
         config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
     )
-    return engine
+    yield engine
+    if torch.distributed.is_initialized() and not had_group:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
