@@ -7,16 +7,15 @@ step of the run that never saved. ``save_16bit_model`` and ``module_state_dict``
 ``exclude_frozen_parameters=True`` give every expert by global id but the frozen one, on
 every rank (each rank names its own frozen experts by local id)."""
 
-import json
 from pathlib import Path
 
 import torch
 from moe_common import expert_rank_model, make_batches, make_reference, moe_config, moe_loss
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardwise
 from shardwise.testing import run_distributed
+from shardwise.testing.checkpoints import stored_tensor_names
 
 K, DROP = 2, False
 FROZEN_EXPERT = 3
@@ -45,15 +44,6 @@ def _step(engine, batch, rank) -> float:
     return loss.item()
 
 
-def _stored_names(directory: Path) -> list[str]:
-    """Every tensor name the checkpoint holds: its manifest's module skeleton and its files' keys."""
-    names = set(json.loads((directory / "manifest.json").read_text())["skeletons"]["module"])
-    for path in directory.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as handle:
-            names.update(handle.keys())
-    return sorted(names)
-
-
 def _save_and_resume(rank, world_size, checkpoint_dir):
     reference = make_reference(K, DROP)
     batches = make_batches(world_size)
@@ -78,7 +68,7 @@ def _save_and_resume(rank, world_size, checkpoint_dir):
     want = dict(engine.module.named_parameters())
     diff = {n: (p - want[n]).abs().max().item() for n, p in resumed.module.named_parameters()}
     moved = (want["out.weight"] - reference.out.weight).abs().max().item()
-    return loss - went_on, diff, moved, _stored_names(Path(checkpoint_dir) / "t"), exported
+    return loss - went_on, diff, moved, stored_tensor_names(Path(checkpoint_dir) / "t"), exported
 
 
 def test_moe_checkpoint_leaves_frozen_expert_and_dense_layer_out(tmp_path):

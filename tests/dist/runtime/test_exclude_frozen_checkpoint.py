@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 import shardwise
 from shardwise.testing import run_distributed
+from shardwise.testing.checkpoints import stored_tensor_names
 from shardwise.testing.parity import STAGE3_PARTITION_ALL, full_parameters
 
 WIDTH, MICRO = 48, 2
@@ -85,11 +85,7 @@ def _step(engine, batch, rank) -> float:
 
 def _files(directory: Path) -> dict:
     """Bytes of the checkpoint directory and every tensor name in it (its files' and its manifest's)."""
-    names = set(json.loads((directory / "manifest.json").read_text())["skeletons"]["module"])
-    for path in directory.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as handle:
-            names.update(handle.keys())
-    return {"bytes": sum(p.stat().st_size for p in directory.iterdir()), "names": sorted(names)}
+    return {"bytes": sum(p.stat().st_size for p in directory.iterdir()), "names": stored_tensor_names(directory)}
 
 
 def _save_and_resume(rank, world_size, checkpoint_dir):

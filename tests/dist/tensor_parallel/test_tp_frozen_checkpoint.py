@@ -5,15 +5,14 @@
 model built with the same frozen weights and scrambled trainable ones loads it, and its
 next step equals, bit for bit, the step of the run that never saved."""
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from test_tp_checkpoint import _batches, _config, _model, _train
 
 import shardwise
 from shardwise.testing import run_distributed
+from shardwise.testing.checkpoints import stored_tensor_names
 
 FROZEN = ("model.layers.0.mlp.gate_proj.", "model.layers.0.self_attn.o_proj.")
 
@@ -36,15 +35,6 @@ def _engine(scramble: bool):
     return engine
 
 
-def _stored_names(directory: Path) -> list[str]:
-    """Every tensor name the checkpoint holds: its manifest's module skeleton and its files' keys."""
-    names = set(json.loads((directory / "manifest.json").read_text())["skeletons"]["module"])
-    for path in directory.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as handle:
-            names.update(handle.keys())
-    return sorted(names)
-
-
 def _save_and_resume(rank, world_size, checkpoint_dir):
     batches = _batches()  # one step before the save, one after
     engine = _engine(scramble=False)
@@ -58,7 +48,7 @@ def _save_and_resume(rank, world_size, checkpoint_dir):
     want = dict(engine.module.named_parameters())
     diff = {n: (p - want[n]).abs().max().item() for n, p in resumed.module.named_parameters()}
     moved = max((want[n] - start[n]).abs().max().item() for n in start)
-    return diff, moved, _stored_names(Path(checkpoint_dir) / "t")
+    return diff, moved, stored_tensor_names(Path(checkpoint_dir) / "t")
 
 
 def test_tensor_parallel_checkpoint_leaves_frozen_split_linears_out(tmp_path):
